@@ -1,0 +1,199 @@
+"""Run directories (model.safetensors + config.json + tokenizer.model) and Hugging Face Llama export/import."""
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from model import ModelArgs, Transformer
+
+def save_model(model: Transformer, run_dir, config: dict | None = None, tokenizer=None) -> Path:
+    """Write model.safetensors, config.json ({"model": ModelArgs, **config}) and a copy of tokenizer.model."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.args.tie_embeddings:
+        del state["output.weight"]  # the same tensor as tok_embeddings.weight
+    save_file(state, run_dir / "model.safetensors")
+    (run_dir / "config.json").write_text(json.dumps({"model": model.args.to_dict(), **(config or {})}, indent=2))
+    if tokenizer is not None and Path(tokenizer).resolve() != (run_dir / "tokenizer.model").resolve():
+        shutil.copyfile(tokenizer, run_dir / "tokenizer.model")
+    return run_dir
+
+
+def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
+    """The model saved in run_dir and its config.json; ValueError naming what is missing or wrong."""
+    run_dir = Path(run_dir)
+    for name in ("model.safetensors", "config.json"):
+        if not (run_dir / name).is_file():
+            raise ValueError(f"{run_dir} is not a picollama run directory: {name} is missing")
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+        args = ModelArgs.from_dict(config["model"])
+        state = load_file(run_dir / "model.safetensors", device=str(device))
+    except (json.JSONDecodeError, KeyError, TypeError, SafetensorError) as e:
+        raise ValueError(f"{run_dir}: unreadable checkpoint ({type(e).__name__}: {e})") from None
+    try:
+        return model_from_state_dict(args, state), config
+    except RuntimeError as e:
+        raise ValueError(f"{run_dir}: weights do not match config.json ({str(e).splitlines()[0]})") from None
+
+
+def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
+    """A Transformer of args holding state's tensors as they are (dtype, device), without a random init."""
+    if args.tie_embeddings:
+        state = {**state, "output.weight": state["tok_embeddings.weight"]}
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict(state, assign=True)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+# picollama name -> Hugging Face name, per layer
+LAYER_KEYS = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Permute wq/wk rows from RoPE's interleaved pairs (Meta) to rotate-half (Hugging Face)."""
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of interleaved_to_half."""
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def to_hf_state_dict(model: Transformer) -> dict:
+    """Our weights under Hugging Face Llama names, with wq/wk permuted to rotate-half."""
+    args, sd = model.args, model.state_dict()
+    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not args.tie_embeddings:
+        out["lm_head.weight"] = sd["output.weight"]
+    for i in range(args.n_layers):
+        for ours, theirs in LAYER_KEYS.items():
+            w = sd[f"layers.{i}.{ours}.weight"]
+            if ours == "attention.wq":
+                w = interleaved_to_half(w, args.n_heads)
+            elif ours == "attention.wk":
+                w = interleaved_to_half(w, args.n_kv_heads)
+            out[f"model.layers.{i}.{theirs}.weight"] = w.contiguous()
+    return out
+
+
+def hf_config(args: ModelArgs) -> dict:
+    """A LlamaConfig dict for our ModelArgs."""
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    original_len = args.rope_original_max_seq_len or args.max_seq_len
+    max_positions = args.max_seq_len
+    if args.rope_scaling == "ntk":  # static NTK is a change of base: plain RoPE with a larger theta
+        rope["rope_theta"] = args.rope_theta * args.rope_factor ** (args.head_dim / (args.head_dim - 2))
+    elif args.rope_scaling in ("linear", "dynamic"):
+        rope.update(rope_type=args.rope_scaling, factor=args.rope_factor)
+        if args.rope_scaling == "dynamic":  # Hugging Face scales dynamic NTK from max_position_embeddings
+            max_positions = original_len
+    elif args.rope_scaling == "yarn":
+        rope.update(
+            rope_type="yarn", factor=args.rope_factor, original_max_position_embeddings=original_len,
+            beta_fast=32.0, beta_slow=1.0,
+        )
+    elif args.rope_scaling == "llama3":
+        rope.update(
+            rope_type="llama3", factor=args.rope_factor, original_max_position_embeddings=original_len,
+            low_freq_factor=args.rope_low_freq_factor, high_freq_factor=args.rope_high_freq_factor,
+        )
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": rope["rope_theta"],
+        "rope_parameters": rope,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def model_args_from_hf(config) -> ModelArgs:
+    """ModelArgs for a LlamaConfig (or its dict); ValueError for what picollama does not implement."""
+    c = config if isinstance(config, dict) else config.to_dict()
+    if c.get("model_type", "llama") != "llama" or any(a != "LlamaForCausalLM" for a in c.get("architectures") or []):
+        raise ValueError(f"not a Llama model (model_type {c.get('model_type')!r}, {c.get('architectures')})")
+    if c.get("attention_bias") or c.get("mlp_bias") or c.get("hidden_act", "silu") != "silu":
+        raise ValueError("biases and activations other than SiLU are not implemented")
+    dim, n_heads = c["hidden_size"], c["num_attention_heads"]
+    if c.get("head_dim") not in (None, dim // n_heads):
+        raise ValueError(f"head_dim {c['head_dim']} != hidden_size/num_attention_heads is not implemented")
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    kwargs = {}
+    if rope_type == "default":
+        kwargs["rope_scaling"] = "none"
+    elif rope_type in ("linear", "dynamic", "yarn", "llama3"):
+        kwargs.update(rope_scaling=rope_type, rope_factor=float(rope["factor"]))
+        if rope_type in ("yarn", "llama3"):
+            kwargs["rope_original_max_seq_len"] = rope.get("original_max_position_embeddings")
+        if rope_type == "yarn" and (
+            rope.get("beta_fast") not in (None, 32) or rope.get("beta_slow") not in (None, 1)
+            or rope.get("attention_factor") is not None or rope.get("mscale") or rope.get("mscale_all_dim")
+        ):
+            raise ValueError("yarn is implemented with beta_fast=32, beta_slow=1 and the default attention factor only")
+        if rope_type == "llama3":
+            kwargs.update(rope_low_freq_factor=rope["low_freq_factor"], rope_high_freq_factor=rope["high_freq_factor"])
+    else:
+        raise ValueError(f"RoPE type {rope_type!r} is not implemented")
+    return ModelArgs(
+        dim=dim,
+        n_layers=c["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=c.get("num_key_value_heads") or n_heads,
+        vocab_size=c["vocab_size"],
+        ffn_hidden_dim=c["intermediate_size"],
+        norm_eps=c.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+        max_seq_len=c.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        **kwargs,
+    )
+
+
+def from_hf_state_dict(state_dict: dict, config) -> Transformer:
+    """A Transformer holding a Hugging Face Llama state dict (tensors keep their dtype)."""
+    args = model_args_from_hf(config)
+    sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+    ours = {"tok_embeddings.weight": sd["embed_tokens.weight"], "norm.weight": sd["norm.weight"]}
+    if not args.tie_embeddings:
+        ours["output.weight"] = sd["lm_head.weight"]
+    for i in range(args.n_layers):
+        for mine, theirs in LAYER_KEYS.items():
+            w = sd[f"layers.{i}.{theirs}.weight"]
+            if mine == "attention.wq":
+                w = half_to_interleaved(w, args.n_heads)
+            elif mine == "attention.wk":
+                w = half_to_interleaved(w, args.n_kv_heads)
+            ours[f"layers.{i}.{mine}.weight"] = w.contiguous()
+    return model_from_state_dict(args, ours)

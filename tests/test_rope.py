@@ -1,0 +1,69 @@
+"""RoPE scaling: our inverse frequencies and attention scale against transformers' own RoPE functions; dynamic + cache stays exact."""
+import pytest
+import torch
+
+from convert import hf_config
+from model import ModelArgs, Transformer, rope_frequencies
+
+transformers = pytest.importorskip("transformers")
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+
+BASE = dict(dim=256, n_heads=4, n_layers=1, vocab_size=64, max_seq_len=512, rope_theta=10000.0)
+
+
+def hf_rope(args: ModelArgs, seq_len: int):
+    config = transformers.LlamaConfig(**hf_config(args))
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":
+        fn = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters
+    else:
+        fn = ROPE_INIT_FUNCTIONS[rope_type]
+    return fn(config=config, device="cpu", seq_len=seq_len)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        dict(rope_scaling="none"),
+        dict(rope_scaling="linear", rope_factor=4.0),
+        dict(rope_scaling="ntk", rope_factor=4.0),  # exported as plain RoPE with the equivalent base
+        dict(rope_scaling="dynamic", rope_factor=1.0),
+        dict(rope_scaling="dynamic", rope_factor=2.0),
+        dict(rope_scaling="yarn", rope_factor=8.0),
+        dict(rope_scaling="yarn", rope_factor=3.0, rope_theta=500000.0),
+        dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_seq_len=128),
+        dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_seq_len=8192, rope_theta=500000.0,
+             max_seq_len=131072),
+    ],
+    ids=lambda d: "-".join(str(v) for v in d.values()),
+)
+@pytest.mark.parametrize("seq_len", [100, 512, 1500, 4096])
+def test_frequencies_match_transformers(scaling, seq_len):
+    args = ModelArgs(**{**BASE, **scaling})
+    inv_freq, scale = rope_frequencies(args, seq_len)
+    hf_inv_freq, hf_scale = hf_rope(args, seq_len)
+    assert inv_freq.dtype == torch.float32
+    torch.testing.assert_close(inv_freq, hf_inv_freq.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(hf_scale, rel=1e-7)
+
+
+def test_yarn_attention_temperature():
+    _, scale = rope_frequencies(ModelArgs(**BASE, rope_scaling="yarn", rope_factor=4.0), 2048)
+    assert scale == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
+
+
+@pytest.mark.parametrize("method", ["none", "linear", "ntk", "yarn", "llama3"])
+def test_cache_equals_full_forward_past_training_length(method):
+    torch.manual_seed(0)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=16,
+                     rope_scaling=method, rope_factor=4.0)
+    model = Transformer(args).eval()
+    with torch.no_grad():  # larger weights than the init's, so that attention is sharp and positions matter
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    tokens = torch.randint(0, 50, (1, 60))
+    model.setup_cache(max_batch_size=1, max_seq_len=64)
+    with torch.no_grad():
+        steps = [model(tokens[:, :10], start_pos=0)] + [model(tokens[:, p : p + 1], start_pos=p) for p in range(10, 60)]
+        torch.testing.assert_close(torch.cat(steps, 1), model(tokens), atol=1e-4, rtol=0)
