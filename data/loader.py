@@ -1,0 +1,127 @@
+"""Read a prepared dataset (meta.json, <split>.bin, <split>.docs.npy) as batches of token ids."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data import DataError
+
+SPLITS = ("train", "val")
+
+
+def load_meta(data_dir) -> dict:
+    """The dataset's meta.json as a dict."""
+    path = Path(data_dir) / "meta.json"
+    if not path.is_file():
+        raise DataError(f"{data_dir} is not a prepared dataset (no meta.json); run python data/prepare.py first")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise DataError(f"{path} is not valid JSON ({exc}); prepare the dataset again with --force") from None
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+
+
+def open_tokens(data_dir, split) -> np.memmap:
+    """The split's token ids as a read-only memmap (nothing is loaded into memory up front)."""
+    _check_split(split)
+    meta = load_meta(data_dir)
+    return np.memmap(Path(data_dir) / f"{split}.bin", dtype=np.dtype(meta["dtype"]), mode="r")
+
+
+def doc_offsets(data_dir, split) -> np.ndarray:
+    """Start offset (the BOS position) of each document in the split: int64, ascending, first = 0."""
+    _check_split(split)
+    return np.load(Path(data_dir) / f"{split}.docs.npy").astype(np.int64, copy=False)
+
+
+def _to_device(windows: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split (B, T+1) windows into int64 x and y = x shifted by one, both contiguous, on device."""
+    x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1], dtype=np.int64))
+    y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:], dtype=np.int64))
+    if torch.device(device).type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+def _check_fits(tokens: np.ndarray, split: str, seq_len: int) -> None:
+    if seq_len < 1:
+        raise DataError(f"seq_len must be at least 1, got {seq_len}")
+    if seq_len + 1 > len(tokens):
+        raise DataError(f"seq_len {seq_len} needs {seq_len + 1} tokens but the {split} split has only {len(tokens)}")
+
+
+class RandomBatches:
+    """Random windows of seq_len+1 tokens from a split; seeded, rank-aware, resumable."""
+
+    def __init__(self, data_dir, split, batch_size, seq_len, seed=0, rank=0, world_size=1, device="cpu"):
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} is outside world_size {world_size}")
+        self.tokens = open_tokens(data_dir, split)
+        _check_fits(self.tokens, split, seq_len)
+        self.batch_size, self.seq_len, self.device = batch_size, seq_len, device
+        self.rank, self.world_size = rank, world_size
+        # Each rank gets its own stream from the same seed, so ranks draw different windows.
+        self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, rank])))
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y of shape (batch_size, seq_len), int64, on the device."""
+        starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        windows = np.stack([self.tokens[start : start + self.seq_len + 1] for start in starts])
+        return _to_device(windows, self.device)
+
+    def state_dict(self) -> dict:
+        """Plain-Python state (JSON- and torch.save-able) that load_state_dict resumes from exactly."""
+        return {"rank": self.rank, "world_size": self.world_size, "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+            raise DataError(
+                f"loader state is for rank {state['rank']} of {state['world_size']}, "
+                f"not rank {self.rank} of {self.world_size}"
+            )
+        self.rng.bit_generator.state = state["rng"]
+
+
+def eval_batches(data_dir, split, batch_size, seq_len, max_batches=None, device="cpu"):
+    """Sequential, non-overlapping (x, y) batches over the split, deterministic; yields at most max_batches.
+
+    Window i covers x = tokens[i*seq_len : (i+1)*seq_len]; the last batch may have fewer than batch_size rows.
+    """
+    tokens = open_tokens(data_dir, split)
+    _check_fits(tokens, split, seq_len)
+    num_windows = (len(tokens) - 1) // seq_len
+    for batch_index, first in enumerate(range(0, num_windows, batch_size)):
+        if max_batches is not None and batch_index >= max_batches:
+            return
+        last = min(first + batch_size, num_windows)
+        windows = np.stack([tokens[i * seq_len : (i + 1) * seq_len + 1] for i in range(first, last)])
+        yield _to_device(windows, device)
+
+
+def document_windows(data_dir, split, length, num_windows, seed=0) -> np.ndarray:
+    """(num_windows, length) int64 windows each lying inside a single document (documents shorter than length are
+    skipped; DataError if none is long enough); deterministic for a seed."""
+    tokens = open_tokens(data_dir, split)
+    starts = doc_offsets(data_dir, split)
+    lengths = np.diff(np.append(starts, len(tokens)))
+    usable = lengths >= length
+    if not usable.any():
+        raise DataError(
+            f"no {split} document is {length} tokens long (the longest has {lengths.max()}); "
+            "use a shorter length or a corpus with longer documents"
+        )
+    # Every valid window start across the usable documents, numbered 0..total-1 in document order.
+    doc_starts, positions = starts[usable], lengths[usable] - length + 1
+    cumulative = np.cumsum(positions)
+    total = int(cumulative[-1])
+    rng = np.random.default_rng(seed)
+    picks = np.sort(rng.choice(total, size=num_windows, replace=num_windows > total))
+    docs = np.searchsorted(cumulative, picks, side="right")
+    window_starts = doc_starts[docs] + picks - (cumulative[docs] - positions[docs])
+    return np.array([tokens[start : start + length] for start in window_starts], dtype=np.int64).reshape(-1, length)

