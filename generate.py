@@ -210,8 +210,8 @@ class TextStream:
     """Print a row's text as its tokens arrive: decode the whole sequence, print the new suffix, hold back an
     incomplete UTF-8 character (a trailing U+FFFD) until its next bytes come."""
 
-    def __init__(self, tokenizer, prompt: list[int], out=sys.stdout):
-        self.tokenizer, self.ids, self.printed, self.out = tokenizer, list(prompt), 0, out
+    def __init__(self, tokenizer, prompt: list[int], out=None):
+        self.tokenizer, self.ids, self.printed, self.out = tokenizer, list(prompt), 0, out or sys.stdout
         self.flush_new(final=False)
 
     def add(self, token: int):

@@ -1,0 +1,99 @@
+"""`python convert.py to-hf / from-hf`: round trips through Hugging Face's LlamaForCausalLM with equal logits."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import convert
+from convert import load_model
+from test_extrapolate import build_tiny_run, one_thread  # noqa: F401 (a fixture)
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, one_thread):  # noqa: F811
+    return build_tiny_run(tmp_path_factory.mktemp("convert"), steps=5)[0]
+
+
+def test_to_hf_loads_in_transformers_with_the_same_logits(run_dir, tmp_path, capsys):
+    assert convert.main(["to-hf", str(run_dir), str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'hf'}"
+    ours, _ = load_model(run_dir)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, 320, (2, 40))
+    with torch.no_grad():
+        assert torch.allclose(theirs(tokens).logits, ours(tokens), atol=1e-5)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["torch_dtype"]) == (1, 2, "float32")
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(run_dir / "tokenizer.model"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in ["ab cd ef.", "  two spaces\nand a line", "Héllo ✓ 123"]:
+        assert tokenizer(text).input_ids == [sp.bos_id(), *sp.encode(text)]
+    # the output is not overwritten without --force
+    assert convert.main(["to-hf", str(run_dir), str(tmp_path / "hf")]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert convert.main(["to-hf", str(run_dir), str(tmp_path / "hf"), "--force"]) == 0
+
+
+def random_hf_llama(directory, shard=False, **overrides):
+    """A random LlamaForCausalLM saved with save_pretrained (GQA, llama3 RoPE scaling), with a tokenizer.model."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 4.0, "original_max_position_embeddings": 16,
+                      "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        **overrides,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory, max_shard_size="100KB" if shard else "5GB")
+    return model
+
+
+@pytest.mark.parametrize("shard, tied", [(False, False), (True, True)])
+def test_from_hf_gives_the_same_logits(run_dir, tmp_path, shard, tied):
+    theirs = random_hf_llama(tmp_path / "hf", shard=shard, tie_word_embeddings=tied)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == shard
+    shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
+    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    ours, config = load_model(tmp_path / "run")
+    assert ours.args.rope_scaling == "llama3" and ours.args.n_kv_heads == 2 and "converted_from" in config
+    assert ours.args.tie_embeddings == tied
+    assert (tmp_path / "run" / "tokenizer.model").is_file()
+    tokens = torch.randint(0, 320, (2, 48))  # past the original 16-token context: llama3 scaling at work
+    with torch.no_grad():
+        assert torch.allclose(ours(tokens), theirs(tokens).logits, atol=1e-5)
+
+
+def test_from_hf_refuses_what_it_cannot_read(run_dir, tmp_path, capsys):
+    random_hf_llama(tmp_path / "hf")
+    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
+    assert "no sentencepiece tokenizer.model" in capsys.readouterr().err
+    shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"model_type": "mistral",
+                                                                      "architectures": ["MistralForCausalLM"]}))
+    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
+    assert "not a Llama model" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["to-hf", "{missing}", "{out}"], "not a picollama run directory"),
+    (["from-hf", "{run}", "{out}"], "not a Hugging Face Llama config"),
+    (["sideways", "{run}", "{out}"], "invalid choice"),
+])
+def test_command_errors_are_one_line(run_dir, tmp_path, argv, message):
+    argv = [a.format(run=run_dir, missing=tmp_path / "missing", out=tmp_path / "out") for a in argv]
+    result = subprocess.run([sys.executable, "convert.py", *argv], capture_output=True, text=True,
+                            env=os.environ | {"OMP_NUM_THREADS": "1"}, cwd=os.path.dirname(convert.__file__))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error:") and message in result.stderr and result.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,126 @@
+"""`python generate.py extrapolate` on a tiny model trained in the fixture: files, keys, finite numbers, invariants."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import generate
+from convert import save_model
+from data.loader import RandomBatches
+from data.prepare import prepare
+from model import ModelArgs, Transformer
+
+TRAIN_LEN = 32
+
+
+def write_corpus(directory, num_docs=12, words_per_doc=2500, seed=0):
+    """Pseudo-English documents from a fixed random word list: learnable structure, no network."""
+    rng = np.random.default_rng(seed)
+    letters = list("etaoinshrdlucmfwypvbgk")
+    words = ["".join(rng.choice(letters, size=rng.integers(2, 7))) for _ in range(150)]
+    directory.mkdir()
+    for doc in range(num_docs):
+        picks = rng.zipf(1.3, size=words_per_doc) % len(words)
+        lines = [" ".join(words[i] for i in picks[start : start + 12]) + "." for start in range(0, words_per_doc, 12)]
+        (directory / f"doc{doc:02d}.txt").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def build_tiny_run(root, steps=60) -> tuple:
+    """(run_dir, data_dir): a dataset prepared with data.prepare and a tiny model trained on it for a few steps."""
+    data_dir = prepare(str(write_corpus(root / "corpus")), vocab_size=320, out_dir=root / "data", command=["test"])
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=TRAIN_LEN,
+                                  multiple_of=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = RandomBatches(data_dir, "train", batch_size=16, seq_len=TRAIN_LEN)
+    for _ in range(steps):
+        x, y = batches.next_batch()
+        optimizer.zero_grad()
+        model(x, y).backward()
+        optimizer.step()
+    run_dir = save_model(model.eval(), root / "run", {"data": {"dir": str(data_dir)}, "train": {"seq_len": TRAIN_LEN}},
+                         tokenizer=data_dir / "tokenizer.model")
+    return run_dir, data_dir
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine two threads stall each other (10×)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, one_thread):
+    return build_tiny_run(tmp_path_factory.mktemp("extrapolate"))
+
+
+def test_extrapolation_writes_report(tiny_run, capsys):
+    run_dir, _ = tiny_run
+    assert generate.main(["extrapolate", "--checkpoint", str(run_dir), "--num-windows", "3"]) == 0
+    out_dir = run_dir / "extrapolation"
+    assert {p.name for p in out_dir.iterdir()} == {"extrapolation.json", "extrapolation.md", "extrapolation.png"}
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"wrote {out_dir}")
+    report = json.loads((out_dir / "extrapolation.json").read_text())
+    methods, lengths = ["none", "linear", "ntk", "dynamic", "yarn"], [32, 64, 128, 256]
+    assert report["methods"] == methods and report["lengths"] == lengths and report["train_context"] == TRAIN_LEN
+    assert {"model", "command", "checkpoint", "protocol", "num_windows"} <= report.keys()
+    for method in methods:
+        for n in lengths:
+            cell = report["perplexity"][method][str(n)]
+            assert math.isfinite(cell["perplexity"]) and cell["loss"]["n"] == 3 and cell["loss"]["std"] >= 0
+        # at the training length every method is plain RoPE: the same targets give the same numbers
+        assert report["perplexity"][method]["32"]["perplexity"] == pytest.approx(
+            report["perplexity"]["none"]["32"]["perplexity"], rel=1e-5)
+        assert report["perplexity"][method]["32"]["ratio"] == pytest.approx(1.0)
+        losses = report["per_position"][method]["loss_mean"]
+        assert len(losses) == len(report["per_position"]["bin_edges"]) - 1 and all(map(math.isfinite, losses))
+        for d in report["retrieval"]["distances"]:
+            cell = report["retrieval"][method][str(d)]
+            assert 0 <= cell["accuracy"]["mean"] <= 1 and cell["logprob"]["mean"] <= 0
+    assert report["retrieval"]["distances"] == [64, 128, 224]
+    # a few dozen steps already beat a uniform guess over the vocabulary by far
+    assert report["perplexity"]["none"]["32"]["perplexity"] < 320 / 4
+    table = (out_dir / "extrapolation.md").read_text()
+    assert all(f"| {m} |" in table for m in methods) and "256 (8×)" in table
+    assert (out_dir / "extrapolation.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sliding_protocol_scores_every_token(tiny_run, tmp_path):
+    run_dir, data_dir = tiny_run
+    argv = ["extrapolate", "--checkpoint", str(run_dir), "--protocol", "sliding", "--methods", "none,ntk",
+            "--lengths", "32,64", "--num-windows", "2", "--data", str(data_dir), "--out", str(tmp_path)]
+    assert generate.main(argv) == 0
+    report = json.loads((tmp_path / "extrapolation.json").read_text())
+    assert report["lengths"] == [32, 64] and report["protocol"] == "sliding"
+    assert report["perplexity"]["ntk"]["32"]["perplexity"] == pytest.approx(report["perplexity"]["none"]["32"]["perplexity"])
+
+
+def test_sliding_losses_match_one_forward_when_the_window_fits(tiny_run):
+    run_dir, _ = tiny_run
+    model, _, _ = generate.load_run(run_dir, torch.device("cpu"), torch.float32)
+    tokens = torch.from_numpy(np.arange(48) * 7 % 300)[None]
+    with torch.inference_mode():
+        full = generate.token_losses(model, tokens)
+        assert torch.allclose(generate.sliding_losses(model, tokens, 48), full)
+        sliding = generate.sliding_losses(model, tokens, 16)
+    assert sliding.shape == full.shape  # every token scored exactly once
+    assert torch.allclose(sliding[:, :15], full[:, :15], atol=1e-5)  # the first window is the same forward
+
+
+def test_bad_extrapolation_input_is_one_line(tiny_run, capsys):
+    run_dir, _ = tiny_run
+    for argv, message in [
+        (["--methods", "none,rope9"], "unknown rope9"),
+        (["--lengths", "32,abc"], "comma-separated"),
+        (["--lengths", "32,100000"], "no val document"),
+        (["--data", str(run_dir)], "not a prepared dataset"),
+    ]:
+        assert generate.main(["extrapolate", "--checkpoint", str(run_dir), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and message in err and "\n" not in err

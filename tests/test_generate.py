@@ -1,0 +1,167 @@
+"""generate(): seeded sampling, batching prompts of different lengths, EOS, context limits, exact dynamic NTK with
+the KV cache; the sampling command line (streaming, errors)."""
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import generate
+from generate import TextStream, decode_steps, sample, set_rope
+from model import ModelArgs, Transformer
+from test_extrapolate import build_tiny_run, one_thread  # noqa: F401 (a fixture)
+
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16)
+PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+def make_model(std=None, **overrides) -> Transformer:
+    """A random tiny model; std sharpens its weight matrices so that small numeric differences show in the logits."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(**TINY | overrides)).eval()
+    if std is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if not name.endswith("norm.weight"):
+                    p.normal_(0, std)
+    return model
+
+
+def test_seeded_sampling_is_reproducible():
+    model = make_model()
+    first = generate.generate(model, PROMPTS, 12, temperature=1.0, top_k=20, top_p=0.9, seed=3)
+    assert first == generate.generate(model, PROMPTS, 12, temperature=1.0, top_k=20, top_p=0.9, seed=3)
+    assert first != generate.generate(model, PROMPTS, 12, temperature=1.0, top_k=20, top_p=0.9, seed=4)
+    assert [len(row) for row in first] == [12, 12, 12]
+    greedy = generate.generate(model, PROMPTS, 12, temperature=0)
+    assert generate.generate(model, PROMPTS, 12, temperature=1.0, top_k=1, seed=5) == greedy
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(4000, 4)
+    generator = torch.Generator().manual_seed(0)
+    assert set(sample(logits, 1.0, None, None, generator).tolist()) == {0, 1, 2, 3}
+    assert set(sample(logits, 1.0, 2, None, generator).tolist()) == {0, 1}
+    assert set(sample(logits, 1.0, None, 0.7, generator).tolist()) == {0, 1}
+    assert set(sample(logits, 1.0, None, 0.5, generator).tolist()) == {0}  # the top token alone holds 0.5
+    assert set(sample(logits, 1.0, 3, 0.99, generator).tolist()) == {0, 1, 2}
+    counts = torch.bincount(sample(logits, 1.0, None, 0.9, generator), minlength=4) / 4000
+    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=0.03)  # renormalised
+
+
+@pytest.mark.parametrize("rope", ["none", "dynamic"])
+def test_batch_of_different_lengths_equals_one_by_one(rope):
+    model = make_model(rope_scaling=rope, max_seq_len=16 if rope == "dynamic" else 32)  # dynamic: past its context
+    batch = generate.generate(model, PROMPTS, 20, temperature=0)
+    alone = [generate.generate(model, [prompt], 20, temperature=0)[0] for prompt in PROMPTS]
+    assert batch == alone and all(len(row) == 20 for row in batch)
+
+
+def test_eos_stops_each_row_and_is_not_returned():
+    model = make_model()
+    free = generate.generate(model, PROMPTS, 16, temperature=0)
+    # an EOS that row 0 produces at step i > 0 for the first time
+    i, eos = next((i, t) for i, t in enumerate(free[0]) if i > 0 and t not in free[0][:i])
+    streamed = [[] for _ in PROMPTS]
+    out = generate.generate(model, PROMPTS, 16, temperature=0, eos_id=eos,
+                            on_token=lambda row, token: streamed[row].append(token))
+    expected = [row[: row.index(eos)] if eos in row else row for row in free]
+    assert out == expected == streamed and len(out[0]) == i
+
+
+def test_too_long_needs_rope_scaling():
+    model = make_model()
+    with pytest.raises(ValueError, match="--rope-scaling"):
+        generate.generate(model, [[1] * 10], 30)
+    set_rope(model, "linear", 2.0, 32)
+    assert len(generate.generate(model, [[1] * 10], 30, temperature=0)[0]) == 30
+
+
+def test_dynamic_ntk_with_cache_is_exact():
+    """Past the original context every step re-runs the prefix: the same logits as a full forward at each step."""
+    model = make_model(std=0.3, rope_scaling="dynamic", max_seq_len=16)
+    tokens = torch.zeros(1, 48, dtype=torch.long)
+    tokens[0, :5] = torch.tensor([1, 5, 6, 7, 8])
+    cached, full = [], []
+    with torch.inference_mode():
+        model.setup_cache(1, 48)
+        for pos, logits in decode_steps(model, tokens, 5):
+            tokens[:, pos] = logits.argmax(-1)
+            cached.append(logits.clone())
+            full.append(model(tokens[:, :pos])[:, -1])
+        # the naive cached path: one token per step, never recomputing the stale keys and values
+        model(tokens[:, :5], start_pos=0)
+        naive = [model(tokens[:, pos - 1 : pos], start_pos=pos - 1)[:, -1] for pos in range(6, 48)]
+        model.reset_cache()
+    scale = torch.stack(full).abs().max()
+    errors = torch.stack([(c - f).abs().max() for c, f in zip(cached, full)]) / scale
+    assert errors.max() < 1e-5, errors.max()
+    naive_errors = torch.stack([(n - f).abs().max() for n, f in zip(naive, full[1:])]) / scale
+    assert naive_errors[:10].max() < 1e-5  # within the original context the plain cache is exact
+    assert naive_errors[-10:].min() > 1e-3  # past it, stale keys and values change the logits
+
+
+class ByteTokenizer:
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_holds_back_incomplete_characters():
+    text, out = "Héllo — wörld ✓", io.StringIO()
+    stream = TextStream(ByteTokenizer(), list(b"> "), out)
+    for byte in text.encode():
+        stream.add(byte)
+        assert ("> " + text).startswith(out.getvalue())  # never a U+FFFD for a character still arriving
+    stream.flush_new(final=True)
+    assert out.getvalue() == "> " + text
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, one_thread):  # noqa: F811
+    return build_tiny_run(tmp_path_factory.mktemp("generate"), steps=20)[0]
+
+
+def test_command_streams_and_summarises(run_dir, capsys):
+    assert generate.main(["--checkpoint", str(run_dir), "--prompt", "ab cd", "--max-new-tokens", "20",
+                          "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("ab cd") and len(out) > len("ab cd\n")
+    assert "prompt tokens" in err and "20 new tokens" in err and "tokens/s" in err
+
+
+def test_command_batches_a_prompt_file(run_dir, tmp_path, capsys):
+    (tmp_path / "prompts.txt").write_text("ab\n\nab cd ef gh\nx\n")
+    argv = ["--checkpoint", str(run_dir), "--prompt-file", str(tmp_path / "prompts.txt"), "--max-new-tokens", "8",
+            "--temperature", "0", "--num-samples", "2"]
+    assert generate.main(argv) == 0
+    samples = capsys.readouterr().out.split("--- sample ")[1:]
+    assert len(samples) == 6 and samples[-1].startswith("6/6")
+    texts = [s.split("---\n", 1)[1].rstrip("\n") for s in samples]
+    assert texts[0] == texts[1] and texts[2].startswith("ab cd ef gh")
+    assert generate.main(["--checkpoint", str(run_dir), "--prompt", "ab", "--max-new-tokens", "8",
+                          "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == texts[0]  # greedy in a batch = alone
+
+
+def test_command_context_limit_names_rope_scaling(run_dir, capsys):
+    argv = ["--checkpoint", str(run_dir), "--max-new-tokens", "40", "--temperature", "0"]
+    assert generate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "--rope-scaling" in err and err.count("\n") == 1
+    assert generate.main(argv + ["--rope-scaling", "yarn"]) == 0
+    assert "40 new tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint", "{missing}"], "not a picollama run directory"),
+    (["--checkpoint", "{run}", "--temperature", "-1"], "temperature"),
+    (["--checkpoint", "{run}", "--rope-scaling", "rope9"], "invalid choice"),
+])
+def test_command_errors_are_one_line(run_dir, tmp_path, argv, message):
+    argv = [a.format(run=run_dir, missing=tmp_path / "missing") for a in argv]
+    result = subprocess.run([sys.executable, "generate.py", *argv], capture_output=True, text=True,
+                            env=os.environ | {"OMP_NUM_THREADS": "1"}, cwd=os.path.dirname(generate.__file__))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error:") and message in result.stderr and result.stderr.count("\n") == 1
