@@ -1,0 +1,120 @@
+"""Batch-1 greedy decoding: ours with the KV cache (generate.generate), ours without it, and HF's generate; step time vs position."""
+import dataclasses
+
+import torch
+from tqdm import tqdm
+
+from common import (BenchError, build_hf, build_ours, interleaved_medians, model_args, parser, print_table, run_main,
+                    setup, write_results)
+from generate import generate
+from model import ModelArgs
+
+SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
+
+
+@torch.inference_mode()
+def greedy_without_cache(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """The explicit baseline: re-run the whole sequence through the model for every new token."""
+    tokens = prompt
+    for _ in range(max_new_tokens):
+        next_token = model(tokens)[:, -1].argmax(-1, keepdim=True)
+        tokens = torch.cat((tokens, next_token), dim=1)
+    return tokens[0, prompt.shape[1]:].tolist()
+
+
+def hf_greedy(hf, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    import transformers
+
+    config = transformers.GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                           do_sample=False, use_cache=True, eos_token_id=None, pad_token_id=0)
+    return hf.generate(prompt, generation_config=config)[0, prompt.shape[1]:].tolist()
+
+
+@torch.inference_mode()
+def step_seconds(model, positions: list[int], device, calls: int, repeats: int, progress) -> dict[int, float]:
+    """Median seconds of one model(token, start_pos=p) decode step with positions 0..p-1 already cached."""
+    model.setup_cache(1, max(positions) + 1)
+    try:
+        generator = torch.Generator().manual_seed(1)
+        model(torch.randint(0, model.args.vocab_size, (1, max(positions)), generator=generator).to(device), start_pos=0)
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)
+
+        def steps_at(pos):
+            def run():
+                for _ in range(calls):
+                    model(token, start_pos=pos)
+            return run
+
+        medians = interleaved_medians({p: steps_at(p) for p in positions}, device, 1, repeats, progress)
+    finally:
+        model.reset_cache()
+    return {p: s / calls for p, s in medians.items()}
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--config", default="small", help="small, base or a configs/NAME.toml name (default small)")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
+    p.add_argument("--new-tokens", type=int, default=512, help="tokens to generate (default 512)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each method (default 3)")
+    p.add_argument("--positions", default="16,1024", help="positions to time the one-token step at (default 16,1024)")
+    cli = p.parse_args()
+    device, dtype = setup(cli)
+    try:
+        positions = [int(x) for x in cli.positions.split(",")]
+    except ValueError:
+        raise BenchError(f"--positions must be comma-separated integers, not {cli.positions!r}") from None
+    if cli.smoke:
+        margs, cli.new_tokens, cli.repeats, positions = ModelArgs(**SMOKE), 8, 1, [4, 64]
+    else:
+        margs = model_args(cli.config)
+    if min(cli.prompt_len, cli.new_tokens, cli.repeats, *positions) < 1:
+        raise BenchError("--prompt-len, --new-tokens, --repeats and --positions must be positive")
+    # RoPE is computed for any position: raise the context so the prompt, the new tokens and the positions all fit
+    context = max(margs.max_seq_len, cli.prompt_len + cli.new_tokens, max(positions) + 1)
+    margs = dataclasses.replace(margs, max_seq_len=context)
+    ours = build_ours(margs, device, dtype).eval()
+    hf = build_hf(ours).eval()
+    prompt = torch.randint(0, margs.vocab_size, (1, cli.prompt_len), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(device)
+    outputs = {}
+    methods = {
+        "ours_cached": lambda n: generate(ours, prompt.tolist(), n, temperature=0, compile=cli.compile)[0],
+        "ours_no_cache": lambda n: greedy_without_cache(ours, prompt, n),
+        "hf_generate": lambda n: hf_greedy(hf, prompt, n),
+    }
+    for name, run in methods.items():  # warm-up on a few tokens
+        run(min(cli.new_tokens, 8))
+
+    def record(name):
+        def run():
+            outputs[name] = methods[name](cli.new_tokens)
+        return run
+
+    with tqdm(total=cli.repeats + 2 * cli.repeats + 1, desc="decode runs", disable=None) as progress:
+        seconds = interleaved_medians({name: record(name) for name in methods}, device, 0, cli.repeats, progress)
+        calls = 4 if cli.smoke else 32
+        step = step_seconds(ours, positions, device, calls, 2 * cli.repeats, progress)
+    n = cli.new_tokens
+    agree = {other: sum(a == b for a, b in zip(outputs["ours_cached"], outputs[other])) for other in outputs}
+    if agree["ours_no_cache"] != n:
+        raise BenchError(f"cached and uncached greedy decoding disagree ({agree['ours_no_cache']}/{n} tokens)")
+    rows = [[name, n / s, s, seconds["hf_generate"] / s] for name, s in seconds.items()]
+    print(f"batch 1, {cli.prompt_len}-token prompt, {n} greedy new tokens, {margs.dim}-dim {margs.n_layers}-layer model")
+    print_table(["method", "tok/s", "seconds", "vs HF"], rows)
+    print_table(["decode step", "ms"], [[f"position {p}", s * 1e3] for p, s in step.items()])
+    first, last = positions[0], positions[-1]
+    ratios = {"cached_over_hf": seconds["hf_generate"] / seconds["ours_cached"],
+              "cached_over_no_cache": seconds["ours_no_cache"] / seconds["ours_cached"],
+              f"step_{last}_over_step_{first}": step[last] / step[first]}
+    print("  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    write_results(cli, "decode", {
+        "config": "smoke" if cli.smoke else cli.config, "model_args": margs.to_dict(), "prompt_len": cli.prompt_len,
+        "new_tokens": n, "dtype": str(dtype).removeprefix("torch."),
+        "methods": {name: {"seconds": s, "tokens_per_second": n / s} for name, s in seconds.items()},
+        "greedy_tokens_agreeing_with_ours_cached": agree,
+        "step_seconds_by_position": {str(p): s for p, s in step.items()}, "ratios": ratios})
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,91 @@
+"""Training throughput (forward + backward + AdamW): ours vs Hugging Face's LlamaForCausalLM, same weights, interleaved."""
+import math
+
+import torch
+from tqdm import tqdm
+
+from common import (BenchError, build_hf, build_ours, interleaved_medians, maybe_compile, model_args, parser,
+                    peak_flops, print_table, run_main, setup, write_results)
+from model import ModelArgs
+
+SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
+
+
+def train_step(model, optimizer, loss_fn):
+    def step():
+        loss = loss_fn(model)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def bench_config(name, margs, batch, seq_len, device, dtype, cli, progress):
+    ours = build_ours(margs, device, dtype).train()
+    hf = build_hf(ours).train()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, margs.vocab_size, (batch, seq_len + 1), generator=generator).to(device)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    ours_c, hf_c = maybe_compile(ours, cli.compile), maybe_compile(hf, cli.compile)
+    with torch.no_grad():  # same weights, same batch: the two losses must agree before we time anything
+        loss_ours, loss_hf = ours_c(x, targets=y).item(), hf_c(input_ids=x, labels=y, shift_labels=y).loss.item()
+    if not math.isclose(loss_ours, loss_hf, rel_tol=1e-2 if dtype == torch.bfloat16 else 1e-4):
+        raise BenchError(f"{name}: our loss {loss_ours:.5f} != Hugging Face's {loss_hf:.5f}; the comparison is off")
+    steps = {
+        "ours": train_step(ours_c, torch.optim.AdamW(ours.parameters(), lr=1e-4), lambda m: m(x, targets=y)),
+        "hf": train_step(hf_c, torch.optim.AdamW(hf.parameters(), lr=1e-4),
+                         lambda m: m(input_ids=x, labels=y, shift_labels=y).loss),
+    }
+    seconds = interleaved_medians(steps, device, cli.warmup, cli.steps, progress)
+    tokens_per_step = batch * seq_len
+    peak = peak_flops(cli, device)
+    result = {"config": name, "model_args": margs.to_dict(), "params": ours.num_params(), "batch_size": batch,
+              "seq_len": seq_len, "dtype": str(dtype).removeprefix("torch."), "compile": cli.compile,
+              "initial_loss": {"ours": loss_ours, "hf": loss_hf}}
+    for who, s in seconds.items():
+        result[who] = {"step_seconds": s, "tokens_per_second": tokens_per_step / s}
+        if peak:
+            result[who]["mfu"] = ours.flops_per_token(seq_len) * tokens_per_step / s / peak
+    result["ratio_ours_over_hf"] = seconds["hf"] / seconds["ours"]
+    return result
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--config", default="small,default", help="comma-separated: small, base, configs/NAME.toml names")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's max_seq_len)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each model first (default 2)")
+    p.add_argument("--steps", type=int, default=7, help="timed steps of each model, interleaved (default 7)")
+    cli = p.parse_args()
+    device, dtype = setup(cli)
+    if min(cli.batch_size or 1, cli.seq_len or 1, cli.steps, cli.warmup + 1) < 1:
+        raise BenchError("--batch-size, --seq-len and --steps must be positive, --warmup not negative")
+    if cli.smoke:
+        cases, cli.warmup, cli.steps = [("smoke", ModelArgs(**SMOKE), 2, 32)], 1, 2
+    else:
+        cases = []
+        for name in (n.strip() for n in cli.config.split(",") if n.strip()):
+            try:
+                margs = model_args(name)
+            except BenchError as e:
+                if name != "default":
+                    raise
+                print(f"skipping default: {e}")  # configs/default.toml is written by the training engineer
+                continue
+            cases.append((name, margs, cli.batch_size or 16, cli.seq_len or margs.max_seq_len))
+    results = []
+    with tqdm(total=len(cases) * (cli.warmup + cli.steps), desc="train steps (ours+hf)", disable=None) as progress:
+        for case in cases:
+            results.append(bench_config(*case, device, dtype, cli, progress))
+    rows = [[r["config"], r["params"] / 1e6, f"{r['batch_size']}x{r['seq_len']}", r["ours"]["tokens_per_second"],
+             r["hf"]["tokens_per_second"], r["ratio_ours_over_hf"],
+             f"{100 * r['ours']['mfu']:.1f}%" if "mfu" in r["ours"] else "-"] for r in results]
+    print_table(["config", "params (M)", "batch", "ours tok/s", "HF tok/s", "ours/HF", "ours MFU"], rows)
+    write_results(cli, "train", {"results": results})
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,53 @@
+"""Each bench script runs end to end in its tiny --smoke mode and writes sane JSON; bad input is one error line."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"bench/{script}.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("script", ["train", "decode", "memory", "data"])
+def test_smoke_run_writes_results(script, tmp_path):
+    out = tmp_path / f"{script}.json"
+    done = run_bench(script, "--smoke", "--threads", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert f"results written to {out}" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == script
+    assert {"cpu", "cpu_cores", "torch", "device"} <= result["machine"].keys()
+    if script == "train":
+        (r,) = result["results"]
+        assert r["ours"]["tokens_per_second"] > 0 and r["hf"]["tokens_per_second"] > 0
+        assert abs(r["initial_loss"]["ours"] - r["initial_loss"]["hf"]) < 1e-3  # same weights, same loss
+    elif script == "decode":
+        assert result["greedy_tokens_agreeing_with_ours_cached"]["ours_no_cache"] == result["new_tokens"]
+        assert all(m["tokens_per_second"] > 0 for m in result["methods"].values())
+    elif script == "memory":
+        (r,) = result["results"]
+        assert r["ours"]["step_peak_bytes"] > 0 and r["hf"]["step_peak_bytes"] > 0
+    else:
+        assert result["tokens"] > 0 and result["megabytes_per_second"] > 0
+
+
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        ("train", ["--config", "no-such-config"], "no config 'no-such-config'"),
+        ("data", ["--source", "/no/such/corpus.txt"], "data/prepare.py failed"),
+    ],
+)
+def test_bad_input_is_one_error_line(script, args, message, tmp_path):
+    out = tmp_path / "out.json"
+    done = run_bench(script, *args, "--out", str(out))
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: ") and message in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists()
