@@ -29,7 +29,7 @@ def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decod
     Dynamic NTK past its original context changes every position's rotation at each new length, so there the
     whole prefix is re-run: the logits are exactly those of model(tokens[:, :pos]) at every step.
     """
-    decode = decode or model
+    decode = model if decode is None else decode
     recompute_after = original_context(model.args) if model.args.rope_scaling == "dynamic" else tokens.shape[1]
     cached = 0  # positions 0..cached-1 hold valid keys and values
     for pos in range(first_pos, tokens.shape[1]):
@@ -101,6 +101,8 @@ def generate(
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
+    if any(not 0 <= t < model.args.vocab_size for p in prompts for t in p):
+        raise ValueError(f"prompt token ids must lie in 0..{model.args.vocab_size - 1}")
     lengths = [len(p) for p in prompts]
     total = max(lengths) + max_new_tokens
     check_length(model.args, total)
@@ -121,14 +123,19 @@ def generate(
             chosen = sample(logits, temperature, top_k, top_p, generator)
             new = (pos >= prompt_len) & (pos < end) & ~done  # rows choosing a new token at this position
             tokens[:, pos] = torch.where(new, chosen, tokens[:, pos])
+            emit = new
             if eos_id is not None:
                 done |= new & (chosen == eos_id)
+                emit = new & (chosen != eos_id)
+            if on_token is None and eos_id is None:
+                continue  # nothing to look at on the host: no sync
+            finished = (done | (pos + 1 >= end)).all()
+            host = torch.cat([chosen, emit.long(), finished.long()[None]]).tolist()  # the step's one sync
             if on_token is not None:
-                emit = (new & (chosen != eos_id) if eos_id is not None else new).tolist()
-                for row, token in enumerate(tokens[:, pos].tolist()):
-                    if emit[row]:
+                for row, token in enumerate(host[: len(prompts)]):
+                    if host[len(prompts) + row]:
                         on_token(row, token)
-            if eos_id is not None and bool((done | (pos + 1 >= end)).all()):
+            if host[-1]:
                 break
     finally:
         model.reset_cache()
@@ -370,6 +377,18 @@ def find_data_dir(config: dict, override: str | None) -> Path:
     raise UsageError(f"{candidates[0]} is not a prepared dataset with a val split; pass --data DIR")
 
 
+def check_same_tokenizer(checkpoint: Path, data_dir: Path):
+    """UsageError when the dataset was tokenized by another tokenizer than the checkpoint's."""
+    import hashlib
+
+    from data.loader import load_meta
+
+    expected = load_meta(data_dir).get("tokenizer_sha256")
+    ours = hashlib.sha256((checkpoint / "tokenizer.model").read_bytes()).hexdigest()
+    if expected and expected != ours:
+        raise UsageError(f"{data_dir} was tokenized with another tokenizer than {checkpoint}/tokenizer.model")
+
+
 def evaluate_extrapolation(model, data_dir, train_len, lengths, methods, protocol, num_windows, seed, device) -> dict:
     """All the numbers of the extrapolation report (see the `extrapolate` command)."""
     from data.loader import document_windows
@@ -539,6 +558,8 @@ def extrapolate_command(args) -> int:
     if min(lengths) <= min(64, train_len // 2):
         raise UsageError(f"--lengths must all exceed {min(64, train_len // 2)} (the scored tokens)")
     data_dir = find_data_dir(config, args.data)
+    check_same_tokenizer(Path(args.checkpoint), data_dir)
+    model_args = model.args.to_dict()
     out_dir = Path(args.out) if args.out else Path(args.checkpoint) / "extrapolation"
     start = time.perf_counter()
     try:
@@ -549,7 +570,7 @@ def extrapolate_command(args) -> int:
         raise UsageError(str(e)) from None
     report = {
         "checkpoint": str(args.checkpoint), "command": ["python", "generate.py", *args.argv],
-        "model": model.args.to_dict() | {"rope_scaling": "none", "rope_factor": 1.0}, "data": str(data_dir),
+        "model": model_args, "data": str(data_dir),
         "train_context": train_len, "lengths": lengths, "methods": methods, "protocol": args.protocol,
         "num_windows": args.num_windows, "seed": args.seed, "device": device.type,
         "seconds": round(time.perf_counter() - start, 1), **results,

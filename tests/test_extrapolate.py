@@ -1,6 +1,7 @@
 """`python generate.py extrapolate` on a tiny model trained in the fixture: files, keys, finite numbers, invariants."""
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -113,9 +114,13 @@ def test_sliding_losses_match_one_forward_when_the_window_fits(tiny_run):
     assert torch.allclose(sliding[:, :15], full[:, :15], atol=1e-5)  # the first window is the same forward
 
 
-def test_bad_extrapolation_input_is_one_line(tiny_run, capsys):
-    run_dir, _ = tiny_run
+def test_bad_extrapolation_input_is_one_line(tiny_run, tmp_path, capsys):
+    run_dir, data_dir = tiny_run
+    shutil.copytree(data_dir, tmp_path / "data")
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    (tmp_path / "data" / "meta.json").write_text(json.dumps(meta | {"tokenizer_sha256": "0" * 64}))
     for argv, message in [
+        (["--data", str(tmp_path / "data")], "another tokenizer"),
         (["--methods", "none,rope9"], "unknown rope9"),
         (["--lengths", "32,abc"], "comma-separated"),
         (["--lengths", "32,100000"], "no val document"),
