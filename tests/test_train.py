@@ -1,0 +1,259 @@
+"""train.py: learning, gradient accumulation, FSDP2 = one process, exact resume after SIGKILL, wandb, clear errors."""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from data.loader import RandomBatches
+from data.prepare import prepare
+from model import ModelArgs, Transformer
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = {
+    "model": {"dim": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 300, "max_seq_len": 32},
+    "train": {"max_steps": 12, "batch_size": 8, "seq_len": 32, "log_interval": 1, "sample_tokens": 0},
+    # constant after warmup, so a run's losses do not depend on max_steps (killed runs use a huge one)
+    "optim": {"lr": 3e-3, "min_lr": 3e-3, "warmup_steps": 2},
+    "eval": {"interval": 6, "batches": 2, "batch_size": 8},
+    "checkpoint": {"interval": 4, "keep": 2},
+}
+WORDS = "the king queen lord lady sword crown night day love death speak hath thou thee my good noble fair".split()
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> Path:
+    """A tiny generated play corpus prepared with a 300-token vocabulary."""
+    root = tmp_path_factory.mktemp("train_data")
+    rng = random.Random(0)
+    for i in range(4):
+        speeches = [f"{rng.choice(['ROMEO', 'JULIET', 'LEAR'])}.\n" + " ".join(rng.choices(WORDS, k=rng.randint(4, 9)))
+                    for _ in range(500)]
+        (root / "corpus").mkdir(exist_ok=True)
+        (root / "corpus" / f"play{i}.txt").write_text(".\n\n".join(speeches) + ".\n")
+    return prepare(str(root / "corpus"), 300, out_dir=root / "prepared")
+
+
+def config_file(directory: Path, dataset: Path, **sections) -> Path:
+    """TINY with each given section updated, reading the dataset, written as TOML."""
+    tables = {name: {**TINY.get(name, {}), **sections.get(name, {})} for name in {**TINY, **sections}}
+    tables["data"] = {"dir": str(dataset), **tables.get("data", {})}
+    path = directory / "config.toml"
+    path.write_text("".join(f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in table.items())
+                            for name, table in tables.items()))
+    return path
+
+
+def run_in_process(config: Path, out_dir: Path, *args: str) -> int:
+    return train.main(["--config", str(config), f"--train.out_dir={out_dir}", *args])
+
+
+def command(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "train.py"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+
+
+def run_subprocess(nproc: int, config: Path, out_dir: Path, *args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([*command(nproc), "--config", str(config), f"--train.out_dir={out_dir}", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below pid, read from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def run_killed_then_resumed(nproc: int, config: Path, out_dir: Path, kill_after: int, max_steps: int) -> int:
+    """Start a (practically endless) run, SIGKILL it once checkpoint kill_after exists, resume to max_steps.
+
+    Returns the step it resumed from."""
+    process = subprocess.Popen([*command(nproc), "--config", str(config), f"--train.out_dir={out_dir}",
+                                "--train.max_steps=100000"], cwd=REPO, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not [p for p in train.checkpoints(out_dir) if int(p.name[5:]) >= kill_after]:
+        assert process.poll() is None, f"the run ended early: {process.stderr.read()}"
+        assert time.time() < deadline, "no checkpoint within 120 s"
+        time.sleep(0.01)
+    for pid in [*descendants(process.pid), process.pid]:  # torchrun starts its workers in sessions of their own
+        os.kill(pid, signal.SIGKILL)
+    process.wait()
+    resumed = run_subprocess(nproc, config, out_dir, "--resume", f"--train.max_steps={max_steps}")
+    assert resumed.returncode == 0, resumed.stderr
+    return int(resumed.stdout.split("resuming at step ")[1].split()[0])
+
+
+def losses(out_dir: Path, key="loss") -> dict[int, float]:
+    entries = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {e["step"]: e[key] for e in entries if key in e}
+
+
+def assert_close(a: dict, b: dict, tolerance: float, steps=None):
+    steps = sorted(a) if steps is None else steps
+    assert steps and all(step in a and step in b for step in steps), (sorted(a), sorted(b))
+    worst = max(abs(a[s] - b[s]) for s in steps)
+    assert worst <= tolerance, f"largest difference {worst:.3g} > {tolerance}"
+
+
+# ---------------------------------------------------------------- learning
+
+
+def test_loss_falls(dataset, tmp_path):
+    config = config_file(tmp_path, dataset, train={"max_steps": 60}, checkpoint={"interval": 0})
+    assert run_in_process(config, tmp_path / "run") == 0
+    curve = losses(tmp_path / "run")
+    assert curve[60] < curve[1] - 1.5, curve
+    val = losses(tmp_path / "run", "val_loss")
+    assert val[60] < val[6] and (tmp_path / "run" / "model.safetensors").is_file()
+    from convert import load_model
+
+    model, saved = load_model(tmp_path / "run")
+    assert saved["train"]["seq_len"] == 32 and saved["data"]["dir"] == str(dataset)
+    assert not any("_orig_mod" in key or "_checkpoint_wrapped" in key for key in model.state_dict())
+
+
+def test_tiny_model_overfits_a_few_batches(dataset):
+    torch.manual_seed(0)
+    cfg = train.build_config({"model": TINY["model"], "optim": {"lr": 1e-2, "weight_decay": 0.0}}, [])
+    model = Transformer(cfg.model)
+    optimizer = train.build_optimizer(model, cfg, torch.device("cpu"))
+    loader = RandomBatches(dataset, "train", 4, 32)
+    batches = [loader.next_batch() for _ in range(2)]
+    for step in range(150):
+        x, y = batches[step % 2]
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert max(model(x, y).item() for x, y in batches) < 0.3
+
+
+def test_grad_accumulation_equals_the_big_batch(dataset, tmp_path):
+    config = config_file(tmp_path, dataset, train={"max_steps": 6}, checkpoint={"interval": 0})
+    assert run_in_process(config, tmp_path / "big") == 0
+    assert run_in_process(config, tmp_path / "accum", "--train.grad_accum=4") == 0  # 4 micro-steps of 2
+    assert_close(losses(tmp_path / "big"), losses(tmp_path / "accum"), 1e-6)
+    assert_close(losses(tmp_path / "big", "val_loss"), losses(tmp_path / "accum", "val_loss"), 1e-6)
+
+
+def test_the_schedule_warms_up_then_decays_to_min_lr():
+    cfg = train.build_config({"train": {"max_steps": 100}, "optim": {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10}}, [])
+    lrs = [train.lr_at(step, cfg) for step in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+# ---------------------------------------------------------------- FSDP2 and resume
+
+
+@pytest.fixture(scope="module")
+def runs(dataset, tmp_path_factory) -> dict[str, Path]:
+    """One process for 16 steps, and 2 ranks for 12 steps: the runs the FSDP and resume tests compare against."""
+    root = tmp_path_factory.mktemp("runs")
+    config = config_file(root, dataset)
+    assert run_in_process(config, root / "single", "--train.max_steps=16") == 0
+    two = run_subprocess(2, config, root / "two")
+    assert two.returncode == 0, two.stderr
+    (root / "two.stdout").write_text(two.stdout)
+    return {"config": config, "single": root / "single", "two": root / "two", "two_stdout": root / "two.stdout"}
+
+
+def test_fsdp_two_ranks_match_one_process(runs):
+    assert_close(losses(runs["single"]), losses(runs["two"]), 1e-5, steps=range(1, 13))
+    assert_close(losses(runs["single"], "val_loss"), losses(runs["two"], "val_loss"), 1e-5, steps=[6, 12])
+    stdout = runs["two_stdout"].read_text()
+    total, stored = (int(n.replace(",", "")) for n in stdout.split("model: ")[1].split(" stored")[0].split(" parameters, "))
+    assert 0.45 * total <= stored <= 0.55 * total, stdout  # FSDP2 shards every parameter over the 2 ranks
+
+
+def test_resume_after_sigkill_is_exact_in_one_process(runs, tmp_path):
+    resumed_at = run_killed_then_resumed(1, runs["config"], tmp_path / "run", kill_after=4, max_steps=16)
+    assert 4 <= resumed_at < 16
+    expected, got = losses(runs["single"]), losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, 17))  # steps past the checkpoint were dropped from the log and redone
+    assert all(got[step] == expected[step] for step in range(1, 17)), (got, expected)
+
+
+def test_resume_after_sigkill_with_two_ranks(runs, tmp_path):
+    resumed_at = run_killed_then_resumed(2, runs["config"], tmp_path / "run", kill_after=4, max_steps=12)
+    assert 4 <= resumed_at < 12
+    assert_close(losses(runs["two"]), losses(tmp_path / "run"), 1e-6, steps=range(1, 13))
+
+
+def test_two_rank_checkpoint_resumes_in_one_process(runs, tmp_path):
+    shutil.copytree(runs["two"], tmp_path / "run")
+    assert run_in_process(runs["config"], tmp_path / "run", "--resume", "--train.max_steps=16") == 0
+    assert_close(losses(runs["single"]), losses(tmp_path / "run"), 1e-5, steps=range(13, 17))
+
+
+# ---------------------------------------------------------------- logging
+
+
+def test_wandb_offline_and_one_metrics_line_per_logged_step(dataset, tmp_path):
+    config = config_file(tmp_path, dataset, checkpoint={"interval": 0})
+    result = run_subprocess(1, config, tmp_path / "run", "--wandb.enabled=true", "--train.log_interval=5",
+                            env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"})
+    assert result.returncode == 0, result.stderr
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    entries = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in entries if "loss" in e] == [5, 10, 12]
+    assert all({"lr", "grad_norm", "tokens_per_s", "mem_gb"} <= e.keys() for e in entries if "loss" in e)
+    assert "done: the model is in" in result.stdout
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--train.max_step=3"], "unknown config key train.max_step (did you mean train.max_steps?)"),
+    (["--optim.lr=fast"], "--optim.lr: expected float, got 'fast'"),
+    (["--train.seq_len=64"], "train.seq_len (64) exceeds the model's context model.max_seq_len (32)"),
+    (["--train.batch_size=6", "--train.grad_accum=4"], "train.batch_size (6) must be divisible by train.grad_accum"),
+    (["--model.dim=33"], "[model] dim (33) must be divisible by n_heads (2)"),
+    (["--optim.lr=1e30", "--optim.warmup_steps=0"], "the loss is"),
+])
+def test_bad_config_is_one_line(dataset, tmp_path, capsys, args, message):
+    assert run_in_process(config_file(tmp_path, dataset), tmp_path / "run", *args) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("error: ") and message in stderr and stderr.count("\n") == 1, stderr
+
+
+def test_toml_type_errors_name_the_key(dataset, tmp_path, capsys):
+    config = config_file(tmp_path, dataset, train={"batch_size": "8"})
+    assert run_in_process(config, tmp_path / "run") == 2
+    assert "config key train.batch_size must be int, not str '8'" in capsys.readouterr().err
+
+
+def test_corrupt_or_mismatched_checkpoint_is_one_line(dataset, tmp_path):
+    config = config_file(tmp_path, dataset, train={"max_steps": 4})
+    assert run_in_process(config, tmp_path / "run") == 0
+    mismatched = run_subprocess(1, config, tmp_path / "run", "--resume", "--model.dim=64")
+    assert mismatched.returncode == 2 and mismatched.stderr.count("\n") == 1
+    assert "different model (model.dim 32 → 64)" in mismatched.stderr
+    for shard in (tmp_path / "run" / "train_state" / "step_000004").glob("*.distcp"):
+        shard.write_bytes(b"not a checkpoint")
+    corrupt = run_subprocess(1, config, tmp_path / "run", "--resume", "--train.max_steps=8")
+    assert corrupt.returncode == 2 and corrupt.stderr.startswith("error: cannot resume from"), corrupt.stderr
+    assert corrupt.stderr.count("\n") == 1, corrupt.stderr
+    fresh = run_subprocess(1, config, tmp_path / "run")
+    assert fresh.returncode == 2 and "pass --resume" in fresh.stderr
