@@ -156,6 +156,17 @@ def test_grad_accumulation_equals_the_big_batch(dataset, tmp_path):
     assert_close(losses(tmp_path / "big", "val_loss"), losses(tmp_path / "accum", "val_loss"), 1e-6)
 
 
+def test_activation_checkpointing_changes_no_number_and_no_name(dataset, tmp_path):
+    config = config_file(tmp_path, dataset, train={"max_steps": 4}, checkpoint={"interval": 0})
+    assert run_in_process(config, tmp_path / "plain") == 0
+    assert run_in_process(config, tmp_path / "ac", "--train.activation_checkpointing=true") == 0
+    assert losses(tmp_path / "plain") == losses(tmp_path / "ac")
+    from safetensors.torch import load_file
+
+    plain, ac = (load_file(tmp_path / run / "model.safetensors") for run in ("plain", "ac"))
+    assert plain.keys() == ac.keys() and all(torch.equal(plain[k], ac[k]) for k in plain)
+
+
 def test_the_schedule_warms_up_then_decays_to_min_lr():
     cfg = train.build_config({"train": {"max_steps": 100}, "optim": {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10}}, [])
     lrs = [train.lr_at(step, cfg) for step in range(100)]
