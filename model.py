@@ -77,8 +77,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        # normalise in fp32, round to x's dtype, then scale: Hugging Face's order, so bf16 results match theirs
+        return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).type_as(x) * self.weight
 
 
 def rope_frequencies(args: ModelArgs, seq_len: int) -> tuple[torch.Tensor, float]:

@@ -22,7 +22,7 @@ BUILTIN_CONFIGS = {
     "small": dict(dim=288, n_layers=6, n_heads=6, max_seq_len=256, vocab_size=4096),
     "base": dict(dim=768, n_layers=12, n_heads=12, max_seq_len=1024, vocab_size=32000),  # ≈ GPT-2 small, 124M
 }
-CPU_PEAK_FLOPS = 190e9  # fp32 matmul peak measured on the 2-core dev machine; override with --peak-tflops
+CPU_PEAK_FLOPS_PER_THREAD = 95e9  # fp32 matmul peak on the 2-core dev machine: 190 GFLOP/s; else --peak-tflops
 GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 tensor-core peaks
 
 
@@ -35,7 +35,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
     p.add_argument("--compile", action="store_true", help="torch.compile both models (GPU runs)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--peak-tflops", type=float, help="the device's peak for MFU (default: 0.19 on CPU, a table on GPU)")
+    p.add_argument("--peak-tflops", type=float,
+                   help="the device's peak for MFU (default: 0.095 per CPU thread, or a table of GPUs)")
     p.add_argument("--smoke", action="store_true", help="a tiny, seconds-long run to check the script works")
     p.add_argument("--out", help="JSON output path (default bench/results/<script>.json)")
     return p
@@ -129,7 +130,7 @@ def peak_flops(args, device) -> float | None:
     if args.peak_tflops is not None:
         return args.peak_tflops * 1e12
     if torch.device(device).type == "cpu":
-        return CPU_PEAK_FLOPS
+        return CPU_PEAK_FLOPS_PER_THREAD * torch.get_num_threads()
     name = torch.cuda.get_device_name(device)
     return next((peak for gpu, peak in GPU_PEAK_FLOPS.items() if gpu in name), None)
 
