@@ -1,4 +1,4 @@
-"""Shared by the bench scripts: flags, model configs, our model + an identical HF Llama, interleaved timing, tables, JSON."""
+"""Shared by bench/: flags, model configs, our model + the same HF Llama, interleaved timing, tables, JSON."""
 import argparse
 import json
 import os
@@ -30,13 +30,12 @@ class BenchError(Exception):
     """Bad input to a bench script: printed as one `error:` line."""
 
 
-def parser(description: str) -> argparse.ArgumentParser:
+def parser(description: str, models: bool = True) -> argparse.ArgumentParser:
+    """The flags every bench script takes; models=True adds the device/threads ones of the model benchmarks."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
-    p.add_argument("--compile", action="store_true", help="torch.compile both models (GPU runs)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--peak-tflops", type=float,
-                   help="the device's peak for MFU (default: 0.095 per CPU thread, or a table of GPUs)")
+    if models:
+        p.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
+        p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--smoke", action="store_true", help="a tiny, seconds-long run to check the script works")
     p.add_argument("--out", help="JSON output path (default bench/results/<script>.json)")
     return p
@@ -127,7 +126,7 @@ def interleaved_medians(steps: dict, device, warmup: int, repeats: int, progress
 
 def peak_flops(args, device) -> float | None:
     """Peak FLOP/s of the device for MFU: --peak-tflops, the CPU constant, or a GPU table (None if unknown)."""
-    if args.peak_tflops is not None:
+    if getattr(args, "peak_tflops", None) is not None:
         return args.peak_tflops * 1e12
     if torch.device(device).type == "cpu":
         return CPU_PEAK_FLOPS_PER_THREAD * torch.get_num_threads()
@@ -178,7 +177,7 @@ def write_results(args, script: str, payload: dict) -> Path:
     path = Path(args.out) if args.out else RESULTS_DIR / f"{script}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": script, "command": " ".join([f"bench/{script}.py", *sys.argv[1:]]),
-               "machine": machine_info(args.device), **payload}
+               "machine": machine_info(getattr(args, "device", "cpu")), **payload}
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     tmp.replace(path)

@@ -1,4 +1,4 @@
-"""Batch-1 greedy decoding: ours with the KV cache (generate.generate), ours without it, and HF's generate; step time vs position."""
+"""Batch-1 greedy decoding: ours with and without the KV cache vs HF's generate; decode step time by position."""
 import dataclasses
 
 import torch
@@ -53,6 +53,7 @@ def step_seconds(model, positions: list[int], device, calls: int, repeats: int, 
 
 def main():
     p = parser(__doc__)
+    p.add_argument("--compile", action="store_true", help="our decode step via torch.compile (generate(compile=True))")
     p.add_argument("--config", default="small", help="small, base or a configs/NAME.toml name (default small)")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=int, default=512, help="tokens to generate (default 512)")
@@ -100,7 +101,8 @@ def main():
     if dtype == torch.float32 and agree["ours_no_cache"] != n:  # bf16 kernels may legitimately flip a near-tie
         raise BenchError(f"cached and uncached greedy decoding disagree ({agree['ours_no_cache']}/{n} tokens)")
     rows = [[name, n / s, s, seconds["hf_generate"] / s] for name, s in seconds.items()]
-    print(f"batch 1, {cli.prompt_len}-token prompt, {n} greedy new tokens, {margs.dim}-dim {margs.n_layers}-layer model")
+    print(f"batch 1, {cli.prompt_len}-token prompt, {n} greedy new tokens, "
+          f"{margs.dim}-dim {margs.n_layers}-layer model, context raised to {context}")
     print_table(["method", "tok/s", "seconds", "vs HF"], rows)
     print_table(["decode step", "ms"], [[f"position {p}", s * 1e3] for p, s in step.items()])
     first, last = positions[0], positions[-1]

@@ -1,4 +1,4 @@
-"""Peak memory of a training step (forward + backward + AdamW), ours vs HF's LlamaForCausalLM, each in a fresh process."""
+"""Peak memory of training steps (forward + backward + AdamW), ours vs HF's Llama, each in a fresh process."""
 import argparse
 import gc
 import json

@@ -1,4 +1,4 @@
-"""Training throughput (forward + backward + AdamW): ours vs Hugging Face's LlamaForCausalLM, same weights, interleaved."""
+"""Training throughput (forward + backward + AdamW): ours vs HF's LlamaForCausalLM, same weights, interleaved."""
 import math
 
 import torch
@@ -54,6 +54,9 @@ def bench_config(name, margs, batch, seq_len, device, dtype, cli, progress):
 
 def main():
     p = parser(__doc__)
+    p.add_argument("--compile", action="store_true", help="torch.compile both models (for GPU runs)")
+    p.add_argument("--peak-tflops", type=float,
+                   help="the device's peak for MFU (default: 0.095 per CPU thread, or a table of GPUs)")
     p.add_argument("--config", default="small,default", help="comma-separated: small, base, configs/NAME.toml names")
     p.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's max_seq_len)")
