@@ -495,16 +495,17 @@ def plot_report(report: dict, path: Path):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     train_len, methods = report["train_context"], report["methods"]
     fig, (ppl_ax, pos_ax, ret_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
-    for method in methods:
-        lengths = report["lengths"]
-        ppl_ax.plot(lengths, [report["perplexity"][method][str(n)]["perplexity"] for n in lengths], "o-", label=method)
-        edges = np.asarray(report["per_position"]["bin_edges"])
-        pos_ax.plot((edges[:-1] + edges[1:]) / 2, report["per_position"][method]["loss_mean"], label=method)
-        distances = report["retrieval"]["distances"]
-        ret_ax.plot(distances, [report["retrieval"][method][str(d)]["accuracy"]["mean"] for d in distances], "o-",
+    styles = ["o-", "s--", "^-.", "D:", "v-", "x--"]  # distinct even where two methods' lines coincide
+    lengths, distances = report["lengths"], report["retrieval"]["distances"]
+    edges = np.asarray(report["per_position"]["bin_edges"])
+    for method, style in zip(methods, styles):
+        ppl_ax.plot(lengths, [report["perplexity"][method][str(n)]["perplexity"] for n in lengths], style, label=method)
+        pos_ax.plot((edges[:-1] + edges[1:]) / 2, report["per_position"][method]["loss_mean"], style[1:], label=method)
+        ret_ax.plot(distances, [report["retrieval"][method][str(d)]["accuracy"]["mean"] for d in distances], style,
                     label=method)
     ppl_ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="perplexity",
                title=f"perplexity ({report['protocol']})")
@@ -513,6 +514,9 @@ def plot_report(report: dict, path: Path):
     ret_ax.set(xscale="log", xlabel="distance to the repeat (tokens)", ylabel="accuracy", ylim=(-0.02, 1.02),
                title=f"retrieval: continue a {SPAN}-token span")
     ret_ax.set_xscale("log", base=2)
+    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")  # 90, 100, 200 rather than 9×10^1
+    ppl_ax.yaxis.set_major_formatter(plain)
+    ppl_ax.yaxis.set_minor_formatter(plain)
     for ax in (ppl_ax, pos_ax, ret_ax):
         ax.axvline(train_len, color="gray", linestyle="--", linewidth=1)
         ax.grid(alpha=0.3)
