@@ -514,9 +514,10 @@ def plot_report(report: dict, path: Path):
     ret_ax.set(xscale="log", xlabel="distance to the repeat (tokens)", ylabel="accuracy", ylim=(-0.02, 1.02),
                title=f"retrieval: continue a {SPAN}-token span")
     ret_ax.set_xscale("log", base=2)
-    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")  # 90, 100, 200 rather than 9×10^1
-    ppl_ax.yaxis.set_major_formatter(plain)
-    ppl_ax.yaxis.set_minor_formatter(plain)
+    # ticks at 1, 1.5, 2, 3, 5, 7 per decade, labelled 90, 100, 150 rather than 9×10^1
+    ppl_ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+    ppl_ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    ppl_ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     for ax in (ppl_ax, pos_ax, ret_ax):
         ax.axvline(train_len, color="gray", linestyle="--", linewidth=1)
         ax.grid(alpha=0.3)
