@@ -82,21 +82,25 @@ def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def to_hf_state_dict(model: Transformer) -> dict:
-    """Our weights under Hugging Face Llama names, with wq/wk permuted to rotate-half."""
-    args, sd = model.args, model.state_dict()
-    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
+def weight_names(args: ModelArgs):
+    """(our name, Hugging Face name, heads whose RoPE rows to permute or None) for every weight."""
+    yield "tok_embeddings.weight", "model.embed_tokens.weight", None
+    yield "norm.weight", "model.norm.weight", None
     if not args.tie_embeddings:
-        out["lm_head.weight"] = sd["output.weight"]
+        yield "output.weight", "lm_head.weight", None
+    heads = {"attention.wq": args.n_heads, "attention.wk": args.n_kv_heads}
     for i in range(args.n_layers):
         for ours, theirs in LAYER_KEYS.items():
-            w = sd[f"layers.{i}.{ours}.weight"]
-            if ours == "attention.wq":
-                w = interleaved_to_half(w, args.n_heads)
-            elif ours == "attention.wk":
-                w = interleaved_to_half(w, args.n_kv_heads)
-            out[f"model.layers.{i}.{theirs}.weight"] = w.contiguous()
-    return out
+            yield f"layers.{i}.{ours}.weight", f"model.layers.{i}.{theirs}.weight", heads.get(ours)
+
+
+def to_hf_state_dict(model: Transformer) -> dict:
+    """Our weights under Hugging Face Llama names, with wq/wk permuted to rotate-half."""
+    sd = model.state_dict()
+    return {
+        theirs: (sd[ours] if heads is None else interleaved_to_half(sd[ours], heads)).contiguous()
+        for ours, theirs, heads in weight_names(model.args)
+    }
 
 
 def hf_config(args: ModelArgs) -> dict:
@@ -187,18 +191,13 @@ def model_args_from_hf(config) -> ModelArgs:
 def from_hf_state_dict(state_dict: dict, config) -> Transformer:
     """A Transformer holding a Hugging Face Llama state dict (tensors keep their dtype)."""
     args = model_args_from_hf(config)
-    sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
-    ours = {"tok_embeddings.weight": sd["embed_tokens.weight"], "norm.weight": sd["norm.weight"]}
-    if not args.tie_embeddings:
-        ours["output.weight"] = sd["lm_head.weight"]
-    for i in range(args.n_layers):
-        for mine, theirs in LAYER_KEYS.items():
-            w = sd[f"layers.{i}.{theirs}.weight"]
-            if mine == "attention.wq":
-                w = half_to_interleaved(w, args.n_heads)
-            elif mine == "attention.wk":
-                w = half_to_interleaved(w, args.n_kv_heads)
-            ours[f"layers.{i}.{mine}.weight"] = w.contiguous()
+    missing = [theirs for _, theirs, _ in weight_names(args) if theirs not in state_dict]
+    if missing:
+        raise ValueError(f"not a Llama state dict for this config: {len(missing)} weights missing, e.g. {missing[0]}")
+    ours = {
+        ours: (state_dict[theirs] if heads is None else half_to_interleaved(state_dict[theirs], heads)).contiguous()
+        for ours, theirs, heads in weight_names(args)
+    }
     return model_from_state_dict(args, ours)
 
 
@@ -309,8 +308,6 @@ def import_hf(hf_dir: Path, run_dir: Path, force: bool = False):
     read_tokenizer(tokenizer_path)
     try:
         model = from_hf_state_dict(read_hf_weights(hf_dir), config)
-    except KeyError as e:
-        raise ConvertError(f"{hf_dir}: weight {e} is missing") from None
     except RuntimeError as e:
         raise ConvertError(f"{hf_dir}: weights do not match config.json ({str(e).splitlines()[0]})") from None
     tmp = fresh_output(run_dir, force)
