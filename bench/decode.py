@@ -2,6 +2,7 @@
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (BenchError, build_hf, build_ours, interleaved_medians, model_args, parser, print_table, run_main,
@@ -51,6 +52,25 @@ def step_seconds(model, positions: list[int], device, calls: int, repeats: int, 
     return {p: s / calls for p, s in medians.items()}
 
 
+@torch.inference_mode()
+def decode_bounds(model, device, repeats: int, progress) -> dict:
+    """What bounds a batch-1 decode step: the bare matrix-vector products over every weight matrix (each Linear
+    once), and a plain streaming read (a sum over 512 MB) for the bandwidth the memory itself gives."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    inputs = {w.shape[1]: torch.ones(1, w.shape[1], device=device, dtype=w.dtype) for w in weights}
+    big = torch.ones(128 << 20, device=device)
+
+    def matvecs():
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
+
+    seconds = interleaved_medians({"matvecs": matvecs, "read": big.sum}, device, 1, repeats, progress)
+    read_bytes_per_s = big.numel() * big.element_size() / seconds["read"]
+    return {"weight_bytes": nbytes, "matvec_seconds": seconds["matvecs"], "matvec_bytes_per_s": nbytes / seconds["matvecs"],
+            "stream_read_bytes_per_s": read_bytes_per_s, "stream_read_bound_seconds": nbytes / read_bytes_per_s}
+
+
 def main():
     p = parser(__doc__)
     p.add_argument("--compile", action="store_true", help="our decode step via torch.compile (generate(compile=True))")
@@ -92,10 +112,11 @@ def main():
             outputs[name] = methods[name](cli.new_tokens)
         return run
 
-    with tqdm(total=cli.repeats + 2 * cli.repeats + 1, desc="decode runs", disable=None) as progress:
+    with tqdm(total=cli.repeats + 4 * cli.repeats + 2, desc="decode runs", disable=None) as progress:
         seconds = interleaved_medians({name: record(name) for name in methods}, device, 0, cli.repeats, progress)
         calls = 4 if cli.smoke else 32
         step = step_seconds(ours, positions, device, calls, 2 * cli.repeats, progress)
+        bounds = decode_bounds(ours, device, 2 * cli.repeats, progress)
     n = cli.new_tokens
     agree = {other: sum(a == b for a, b in zip(outputs["ours_cached"], outputs[other])) for other in outputs}
     if dtype == torch.float32 and agree["ours_no_cache"] != n:  # bf16 kernels may legitimately flip a near-tie
@@ -104,18 +125,25 @@ def main():
     print(f"batch 1, {cli.prompt_len}-token prompt, {n} greedy new tokens, "
           f"{margs.dim}-dim {margs.n_layers}-layer model, context raised to {context}")
     print_table(["method", "tok/s", "seconds", "vs HF"], rows)
-    print_table(["decode step", "ms"], [[f"position {p}", s * 1e3] for p, s in step.items()])
+    print_table(["decode step", "ms"], [[f"position {p}", s * 1e3] for p, s in step.items()]
+                + [["bare matrix-vector products", bounds["matvec_seconds"] * 1e3],
+                   ["weights at the streaming-read rate", bounds["stream_read_bound_seconds"] * 1e3]])
+    print(f"{bounds['weight_bytes'] / 1e6:.1f} MB of weights per token: read at "
+          f"{bounds['matvec_bytes_per_s'] / 1e9:.1f} GB/s by the matrix-vector products, "
+          f"{bounds['stream_read_bytes_per_s'] / 1e9:.1f} GB/s by a plain streaming read")
     first, last = positions[0], positions[-1]
     ratios = {"cached_over_hf": seconds["hf_generate"] / seconds["ours_cached"],
               "cached_over_no_cache": seconds["ours_no_cache"] / seconds["ours_cached"],
-              f"step_{last}_over_step_{first}": step[last] / step[first]}
+              f"step_{last}_over_step_{first}": step[last] / step[first],
+              "matvec_share_of_step": bounds["matvec_seconds"] / step[first],
+              "bandwidth_bound_share_of_step": bounds["stream_read_bound_seconds"] / step[first]}
     print("  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     write_results(cli, "decode", {
         "config": "smoke" if cli.smoke else cli.config, "model_args": margs.to_dict(), "prompt_len": cli.prompt_len,
         "new_tokens": n, "dtype": str(dtype).removeprefix("torch."),
         "methods": {name: {"seconds": s, "tokens_per_second": n / s} for name, s in seconds.items()},
         "greedy_tokens_agreeing_with_ours_cached": agree,
-        "step_seconds_by_position": {str(p): s for p, s in step.items()}, "ratios": ratios})
+        "step_seconds_by_position": {str(p): s for p, s in step.items()}, "bounds": bounds, "ratios": ratios})
 
 
 if __name__ == "__main__":
