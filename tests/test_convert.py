@@ -10,14 +10,13 @@ import torch
 
 import convert
 from convert import load_model
-from test_extrapolate import build_tiny_run, one_thread  # noqa: F401 (a fixture)
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, one_thread):  # noqa: F811
-    return build_tiny_run(tmp_path_factory.mktemp("convert"), steps=5)[0]
+def run_dir(make_tiny_run, one_thread):
+    return make_tiny_run(5)[0]
 
 
 def test_to_hf_loads_in_transformers_with_the_same_logits(run_dir, tmp_path, capsys):

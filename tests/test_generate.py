@@ -11,7 +11,6 @@ import torch
 import generate
 from generate import TextStream, decode_steps, sample, set_rope
 from model import ModelArgs, Transformer
-from test_extrapolate import build_tiny_run, one_thread  # noqa: F401 (a fixture)
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16)
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
@@ -119,8 +118,8 @@ def test_text_stream_holds_back_incomplete_characters():
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, one_thread):  # noqa: F811
-    return build_tiny_run(tmp_path_factory.mktemp("generate"), steps=20)[0]
+def run_dir(make_tiny_run, one_thread):
+    return make_tiny_run(20)[0]
 
 
 def test_command_streams_and_summarises(run_dir, capsys):

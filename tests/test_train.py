@@ -15,7 +15,7 @@ import torch
 import train
 from data.loader import RandomBatches
 from data.prepare import prepare
-from model import ModelArgs, Transformer
+from model import Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {

@@ -1,0 +1,57 @@
+"""Shared test helpers: a tiny dataset with a briefly trained run directory, and one torch thread for tiny models."""
+import numpy as np
+import pytest
+import torch
+
+from convert import save_model
+from data.loader import RandomBatches
+from data.prepare import prepare
+from model import ModelArgs, Transformer
+
+TRAIN_LEN = 32
+
+
+def write_corpus(directory, num_docs=12, words_per_doc=2500, seed=0):
+    """Pseudo-English documents from a fixed random word list: learnable structure, no network."""
+    rng = np.random.default_rng(seed)
+    letters = list("etaoinshrdlucmfwypvbgk")
+    words = ["".join(rng.choice(letters, size=rng.integers(2, 7))) for _ in range(150)]
+    directory.mkdir()
+    for doc in range(num_docs):
+        picks = rng.zipf(1.3, size=words_per_doc) % len(words)
+        lines = [" ".join(words[i] for i in picks[start : start + 12]) + "." for start in range(0, words_per_doc, 12)]
+        (directory / f"doc{doc:02d}.txt").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def build_tiny_run(root, steps=60) -> tuple:
+    """(run_dir, data_dir): a dataset prepared with data.prepare and a tiny model trained on it for a few steps."""
+    data_dir = prepare(str(write_corpus(root / "corpus")), vocab_size=320, out_dir=root / "data", command=["test"])
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=TRAIN_LEN,
+                                  multiple_of=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = RandomBatches(data_dir, "train", batch_size=16, seq_len=TRAIN_LEN)
+    for _ in range(steps):
+        x, y = batches.next_batch()
+        optimizer.zero_grad()
+        model(x, y).backward()
+        optimizer.step()
+    run_dir = save_model(model.eval(), root / "run", {"data": {"dir": str(data_dir)}, "train": {"seq_len": TRAIN_LEN}},
+                         tokenizer=data_dir / "tokenizer.model")
+    return run_dir, data_dir
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine two threads stall each other (10×)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_run(tmp_path_factory):
+    """make_tiny_run(steps) -> (run_dir, data_dir), each in a fresh directory."""
+    return lambda steps=60: build_tiny_run(tmp_path_factory.mktemp("run"), steps)
