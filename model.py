@@ -158,7 +158,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seqlen, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seqlen, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seqlen, self.n_kv_heads, self.head_dim)
-        q, k, v = apply_rotary(q, freqs_cis).transpose(1, 2), apply_rotary(k, freqs_cis).transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rotary(q, freqs_cis).transpose(1, 2), apply_rotary(k, freqs_cis).transpose(1, 2)
+        v = v.transpose(1, 2)
         if start_pos is not None:
             k, v = self.cache.update(start_pos, k, v)
         out = F.scaled_dot_product_attention(

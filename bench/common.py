@@ -18,12 +18,7 @@ import torch  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
-BUILTIN_CONFIGS = {
-    "small": dict(dim=288, n_layers=6, n_heads=6, max_seq_len=256, vocab_size=4096),
-    "base": dict(dim=768, n_layers=12, n_heads=12, max_seq_len=1024, vocab_size=32000),  # ≈ GPT-2 small, 124M
-}
 CPU_PEAK_FLOPS_PER_THREAD = 95e9  # fp32 matmul peak on the 2-core dev machine: 190 GFLOP/s; else --peak-tflops
-GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 tensor-core peaks
 
 
 class BenchError(Exception):
@@ -61,19 +56,17 @@ def setup(args) -> tuple[torch.device, torch.dtype]:
 
 
 def model_args(name: str) -> ModelArgs:
-    """ModelArgs for a built-in name, configs/NAME.toml or a .toml path (its [model] section)."""
+    """ModelArgs of configs/NAME.toml or of a .toml path (its [model] section)."""
     path = Path(name) if name.endswith(".toml") else REPO_ROOT / "configs" / f"{name}.toml"
-    if path.is_file():
-        try:
-            section = tomllib.loads(path.read_text()).get("model")
-            if not isinstance(section, dict):
-                raise BenchError(f"{path} has no [model] section")
-            return ModelArgs.from_dict(section)
-        except (tomllib.TOMLDecodeError, ValueError, TypeError) as e:
-            raise BenchError(f"{path}: {e}") from None
-    if name in BUILTIN_CONFIGS:
-        return ModelArgs(**BUILTIN_CONFIGS[name])
-    raise BenchError(f"no config {name!r}: not built in ({', '.join(BUILTIN_CONFIGS)}) and no {path}")
+    if not path.is_file():
+        raise BenchError(f"no config {name!r}: no {path}")
+    try:
+        section = tomllib.loads(path.read_text()).get("model")
+        if not isinstance(section, dict):
+            raise BenchError(f"{path} has no [model] section")
+        return ModelArgs.from_dict(section)
+    except (tomllib.TOMLDecodeError, ValueError, TypeError) as e:
+        raise BenchError(f"{path}: {e}") from None
 
 
 def build_ours(args: ModelArgs, device, dtype, seed: int = 0) -> Transformer:
@@ -125,13 +118,15 @@ def interleaved_medians(steps: dict, device, warmup: int, repeats: int, progress
 
 
 def peak_flops(args, device) -> float | None:
-    """Peak FLOP/s of the device for MFU: --peak-tflops, the CPU constant, or a GPU table (None if unknown)."""
+    """Peak FLOP/s of the device for MFU: --peak-tflops, the CPU constant, or train.py's GPU table (None if unknown)."""
     if getattr(args, "peak_tflops", None) is not None:
         return args.peak_tflops * 1e12
     if torch.device(device).type == "cpu":
         return CPU_PEAK_FLOPS_PER_THREAD * torch.get_num_threads()
+    from train import GPU_BF16_PEAK_TFLOPS
+
     name = torch.cuda.get_device_name(device)
-    return next((peak for gpu, peak in GPU_PEAK_FLOPS.items() if gpu in name), None)
+    return next((tflops * 1e12 for gpu, tflops in GPU_BF16_PEAK_TFLOPS if gpu in name), None)
 
 
 def cpu_model() -> str:
