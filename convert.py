@@ -1,4 +1,4 @@
-"""Run directories (model.safetensors + config.json + tokenizer.model) and Hugging Face Llama export/import."""
+"""Hugging Face Llama export and import: weight and config mapping, and the to-hf / from-hf command line."""
 import json
 import os
 import shutil
@@ -10,50 +10,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from checkpoint import load_model, model_from_state_dict, save_model
 from model import ModelArgs, Transformer
-
-def save_model(model: Transformer, run_dir, config: dict | None = None, tokenizer=None) -> Path:
-    """Write model.safetensors, config.json ({"model": ModelArgs, **config}) and a copy of tokenizer.model."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.args.tie_embeddings:
-        del state["output.weight"]  # the same tensor as tok_embeddings.weight
-    save_file(state, run_dir / "model.safetensors")
-    (run_dir / "config.json").write_text(json.dumps({"model": model.args.to_dict(), **(config or {})}, indent=2))
-    if tokenizer is not None and Path(tokenizer).resolve() != (run_dir / "tokenizer.model").resolve():
-        shutil.copyfile(tokenizer, run_dir / "tokenizer.model")
-    return run_dir
-
-
-def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
-    """The model saved in run_dir and its config.json; ValueError naming what is missing or wrong."""
-    run_dir = Path(run_dir)
-    for name in ("model.safetensors", "config.json"):
-        if not (run_dir / name).is_file():
-            raise ValueError(f"{run_dir} is not a picollama run directory: {name} is missing")
-    try:
-        config = json.loads((run_dir / "config.json").read_text())
-        args = ModelArgs.from_dict(config["model"])
-        state = load_file(run_dir / "model.safetensors", device=str(device))
-    except (json.JSONDecodeError, KeyError, TypeError, SafetensorError) as e:
-        raise ValueError(f"{run_dir}: unreadable checkpoint ({type(e).__name__}: {e})") from None
-    try:
-        return model_from_state_dict(args, state), config
-    except RuntimeError as e:
-        raise ValueError(f"{run_dir}: weights do not match config.json ({str(e).splitlines()[0]})") from None
-
-
-def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
-    """A Transformer of args holding state's tensors as they are (dtype, device), without a random init."""
-    if args.tie_embeddings:
-        state = {**state, "output.weight": state["tok_embeddings.weight"]}
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.load_state_dict(state, assign=True)
-    if args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    return model
 
 
 # picollama name -> Hugging Face name, per layer
@@ -106,7 +64,7 @@ def to_hf_state_dict(model: Transformer) -> dict:
 def hf_config(args: ModelArgs) -> dict:
     """A LlamaConfig dict for our ModelArgs."""
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
-    original_len = args.rope_original_max_seq_len or args.max_seq_len
+    original_len = args.original_seq_len
     max_positions = args.max_seq_len
     if args.rope_scaling == "ntk":  # static NTK is a change of base: plain RoPE with a larger theta
         rope["rope_theta"] = args.rope_theta * args.rope_factor ** (args.head_dim / (args.head_dim - 2))

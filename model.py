@@ -47,6 +47,11 @@ class ModelArgs:
             raise ValueError(f"rope_factor must be >= 1, not {self.rope_factor}")
 
     @property
+    def original_seq_len(self) -> int:
+        """The context RoPE scaling stretches from: rope_original_max_seq_len, else max_seq_len."""
+        return self.rope_original_max_seq_len or self.max_seq_len
+
+    @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
@@ -89,7 +94,7 @@ def rope_frequencies(args: ModelArgs, seq_len: int) -> tuple[torch.Tensor, float
     cached key and value (of every layer) is then stale, and decoding must recompute (see generate.py).
     """
     d, base, s = args.head_dim, args.rope_theta, args.rope_factor
-    original_len = args.rope_original_max_seq_len or args.max_seq_len
+    original_len = args.original_seq_len
     exponents = torch.arange(0, d, 2, dtype=torch.float32) / d
     if args.rope_scaling == "ntk":
         base = base * s ** (d / (d - 2))

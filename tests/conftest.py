@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from convert import save_model
+from checkpoint import save_model
 from data.loader import RandomBatches
 from data.prepare import prepare
 from model import ModelArgs, Transformer

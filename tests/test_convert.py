@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import convert
-from convert import load_model
+from checkpoint import load_model
 
 transformers = pytest.importorskip("transformers")
 

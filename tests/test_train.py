@@ -126,7 +126,7 @@ def test_loss_falls(dataset, tmp_path):
     assert curve[60] < curve[1] - 1.5, curve
     val = losses(tmp_path / "run", "val_loss")
     assert val[60] < val[6] and (tmp_path / "run" / "model.safetensors").is_file()
-    from convert import load_model
+    from checkpoint import load_model
 
     model, saved = load_model(tmp_path / "run")
     assert saved["train"]["seq_len"] == 32 and saved["data"]["dir"] == str(dataset)

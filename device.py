@@ -1,0 +1,57 @@
+"""Where and in what precision to run: the device, the dtype, native bf16 on CPUs, and peak FLOP/s for MFU."""
+from pathlib import Path
+
+import torch
+
+from cli import UserError
+
+# Dense bf16 tensor-core peaks (TFLOP/s) by device-name substring; the first match wins.
+GPU_BF16_PEAK_TFLOPS = (
+    ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0),
+    ("A10G", 70.0), ("RTX 4090", 165.0), ("RTX 3090", 71.0),
+)
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    """The named device (cpu, cuda, cuda:1, mps), or cuda when available else cpu; UserError if unusable."""
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"device {name!r}: not a device (examples: cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {name!r}: CUDA is not available on this machine")
+    return device
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU does bf16 arithmetic natively (AVX-512 BF16 or AMX), where bf16 matmuls beat fp32."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """The named dtype, else bfloat16 on a GPU that supports it (float16 otherwise) and float32 on CPU."""
+    if name is None:
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if name not in DTYPES:
+        raise UserError(f"dtype {name!r}: choose float32, bfloat16 or float16")
+    return DTYPES[name]
+
+
+def peak_flops(device: torch.device, tflops: float | None = None) -> float | None:
+    """Peak FLOP/s for MFU: `tflops` when given, else the GPU table; None when unknown (CPUs)."""
+    if tflops is not None:
+        return tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak * 1e12 for key, peak in GPU_BF16_PEAK_TFLOPS if key in name), None)
