@@ -1,4 +1,7 @@
-"""What every command shares: the one error type for user mistakes, the `error:` exit, and atomic outputs."""
+"""What every command shares: the one error type for user mistakes, an argument parser raising it, the `error:` exit,
+and atomic outputs."""
+
+import argparse
 import os
 import shutil
 import sys
@@ -9,6 +12,13 @@ from pathlib import Path
 
 class UserError(ValueError):
     """A mistake the user fixes by changing the command, config, data or paths: one `error:` line, exit status 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are UserErrors, so that run_command prints them as one `error:` line."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see --help)")
 
 
 def one_line(e: BaseException) -> str:
@@ -85,10 +95,11 @@ def check_writable(path, inputs=(), directory: bool = False):
             raise UserError(f"the output {path} overlaps the input {given}; choose another output")
     if path.exists() and path.is_dir() != directory:
         raise UserError(f"cannot write {path}: it is {'a file' if directory else 'a directory'}")
-    parent = path.parent
+    existing = next(p for p in path.parents if p.exists())  # test there: creating folders would leave them behind
+    if not existing.is_dir():
+        raise UserError(f"cannot write {path}: {existing} is a file, not a directory")
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name}.check-"):
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".picollama-check-"):
             pass
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None

@@ -1,6 +1,6 @@
 """Hugging Face Llama export and import: weight and config mapping, and the to-hf / from-hf command line."""
+
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -10,9 +10,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from checkpoint import load_model, model_from_state_dict, save_model
+from checkpoint import load_model, model_from_state_dict, read_tokenizer, save_model
+from cli import ArgumentParser, UserError, atomic_output, check_writable, run_command
 from model import ModelArgs, Transformer
-
 
 # picollama name -> Hugging Face name, per layer
 LAYER_KEYS = {
@@ -74,13 +74,19 @@ def hf_config(args: ModelArgs) -> dict:
             max_positions = original_len
     elif args.rope_scaling == "yarn":
         rope.update(
-            rope_type="yarn", factor=args.rope_factor, original_max_position_embeddings=original_len,
-            beta_fast=32.0, beta_slow=1.0,
+            rope_type="yarn",
+            factor=args.rope_factor,
+            original_max_position_embeddings=original_len,
+            beta_fast=32.0,
+            beta_slow=1.0,
         )
     elif args.rope_scaling == "llama3":
         rope.update(
-            rope_type="llama3", factor=args.rope_factor, original_max_position_embeddings=original_len,
-            low_freq_factor=args.rope_low_freq_factor, high_freq_factor=args.rope_high_freq_factor,
+            rope_type="llama3",
+            factor=args.rope_factor,
+            original_max_position_embeddings=original_len,
+            low_freq_factor=args.rope_low_freq_factor,
+            high_freq_factor=args.rope_high_freq_factor,
         )
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -123,8 +129,11 @@ def model_args_from_hf(config) -> ModelArgs:
         if rope_type in ("yarn", "llama3"):
             kwargs["rope_original_max_seq_len"] = rope.get("original_max_position_embeddings")
         if rope_type == "yarn" and (
-            rope.get("beta_fast") not in (None, 32) or rope.get("beta_slow") not in (None, 1)
-            or rope.get("attention_factor") is not None or rope.get("mscale") or rope.get("mscale_all_dim")
+            rope.get("beta_fast") not in (None, 32)
+            or rope.get("beta_slow") not in (None, 1)
+            or rope.get("attention_factor") is not None
+            or rope.get("mscale")
+            or rope.get("mscale_all_dim")
         ):
             raise ValueError("yarn is implemented with beta_fast=32, beta_slow=1 and the default attention factor only")
         if rope_type == "llama3":
@@ -162,67 +171,39 @@ def from_hf_state_dict(state_dict: dict, config) -> Transformer:
 # ---------------------------------------------------------------- command line
 
 
-class ConvertError(ValueError):
-    """Bad input to the command line: printed as one `error:` line, exit status 2."""
-
-
-def fresh_output(out_dir: Path, force: bool) -> Path:
-    """A temporary directory beside out_dir to write into (renamed by replace_dir); refuses to clobber."""
-    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not force:
-        raise ConvertError(f"{out_dir} exists and is not empty; pass --force to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    return tmp
-
-
-def replace_dir(tmp: Path, out_dir: Path):
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
-
-
-def read_tokenizer(path: Path):
-    import sentencepiece as spm
-
-    try:
-        return spm.SentencePieceProcessor(model_file=str(path))
-    except Exception:
-        raise ConvertError(f"{path} is not a sentencepiece model") from None
-
-
-def export_hf(run_dir: Path, hf_dir: Path, force: bool = False):
+def export_hf(run_dir: Path, hf_dir: Path):
     """Write run_dir as a Hugging Face Llama directory (config.json, model.safetensors, tokenizer)."""
     model, _ = load_model(run_dir)
     tokenizer_path = run_dir / "tokenizer.model"
     if not tokenizer_path.is_file():
-        raise ConvertError(f"{run_dir} has no tokenizer.model")
+        raise UserError(f"{run_dir} has no tokenizer.model")
     tokenizer = read_tokenizer(tokenizer_path)
     dtype = str(model.output.weight.dtype).removeprefix("torch.")
-    special = {name: tokenizer.id_to_piece(i) if i >= 0 else None for name, i in
-               (("bos_token", tokenizer.bos_id()), ("eos_token", tokenizer.eos_id()), ("unk_token", tokenizer.unk_id()))}
-    config = hf_config(model.args) | {"bos_token_id": tokenizer.bos_id(), "eos_token_id": tokenizer.eos_id(),
-                                      "torch_dtype": dtype}
-    tmp = fresh_output(hf_dir, force)
-    try:
+    ids = {"bos_token": tokenizer.bos_id(), "eos_token": tokenizer.eos_id(), "unk_token": tokenizer.unk_id()}
+    special = {name: tokenizer.id_to_piece(i) if i >= 0 else None for name, i in ids.items()}
+    config = hf_config(model.args) | {
+        "bos_token_id": tokenizer.bos_id(),
+        "eos_token_id": tokenizer.eos_id(),
+        "torch_dtype": dtype,
+    }
+    # our tokenizers have no dummy prefix ("a" is not "▁a"); Hugging Face adds one unless told
+    dummy_prefix = tokenizer.encode_as_pieces("a")[0].startswith("\u2581")
+    tokenizer_config = {
+        "tokenizer_class": "LlamaTokenizer",
+        **special,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "add_prefix_space": dummy_prefix,
+        "legacy": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model.args.max_seq_len,
+    }
+    with atomic_output(hf_dir) as tmp:
+        tmp.mkdir()
         save_file(to_hf_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.model")
-        # our tokenizers have no dummy prefix ("a" is not "▁a"); Hugging Face adds one unless told
-        dummy_prefix = tokenizer.encode_as_pieces("a")[0].startswith("\u2581")
-        tokenizer_config = {"tokenizer_class": "LlamaTokenizer", **special, "add_bos_token": True,
-                            "add_eos_token": False, "add_prefix_space": dummy_prefix, "legacy": False,
-                            "clean_up_tokenization_spaces": False, "model_max_length": model.args.max_seq_len}
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-        replace_dir(tmp, hf_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def read_hf_weights(hf_dir: Path) -> dict:
@@ -234,57 +215,49 @@ def read_hf_weights(hf_dir: Path) -> dict:
         try:
             files = [hf_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
         except (json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise ConvertError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
+            raise UserError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
     else:
-        raise ConvertError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json "
-                           "(PyTorch .bin checkpoints are not read: re-save with safe_serialization)")
+        raise UserError(
+            f"{hf_dir} has no model.safetensors or model.safetensors.index.json "
+            "(PyTorch .bin checkpoints are not read: re-save with safe_serialization)"
+        )
     state = {}
     for path in tqdm(files, desc="reading weights", unit="file", disable=len(files) == 1 or None):
         try:
             state.update(load_file(path))
         except (OSError, SafetensorError) as e:
-            raise ConvertError(f"{path}: unreadable weights ({e})") from None
+            raise UserError(f"{path}: unreadable weights ({e})") from None
     return state
 
 
-def import_hf(hf_dir: Path, run_dir: Path, force: bool = False):
+def import_hf(hf_dir: Path, run_dir: Path):
     """Write a Hugging Face Llama directory (sentencepiece tokenizer.model, safetensors) as a run directory."""
     try:
         config = json.loads((hf_dir / "config.json").read_text())
     except FileNotFoundError:
-        raise ConvertError(f"{hf_dir} has no config.json: not a Hugging Face model directory") from None
+        raise UserError(f"{hf_dir} has no config.json: not a Hugging Face model directory") from None
     except json.JSONDecodeError as e:
-        raise ConvertError(f"{hf_dir}/config.json: not JSON ({e})") from None
+        raise UserError(f"{hf_dir}/config.json: not JSON ({e})") from None
     try:
         model_args_from_hf(config)  # fails early on an architecture we do not implement
     except (KeyError, TypeError, AttributeError) as e:
-        raise ConvertError(f"{hf_dir}/config.json is not a Hugging Face Llama config ({type(e).__name__}: {e})") from None
+        raise UserError(f"{hf_dir}/config.json is not a Hugging Face Llama config ({type(e).__name__}: {e})") from None
     tokenizer_path = hf_dir / "tokenizer.model"
     if not tokenizer_path.is_file():
-        raise ConvertError(f"{hf_dir} has no sentencepiece tokenizer.model (tokenizer.json-only tokenizers are "
-                           "not supported)")
+        raise UserError(
+            f"{hf_dir} has no sentencepiece tokenizer.model (tokenizer.json-only tokenizers are not supported)"
+        )
     read_tokenizer(tokenizer_path)
     try:
         model = from_hf_state_dict(read_hf_weights(hf_dir), config)
     except RuntimeError as e:
-        raise ConvertError(f"{hf_dir}: weights do not match config.json ({str(e).splitlines()[0]})") from None
-    tmp = fresh_output(run_dir, force)
-    try:
+        raise UserError(f"{hf_dir}: weights do not match config.json ({str(e).splitlines()[0]})") from None
+    with atomic_output(run_dir) as tmp:
         save_model(model, tmp, {"converted_from": {"hf_dir": str(hf_dir), "config": config}}, tokenizer=tokenizer_path)
-        replace_dir(tmp, run_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
-def main(argv=None) -> int:
-    import argparse
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise ConvertError(f"{message} (see --help)")
-
-    parser = Parser(prog="python convert.py", description=__doc__)
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="python convert.py", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     to_hf = commands.add_parser("to-hf", help="export a run directory for transformers.AutoModelForCausalLM")
     to_hf.add_argument("run_dir", type=Path)
@@ -294,20 +267,15 @@ def main(argv=None) -> int:
     from_hf.add_argument("run_dir", type=Path)
     for sub in (to_hf, from_hf):
         sub.add_argument("--force", action="store_true", help="replace a non-empty output directory")
-    try:
-        args = parser.parse_args(argv)
-        if args.command == "to-hf":
-            export_hf(args.run_dir, args.hf_dir, args.force)
-            out = args.hf_dir
-        else:
-            import_hf(args.hf_dir, args.run_dir, args.force)
-            out = args.run_dir
-    except ValueError as e:  # ConvertError, and load_model's and model_args_from_hf's errors
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    args = parser.parse_args(argv)
+    source, out = (args.run_dir, args.hf_dir) if args.command == "to-hf" else (args.hf_dir, args.run_dir)
+    check_writable(out, inputs=[source], directory=True)
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        raise UserError(f"{out} exists and is not empty; pass --force to replace it")
+    (export_hf if args.command == "to-hf" else import_hf)(source, out)
     print(f"wrote {out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -1,4 +1,5 @@
 """Where and in what precision to run: the device, the dtype, native bf16 on CPUs, and peak FLOP/s for MFU."""
+
 from pathlib import Path
 
 import torch
@@ -7,11 +8,24 @@ from cli import UserError
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by device-name substring; the first match wins.
 GPU_BF16_PEAK_TFLOPS = (
-    ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0),
-    ("A10G", 70.0), ("RTX 4090", 165.0), ("RTX 3090", 71.0),
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("RTX 4090", 165.0),
+    ("RTX 3090", 71.0),
 )
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def pick_device(name: str | None = None) -> torch.device:

@@ -1,4 +1,5 @@
 """The picollama decoder: RMSNorm pre-norm blocks, RoPE attention (GQA, static KV cache, SDPA), SwiGLU FFN."""
+
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -93,8 +94,7 @@ def rope_frequencies(args: ModelArgs, seq_len: int) -> tuple[torch.Tensor, float
     base·s^(d/(d-2)); `dynamic` takes s from the current length, so its frequencies change as it grows: every
     cached key and value (of every layer) is then stale, and decoding must recompute (see generate.py).
     """
-    d, base, s = args.head_dim, args.rope_theta, args.rope_factor
-    original_len = args.original_seq_len
+    d, base, s, original_len = args.head_dim, args.rope_theta, args.rope_factor, args.original_seq_len
     exponents = torch.arange(0, d, 2, dtype=torch.float32) / d
     if args.rope_scaling == "ntk":
         base = base * s ** (d / (d - 2))
@@ -116,13 +116,19 @@ def rope_frequencies(args: ModelArgs, seq_len: int) -> tuple[torch.Tensor, float
         return inv_freq / s * ramp + inv_freq * (1 - ramp), attention_scale
     if args.rope_scaling == "llama3":
         wavelen = 2 * math.pi / inv_freq
-        smooth = (original_len / wavelen - args.rope_low_freq_factor) / (
-            args.rope_high_freq_factor - args.rope_low_freq_factor
-        )
+        low, high = args.rope_low_freq_factor, args.rope_high_freq_factor
+        smooth = (original_len / wavelen - low) / (high - low)
         scaled = (1 - smooth) * inv_freq / s + smooth * inv_freq
-        scaled = torch.where(wavelen > original_len / args.rope_low_freq_factor, inv_freq / s, scaled)
-        return torch.where(wavelen < original_len / args.rope_high_freq_factor, inv_freq, scaled), 1.0
+        scaled = torch.where(wavelen > original_len / low, inv_freq / s, scaled)
+        return torch.where(wavelen < original_len / high, inv_freq, scaled), 1.0
     return inv_freq, 1.0
+
+
+def rope_rotations(args: ModelArgs, start: int, end: int, device) -> torch.Tensor:
+    """Complex rotations (end-start, head_dim/2) for positions start..end-1 of an end-token sequence, in float32."""
+    inv_freq, scale = rope_frequencies(args, end)
+    angles = torch.outer(torch.arange(start, end, device=device, dtype=torch.float32), inv_freq.to(device))
+    return torch.polar(torch.full_like(angles, scale), angles)
 
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -139,6 +145,17 @@ class KVCache(nn.Module):
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def check(self, start_pos: int, batch: int, seqlen: int):
+        """ValueError unless `batch` sequences of `seqlen` tokens at positions start_pos.. fit the cache."""
+        cache_batch, _, cache_len, _ = self.k.shape
+        if start_pos < 0 or start_pos + seqlen > cache_len:
+            where = f"positions {start_pos}..{start_pos + seqlen - 1}"
+            raise ValueError(
+                f"{where} do not fit the KV cache of {cache_len} tokens; raise max_seq_len in setup_cache()"
+            )
+        if batch > cache_batch:
+            raise ValueError(f"batch of {batch} exceeds the KV cache's {cache_batch}; raise max_batch_size")
 
     def update(self, input_pos: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, kv heads, T, head dim) at positions input_pos.. and return all keys and values so far."""
@@ -207,6 +224,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.rope_table: tuple[torch.Tensor | None, ModelArgs | None] = (None, None)  # see rope()
         self.init_weights()
 
     @torch.no_grad()
@@ -231,10 +249,22 @@ class Transformer(nn.Module):
             layer.attention.cache = None
 
     def rope(self, start: int, end: int, device) -> torch.Tensor:
-        """Complex rotations (end-start, head_dim/2) for positions start..end-1 of an end-token sequence, in float32."""
-        inv_freq, scale = rope_frequencies(self.args, end)
-        angles = torch.outer(torch.arange(start, end, device=device, dtype=torch.float32), inv_freq.to(device))
-        return torch.polar(torch.full_like(angles, scale), angles)
+        """Complex rotations (end-start, head_dim/2) for positions start..end-1 of an end-token sequence, in float32.
+
+        Static RoPE slices a table over max(max_seq_len, KV cache length) positions, rebuilt when the device or args
+        change (.to(), weights loaded onto a meta model, a new model.args); dynamic NTK and longer ends are computed."""
+        device = torch.device(device)
+        if self.args.rope_scaling == "dynamic":  # its frequencies depend on end
+            return rope_rotations(self.args, start, end, device)
+        table, args = self.rope_table
+        if table is None or table.device != device or args is not self.args or end > table.shape[0]:
+            cache = self.layers[0].attention.cache
+            length = max(self.args.max_seq_len, 0 if cache is None else cache.k.shape[2])
+            if end > length:
+                return rope_rotations(self.args, start, end, device)
+            with torch.inference_mode(False):  # a table first built while sampling must also serve training
+                table, args = self.rope_table = rope_rotations(self.args, 0, length, device), self.args
+        return table[start:end]
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, start_pos: int | None = None):
         """Logits (B, T, vocab), or the mean cross-entropy when targets are given (-100 is ignored).
@@ -247,15 +277,8 @@ class Transformer(nn.Module):
         if start_pos is not None:
             cache = self.layers[0].attention.cache
             if cache is None:
-                raise ValueError("start_pos needs a KV cache: call model.setup_cache(max_batch_size, max_seq_len) first")
-            cache_batch, _, cache_len, _ = cache.k.shape
-            if start_pos < 0 or end > cache_len:
-                raise ValueError(
-                    f"positions {start_pos}..{end - 1} do not fit the KV cache of {cache_len} tokens; "
-                    "raise max_seq_len in setup_cache()"
-                )
-            if batch > cache_batch:
-                raise ValueError(f"batch of {batch} exceeds the KV cache's {cache_batch}; raise max_batch_size")
+                raise ValueError("start_pos needs a KV cache: call setup_cache(max_batch_size, max_seq_len) first")
+            cache.check(start_pos, batch, seqlen)
             if seqlen > 1 and start_pos > 0:  # a chunk after earlier tokens: query i sees keys 0..start_pos+i
                 positions = torch.arange(end, device=tokens.device)
                 mask = positions[None, :] <= positions[start_pos:, None]

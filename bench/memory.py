@@ -1,4 +1,5 @@
 """Peak memory of training steps (forward + backward + AdamW), ours vs HF's Llama, each in a fresh process."""
+
 import argparse
 import gc
 import json
@@ -6,11 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import common
 import torch
 from tqdm import tqdm
 
-from common import (BenchError, build_hf, build_ours, model_args, parser, print_table, run_main, setup, sync,
-                    write_results)
+from cli import UserError, run_command
 from model import ModelArgs
 
 DEFAULT_SHAPES = {"small": (16, 256), "base": (4, 512)}  # (batch, seq_len): base at B=4, T=512 fits 24 GB easily
@@ -22,7 +23,7 @@ def proc_status_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024  # kB
-    raise BenchError(f"/proc/self/status has no {field}: CPU memory needs Linux")
+    raise UserError(f"/proc/self/status has no {field}: CPU memory needs Linux")
 
 
 def reset_cpu_peak() -> bool:
@@ -36,18 +37,18 @@ def reset_cpu_peak() -> bool:
 
 def measure_child(cli, device, dtype) -> dict:
     """In this (fresh) process: the model's resident/allocated bytes, then the extra peak of two training steps."""
-    margs = ModelArgs(**SMOKE) if cli.config == "smoke" else model_args(cli.config)
-    ours = build_ours(margs, device, dtype).train()
+    margs = ModelArgs(**SMOKE) if cli.config == "smoke" else common.model_args(cli.config)
+    ours = common.build_ours(margs, device, dtype).train()
     model = ours
     if cli.child == "hf":
-        model = build_hf(ours).train()
+        model = common.build_hf(ours).train()
         del ours
     gc.collect()
     tokens = torch.randint(0, margs.vocab_size, (cli.batch_size, cli.seq_len + 1)).to(device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if device.type == "cuda":
-        sync(device)
+        common.sync(device)
         baseline = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         peak_reset = True
@@ -59,55 +60,88 @@ def measure_child(cli, device, dtype) -> dict:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    sync(device)
+    common.sync(device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else proc_status_bytes("VmHWM")
-    return {"params": sum(p.numel() for p in model.parameters()), "baseline_bytes": baseline, "peak_bytes": peak,
-            "step_peak_bytes": peak - baseline, "peak_reset_after_building": peak_reset}
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "baseline_bytes": baseline,
+        "peak_bytes": peak,
+        "step_peak_bytes": peak - baseline,
+        "peak_reset_after_building": peak_reset,
+    }
 
 
 def run_case(config: str, who: str, batch: int, seq_len: int, cli) -> dict:
-    command = [sys.executable, __file__, "--child", who, "--config", config, "--batch-size", str(batch),
-               "--seq-len", str(seq_len), "--device", cli.device]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        who,
+        "--config",
+        config,
+        "--batch-size",
+        str(batch),
+        "--seq-len",
+        str(seq_len),
+        "--device",
+        cli.device,
+    ]
     if cli.threads:
         command += ["--threads", str(cli.threads)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise BenchError(f"measuring {who} at {config} failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise UserError(f"measuring {who} at {config} failed: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main():
-    p = parser(__doc__)
+def main(argv: list[str]) -> int:
+    p = common.parser(__doc__, "memory")
     p.add_argument("--config", default="small,base", help="comma-separated: small, base, configs/NAME.toml names")
     p.add_argument("--batch-size", type=int, help="sequences per step (default: small 16, base 4, else 8)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: small 256, base 512)")
     p.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)  # internal: measure in this process
-    cli = p.parse_args()
-    device, dtype = setup(cli)
+    cli = common.parse(p, argv)
+    device, dtype = common.setup(cli)
     if cli.child:
         print(json.dumps(measure_child(cli, device, dtype)))
-        return
+        return 0
     names = ["smoke"] if cli.smoke else [n.strip() for n in cli.config.split(",") if n.strip()]
     cases = []
     for name in names:
-        margs = ModelArgs(**SMOKE) if name == "smoke" else model_args(name)
+        margs = ModelArgs(**SMOKE) if name == "smoke" else common.model_args(name)
         batch, seq_len = (2, 32) if name == "smoke" else DEFAULT_SHAPES.get(name, (8, margs.max_seq_len))
         cases.append((name, cli.batch_size or batch, cli.seq_len or seq_len))
     if min(min(b, t) for _, b, t in cases) < 1:
-        raise BenchError("--batch-size and --seq-len must be positive")
+        raise UserError("--batch-size and --seq-len must be positive")
     results = []
     for name, batch, seq_len in tqdm(cases, desc="memory cases (fresh processes)", disable=None):
         measured = {who: run_case(name, who, batch, seq_len, cli) for who in ("ours", "hf")}
-        results.append({"config": name, "batch_size": batch, "seq_len": seq_len, **measured,
-                        "ratio_ours_over_hf": measured["ours"]["step_peak_bytes"] / measured["hf"]["step_peak_bytes"]})
+        results.append(
+            {
+                "config": name,
+                "batch_size": batch,
+                "seq_len": seq_len,
+                **measured,
+                "ratio_ours_over_hf": measured["ours"]["step_peak_bytes"] / measured["hf"]["step_peak_bytes"],
+            }
+        )
     what = "peak allocated (CUDA)" if device.type == "cuda" else "peak resident set (VmHWM)"
     print(f"{what} during two training steps, minus the memory after building the model")
-    rows = [[r["config"], f"{r['batch_size']}x{r['seq_len']}", r["ours"]["baseline_bytes"] / MIB,
-             r["ours"]["step_peak_bytes"] / MIB, r["hf"]["step_peak_bytes"] / MIB, r["ratio_ours_over_hf"]]
-            for r in results]
-    print_table(["config", "batch", "RSS before MiB", "ours step MiB", "HF step MiB", "ours/HF"], rows)
-    write_results(cli, "memory", {"measure": what, "dtype": str(dtype).removeprefix("torch."), "results": results})
+    rows = [
+        [
+            r["config"],
+            f"{r['batch_size']}x{r['seq_len']}",
+            r["ours"]["baseline_bytes"] / MIB,
+            r["ours"]["step_peak_bytes"] / MIB,
+            r["hf"]["step_peak_bytes"] / MIB,
+            r["ratio_ours_over_hf"],
+        ]
+        for r in results
+    ]
+    common.print_table(["config", "batch", "RSS before MiB", "ours step MiB", "HF step MiB", "ours/HF"], rows)
+    common.write_results(cli, {"measure": what, "dtype": str(dtype).removeprefix("torch."), "results": results})
+    return 0
 
 
 if __name__ == "__main__":
-    run_main(main)
+    sys.exit(run_command(main))

@@ -1,11 +1,13 @@
 """Training throughput (forward + backward + AdamW): ours vs HF's LlamaForCausalLM, same weights, interleaved."""
-import math
 
+import math
+import sys
+
+import common
 import torch
 from tqdm import tqdm
 
-from common import (BenchError, build_hf, build_ours, interleaved_medians, maybe_compile, model_args, parser,
-                    peak_flops, print_table, run_main, setup, write_results)
+from cli import UserError, run_command
 from model import ModelArgs
 
 SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
@@ -23,27 +25,35 @@ def train_step(model, optimizer, loss_fn):
 
 
 def bench_config(name, margs, batch, seq_len, device, dtype, cli, progress):
-    ours = build_ours(margs, device, dtype).train()
-    hf = build_hf(ours).train()
+    ours = common.build_ours(margs, device, dtype).train()
+    hf = common.build_hf(ours).train()
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, margs.vocab_size, (batch, seq_len + 1), generator=generator).to(device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    ours_c, hf_c = maybe_compile(ours, cli.compile), maybe_compile(hf, cli.compile)
+    ours_c, hf_c = common.maybe_compile(ours, cli.compile), common.maybe_compile(hf, cli.compile)
     with torch.no_grad():  # same weights, same batch: the two losses must agree before we time anything
         loss_ours, loss_hf = ours_c(x, targets=y).item(), hf_c(input_ids=x, labels=y, shift_labels=y).loss.item()
     if not math.isclose(loss_ours, loss_hf, rel_tol=1e-2 if dtype == torch.bfloat16 else 1e-4):
-        raise BenchError(f"{name}: our loss {loss_ours:.5f} != Hugging Face's {loss_hf:.5f}; the comparison is off")
+        raise UserError(f"{name}: our loss {loss_ours:.5f} != Hugging Face's {loss_hf:.5f}; the comparison is off")
     steps = {
         "ours": train_step(ours_c, torch.optim.AdamW(ours.parameters(), lr=1e-4), lambda m: m(x, targets=y)),
-        "hf": train_step(hf_c, torch.optim.AdamW(hf.parameters(), lr=1e-4),
-                         lambda m: m(input_ids=x, labels=y, shift_labels=y).loss),
+        "hf": train_step(
+            hf_c, torch.optim.AdamW(hf.parameters(), lr=1e-4), lambda m: m(input_ids=x, labels=y, shift_labels=y).loss
+        ),
     }
-    seconds = interleaved_medians(steps, device, cli.warmup, cli.steps, progress)
+    seconds = common.interleaved_medians(steps, device, cli.warmup, cli.steps, progress)
     tokens_per_step = batch * seq_len
-    peak = peak_flops(cli, device)
-    result = {"config": name, "model_args": margs.to_dict(), "params": ours.num_params(), "batch_size": batch,
-              "seq_len": seq_len, "dtype": str(dtype).removeprefix("torch."), "compile": cli.compile,
-              "initial_loss": {"ours": loss_ours, "hf": loss_hf}}
+    peak = common.mfu_peak_flops(cli, device)
+    result = {
+        "config": name,
+        "model_args": margs.to_dict(),
+        "params": ours.num_params(),
+        "batch_size": batch,
+        "seq_len": seq_len,
+        "dtype": str(dtype).removeprefix("torch."),
+        "compile": cli.compile,
+        "initial_loss": {"ours": loss_ours, "hf": loss_hf},
+    }
     for who, s in seconds.items():
         result[who] = {"step_seconds": s, "tokens_per_second": tokens_per_step / s}
         if peak:
@@ -52,28 +62,31 @@ def bench_config(name, margs, batch, seq_len, device, dtype, cli, progress):
     return result
 
 
-def main():
-    p = parser(__doc__)
+def main(argv: list[str]) -> int:
+    p = common.parser(__doc__, "train")
     p.add_argument("--compile", action="store_true", help="torch.compile both models (for GPU runs)")
-    p.add_argument("--peak-tflops", type=float,
-                   help="the device's peak for MFU (default: 0.095 per CPU thread, or a table of GPUs)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="the device's peak for MFU (default: 0.095 per CPU thread, or a table of GPUs)",
+    )
     p.add_argument("--config", default="small,default", help="comma-separated: small, base, configs/NAME.toml names")
     p.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's max_seq_len)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each model first (default 2)")
     p.add_argument("--steps", type=int, default=7, help="timed steps of each model, interleaved (default 7)")
-    cli = p.parse_args()
-    device, dtype = setup(cli)
+    cli = common.parse(p, argv)
+    device, dtype = common.setup(cli)
     if min(cli.batch_size or 1, cli.seq_len or 1, cli.steps, cli.warmup + 1) < 1:
-        raise BenchError("--batch-size, --seq-len and --steps must be positive, --warmup not negative")
+        raise UserError("--batch-size, --seq-len and --steps must be positive, --warmup not negative")
     if cli.smoke:
         cases, cli.warmup, cli.steps = [("smoke", ModelArgs(**SMOKE), 2, 32)], 1, 2
     else:
         cases = []
         for name in (n.strip() for n in cli.config.split(",") if n.strip()):
             try:
-                margs = model_args(name)
-            except BenchError as e:
+                margs = common.model_args(name)
+            except UserError as e:
                 if name != "default":
                     raise
                 print(f"skipping default: {e}")  # configs/default.toml is written by the training engineer
@@ -83,12 +96,22 @@ def main():
     with tqdm(total=len(cases) * (cli.warmup + cli.steps), desc="train steps (ours+hf)", disable=None) as progress:
         for case in cases:
             results.append(bench_config(*case, device, dtype, cli, progress))
-    rows = [[r["config"], r["params"] / 1e6, f"{r['batch_size']}x{r['seq_len']}", r["ours"]["tokens_per_second"],
-             r["hf"]["tokens_per_second"], r["ratio_ours_over_hf"],
-             f"{100 * r['ours']['mfu']:.1f}%" if "mfu" in r["ours"] else "-"] for r in results]
-    print_table(["config", "params (M)", "batch", "ours tok/s", "HF tok/s", "ours/HF", "ours MFU"], rows)
-    write_results(cli, "train", {"results": results})
+    rows = [
+        [
+            r["config"],
+            r["params"] / 1e6,
+            f"{r['batch_size']}x{r['seq_len']}",
+            r["ours"]["tokens_per_second"],
+            r["hf"]["tokens_per_second"],
+            r["ratio_ours_over_hf"],
+            f"{100 * r['ours']['mfu']:.1f}%" if "mfu" in r["ours"] else "-",
+        ]
+        for r in results
+    ]
+    common.print_table(["config", "params (M)", "batch", "ours tok/s", "HF tok/s", "ours/HF", "ours MFU"], rows)
+    common.write_results(cli, {"results": results})
+    return 0
 
 
 if __name__ == "__main__":
-    run_main(main)
+    sys.exit(run_command(main))

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data import DataError
+from cli import UserError
 
 SPLITS = ("train", "val")
 
@@ -15,16 +15,16 @@ def load_meta(data_dir) -> dict:
     """The dataset's meta.json as a dict."""
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
-        raise DataError(f"{data_dir} is not a prepared dataset (no meta.json); run python data/prepare.py first")
+        raise UserError(f"{data_dir} is not a prepared dataset (no meta.json); run python data/prepare.py first")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
-        raise DataError(f"{path} is not valid JSON ({exc}); prepare the dataset again with --force") from None
+        raise UserError(f"{path} is not valid JSON ({exc}); prepare the dataset again with --force") from None
 
 
 def _check_split(split: str) -> None:
     if split not in SPLITS:
-        raise DataError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+        raise UserError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
 
 
 def open_tokens(data_dir, split) -> np.memmap:
@@ -51,9 +51,9 @@ def _to_device(windows: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]
 
 def _check_fits(tokens: np.ndarray, split: str, seq_len: int) -> None:
     if seq_len < 1:
-        raise DataError(f"seq_len must be at least 1, got {seq_len}")
+        raise UserError(f"seq_len must be at least 1, got {seq_len}")
     if seq_len + 1 > len(tokens):
-        raise DataError(f"seq_len {seq_len} needs {seq_len + 1} tokens but the {split} split has only {len(tokens)}")
+        raise UserError(f"seq_len {seq_len} needs {seq_len + 1} tokens but the {split} split has only {len(tokens)}")
 
 
 class RandomBatches:
@@ -61,7 +61,7 @@ class RandomBatches:
 
     def __init__(self, data_dir, split, batch_size, seq_len, seed=0, rank=0, world_size=1, device="cpu"):
         if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is outside world_size {world_size}")
+            raise UserError(f"rank {rank} is outside world_size {world_size}")
         self.tokens = open_tokens(data_dir, split)
         _check_fits(self.tokens, split, seq_len)
         self.batch_size, self.seq_len, self.device = batch_size, seq_len, device
@@ -81,7 +81,7 @@ class RandomBatches:
 
     def load_state_dict(self, state: dict) -> None:
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
-            raise DataError(
+            raise UserError(
                 f"loader state is for rank {state['rank']} of {state['world_size']}, "
                 f"not rank {self.rank} of {self.world_size}"
             )
@@ -106,13 +106,13 @@ def eval_batches(data_dir, split, batch_size, seq_len, max_batches=None, device=
 
 def document_windows(data_dir, split, length, num_windows, seed=0) -> np.ndarray:
     """(num_windows, length) int64 windows each lying inside a single document (documents shorter than length are
-    skipped; DataError if none is long enough); deterministic for a seed."""
+    skipped; UserError if none is long enough); deterministic for a seed."""
     tokens = open_tokens(data_dir, split)
     starts = doc_offsets(data_dir, split)
     lengths = np.diff(np.append(starts, len(tokens)))
     usable = lengths >= length
     if not usable.any():
-        raise DataError(
+        raise UserError(
             f"no {split} document is {length} tokens long (the longest has {lengths.max()}); "
             "use a shorter length or a corpus with longer documents"
         )

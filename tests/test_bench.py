@@ -1,22 +1,26 @@
 """Each bench script runs end to end in its tiny --smoke mode and writes sane JSON; bad input is one error line."""
+
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parent.parent
 
 
 def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, f"bench/{script}.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, f"bench/{script}.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.parametrize("script", ["train", "decode", "memory", "data"])
 def test_smoke_run_writes_results(script, tmp_path):
+    if script != "data":
+        pytest.importorskip("transformers")  # the model benchmarks compare with its LlamaForCausalLM
     out = tmp_path / f"{script}.json"
     done = run_bench(script, "--smoke", *([] if script == "data" else ["--threads", "1"]), "--out", str(out))
     assert done.returncode == 0, done.stderr
@@ -51,3 +55,25 @@ def test_bad_input_is_one_error_line(script, args, message, tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("error: ") and message in done.stderr and "Traceback" not in done.stderr
     assert not out.exists()
+
+
+def test_the_repository_root_comes_before_bench(tmp_path):
+    # as `python bench/NAME.py` with PYTHONPATH=. sets it up: bench/ first, then the root; bench/train.py and
+    # bench/data.py must not stand in for train.py and the data package
+    find = "import common, importlib.util; print(*(importlib.util.find_spec(m).origin for m in ('train', 'data')))"
+    done = subprocess.run(
+        [sys.executable, "-c", find],
+        cwd=REPO / "bench",
+        capture_output=True,
+        text=True,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(REPO / "train.py"), str(REPO / "data" / "__init__.py")]
+
+
+def test_an_unwritable_output_is_refused_before_measuring(tmp_path):
+    (tmp_path / "file").write_text("")
+    done = run_bench("data", "--smoke", "--out", str(tmp_path / "file" / "out.json"))
+    assert done.returncode == 2 and done.stderr.startswith("error: cannot write") and done.stderr.count("\n") == 1
+    assert done.stdout == ""  # nothing was measured

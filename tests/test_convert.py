@@ -1,4 +1,6 @@
-"""`python convert.py to-hf / from-hf`: round trips through Hugging Face's LlamaForCausalLM with equal logits."""
+"""convert.py: the Hugging Face weight and config mapping (equal logits with LlamaForCausalLM both ways, an exact
+round trip) and the `to-hf` / `from-hf` command line."""
+
 import json
 import os
 import shutil
@@ -10,8 +12,65 @@ import torch
 
 import convert
 from checkpoint import load_model
+from cli import run_command
+from convert import from_hf_state_dict, hf_config, to_hf_state_dict
+from model import ModelArgs, Transformer
 
-transformers = pytest.importorskip("transformers")
+TINY = dict(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32, multiple_of=16)
+CONFIGS = {
+    "mha": ModelArgs(**TINY),
+    "gqa": ModelArgs(**TINY, n_kv_heads=2),
+    "tied": ModelArgs(**TINY, n_kv_heads=1, tie_embeddings=True),
+}
+
+
+def make_model(args: ModelArgs, seed=0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(args).eval()
+
+
+def hf_llama(args: ModelArgs, seed=0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**hf_config(args))
+    return transformers.LlamaForCausalLM(config).eval(), config
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_from_hf_matches_hf_logits(name):
+    hf, config = hf_llama(CONFIGS[name])
+    with torch.no_grad():  # HF's default init is too small to tell permutations apart: give it real variance
+        for p in hf.parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 1.0)
+    ours = from_hf_state_dict(hf.state_dict(), config).eval()
+    tokens = torch.randint(0, 97, (2, 24))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = ours(tokens)
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_to_hf_matches_our_logits(name):
+    ours = make_model(CONFIGS[name])
+    hf, _ = hf_llama(CONFIGS[name], seed=1)
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(ours), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    tokens = torch.randint(0, 97, (2, 24))
+    with torch.no_grad():
+        assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= 1e-4
+
+
+def test_hf_round_trip_is_exact():
+    ours = make_model(CONFIGS["tied"])
+    back = from_hf_state_dict(to_hf_state_dict(ours), hf_config(ours.args))
+    assert back.args.hidden_dim == ours.args.hidden_dim
+    assert {k: v for k, v in back.args.to_dict().items() if k not in ("multiple_of", "ffn_hidden_dim")} == {
+        k: v for k, v in ours.args.to_dict().items() if k not in ("multiple_of", "ffn_hidden_dim")
+    }
+    assert back.output.weight is back.tok_embeddings.weight
+    for k, v in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +79,8 @@ def run_dir(make_tiny_run, one_thread):
 
 
 def test_to_hf_loads_in_transformers_with_the_same_logits(run_dir, tmp_path, capsys):
-    assert convert.main(["to-hf", str(run_dir), str(tmp_path / "hf")]) == 0
+    transformers = pytest.importorskip("transformers")
+    assert run_command(convert.main, ["to-hf", str(run_dir), str(tmp_path / "hf")]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'hf'}"
     ours, _ = load_model(run_dir)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -36,19 +96,44 @@ def test_to_hf_loads_in_transformers_with_the_same_logits(run_dir, tmp_path, cap
     for text in ["ab cd ef.", "  two spaces\nand a line", "Héllo ✓ 123"]:
         assert tokenizer(text).input_ids == [sp.bos_id(), *sp.encode(text)]
     # the output is not overwritten without --force
-    assert convert.main(["to-hf", str(run_dir), str(tmp_path / "hf")]) == 2
+    assert run_command(convert.main, ["to-hf", str(run_dir), str(tmp_path / "hf")]) == 2
     assert "--force" in capsys.readouterr().err
-    assert convert.main(["to-hf", str(run_dir), str(tmp_path / "hf"), "--force"]) == 0
+    assert run_command(convert.main, ["to-hf", str(run_dir), str(tmp_path / "hf"), "--force"]) == 0
+
+
+def test_an_output_overlapping_the_input_is_refused_even_with_force(run_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    before = sorted(p.name for p in run.iterdir())
+    for out in (run, run / "hf", tmp_path):  # the run itself, inside it, and a folder holding it
+        assert run_command(convert.main, ["to-hf", str(run), str(out), "--force"]) == 2
+        assert "overlaps the input" in capsys.readouterr().err
+        assert sorted(p.name for p in run.iterdir()) == before
+    assert run_command(convert.main, ["from-hf", str(run), str(run), "--force"]) == 2
+    assert "overlaps the input" in capsys.readouterr().err
+    assert load_model(run)[0].args.vocab_size == 320
 
 
 def random_hf_llama(directory, shard=False, **overrides):
     """A random LlamaForCausalLM saved with save_pretrained (GQA, llama3 RoPE scaling), with a tokenizer.model."""
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 4.0, "original_max_position_embeddings": 16,
-                      "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
         **overrides,
     )
     model = transformers.LlamaForCausalLM(config).eval()
@@ -61,7 +146,7 @@ def test_from_hf_gives_the_same_logits(run_dir, tmp_path, shard, tied):
     theirs = random_hf_llama(tmp_path / "hf", shard=shard, tie_word_embeddings=tied)
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == shard
     shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
-    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    assert run_command(convert.main, ["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
     ours, config = load_model(tmp_path / "run")
     assert ours.args.rope_scaling == "llama3" and ours.args.n_kv_heads == 2 and "converted_from" in config
     assert ours.args.tie_embeddings == tied
@@ -73,26 +158,35 @@ def test_from_hf_gives_the_same_logits(run_dir, tmp_path, shard, tied):
 
 def test_from_hf_refuses_what_it_cannot_read(run_dir, tmp_path, capsys):
     random_hf_llama(tmp_path / "hf")
-    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
+    assert run_command(convert.main, ["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
     assert "no sentencepiece tokenizer.model" in capsys.readouterr().err
     shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"model_type": "mistral",
-                                                                      "architectures": ["MistralForCausalLM"]}))
-    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
+    (tmp_path / "hf" / "config.json").write_text(
+        json.dumps(config | {"model_type": "mistral", "architectures": ["MistralForCausalLM"]})
+    )
+    assert run_command(convert.main, ["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
     assert "not a Llama model" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing half-written
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["to-hf", "{missing}", "{out}"], "not a picollama run directory"),
-    (["from-hf", "{run}", "{out}"], "not a Hugging Face Llama config"),
-    (["sideways", "{run}", "{out}"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["to-hf", "{missing}", "{out}"], "not a picollama run directory"),
+        (["from-hf", "{run}", "{out}"], "not a Hugging Face Llama config"),
+        (["sideways", "{run}", "{out}"], "invalid choice"),
+    ],
+)
 def test_command_errors_are_one_line(run_dir, tmp_path, argv, message):
     argv = [a.format(run=run_dir, missing=tmp_path / "missing", out=tmp_path / "out") for a in argv]
-    result = subprocess.run([sys.executable, "convert.py", *argv], capture_output=True, text=True,
-                            env=os.environ | {"OMP_NUM_THREADS": "1"}, cwd=os.path.dirname(convert.__file__))
+    result = subprocess.run(
+        [sys.executable, "convert.py", *argv],
+        capture_output=True,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        cwd=os.path.dirname(convert.__file__),
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("error:") and message in result.stderr and result.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()

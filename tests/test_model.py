@@ -1,20 +1,16 @@
-"""model.py against the seed documents' worked numbers, against itself (cache, causality) and against Hugging Face's Llama."""
+"""model.py against the seed documents' worked numbers and against itself (cache, causality, the RoPE table)."""
+
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from convert import from_hf_state_dict, hf_config, to_hf_state_dict
-from model import FeedForward, ModelArgs, RMSNorm, Transformer, apply_rotary
-
-transformers = pytest.importorskip("transformers")
+import model as model_module
+from model import FeedForward, ModelArgs, RMSNorm, Transformer, apply_rotary, rope_rotations
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32, multiple_of=16)
-CONFIGS = {
-    "mha": ModelArgs(**TINY),
-    "gqa": ModelArgs(**TINY, n_kv_heads=2),
-    "tied": ModelArgs(**TINY, n_kv_heads=1, tie_embeddings=True),
-}
+CONFIGS = {"mha": ModelArgs(**TINY), "gqa": ModelArgs(**TINY, n_kv_heads=2)}
 
 
 def make_model(args: ModelArgs, seed=0) -> Transformer:
@@ -91,49 +87,6 @@ def test_causality():
     assert not torch.allclose(a[:, 12:], b[:, 12:])
 
 
-def hf_llama(args: ModelArgs, seed=0):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**hf_config(args))
-    return transformers.LlamaForCausalLM(config).eval(), config
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_from_hf_matches_hf_logits(name):
-    hf, config = hf_llama(CONFIGS[name])
-    with torch.no_grad():  # HF's default init is too small to tell permutations apart: give it real variance
-        for p in hf.parameters():
-            p.normal_(0, 0.2 if p.dim() > 1 else 1.0)
-    ours = from_hf_state_dict(hf.state_dict(), config).eval()
-    tokens = torch.randint(0, 97, (2, 24))
-    with torch.no_grad():
-        expected = hf(tokens).logits
-        got = ours(tokens)
-    assert (got - expected).abs().max().item() <= 1e-4
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_to_hf_matches_our_logits(name):
-    ours = make_model(CONFIGS[name])
-    hf, _ = hf_llama(CONFIGS[name], seed=1)
-    missing, unexpected = hf.load_state_dict(to_hf_state_dict(ours), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    tokens = torch.randint(0, 97, (2, 24))
-    with torch.no_grad():
-        assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= 1e-4
-
-
-def test_hf_round_trip_is_exact():
-    ours = make_model(CONFIGS["tied"])
-    back = from_hf_state_dict(to_hf_state_dict(ours), hf_config(ours.args))
-    assert back.args.hidden_dim == ours.args.hidden_dim
-    assert {k: v for k, v in back.args.to_dict().items() if k not in ("multiple_of", "ffn_hidden_dim")} == {
-        k: v for k, v in ours.args.to_dict().items() if k not in ("multiple_of", "ffn_hidden_dim")
-    }
-    assert back.output.weight is back.tok_embeddings.weight
-    for k, v in ours.state_dict().items():
-        assert torch.equal(back.state_dict()[k], v), k
-
-
 def test_tiny_model_overfits_a_batch():
     model = make_model(ModelArgs(**TINY, n_kv_heads=2)).train()
     tokens = torch.randint(0, 97, (4, 17))
@@ -200,3 +153,70 @@ def test_rope_is_float32_past_max_seq_len():
     freqs = model.rope(0, 1100, "cpu")  # far past max_seq_len=32; 1001 is not representable in bf16
     assert freqs.dtype == torch.complex64 and freqs.shape == (1100, 8)
     assert abs(freqs[1001, 0].item() - complex(math.cos(1001), math.sin(1001))) < 1e-3
+
+
+SCALINGS = [
+    dict(rope_scaling="none"),
+    dict(rope_scaling="linear", rope_factor=4.0),
+    dict(rope_scaling="yarn", rope_factor=4.0),
+    dict(rope_scaling="dynamic", rope_factor=4.0),
+]
+
+
+@pytest.mark.parametrize("scaling", SCALINGS, ids=lambda d: d["rope_scaling"])
+def test_rope_table_equals_computing_the_rotations(scaling):
+    model = make_model(ModelArgs(**{**TINY, **scaling}))
+    model.setup_cache(max_batch_size=1, max_seq_len=48)  # the table covers the cache past max_seq_len=32
+    for start, end in [(0, 32), (5, 6), (40, 48), (90, 100)]:  # the last lies past the table
+        assert torch.equal(model.rope(start, end, "cpu"), rope_rotations(model.args, start, end, "cpu"))
+
+
+def test_decoding_does_not_recompute_the_rotations(monkeypatch):
+    model = make_model(CONFIGS["gqa"])
+    calls, compute = [], model_module.rope_frequencies
+    monkeypatch.setattr(model_module, "rope_frequencies", lambda *a: calls.append(a) or compute(*a))
+    model.setup_cache(max_batch_size=1, max_seq_len=32)
+    with torch.no_grad():
+        model(torch.zeros(1, 8, dtype=torch.long), start_pos=0)
+        for pos in range(8, 20):
+            model(torch.zeros(1, 1, dtype=torch.long), start_pos=pos)
+    assert len(calls) == 1
+
+
+def test_rope_table_follows_meta_loading_dtype_and_new_args():
+    source = make_model(CONFIGS["gqa"])
+    tokens = torch.randint(0, 97, (1, 20))
+    with torch.device("meta"):  # as checkpoint.model_from_state_dict builds models
+        model = Transformer(CONFIGS["gqa"]).eval()
+    model.load_state_dict(source.state_dict(), assign=True)
+    assert torch.equal(model(tokens), source(tokens))
+    model.to(torch.bfloat16)
+    assert model.rope(0, 4, "cpu").dtype == torch.complex64
+    assert model.rope(0, 4, "meta").device.type == "meta"
+    model.args = dataclasses.replace(model.args, rope_scaling="linear", rope_factor=4.0, rope_original_max_seq_len=8)
+    assert torch.equal(model.rope(0, 32, "cpu"), rope_rotations(model.args, 0, 32, "cpu"))
+    model.args = CONFIGS["gqa"]
+    assert torch.equal(model.rope(0, 32, "cpu"), source.rope(0, 32, "cpu"))
+
+
+def test_a_rope_table_built_while_sampling_serves_training():
+    model = make_model(CONFIGS["mha"]).train()
+    tokens = torch.randint(0, 97, (1, 9))
+    with torch.inference_mode():
+        model(tokens)
+    model(tokens[:, :-1], targets=tokens[:, 1:]).backward()  # inference tensors cannot be saved for backward
+    assert model.tok_embeddings.weight.grad is not None
+
+
+def test_compiled_decode_step_follows_new_rope_args():
+    model = make_model(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=50, max_seq_len=16))
+    step = torch.compile(model, dynamic=True, backend="eager")  # dynamo's tracing is what the RoPE table must pass
+    tokens = torch.randint(0, 50, (1, 10))
+    for scaling in (dict(rope_scaling="none"), dict(rope_scaling="linear", rope_factor=4.0)):  # as generate.py does
+        model.args = dataclasses.replace(model.args, **scaling)
+        model.setup_cache(max_batch_size=1, max_seq_len=16)
+        with torch.no_grad():
+            expected = make_model(model.args)(tokens)[:, 4:]  # the same weights, built for these args
+            model(tokens[:, :4], start_pos=0)
+            got = torch.cat([step(tokens[:, p : p + 1], start_pos=p) for p in range(4, 10)], 1)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -1,17 +1,19 @@
-"""RoPE scaling: our inverse frequencies and attention scale against transformers' own RoPE functions; dynamic + cache stays exact."""
+"""RoPE scaling: our inverse frequencies and attention scale against transformers' own RoPE functions; the KV
+cache stays exact past the training length."""
+
 import pytest
 import torch
 
 from convert import hf_config
 from model import ModelArgs, Transformer, rope_frequencies
 
-transformers = pytest.importorskip("transformers")
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
-
 BASE = dict(dim=256, n_heads=4, n_layers=1, vocab_size=64, max_seq_len=512, rope_theta=10000.0)
 
 
 def hf_rope(args: ModelArgs, seq_len: int):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     config = transformers.LlamaConfig(**hf_config(args))
     rope_type = config.rope_parameters["rope_type"]
     if rope_type == "default":
@@ -32,8 +34,13 @@ def hf_rope(args: ModelArgs, seq_len: int):
         dict(rope_scaling="yarn", rope_factor=8.0),
         dict(rope_scaling="yarn", rope_factor=3.0, rope_theta=500000.0),
         dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_seq_len=128),
-        dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_seq_len=8192, rope_theta=500000.0,
-             max_seq_len=131072),
+        dict(
+            rope_scaling="llama3",
+            rope_factor=8.0,
+            rope_original_max_seq_len=8192,
+            rope_theta=500000.0,
+            max_seq_len=131072,
+        ),
     ],
     ids=lambda d: "-".join(str(v) for v in d.values()),
 )
@@ -55,8 +62,9 @@ def test_yarn_attention_temperature():
 @pytest.mark.parametrize("method", ["none", "linear", "ntk", "yarn", "llama3"])
 def test_cache_equals_full_forward_past_training_length(method):
     torch.manual_seed(0)
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=16,
-                     rope_scaling=method, rope_factor=4.0)
+    args = ModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=16, rope_scaling=method, rope_factor=4.0
+    )
     model = Transformer(args).eval()
     with torch.no_grad():  # larger weights than the init's, so that attention is sharp and positions matter
         for p in model.parameters():

@@ -1,4 +1,6 @@
 """train.py: learning, gradient accumulation, FSDP2 = one process, exact resume after SIGKILL, wandb, clear errors."""
+
+import itertools
 import json
 import os
 import random
@@ -7,12 +9,17 @@ import signal
 import subprocess
 import sys
 import time
+import types
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 
 import train
+from checkpoint import checkpoints
+from cli import run_command
+from config import build_config
 from data.loader import RandomBatches
 from data.prepare import prepare
 from model import Transformer
@@ -35,8 +42,10 @@ def dataset(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("train_data")
     rng = random.Random(0)
     for i in range(4):
-        speeches = [f"{rng.choice(['ROMEO', 'JULIET', 'LEAR'])}.\n" + " ".join(rng.choices(WORDS, k=rng.randint(4, 9)))
-                    for _ in range(500)]
+        speeches = [
+            f"{rng.choice(['ROMEO', 'JULIET', 'LEAR'])}.\n" + " ".join(rng.choices(WORDS, k=rng.randint(4, 9)))
+            for _ in range(500)
+        ]
         (root / "corpus").mkdir(exist_ok=True)
         (root / "corpus" / f"play{i}.txt").write_text(".\n\n".join(speeches) + ".\n")
     return prepare(str(root / "corpus"), 300, out_dir=root / "prepared")
@@ -47,13 +56,17 @@ def config_file(directory: Path, dataset: Path, **sections) -> Path:
     tables = {name: {**TINY.get(name, {}), **sections.get(name, {})} for name in {**TINY, **sections}}
     tables["data"] = {"dir": str(dataset), **tables.get("data", {})}
     path = directory / "config.toml"
-    path.write_text("".join(f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in table.items())
-                            for name, table in tables.items()))
+    path.write_text(
+        "".join(
+            f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in table.items())
+            for name, table in tables.items()
+        )
+    )
     return path
 
 
 def run_in_process(config: Path, out_dir: Path, *args: str) -> int:
-    return train.main(["--config", str(config), f"--train.out_dir={out_dir}", *args])
+    return run_command(train.main, ["--config", str(config), f"--train.out_dir={out_dir}", *args])
 
 
 def command(nproc: int) -> list[str]:
@@ -63,8 +76,14 @@ def command(nproc: int) -> list[str]:
 
 
 def run_subprocess(nproc: int, config: Path, out_dir: Path, *args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([*command(nproc), "--config", str(config), f"--train.out_dir={out_dir}", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*command(nproc), "--config", str(config), f"--train.out_dir={out_dir}", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def descendants(pid: int) -> list[int]:
@@ -88,11 +107,16 @@ def run_killed_then_resumed(nproc: int, config: Path, out_dir: Path, kill_after:
     """Start a (practically endless) run, SIGKILL it once checkpoint kill_after exists, resume to max_steps.
 
     Returns the step it resumed from."""
-    process = subprocess.Popen([*command(nproc), "--config", str(config), f"--train.out_dir={out_dir}",
-                                "--train.max_steps=100000"], cwd=REPO, start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [*command(nproc), "--config", str(config), f"--train.out_dir={out_dir}", "--train.max_steps=100000"],
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
-    while not [p for p in train.checkpoints(out_dir) if int(p.name[5:]) >= kill_after]:
+    while not [p for p in checkpoints(out_dir) if int(p.name[5:]) >= kill_after]:
         assert process.poll() is None, f"the run ended early: {process.stderr.read()}"
         assert time.time() < deadline, "no checkpoint within 120 s"
         time.sleep(0.01)
@@ -135,7 +159,7 @@ def test_loss_falls(dataset, tmp_path):
 
 def test_tiny_model_overfits_a_few_batches(dataset):
     torch.manual_seed(0)
-    cfg = train.build_config({"model": TINY["model"], "optim": {"lr": 1e-2, "weight_decay": 0.0}}, [])
+    cfg = build_config({"model": TINY["model"], "optim": {"lr": 1e-2, "weight_decay": 0.0}}, [])
     model = Transformer(cfg.model)
     optimizer = train.build_optimizer(model, cfg, torch.device("cpu"))
     loader = RandomBatches(dataset, "train", 4, 32)
@@ -168,10 +192,58 @@ def test_activation_checkpointing_changes_no_number_and_no_name(dataset, tmp_pat
 
 
 def test_the_schedule_warms_up_then_decays_to_min_lr():
-    cfg = train.build_config({"train": {"max_steps": 100}, "optim": {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10}}, [])
+    cfg = build_config({"train": {"max_steps": 100}, "optim": {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10}}, [])
     lrs = [train.lr_at(step, cfg) for step in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_a_non_finite_gradient_norm_skips_the_update(dataset):
+    cfg = build_config({"model": TINY["model"]}, [])
+    model = Transformer(cfg.model)
+    optimizer = train.build_optimizer(model, cfg, torch.device("cpu"))
+    with torch.no_grad():
+        model.norm.weight[0] = float("nan")  # every logit, so the loss and every gradient, become NaN
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
+    _, grad_norm, applied = train.train_step(model, optimizer, x, y, 1e-3, cfg, train.Dist("cpu"), nullcontext())
+    assert not applied and not torch.isfinite(grad_norm) and not optimizer.state
+    assert all(torch.equal(p.nan_to_num(), before[name].nan_to_num()) for name, p in model.named_parameters())
+
+
+def test_due_every_interval_and_after_the_last_step():
+    assert [step for step in range(1, 101) if train.due(step, 25, 100)] == [25, 50, 75, 100]
+    assert [step for step in range(1, 31) if train.due(step, 7, 30)] == [7, 14, 21, 28, 30]
+    assert [step for step in range(1, 31) if train.due(step, 0, 30)] == [30]
+
+
+def test_tokens_per_s_counts_training_time_only(dataset, tmp_path, monkeypatch):
+    """On a clock where a step takes 1 s, an evaluation 100 s and a checkpoint 50 s, every logged rate is exactly
+    one batch per second, also for the intervals with an evaluation that falls between logging steps."""
+    now = [0.0]
+
+    def taking(seconds, function):
+        def timed(*args, **kwargs):
+            now[0] += seconds
+            return function(*args, **kwargs)
+
+        return timed
+
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(RandomBatches, "next_batch", taking(1.0, RandomBatches.next_batch))  # once a step
+    monkeypatch.setattr(train, "evaluate", taking(100.0, train.evaluate))
+    monkeypatch.setattr(train, "save_checkpoint", taking(50.0, train.save_checkpoint))
+    config = config_file(
+        tmp_path,
+        dataset,
+        train={"max_steps": 40, "log_interval": 10},
+        eval={"interval": 25},
+        checkpoint={"interval": 20},
+    )
+    assert run_in_process(config, tmp_path / "run") == 0
+    rates = losses(tmp_path / "run", "tokens_per_s")
+    assert sorted(rates) == [10, 20, 30, 40] and sorted(losses(tmp_path / "run", "val_loss")) == [25, 40]
+    assert all(rate == pytest.approx(8 * 32) for rate in rates.values()), rates
 
 
 # ---------------------------------------------------------------- FSDP2 and resume
@@ -193,7 +265,8 @@ def test_fsdp_two_ranks_match_one_process(runs):
     assert_close(losses(runs["single"]), losses(runs["two"]), 1e-5, steps=range(1, 13))
     assert_close(losses(runs["single"], "val_loss"), losses(runs["two"], "val_loss"), 1e-5, steps=[6, 12])
     stdout = runs["two_stdout"].read_text()
-    total, stored = (int(n.replace(",", "")) for n in stdout.split("model: ")[1].split(" stored")[0].split(" parameters, "))
+    counts = stdout.split("model: ")[1].split(" stored")[0].split(" parameters, ")
+    total, stored = (int(n.replace(",", "")) for n in counts)
     assert 0.45 * total <= stored <= 0.55 * total, stdout  # FSDP2 shards every parameter over the 2 ranks
 
 
@@ -220,29 +293,51 @@ def test_two_rank_checkpoint_resumes_in_one_process(runs, tmp_path):
 # ---------------------------------------------------------------- logging
 
 
-def test_wandb_offline_and_one_metrics_line_per_logged_step(dataset, tmp_path):
+def test_wandb_offline_one_metrics_line_per_logged_step_and_a_sample(dataset, tmp_path):
     config = config_file(tmp_path, dataset, checkpoint={"interval": 0})
-    result = run_subprocess(1, config, tmp_path / "run", "--wandb.enabled=true", "--train.log_interval=5",
-                            env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"})
+    result = run_subprocess(
+        1,
+        config,
+        tmp_path / "run",
+        "--wandb.enabled=true",
+        "--train.log_interval=5",
+        "--train.sample_tokens=8",
+        env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"},
+    )
     assert result.returncode == 0, result.stderr
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     entries = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in entries if "loss" in e] == [5, 10, 12]
     assert all({"lr", "grad_norm", "tokens_per_s", "mem_gb"} <= e.keys() for e in entries if "loss" in e)
     assert "done: the model is in" in result.stdout
+    sample = result.stdout.split("---- sample ----\n")[1].split("\n----------------")[0]
+    assert sample.strip(), result.stdout  # generate.py's continuation of the run's model
 
 
 # ---------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--train.max_step=3"], "unknown config key train.max_step (did you mean train.max_steps?)"),
-    (["--optim.lr=fast"], "--optim.lr: expected float, got 'fast'"),
-    (["--train.seq_len=64"], "train.seq_len (64) exceeds the model's context model.max_seq_len (32)"),
-    (["--train.batch_size=6", "--train.grad_accum=4"], "train.batch_size (6) must be divisible by train.grad_accum"),
-    (["--model.dim=33"], "[model] dim (33) must be divisible by n_heads (2)"),
-    (["--optim.lr=1e30", "--optim.warmup_steps=0"], "the loss is"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--train.max_step=3"], "unknown config key train.max_step (did you mean train.max_steps?)"),
+        (["--optim.lr=fast"], "--optim.lr: expected float, got 'fast'"),
+        (["--train.seq_len=64"], "train.seq_len (64) exceeds the model's context model.max_seq_len (32)"),
+        (
+            ["--train.batch_size=6", "--train.grad_accum=4"],
+            "train.batch_size (6) must be divisible by train.grad_accum",
+        ),
+        (["--model.dim=33"], "[model] dim (33) must be divisible by n_heads (2)"),
+        (["--optim.lr=1e30", "--optim.warmup_steps=0"], "the loss is"),
+        (["--optim.lr=nan"], "--optim.lr must be finite, not nan"),
+        (["--optim.lr=-1"], "--optim.lr must be positive, not -1.0"),
+        (["--train.batch_size=0"], "--train.batch_size must be positive, not 0"),
+        (["--checkpoint.interval=-1"], "--checkpoint.interval must be zero or more, not -1"),
+        (["--eval.interval=-5"], "--eval.interval must be zero or more, not -5"),
+        (["--optim.beta2=1"], "--optim.beta2 must be at least 0 and below 1, not 1.0"),
+        (["--train.device=tpu"], "--train.device must be one of auto, cpu, cuda, not 'tpu'"),
+    ],
+)
 def test_bad_config_is_one_line(dataset, tmp_path, capsys, args, message):
     assert run_in_process(config_file(tmp_path, dataset), tmp_path / "run", *args) == 2
     stderr = capsys.readouterr().err
@@ -253,6 +348,9 @@ def test_toml_type_errors_name_the_key(dataset, tmp_path, capsys):
     config = config_file(tmp_path, dataset, train={"batch_size": "8"})
     assert run_in_process(config, tmp_path / "run") == 2
     assert "config key train.batch_size must be int, not str '8'" in capsys.readouterr().err
+    config = config_file(tmp_path, dataset, checkpoint={"interval": -1})
+    assert run_in_process(config, tmp_path / "run") == 2
+    assert "config key checkpoint.interval must be zero or more, not -1" in capsys.readouterr().err
 
 
 def test_corrupt_or_mismatched_checkpoint_is_one_line(dataset, tmp_path, capsys):

@@ -1,0 +1,267 @@
+"""Training configuration: the sections of a TOML config, `--section.key=value` overrides, and their validation."""
+
+import difflib
+import math
+import re
+import tomllib
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from cli import ArgumentParser, UserError
+from model import ModelArgs
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
+
+
+@dataclass
+class DataConfig:
+    dir: str = "data/shakespeare"  # a prepared dataset (data/prepare.py); prepared from `source` if missing
+    source: str = "shakespeare"  # shakespeare | PATH | hf:NAME, as for data/prepare.py --source
+    vocab_size: int | None = None  # tokenizer size when preparing; None: model.vocab_size
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "out/default"  # the run directory
+    max_steps: int = 1000
+    batch_size: int = 16  # sequences per optimizer step, over all ranks and micro-steps
+    grad_accum: int = 1  # micro-steps per optimizer step
+    seq_len: int = 256
+    seed: int = 1337
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    compile: bool = False  # torch.compile each block
+    activation_checkpointing: bool = False
+    log_interval: int = 10
+    peak_tflops: float | None = None  # per device, for MFU; None: the GPU table (nothing on CPU)
+    sample_tokens: int = 200  # a sample printed at the end (0: none)
+    sample_prompt: str = ""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4  # the cosine decays to this at max_steps
+    warmup_steps: int = 100
+    weight_decay: float = 0.1  # on matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0: no clipping
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 250  # steps between validation runs (and at the end); 0: only at the end
+    batches: int = 20
+    batch_size: int = 16
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 500  # steps between checkpoints (and at the end); 0: only at the end
+    keep: int = 2  # train_state/step_* directories kept
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "picollama"
+    run_name: str | None = None  # None: the run directory's name
+
+
+@dataclass
+class Config:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def to_dict(self) -> dict:
+        return {f.name: asdict(getattr(self, f.name)) for f in fields(self)}
+
+
+# The range of each key that has one, checked as the key is read so that the error names it. Every float must also
+# be finite; ModelArgs checks its own fields.
+POSITIVE = {
+    "data.vocab_size",
+    "train.max_steps",
+    "train.batch_size",
+    "train.grad_accum",
+    "train.seq_len",
+    "train.log_interval",
+    "train.peak_tflops",
+    "optim.lr",
+    "optim.eps",
+    "eval.batches",
+    "eval.batch_size",
+    "checkpoint.keep",
+}
+NOT_NEGATIVE = {
+    "train.sample_tokens",
+    "optim.min_lr",
+    "optim.warmup_steps",
+    "optim.weight_decay",
+    "optim.grad_clip",
+    "eval.interval",
+    "checkpoint.interval",
+}
+BELOW_ONE = {"optim.beta1", "optim.beta2"}  # and not negative
+CHOICES = {"train.device": ("auto", "cpu", "cuda")}
+
+
+def section_types() -> dict[str, type]:
+    return {f.name: typing.get_type_hints(Config)[f.name] for f in fields(Config)}
+
+
+def field_types(cls) -> dict[str, object]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def unknown_key_error(key: str, valid: list[str]) -> UserError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]}?)" if close else f" (valid: {', '.join(valid)})"
+    return UserError(f"unknown config key {key}{hint}")
+
+
+def type_options(annotation) -> tuple[type, bool]:
+    """The field's type without None, and whether None is allowed."""
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return next(t for t in options if t is not type(None)), type(None) in options
+
+
+def range_problem(key: str, value) -> str | None:
+    """What a value of the right type fails to be, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "finite"
+    if key in POSITIVE and value <= 0:
+        return "positive"
+    if key in NOT_NEGATIVE and value < 0:
+        return "zero or more"
+    if key in BELOW_ONE and not 0 <= value < 1:
+        return "at least 0 and below 1"
+    if key in CHOICES and value not in CHOICES[key]:
+        return "one of " + ", ".join(CHOICES[key])
+    return None
+
+
+def check_value(key: str, name: str, value, annotation):
+    """value converted to the field's type (int → float is allowed) and checked against its range; UserError
+    naming the key (as `name`: "config key K" in a file, "--K" on the command line) otherwise."""
+    base, optional = type_options(annotation)
+    if value is None and optional:
+        return None
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+        wanted = base.__name__ + (" or none" if optional else "")
+        raise UserError(f"{name} must be {wanted}, not {type(value).__name__} {value!r}")
+    problem = range_problem(key, value)
+    if problem:
+        raise UserError(f"{name} must be {problem}, not {value!r}")
+    return value
+
+
+def parse_override(key: str, text: str, annotation):
+    """A command-line string parsed per the field's type and checked like a TOML value."""
+    base, optional = type_options(annotation)
+    if optional and text.lower() in ("none", "null"):
+        return None
+    try:
+        if base is bool:
+            value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[text.lower()]
+        else:
+            value = base(text)
+    except (KeyError, ValueError):
+        wanted = base.__name__ + (" or none" if optional else "")
+        raise UserError(f"--{key}: expected {wanted}, got {text!r}") from None
+    return check_value(key, f"--{key}", value, annotation)
+
+
+def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
+    """A Config from TOML sections plus (section.key, string) overrides; UserError names any bad key or value."""
+    sections = section_types()
+    values = {name: {} for name in sections}
+    for name, table in raw.items():
+        if name not in sections:
+            raise unknown_key_error(name, list(sections))
+        if not isinstance(table, dict):
+            raise UserError(f"config key {name} must be a [{name}] table")
+        types_ = field_types(sections[name])
+        for key, value in table.items():
+            if key not in types_:
+                raise unknown_key_error(f"{name}.{key}", [f"{name}.{k}" for k in types_])
+            values[name][key] = check_value(f"{name}.{key}", f"config key {name}.{key}", value, types_[key])
+    all_keys = [f"{name}.{k}" for name, cls in sections.items() for k in field_types(cls)]
+    for dotted, text in overrides:
+        name, _, key = dotted.partition(".")
+        if name not in sections or key not in field_types(sections[name]):
+            raise unknown_key_error(dotted, all_keys)
+        values[name][key] = parse_override(dotted, text, field_types(sections[name])[key])
+    built = {}
+    for name, cls in sections.items():
+        try:
+            built[name] = cls(**values[name])
+        except ValueError as e:
+            raise UserError(f"[{name}] {e}") from None
+    return Config(**built)
+
+
+def split_overrides(rest: list[str]) -> list[tuple[str, str]]:
+    """(section.key, text) pairs from `--section.key=value` or `--section.key value` arguments."""
+    overrides, i = [], 0
+    while i < len(rest):
+        match = re.fullmatch(r"--([A-Za-z_]\w*\.\w+)(?:=(.*))?", rest[i], re.S)
+        if not match:
+            raise UserError(f"unexpected argument {rest[i]!r}; overrides look like --section.key=value")
+        if match[2] is None:
+            if i + 1 >= len(rest):
+                raise UserError(f"--{match[1]} needs a value")
+            overrides.append((match[1], rest[i + 1]))
+            i += 2
+        else:
+            overrides.append((match[1], match[2]))
+            i += 1
+    return overrides
+
+
+def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, bool]:
+    """The Config of `[--config F.toml] [--section.key=value ...] [--resume]`, and whether to resume."""
+    parser = ArgumentParser(
+        prog="train.py",
+        description=description,
+        epilog="Any config key can be overridden as --section.key=value (sections: "
+        + ", ".join(section_types())
+        + "), e.g. --train.max_steps=200 --model.dim=128.",
+    )
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a TOML config (default configs/default.toml)")
+    parser.add_argument("--resume", action="store_true", help="continue the latest checkpoint in train.out_dir")
+    args, rest = parser.parse_known_args(argv)
+    overrides = split_overrides(rest)
+    try:
+        raw = tomllib.loads(Path(args.config).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read config {args.config}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{args.config} is not valid TOML: {e}") from None
+    return build_config(raw, overrides), args.resume
+
+
+def check_config(cfg: Config, world_size: int) -> None:
+    """Refuse, before any work, configs whose batch or context does not fit (single keys are checked as read)."""
+    t, m = cfg.train, cfg.model
+    if t.batch_size % (t.grad_accum * world_size):
+        raise UserError(
+            f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum × ranks "
+            f"({t.grad_accum} × {world_size}); change batch_size or grad_accum"
+        )
+    if t.seq_len > m.max_seq_len:
+        raise UserError(
+            f"train.seq_len ({t.seq_len}) exceeds the model's context model.max_seq_len ({m.max_seq_len}); "
+            "lower train.seq_len or raise model.max_seq_len"
+        )
