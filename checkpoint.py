@@ -1,6 +1,7 @@
 """Run directories (model.safetensors + config.json + tokenizer.model), what generate.py and convert.py read; and
 train.py's resumable state beside them, train_state/step_N (torch.distributed.checkpoint, any number of ranks)."""
 
+import hashlib
 import json
 import random
 import re
@@ -28,26 +29,45 @@ from model import ModelArgs, Transformer
 
 
 def save_model(model: Transformer, run_dir, config: dict | None = None, tokenizer=None) -> Path:
-    """Write model.safetensors, config.json ({"model": ModelArgs, **config}) and a copy of tokenizer.model, each
-    file atomically."""
+    """Write model.safetensors, config.json ({"model": ModelArgs, **config, and the tokenizer's sha256}) and a copy of
+    tokenizer.model, each file atomically; UserError, writing nothing, if a weight is NaN or infinite."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    bad = non_finite(state.items())
+    if bad:
+        raise UserError(f"not saving {run_dir}: {', '.join(bad[:3])} hold NaN or infinite values")
     if model.args.tie_embeddings:
         del state["output.weight"]  # the same tensor as tok_embeddings.weight
+    recorded = {"tokenizer_sha256": sha256(tokenizer)} if tokenizer is not None else {}
+    run_dir.mkdir(parents=True, exist_ok=True)
     with atomic_output(run_dir / "model.safetensors") as tmp:
         save_file(state, tmp)
     with atomic_output(run_dir / "config.json") as tmp:
-        tmp.write_text(json.dumps({"model": model.args.to_dict(), **(config or {})}, indent=2))
+        tmp.write_text(json.dumps({"model": model.args.to_dict(), **(config or {}), **recorded}, indent=2))
     if tokenizer is not None and Path(tokenizer).resolve() != (run_dir / "tokenizer.model").resolve():
         with atomic_output(run_dir / "tokenizer.model") as tmp:
             shutil.copyfile(tokenizer, tmp)
     return run_dir
 
 
+def non_finite(named_tensors) -> list[str]:
+    """The names of the floating-point tensors among (name, tensor) pairs that hold a NaN or an infinity."""
+    return [name for name, t in named_tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
     """The model saved in run_dir and its config.json; UserError naming what is missing or wrong."""
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        raise UserError(f"{run_dir} is a file: pass the run directory that holds it, {run_dir.parent}")
+    if is_hf_directory(run_dir):
+        raise UserError(
+            f"{run_dir} is a Hugging Face model directory; import it first: python convert.py from-hf {run_dir} RUN_DIR"
+        )
     for name in ("model.safetensors", "config.json"):
         if not (run_dir / name).is_file():
             raise UserError(f"{run_dir} is not a picollama run directory: {name} is missing")
@@ -55,21 +75,43 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
         config = json.loads((run_dir / "config.json").read_text())
         args = ModelArgs.from_dict(config["model"])
         state = load_file(run_dir / "model.safetensors", device=str(device))
-    except (json.JSONDecodeError, KeyError, TypeError, SafetensorError) as e:
+    except (KeyError, TypeError, ValueError, SafetensorError) as e:
         raise UserError(f"{run_dir}: unreadable checkpoint ({type(e).__name__}: {e})") from None
+    bad = non_finite(state.items())
+    if bad:
+        raise UserError(
+            f"{run_dir}/model.safetensors holds NaN or infinite weights ({', '.join(bad[:3])}): the run diverged; "
+            "use an earlier checkpoint"
+        )
     try:
         return model_from_state_dict(args, state), config
-    except RuntimeError as e:
-        raise UserError(f"{run_dir}: weights do not match config.json ({str(e).splitlines()[0]})") from None
+    except UserError as e:
+        raise UserError(f"{run_dir}: {e}") from None
+
+
+def is_hf_directory(path: Path) -> bool:
+    """Whether path holds a Hugging Face config.json (a model_type, no picollama "model" section)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "model_type" in config and "model" not in config
 
 
 def load_run(run_dir, device, dtype: torch.dtype) -> tuple[Transformer, dict, spm.SentencePieceProcessor]:
     """(model in dtype and eval mode, config, sentencepiece tokenizer) from a run directory; UserError naming what is
-    wrong."""
+    wrong. The tokenizer may have fewer pieces than the model has embeddings (padded vocabularies): generate.py then
+    samples only ids it can decode."""
     model, config = load_model(run_dir, device)
     tokenizer_path = Path(run_dir) / "tokenizer.model"
     if not tokenizer_path.is_file():
         raise UserError(f"{run_dir} has no tokenizer.model; copy the dataset's tokenizer.model there")
+    recorded = config.get("tokenizer_sha256")
+    if recorded and recorded != sha256(tokenizer_path):
+        raise UserError(
+            f"{tokenizer_path} is not the tokenizer the model was saved with (config.json records sha256 "
+            f"{recorded[:12]}); copy the dataset's tokenizer.model there"
+        )
     tokenizer = read_tokenizer(tokenizer_path)
     if tokenizer.get_piece_size() > model.args.vocab_size:
         raise UserError(
@@ -92,7 +134,18 @@ def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
         state = {**state, "output.weight": state["tok_embeddings.weight"]}
     with torch.device("meta"):
         model = Transformer(args)
-    model.load_state_dict(state, assign=True)
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as e:  # one line per wrong weight; the first, with its shapes, says enough
+        problems = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        first = re.sub(
+            r"copying a param with shape torch\.Size\((.*?)\) from checkpoint, "
+            r"the shape in current model is torch\.Size\((.*?)\)",
+            r"\1 in the weights, \2 by the config",
+            problems[0] if problems else str(e),
+        )[:300]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UserError(f"weights do not match config.json: {first}{more}") from None
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model
@@ -139,6 +192,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: 
     """train_state/step_N (DCP model and optimizer shards, each rank's loader and RNG state, meta.json), written
     into a temporary directory that is renamed once every rank has finished; then the run directory's model export
     (save_model with `config` and `tokenizer`); the last `keep` checkpoints are kept."""
+    check_finite(model, optimizer, dist, f"at step {step}", run_dir)
     state_dir = Path(run_dir) / "train_state"
     final = state_dir / f"step_{step:06d}"
     tmp = state_dir / f".{final.name}.tmp"  # one name on every rank, all writing into it (not atomic_output's)
@@ -155,6 +209,8 @@ def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.main:
         meta = {"step": step, "world_size": dist.world_size, "model": model.args.to_dict()}
+        if tokenizer is not None:
+            meta["tokenizer_sha256"] = sha256(tokenizer)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     dist.barrier()
     if dist.main:
@@ -164,6 +220,38 @@ def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: 
         for old in checkpoints(run_dir)[:-keep]:
             remove(old)
     dist.barrier()
+
+
+def check_finite(model, optimizer, dist, when: str, run_dir):
+    """Stop (on every rank) when this rank's shard of the weights or of the optimizer state holds a NaN or an
+    infinity, anywhere: such a state is never saved."""
+    local = [(name, p.to_local() if hasattr(p, "to_local") else p) for name, p in model.named_parameters()]
+    for i, state in enumerate(optimizer.state.values()):
+        local += [(f"optimizer {key} {i}", v.to_local() if hasattr(v, "to_local") else v) for key, v in state.items()]
+    bad = non_finite(local)
+    if dist.all_reduce_sum(torch.tensor(float(len(bad)), device=dist.device)).item():
+        names = ", ".join(bad[:3]) or "on another rank"
+        problem = f"the weights or optimizer state are NaN or infinite {when} ({names})"
+        raise stopped(f"{problem}; they were not saved", run_dir)
+
+
+def stopped(problem: str, run_dir) -> UserError:
+    """The error that stops a run whose numbers are no longer finite, naming the checkpoint to go back to."""
+    found = checkpoints(run_dir)
+    if not found:
+        return UserError(f"{problem}. Try a lower optim.lr or a smaller model")
+    return UserError(
+        f"{problem}. The last good checkpoint is {found[-1]}: continue it with --resume and a lower optim.lr, or "
+        "start again with a smaller model"
+    )
+
+
+def unusable(path: Path, problem: str) -> UserError:
+    """The error for a checkpoint that cannot be resumed, pointing at the one before it."""
+    step = int(path.name[5:])
+    earlier = [p for p in checkpoints(path.parent.parent) if int(p.name[5:]) < step]
+    hint = f"delete it to resume from {earlier[-1]}" if earlier else "run without --resume to start again"
+    return UserError(f"cannot resume from {path}: {problem}; {hint}")
 
 
 def load_checkpoint(path: Path, model, optimizer, loader, dist) -> int:
@@ -182,7 +270,7 @@ def load_checkpoint(path: Path, model, optimizer, loader, dist) -> int:
         if isinstance(e, CheckpointException):
             e = next(iter(e.failures.values()))[0]
         message = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
-        raise UserError(f"cannot resume from {path}: the checkpoint is corrupt or incomplete ({message})") from None
+        raise unusable(path, f"the checkpoint is corrupt or incomplete ({message})") from None
     return int(extra["step"])
 
 
@@ -202,10 +290,24 @@ def resume_point(run_dir, args: ModelArgs, resume: bool) -> Path | None:
     try:
         saved = json.loads((latest / "meta.json").read_text())["model"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise UserError(f"cannot resume from {latest}: meta.json is missing or corrupt") from None
+        raise unusable(latest, "meta.json is missing or corrupt") from None
     differences = [f"model.{k} {saved.get(k)!r} → {v!r}" for k, v in args.to_dict().items() if saved.get(k) != v]
     if differences:
         raise UserError(
             f"cannot resume from {latest}: it was trained with a different model ({', '.join(differences)})"
         )
     return latest
+
+
+def check_tokenizer(checkpoint: Path, tokenizer: Path):
+    """UserError unless `tokenizer` (the dataset's) is the one the checkpoint was trained with, as its meta.json
+    records, or as the run's tokenizer.model says for checkpoints that record none."""
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    run_tokenizer = checkpoint.parent.parent / "tokenizer.model"
+    expected = meta.get("tokenizer_sha256") or (sha256(run_tokenizer) if run_tokenizer.is_file() else None)
+    found = sha256(tokenizer)
+    if expected and expected != found:
+        raise UserError(
+            f"cannot resume from {checkpoint}: it was trained with another tokenizer (sha256 {expected[:12]}) than "
+            f"{tokenizer} (sha256 {found[:12]}); resume with the dataset it was trained on, or start a new run"
+        )

@@ -86,8 +86,16 @@ class Config:
 
 
 # The range of each key that has one, checked as the key is read so that the error names it. Every float must also
-# be finite; ModelArgs checks its own fields.
+# be finite; ModelArgs checks how its fields fit together.
 POSITIVE = {
+    "model.multiple_of",
+    "model.ffn_dim_multiplier",
+    "model.ffn_hidden_dim",
+    "model.norm_eps",
+    "model.rope_theta",
+    "model.rope_original_max_seq_len",
+    "model.rope_low_freq_factor",
+    "model.rope_high_freq_factor",
     "data.vocab_size",
     "train.max_steps",
     "train.batch_size",
@@ -102,6 +110,7 @@ POSITIVE = {
     "checkpoint.keep",
 }
 NOT_NEGATIVE = {
+    "train.seed",
     "train.sample_tokens",
     "optim.min_lr",
     "optim.warmup_steps",

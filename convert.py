@@ -248,10 +248,11 @@ def import_hf(hf_dir: Path, run_dir: Path):
             f"{hf_dir} has no sentencepiece tokenizer.model (tokenizer.json-only tokenizers are not supported)"
         )
     read_tokenizer(tokenizer_path)
+    weights = read_hf_weights(hf_dir)
     try:
-        model = from_hf_state_dict(read_hf_weights(hf_dir), config)
-    except RuntimeError as e:
-        raise UserError(f"{hf_dir}: weights do not match config.json ({str(e).splitlines()[0]})") from None
+        model = from_hf_state_dict(weights, config)
+    except UserError as e:  # weights of the wrong shapes
+        raise UserError(f"{hf_dir}: {e}") from None
     with atomic_output(run_dir) as tmp:
         save_model(model, tmp, {"converted_from": {"hf_dir": str(hf_dir), "config": config}}, tokenizer=tokenizer_path)
 

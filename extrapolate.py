@@ -318,6 +318,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--methods: unknown {', '.join(unknown)} (choose from {', '.join(ROPE_SCALINGS)})")
     if args.num_windows < 1:
         raise UserError(f"--num-windows must be >= 1, not {args.num_windows}")
+    if args.seed < 0:
+        raise UserError(f"--seed must be >= 0, not {args.seed}")
     device = pick_device(args.device)
     model, config, _ = load_run(args.checkpoint, device, pick_dtype(args.dtype, device))
     train_len = int((config.get("train") or {}).get("seq_len") or model.args.original_seq_len)
@@ -328,7 +330,7 @@ def main(argv: list[str]) -> int:
     data_dir = find_data_dir(config, args.data)
     check_same_tokenizer(Path(args.checkpoint), data_dir)
     out_dir = Path(args.out) if args.out else Path(args.checkpoint) / "extrapolation"
-    check_writable(out_dir, directory=True)
+    check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
     model_args = model.args.to_dict()  # before the evaluation switches RoPE
     start = time.perf_counter()
     with torch.inference_mode():

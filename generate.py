@@ -56,8 +56,8 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
 def check_sampling(max_new_tokens, temperature, top_k, top_p):
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, not {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, not {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, not {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -85,13 +85,15 @@ def generate(
     seed: int | None = None,
     on_token=None,
     compile: bool = False,
+    vocab_limit: int | None = None,
 ) -> list[list[int]]:
     """New tokens for each prompt (at most max_new_tokens; stops after EOS, which is not included).
 
     Prompts of different lengths share one batch: all rows advance one position per step from the shortest
     prompt's end, a row feeding its own prompt token while still inside its prompt, so greedy output per row is
     the same as alone. on_token(row, token_id) is called as each new token is chosen (for streaming).
-    compile=True runs the one-token decode step through torch.compile.
+    compile=True runs the one-token decode step through torch.compile. vocab_limit: choose only ids below it (a
+    tokenizer with fewer pieces than the model has embeddings cannot decode the others).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -115,6 +117,8 @@ def generate(
     model.setup_cache(len(prompts), total)
     try:
         for pos, logits in decode_steps(model, tokens, min(lengths), decode):
+            if vocab_limit is not None:
+                logits[:, vocab_limit:] = float("-inf")
             chosen = sample(logits, temperature, top_k, top_p, generator)
             new = (pos >= prompt_len) & (pos < end) & ~done  # rows choosing a new token at this position
             tokens[:, pos] = torch.where(new, chosen, tokens[:, pos])
@@ -221,6 +225,7 @@ def sample_command(args) -> int:
     check_length(model.args, total)
     streams = [TextStream(tokenizer, prompts[0])] if len(prompts) == 1 else None
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
+    pieces = tokenizer.get_piece_size()
     start = time.perf_counter()
     outputs = generate(
         model,
@@ -233,6 +238,7 @@ def sample_command(args) -> int:
         args.seed,
         on_token=(lambda row, token: streams[row].add(token)) if streams else None,
         compile=args.compile,
+        vocab_limit=pieces if pieces < model.args.vocab_size else None,
     )
     if device.type == "cuda":
         torch.cuda.synchronize()

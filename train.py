@@ -22,10 +22,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
-from checkpoint import checkpoints, load_checkpoint, resume_point, save_checkpoint
-from cli import UserError, run_command
+from checkpoint import check_tokenizer, checkpoints, load_checkpoint, resume_point, save_checkpoint, stopped
+from cli import UserError, check_writable, run_command
 from config import Config, check_config, parse_cli
-from data.loader import RandomBatches, eval_batches, load_meta
+from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
 from data.prepare import prepare
 from device import peak_flops, pick_device
 from model import Transformer
@@ -69,8 +69,8 @@ class Dist:
         """Destroy the process group once nothing references the model and optimizer (pytorch#190489: gloo can abort
         at exit otherwise): drop the mesh, collect the freed FSDP modules, then destroy."""
         self.mesh = None
-        gc.collect()
         if torch_dist.is_initialized():
+            gc.collect()  # a full collection costs ~0.2 s: only when there is a group to destroy
             torch_dist.destroy_process_group()
 
 
@@ -178,8 +178,10 @@ class RunLog:
 
     def record(self, entry: dict):
         if self.main:
+            # JSON has no NaN or infinity: those are written as null
+            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in entry.items()}
             with open(self.path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
+                f.write(json.dumps(finite, allow_nan=False) + "\n")
             if self.wandb is not None:
                 self.wandb.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
 
@@ -212,6 +214,7 @@ def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
             f"({meta['vocab_size']}); set --model.vocab_size={meta['vocab_size']}"
         )
     for split in ("train", "val"):
+        open_tokens(data_dir, split)  # checks the shard against meta.json
         tokens = meta["splits"][split]["tokens"]
         if tokens < cfg.train.seq_len + 1:
             raise UserError(
@@ -244,7 +247,8 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autoc
     """One optimizer step on this rank's rows (x, y) of the global batch, in train.grad_accum micro-steps.
 
     Returns (loss, grad_norm, applied): the loss summed over micro-steps and the global gradient norm, both left on
-    the device, and whether the update was applied: it is not when the gradient norm is NaN or infinite."""
+    the device, and whether the update was applied: it is not when the loss or the gradient norm is NaN or
+    infinite."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     accum = cfg.train.grad_accum
@@ -259,9 +263,9 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autoc
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
-    # The one host sync of every step (free on CPU, a short stall on GPU). A NaN or infinite loss on any rank makes
-    # the global gradient norm non-finite on every rank, so all ranks skip the update together.
-    applied = bool(torch.isfinite(grad_norm))
+    # The one host sync of every step (free on CPU, a short stall on GPU). The gradient norm is global already; the
+    # loss is this rank's, so it joins through a sum over ranks: all ranks skip the update together.
+    applied = bool(torch.isfinite(dist.all_reduce_sum(loss_sum.clone()) + grad_norm))
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -283,22 +287,15 @@ def build_model(cfg: Config, dist: Dist) -> tuple[Transformer, torch.optim.AdamW
     return model, build_optimizer(model, cfg, dist.device), sizes
 
 
-def diverged(loss: float, grad_norm: float, step: int, run_dir: Path) -> UserError:
-    """The error that stops a run whose loss or gradients are no longer finite."""
-    last = checkpoints(run_dir)
-    resume = f"The last good checkpoint is {last[-1]} (--resume continues it); " if last else ""
-    return UserError(
-        f"the loss is {loss} (gradient norm {grad_norm}) at step {step}; training stopped before "
-        f"applying that update. {resume}try a lower optim.lr or a smaller model"
-    )
-
-
 def train(cfg: Config, resume: bool, dist: Dist):
     """Train cfg from scratch or from the latest checkpoint in train.out_dir, logging, evaluating and saving."""
     t = cfg.train
     run_dir = Path(t.out_dir)
+    check_writable(run_dir / "metrics.jsonl")  # inside the run directory, before any work
     start = resume_point(run_dir, cfg.model, resume)
     data_dir, meta = prepare_data(cfg, dist)
+    if start is not None:
+        check_tokenizer(start, data_dir / "tokenizer.model")
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
@@ -324,7 +321,8 @@ def train(cfg: Config, resume: bool, dist: Dist):
         x, y = (batch[rows].to(dist.device) for batch in loader.next_batch())
         loss_sum, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist, autocast)
         if not applied:
-            raise diverged(dist.mean(loss_sum), grad_norm.item(), step + 1, run_dir)
+            problem = f"the loss is {dist.mean(loss_sum)} (gradient norm {grad_norm.item()}) at step {step + 1}"
+            raise stopped(f"{problem}; training stopped before applying that update", run_dir)
         step += 1
         clock.steps += 1
         log.bar.update()
@@ -345,6 +343,8 @@ def train(cfg: Config, resume: bool, dist: Dist):
                 if evaluating:
                     result = evaluate(model, cfg, data_dir, meta, dist, autocast)
                     log.record({"step": step, **result})
+                    if not math.isfinite(result["val_loss"]):
+                        raise stopped(f"the validation loss is {result['val_loss']} at step {step}", run_dir)
                     log.say(
                         f"step {step}: val loss {result['val_loss']:.4f}, perplexity {result['val_ppl']:.2f}, "
                         f"{result['val_bpb']:.4f} bits/byte"

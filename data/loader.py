@@ -28,10 +28,24 @@ def _check_split(split: str) -> None:
 
 
 def open_tokens(data_dir, split) -> np.memmap:
-    """The split's token ids as a read-only memmap (nothing is loaded into memory up front)."""
+    """The split's token ids as a read-only memmap (nothing is loaded into memory up front); UserError unless the
+    shard holds exactly the tokens meta.json counts."""
     _check_split(split)
     meta = load_meta(data_dir)
-    return np.memmap(Path(data_dir) / f"{split}.bin", dtype=np.dtype(meta["dtype"]), mode="r")
+    path = Path(data_dir) / f"{split}.bin"
+    try:
+        dtype, tokens = np.dtype(meta["dtype"]), int(meta["splits"][split]["tokens"])
+    except (KeyError, TypeError, ValueError) as exc:
+        problem = f"lacks the {split} split's dtype or size ({exc})"
+        raise UserError(f"{data_dir}/meta.json {problem}; prepare the dataset again with --force") from None
+    size = path.stat().st_size if path.is_file() else 0
+    expected = tokens * dtype.itemsize
+    if size != expected or not tokens:
+        raise UserError(
+            f"{path} holds {size:,} bytes but meta.json counts {tokens:,} {dtype.name} tokens ({expected:,} bytes): "
+            "the shard is truncated, missing or from another dataset; prepare it again with --force"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 def doc_offsets(data_dir, split) -> np.ndarray:

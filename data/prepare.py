@@ -542,7 +542,7 @@ def prepare(
     if meta := existing_output(out_dir, inputs, force):
         print(f"already prepared (same inputs; --force rebuilds): {summary(out_dir, meta)}")
         return out_dir
-    check_writable(out_dir, directory=True)
+    check_writable(out_dir, inputs=[file for file, _, _ in inputs.get("files", [])], directory=True)
     documents, description = read_documents(source, text_field, max_docs, max_bytes)
     train_docs, val_docs = split_documents(documents, VAL_FRACTION, SEED)
     if not tokenizer:

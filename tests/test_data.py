@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,22 @@ def test_random_batches_refuse_a_window_longer_than_the_split(corpus):
         open_tokens(data_dir, "test")
     with pytest.raises(UserError, match="meta.json"):
         load_meta(data_dir.parent)
+
+
+@pytest.mark.parametrize("cut", [1, 2])  # half a token, a whole token
+def test_a_truncated_shard_is_refused_when_opened(corpus, tmp_path, cut):
+    data_dir, _ = corpus
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    (copy / "val.bin").write_bytes((copy / "val.bin").read_bytes()[:-cut])
+    for open_split in (
+        lambda: RandomBatches(copy, "val", batch_size=1, seq_len=8),
+        lambda: next(eval_batches(copy, "val", 1, 8)),
+        lambda: document_windows(copy, "val", 8, 1),
+    ):
+        with pytest.raises(UserError, match="val.bin holds .* but meta.json counts .* truncated"):
+            open_split()
+    assert len(open_tokens(copy, "train")) == load_meta(copy)["splits"]["train"]["tokens"]
 
 
 def test_eval_batches_cover_the_split_sequentially(corpus):
@@ -315,6 +332,21 @@ def test_cli_refuses_an_output_from_a_different_tokenizer(corpus, tmp_path):
     assert "different tokenizer" in result.stderr
     assert (out / "meta.json").read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "texts"]
+
+
+def test_an_output_holding_its_source_is_refused(corpus, tmp_path):
+    data_dir, _ = corpus
+    shutil.copytree(data_dir, tmp_path / "data")
+    (tmp_path / "data" / "notes.txt").write_text("a text kept beside the dataset\n" * 50)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "data").iterdir()}
+    with pytest.raises(UserError, match="overlaps the input"):
+        prepare(
+            str(tmp_path / "data" / "notes.txt"),
+            out_dir=tmp_path / "data",
+            tokenizer=data_dir / "tokenizer.model",
+            force=True,
+        )
+    assert {p.name: p.read_bytes() for p in (tmp_path / "data").iterdir()} == before
 
 
 @pytest.mark.network

@@ -3,6 +3,7 @@ the KV cache; the sampling command line (streaming, errors)."""
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 import generate
+from checkpoint import load_model, model_from_state_dict, save_model
 from cli import run_command
+from data.prepare import train_tokenizer
 from extrapolate import set_rope
 from generate import TextStream, decode_steps, sample
 from model import ModelArgs, Transformer
@@ -111,6 +114,16 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
+def test_ids_beyond_the_tokenizer_are_never_chosen():
+    model = make_model()
+    with torch.no_grad():
+        model.output.weight[60:] *= 50  # the ids a 60-piece tokenizer could not decode dominate the logits
+    assert max(t for row in generate.generate(model, PROMPTS, 12, temperature=0) for t in row) >= 60
+    for temperature in (0, 1.0):
+        rows = generate.generate(model, PROMPTS, 12, temperature=temperature, seed=0, vocab_limit=60)
+        assert all(len(row) == 12 and max(row) < 60 for row in rows)
+
+
 def test_text_stream_holds_back_incomplete_characters():
     text, out = "Héllo — wörld ✓", io.StringIO()
     stream = TextStream(ByteTokenizer(), list(b"> "), out)
@@ -162,6 +175,26 @@ def test_command_batches_a_prompt_file(run_dir, tmp_path, capsys):
         == 0
     )
     assert capsys.readouterr().out.rstrip("\n") == texts[0]  # greedy in a batch = alone
+
+
+def test_a_tokenizer_with_fewer_pieces_than_the_model(run_dir, tmp_path, capsys):
+    # a model with spare embeddings (a padded vocabulary) that it would rather choose: the text is still printed
+    model, config = load_model(run_dir)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for name in ("tok_embeddings.weight", "output.weight"):
+        state[name] = torch.cat([state[name], 50 * state[name][:80]])  # ids 320..399, louder copies of 0..79
+    wide = model_from_state_dict(ModelArgs(**config["model"] | {"vocab_size": 400}), state)
+    save_model(wide, tmp_path / "wide", tokenizer=run_dir / "tokenizer.model")
+    argv = ["--checkpoint", str(tmp_path / "wide"), "--prompt", "ab", "--max-new-tokens", "10", "--temperature", "0"]
+    assert run_command(generate.main, argv) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("ab") and len(out.strip()) > len("ab") and "10 new tokens" in err, (out, err)
+    # another, smaller tokenizer in place of the run's own: refused
+    shutil.copytree(run_dir, tmp_path / "swapped")
+    (tmp_path / "swapped" / "tokenizer.model").write_bytes(train_tokenizer(["a smaller tokenizer\n"] * 20, 280, 0))
+    assert run_command(generate.main, ["--checkpoint", str(tmp_path / "swapped")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "not the tokenizer the model was saved with" in err, err
 
 
 def test_command_context_limit_names_rope_scaling(run_dir, capsys):

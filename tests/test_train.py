@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import train
-from checkpoint import checkpoints
-from cli import run_command
+from checkpoint import checkpoints, non_finite, save_model
+from cli import UserError, run_command
 from config import build_config
 from data.loader import RandomBatches
-from data.prepare import prepare
-from model import Transformer
+from data.prepare import prepare, train_tokenizer
+from model import ModelArgs, Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {
@@ -211,6 +212,57 @@ def test_a_non_finite_gradient_norm_skips_the_update(dataset):
     assert all(torch.equal(p.nan_to_num(), before[name].nan_to_num()) for name, p in model.named_parameters())
 
 
+def test_an_infinite_loss_skips_the_update_even_with_finite_gradients(dataset):
+    cfg = build_config({"model": TINY["model"]}, [])
+    model = Transformer(cfg.model)
+    optimizer = train.build_optimizer(model, cfg, torch.device("cpu"))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    class InfiniteLoss(torch.nn.Module):  # the same gradients as the model's, an infinite loss
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x, y):
+            return self.model(x, y) + float("inf")
+
+    x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
+    _, grad_norm, applied = train.train_step(
+        InfiniteLoss(), optimizer, x, y, 1e-3, cfg, train.Dist("cpu"), nullcontext()
+    )
+    assert torch.isfinite(grad_norm) and not applied and not optimizer.state
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_save_model_refuses_non_finite_weights(tmp_path):
+    model = Transformer(ModelArgs(**TINY["model"]))
+    save_model(model, tmp_path / "run")
+    saved = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+    with torch.no_grad():
+        model.output.weight[0, 0] = float("inf")
+    with pytest.raises(UserError, match="output.weight hold NaN or infinite values"):
+        save_model(model, tmp_path / "run")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == saved
+
+
+@pytest.mark.parametrize("eval_interval", [1, 0])  # caught by the validation loss, or else when saving
+def test_a_diverged_update_is_never_saved_nor_logged_as_a_number(dataset, tmp_path, capsys, eval_interval):
+    config = config_file(tmp_path, dataset, train={"max_steps": 2}, checkpoint={"interval": 1})
+    assert run_in_process(config, tmp_path / "run") == 0
+    capsys.readouterr()
+    # the first update at this rate makes every weight NaN or infinite, while its gradients are still finite
+    diverge = ["--resume", "--optim.lr=1e39", "--train.max_steps=6", f"--eval.interval={eval_interval}"]
+    assert run_in_process(config, tmp_path / "run", *diverge) == 2
+    err = capsys.readouterr().err
+    good = tmp_path / "run" / "train_state" / "step_000002"
+    assert err.startswith("error: ") and err.count("\n") == 1 and f"The last good checkpoint is {good}:" in err, err
+    assert checkpoints(tmp_path / "run") == [good.with_name("step_000001"), good]
+    assert not non_finite(load_file(tmp_path / "run" / "model.safetensors").items())
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    for line in metrics.splitlines():
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl:\n{metrics}"))
+
+
 def test_due_every_interval_and_after_the_last_step():
     assert [step for step in range(1, 101) if train.due(step, 25, 100)] == [25, 50, 75, 100]
     assert [step for step in range(1, 31) if train.due(step, 7, 30)] == [7, 14, 21, 28, 30]
@@ -336,6 +388,10 @@ def test_wandb_offline_one_metrics_line_per_logged_step_and_a_sample(dataset, tm
         (["--eval.interval=-5"], "--eval.interval must be zero or more, not -5"),
         (["--optim.beta2=1"], "--optim.beta2 must be at least 0 and below 1, not 1.0"),
         (["--train.device=tpu"], "--train.device must be one of auto, cpu, cuda, not 'tpu'"),
+        (["--model.multiple_of=0"], "--model.multiple_of must be positive, not 0"),
+        (["--model.norm_eps=-1e-5"], "--model.norm_eps must be positive, not -1e-05"),
+        (["--train.seed=-1"], "--train.seed must be zero or more, not -1"),
+        (["--train.out_dir=/proc/picollama-run"], "cannot write /proc/picollama-run"),
     ],
 )
 def test_bad_config_is_one_line(dataset, tmp_path, capsys, args, message):
@@ -353,15 +409,34 @@ def test_toml_type_errors_name_the_key(dataset, tmp_path, capsys):
     assert "config key checkpoint.interval must be zero or more, not -1" in capsys.readouterr().err
 
 
+def test_resume_refuses_a_dataset_made_with_another_tokenizer(dataset, tmp_path, capsys):
+    config = config_file(tmp_path, dataset, train={"max_steps": 2})
+    assert run_in_process(config, tmp_path / "run") == 0
+    tokenizer = (tmp_path / "run" / "tokenizer.model").read_bytes()
+    for name in ("same", "other"):
+        shutil.copytree(dataset, tmp_path / name)
+    (tmp_path / "other" / "tokenizer.model").write_bytes(
+        train_tokenizer(["the same shards, another tokenizer"], 280, 0)
+    )
+    capsys.readouterr()
+    resume = ["--resume", "--train.max_steps=3"]
+    assert run_in_process(config, tmp_path / "run", *resume, f"--data.dir={tmp_path / 'other'}") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "it was trained with another tokenizer" in err, err
+    assert (tmp_path / "run" / "tokenizer.model").read_bytes() == tokenizer
+    assert run_in_process(config, tmp_path / "run", *resume, f"--data.dir={tmp_path / 'same'}") == 0  # a copy: fine
+
+
 def test_corrupt_or_mismatched_checkpoint_is_one_line(dataset, tmp_path, capsys):
-    config = config_file(tmp_path, dataset, train={"max_steps": 4})
+    config = config_file(tmp_path, dataset, train={"max_steps": 8})
     assert run_in_process(config, tmp_path / "run") == 0
     assert run_in_process(config, tmp_path / "run", "--resume", "--model.dim=64") == 2
     assert "different model (model.dim 32 → 64)" in capsys.readouterr().err
     assert run_in_process(config, tmp_path / "run") == 2
     assert "pass --resume to continue it" in capsys.readouterr().err
-    for shard in (tmp_path / "run" / "train_state" / "step_000004").glob("*.distcp"):
+    for shard in (tmp_path / "run" / "train_state" / "step_000008").glob("*.distcp"):
         shard.write_bytes(b"not a checkpoint")
-    corrupt = run_subprocess(1, config, tmp_path / "run", "--resume", "--train.max_steps=8")
+    corrupt = run_subprocess(1, config, tmp_path / "run", "--resume", "--train.max_steps=12")
     assert corrupt.returncode == 2 and corrupt.stderr.startswith("error: cannot resume from"), corrupt.stderr
     assert corrupt.stderr.count("\n") == 1, corrupt.stderr
+    assert f"delete it to resume from {tmp_path / 'run' / 'train_state' / 'step_000004'}" in corrupt.stderr

@@ -1,0 +1,222 @@
+"""Wrong commands, for every command: a non-zero exit, exactly one `error:` line, no traceback, and every file that
+was there before byte for byte unchanged (nothing written, nothing removed)."""
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import convert
+import generate
+import train
+from cli import run_command
+from data import prepare
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.n_heads=2",
+    "--model.vocab_size=320",
+    "--model.max_seq_len=32",
+    "--train.seq_len=32",
+    "--train.batch_size=8",
+    "--train.max_steps=2",
+    "--train.sample_tokens=0",
+    "--eval.batches=1",
+]
+
+
+def small_tokenizer() -> bytes:
+    """A real sentencepiece model with fewer pieces (280) than the runs' 320, of another text."""
+    return prepare.train_tokenizer(["the cat sat on the mat.\n"] * 50, 280, 0)
+
+
+@pytest.fixture(scope="module")
+def ws(make_tiny_run, tmp_path_factory):
+    """A workspace of good and broken inputs; every case runs in it and must leave it as it was."""
+    run_dir, data_dir = make_tiny_run(steps=5)
+    ws = tmp_path_factory.mktemp("ws")
+    shutil.copytree(run_dir, ws / "run")
+    shutil.copytree(data_dir, ws / "data")
+    shutil.copytree(data_dir.parent / "corpus", ws / "corpus")
+    (ws / "file").write_text("a regular file\n")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    assert run_command(train.main, [*TRAIN, f"--data.dir={ws / 'data'}", f"--train.out_dir={ws / 'trained'}"]) == 0
+    convert.export_hf(ws / "run", ws / "hf")
+    torch.set_num_threads(threads)
+
+    shutil.copytree(ws / "run", ws / "nan_run")  # weights that are not finite
+    state = load_file(ws / "nan_run" / "model.safetensors")
+    state["tok_embeddings.weight"][3, 5] = float("nan")
+    save_file(state, ws / "nan_run" / "model.safetensors")
+
+    shutil.copytree(ws / "run", ws / "mismatch_run")  # config.json does not describe the weights
+    config = json.loads((ws / "mismatch_run" / "config.json").read_text())
+    config["model"]["dim"] = 64
+    (ws / "mismatch_run" / "config.json").write_text(json.dumps(config))
+
+    shutil.copytree(ws / "run", ws / "small_tokenizer_run")  # another, smaller tokenizer than the model's
+    (ws / "small_tokenizer_run" / "tokenizer.model").write_bytes(small_tokenizer())
+
+    shutil.copytree(ws / "data", ws / "other_tokenizer_data")  # the same shards, claimed by another tokenizer
+    (ws / "other_tokenizer_data" / "tokenizer.model").write_bytes(small_tokenizer())
+    meta = json.loads((ws / "other_tokenizer_data" / "meta.json").read_text())
+    meta["tokenizer_sha256"] = hashlib.sha256(small_tokenizer()).hexdigest()
+    (ws / "other_tokenizer_data" / "meta.json").write_text(json.dumps(meta))
+
+    shutil.copytree(ws / "data", ws / "truncated_data")  # val.bin one token short
+    val = ws / "truncated_data" / "val.bin"
+    val.write_bytes(val.read_bytes()[:-2])
+
+    shutil.copytree(ws / "data", ws / "data_with_text")  # a prepared dataset holding a text the command reads
+    (ws / "data_with_text" / "notes.txt").write_text("a few words to tokenize, read from inside the output\n" * 40)
+    return ws
+
+
+def snapshot(root: Path) -> dict:
+    """Every path under root, with its bytes' hash for files."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def bench_main(name: str, monkeypatch):
+    """bench/NAME.py's main, imported as `python bench/NAME.py` would (bench/ on the path for `import common`)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def train_args(*args):
+    return [*TRAIN, "--data.dir={ws}/data", "--train.out_dir={ws}/new", *args]
+
+
+# (command, argv, a piece of the one error line); {ws} is the workspace
+CASES = [
+    # train.py: outputs, values, sizes, resumes, data
+    ("train", train_args("--train.out_dir={ws}/file/run"), "is a file, not a directory"),
+    ("train", train_args("--train.out_dir=/proc/picollama-run"), "cannot write /proc/picollama-run"),
+    ("train", train_args("--optim.lr=nan"), "--optim.lr must be finite, not nan"),
+    ("train", train_args("--optim.lr=-1"), "--optim.lr must be positive"),
+    ("train", train_args("--train.batch_size=0"), "--train.batch_size must be positive, not 0"),
+    ("train", train_args("--checkpoint.interval=-1"), "--checkpoint.interval must be zero or more"),
+    ("train", train_args("--model.multiple_of=0"), "--model.multiple_of must be positive"),
+    ("train", train_args("--model.rope_theta=-1"), "--model.rope_theta must be positive"),
+    ("train", train_args("--model.vocab_size=100000000000"), "out of memory"),
+    ("train", train_args("--no_such.key=1"), "unknown config key no_such.key"),
+    ("train", train_args("--config", "{ws}/missing.toml"), "cannot read config"),
+    ("train", train_args("--resume"), "nothing to resume"),
+    ("train", train_args("--train.out_dir={ws}/trained"), "already holds a run"),
+    ("train", train_args("--train.out_dir={ws}/trained", "--resume", "--model.dim=64"), "different model"),
+    (
+        "train",
+        train_args("--train.out_dir={ws}/trained", "--resume", "--data.dir={ws}/other_tokenizer_data"),
+        "trained with another tokenizer",
+    ),
+    ("train", train_args("--data.dir={ws}/truncated_data"), "truncated"),
+    # generate.py
+    ("generate", ["--checkpoint", "{ws}/missing"], "not a picollama run directory"),
+    ("generate", ["--checkpoint", "{ws}/run/model.safetensors"], "pass the run directory"),
+    ("generate", ["--checkpoint", "{ws}/hf"], "python convert.py from-hf"),
+    ("generate", ["--checkpoint", "{ws}/nan_run"], "NaN or infinite weights"),
+    ("generate", ["--checkpoint", "{ws}/mismatch_run"], "[320, 32] in the weights, [320, 64] by the config"),
+    ("generate", ["--checkpoint", "{ws}/small_tokenizer_run"], "not the tokenizer the model was saved with"),
+    ("generate", ["--checkpoint", "{ws}/run", "--temperature", "nan"], "temperature must be a finite number"),
+    ("generate", ["--checkpoint", "{ws}/run", "--rope-scaling", "ntk", "--rope-factor", "0"], "--rope-factor"),
+    ("generate", ["--checkpoint", "{ws}/run", "--rope-scaling", "yarn", "--rope-factor", "inf"], "--rope-factor"),
+    ("generate", ["--checkpoint", "{ws}/run", "--rope-scaling", "none", "--rope-factor", "4"], "--rope-factor"),
+    ("generate", ["--checkpoint", "{ws}/run", "--prompt-file", "{ws}/missing.txt"], "--prompt-file"),
+    ("generate", ["--checkpoint", "{ws}/run", "--top-k", "0"], "--top-k"),
+    # generate.py extrapolate
+    ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--out", "{ws}/file"], "is a file, not a directory"),
+    ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--out", "/proc/picollama"], "cannot write"),
+    ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--lengths", "100,abc"], "'abc' is not a valid int"),
+    ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--seed", "-1"], "--seed must be >= 0"),
+    ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--data", "{ws}/other_tokenizer_data"], "tokenizer"),
+    (
+        "generate",
+        ["extrapolate", "--checkpoint", "{ws}/run", "--data", "{ws}/truncated_data", "--out", "{ws}/report"],
+        "truncated",
+    ),
+    ("generate", ["extrapolate", "--checkpoint", "{ws}/nan_run"], "NaN or infinite weights"),
+    # convert.py
+    ("convert", ["to-hf", "{ws}/run", "{ws}/run", "--force"], "overlaps the input"),
+    ("convert", ["to-hf", "{ws}/run", "{ws}", "--force"], "overlaps the input"),
+    ("convert", ["to-hf", "{ws}/run", "{ws}/run/hf", "--force"], "overlaps the input"),
+    ("convert", ["to-hf", "{ws}/run", "{ws}/hf"], "pass --force to replace it"),
+    ("convert", ["to-hf", "{ws}/run", "{ws}/file/hf"], "is a file, not a directory"),
+    ("convert", ["to-hf", "{ws}/run", "/proc/picollama-hf"], "cannot write"),
+    ("convert", ["to-hf", "{ws}/nan_run", "{ws}/out"], "NaN or infinite weights"),
+    ("convert", ["from-hf", "{ws}/run", "{ws}/out"], "not a Hugging Face Llama config"),
+    ("convert", ["from-hf", "{ws}/hf", "{ws}/hf", "--force"], "overlaps the input"),
+    # data/prepare.py
+    ("prepare", ["--source", "{ws}/missing", "--out", "{ws}/out"], "no such file or directory"),
+    ("prepare", ["--source", "{ws}/corpus", "--out", "/proc/picollama-data"], "cannot write"),
+    ("prepare", ["--source", "{ws}/corpus", "--out", "{ws}/file"], "is not a prepared dataset"),
+    ("prepare", ["--source", "{ws}/corpus", "--out", "{ws}/out", "--vocab-size", "0"], "--vocab-size"),
+    ("prepare", ["--source", "{ws}/corpus", "--out", "{ws}/out", "--max-bytes", "lots"], "not a size"),
+    ("prepare", ["--source", "{ws}/data_with_text/notes.txt", "--out", "{ws}/data_with_text", "--force"], "overlaps"),
+    # bench/
+    ("bench.train", ["--config", "no-such-config", "--out", "{ws}/bench.json"], "no config 'no-such-config'"),
+    ("bench.train", ["--threads", "0", "--out", "{ws}/bench.json"], "--threads must be positive"),
+    ("bench.decode", ["--positions", "16,abc", "--out", "{ws}/bench.json"], "--positions"),
+    ("bench.memory", ["--smoke", "--out", "{ws}/file/bench.json"], "is a file, not a directory"),
+    ("bench.data", ["--smoke", "--out", "/proc/picollama.json"], "cannot write"),
+]
+MAINS = {"train": train.main, "generate": generate.main, "convert": convert.main, "prepare": prepare.main}
+
+
+@pytest.mark.parametrize("command, argv, message", CASES, ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(CASES)])
+def test_a_wrong_command_is_one_line_and_changes_nothing(ws, one_thread, capsys, monkeypatch, command, argv, message):
+    main = bench_main(command[6:], monkeypatch) if command.startswith("bench.") else MAINS[command]
+    before = snapshot(ws)
+    status = run_command(main, [arg.replace("{ws}", str(ws)) for arg in argv])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert message in err, err
+    assert snapshot(ws) == before
+
+
+def test_as_scripts_too(ws):
+    """A few of the cases above as real processes, all at once: the `error:` line and the exit status come from the
+    scripts' own entry points."""
+    commands = [
+        ["train.py", *train_args("--train.out_dir=/proc/picollama-run")],
+        ["generate.py", "--checkpoint", "{ws}/hf"],
+        ["convert.py", "to-hf", "{ws}/run", "{ws}/run", "--force"],
+        ["data/prepare.py", "--source", "{ws}/corpus", "--out", "/proc/picollama-data"],
+        ["bench/decode.py", "--positions", "16,abc", "--out", "{ws}/bench.json"],
+    ]
+    before = snapshot(ws)
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, *(arg.replace("{ws}", str(ws)) for arg in command)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for command in commands
+    ]
+    for command, process in zip(commands, processes, strict=True):
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 2, (command, err)
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and err.rstrip("\n").endswith(errors[0]) and "Traceback" not in err, (command, err)
+    assert snapshot(ws) == before
