@@ -49,6 +49,9 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0: no clipping
+    name: str = "adamw"  # adamw | muon (Muon for the blocks' matrices, AdamW for the rest)
+    muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it as it scales lr
+    muon_momentum: float = 0.95
 
 
 @dataclass
@@ -97,6 +100,7 @@ POSITIVE = {
     "train.peak_tflops",
     "optim.lr",
     "optim.eps",
+    "optim.muon_lr",
     "eval.batches",
     "eval.batch_size",
     "checkpoint.keep",
@@ -110,8 +114,8 @@ NOT_NEGATIVE = {
     "eval.interval",
     "checkpoint.interval",
 }
-BELOW_ONE = {"optim.beta1", "optim.beta2"}  # and not negative
-CHOICES = {"train.device": ("auto", "cpu", "cuda")}
+BELOW_ONE = {"optim.beta1", "optim.beta2", "optim.muon_momentum"}  # and not negative
+CHOICES = {"train.device": ("auto", "cpu", "cuda"), "optim.name": ("adamw", "muon")}
 
 
 def section_types() -> dict[str, type]:

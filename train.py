@@ -92,15 +92,48 @@ def parallelize(model: Transformer, cfg: Config, mesh) -> Transformer:
     return model
 
 
-def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only, fused where the device supports it."""
-    params = [p for p in model.parameters() if p.requires_grad]
+class Optimizers(list):
+    """Several optimizers stepped as one; checkpoint.py's DCP state dicts take such a list as it is."""
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for optimizer in self for group in optimizer.param_groups]
+
+    def step(self):
+        for optimizer in self:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for optimizer in self:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def build_muon(model, cfg: Config) -> torch.optim.Muon | None:
+    """With optim.name muon, Muon for the blocks' 2-D matrices (modded-nanogpt's split), its learning rate scaled
+    by the schedule as AdamW's is (the group's lr_scale); None otherwise. Under FSDP2 the matrices are DTensors
+    sharded by rows, and Newton–Schulz runs on them as DTensor ops, which gather what each product needs."""
+    o = cfg.optim
+    if o.name != "muon":
+        return None
+    matrices = [p for p in model.layers.parameters() if p.requires_grad and p.ndim == 2]
+    muon = torch.optim.Muon(matrices, lr=o.muon_lr, weight_decay=o.weight_decay, momentum=o.muon_momentum)
+    muon.param_groups[0]["lr_scale"] = o.muon_lr / o.lr
+    return muon
+
+
+def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Optimizer | Optimizers:
+    """AdamW with weight decay on matrices only, fused where the device supports it; with optim.name muon, Muon
+    takes the blocks' matrices and AdamW the rest (embeddings, output head, norms)."""
+    muon = build_muon(model, cfg)
+    taken = {id(p) for p in muon.param_groups[0]["params"]} if muon else set()
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    o = cfg.optim
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=device.type in ("cuda", "cpu"))
+    o, fused = cfg.optim, device.type in ("cuda", "cpu")
+    adamw = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
+    return Optimizers([muon, adamw]) if muon else adamw
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -246,7 +279,7 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autoc
     Returns (loss, grad_norm, applied): the loss summed over micro-steps and the global gradient norm, both left on
     the device, and whether the update was applied: it is not when the gradient norm is NaN or infinite."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     accum = cfg.train.grad_accum
     loss_sum = torch.zeros((), device=dist.device)
     for micro, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
@@ -268,7 +301,7 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autoc
     return loss_sum, grad_norm, applied
 
 
-def build_model(cfg: Config, dist: Dist) -> tuple[Transformer, torch.optim.AdamW, str]:
+def build_model(cfg: Config, dist: Dist) -> tuple[Transformer, torch.optim.Optimizer, str]:
     """The parallelized model (the same initial weights on any device and world size), its optimizer, and a line
     saying how many parameters it has and how many rank 0 stores."""
     if cfg.train.compile:

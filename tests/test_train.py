@@ -336,6 +336,8 @@ def test_wandb_offline_one_metrics_line_per_logged_step_and_a_sample(dataset, tm
         (["--eval.interval=-5"], "--eval.interval must be zero or more, not -5"),
         (["--optim.beta2=1"], "--optim.beta2 must be at least 0 and below 1, not 1.0"),
         (["--train.device=tpu"], "--train.device must be one of auto, cpu, cuda, not 'tpu'"),
+        (["--optim.name=sgd"], "--optim.name must be one of adamw, muon, not 'sgd'"),
+        (["--optim.muon_momentum=1"], "--optim.muon_momentum must be at least 0 and below 1, not 1.0"),
     ],
 )
 def test_bad_config_is_one_line(dataset, tmp_path, capsys, args, message):
@@ -365,3 +367,41 @@ def test_corrupt_or_mismatched_checkpoint_is_one_line(dataset, tmp_path, capsys)
     corrupt = run_subprocess(1, config, tmp_path / "run", "--resume", "--train.max_steps=8")
     assert corrupt.returncode == 2 and corrupt.stderr.startswith("error: cannot resume from"), corrupt.stderr
     assert corrupt.stderr.count("\n") == 1, corrupt.stderr
+
+
+# ---------------------------------------------------------------- Muon
+
+
+def test_muon_takes_the_blocks_matrices_and_the_schedule_scales_both(dataset):
+    cfg = build_config({"model": TINY["model"], "optim": {"name": "muon", "lr": 1e-3, "muon_lr": 0.02}}, [])
+    model = Transformer(cfg.model)
+    optimizer = train.build_optimizer(model, cfg, torch.device("cpu"))
+    muon, adamw = optimizer
+    names = {id(p): name for name, p in model.named_parameters()}
+    in_muon = {names[id(p)] for p in muon.param_groups[0]["params"]}
+    assert in_muon == {name for name, p in model.named_parameters() if name.startswith("layers.") and p.ndim == 2}
+    assert {names[id(p)] for group in adamw.param_groups for p in group["params"]} == set(names.values()) - in_muon
+    x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
+    train.train_step(model, optimizer, x, y, 5e-4, cfg, train.Dist("cpu"), nullcontext())
+    assert muon.param_groups[0]["lr"] == pytest.approx(0.01) and {g["lr"] for g in adamw.param_groups} == {5e-4}
+    assert len(muon.state) == len(in_muon) and len(adamw.state) == len(names) - len(in_muon)
+
+
+def test_muon_resumes_exactly_in_one_process(dataset, tmp_path):
+    config = config_file(tmp_path, dataset, optim={"name": "muon"}, train={"max_steps": 6}, eval={"interval": 0})
+    assert run_in_process(config, tmp_path / "whole") == 0
+    assert run_in_process(config, tmp_path / "split", "--train.max_steps=3") == 0
+    assert run_in_process(config, tmp_path / "split", "--resume") == 0
+    assert losses(tmp_path / "split") == losses(tmp_path / "whole")
+    assert losses(tmp_path / "split", "val_loss")[6] == losses(tmp_path / "whole", "val_loss")[6]
+
+
+def test_muon_under_fsdp_two_ranks_matches_one_process_and_resumes_there(dataset, tmp_path):
+    config = config_file(tmp_path, dataset, optim={"name": "muon"}, train={"max_steps": 8}, eval={"interval": 0})
+    assert run_in_process(config, tmp_path / "one") == 0
+    two = run_subprocess(2, config, tmp_path / "two", "--train.max_steps=5")
+    assert two.returncode == 0, two.stderr
+    # Newton–Schulz runs in bf16 on the row shards, so the ranks round differently from one process: ~1e-4
+    assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), 1e-3, steps=range(1, 6))
+    assert run_in_process(config, tmp_path / "two", "--resume") == 0  # its 2-rank Muon and AdamW state, resharded
+    assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), 1e-3, steps=range(6, 9))
