@@ -52,6 +52,7 @@ class OptimConfig:
     name: str = "adamw"  # adamw | muon (Muon for the blocks' matrices, AdamW for the rest)
     muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it as it scales lr
     muon_momentum: float = 0.95
+    z_loss: float = 0.0  # adds z_loss·mean(logsumexp(logits)²) to the loss (PaLM); 0: off
 
 
 @dataclass
@@ -111,6 +112,7 @@ NOT_NEGATIVE = {
     "optim.warmup_steps",
     "optim.weight_decay",
     "optim.grad_clip",
+    "optim.z_loss",
     "eval.interval",
     "checkpoint.interval",
 }

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as torch_dist
+import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -273,22 +274,34 @@ def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist, autocas
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)), "val_bpb": bits_per_byte}
 
 
+def loss_terms(model, x, y, z_loss: float) -> dict[str, torch.Tensor]:
+    """One micro-batch's loss terms, summed for the gradient: the mean cross-entropy ("loss"), and with z_loss > 0
+    z_loss·mean(logsumexp(logits)²) ("z_loss"; PaLM's, which keeps the softmax normaliser near 1)."""
+    if not z_loss:
+        return {"loss": model(x, y)}
+    logits = model(x).float()
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    return {"loss": loss, "z_loss": z_loss * logits.logsumexp(-1).square().mean()}
+
+
 def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autocast):
     """One optimizer step on this rank's rows (x, y) of the global batch, in train.grad_accum micro-steps.
 
-    Returns (loss, grad_norm, applied): the loss summed over micro-steps and the global gradient norm, both left on
-    the device, and whether the update was applied: it is not when the gradient norm is NaN or infinite."""
+    Returns (losses, grad_norm, applied): each loss term (loss_terms) averaged over micro-steps and the global
+    gradient norm, all left on the device, and whether the update was applied: it is not when the gradient norm is
+    NaN or infinite."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     accum = cfg.train.grad_accum
-    loss_sum = torch.zeros((), device=dist.device)
+    losses = {}
     for micro, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
         if dist.mesh is not None:
             model.set_requires_gradient_sync(micro == accum - 1)
         with autocast:
-            loss = model(xm, ym) / accum
-        loss.backward()
-        loss_sum += loss.detach()
+            terms = loss_terms(model, xm, ym, cfg.optim.z_loss)
+        (sum(terms.values()) / accum).backward()
+        for name, term in terms.items():
+            losses[name] = losses.get(name, 0) + term.detach() / accum
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
@@ -298,7 +311,7 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autoc
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, applied
+    return losses, grad_norm, applied
 
 
 def build_model(cfg: Config, dist: Dist) -> tuple[Transformer, torch.optim.Optimizer, str]:
@@ -355,16 +368,16 @@ def train(cfg: Config, resume: bool, dist: Dist):
     while step < t.max_steps:
         lr = lr_at(step, cfg)
         x, y = (batch[rows].to(dist.device) for batch in loader.next_batch())
-        loss_sum, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist, autocast)
+        losses, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist, autocast)
         if not applied:
-            raise diverged(dist.mean(loss_sum), grad_norm.item(), step + 1, run_dir)
+            raise diverged(dist.mean(losses["loss"]), grad_norm.item(), step + 1, run_dir)
         step += 1
         clock.steps += 1
         log.bar.update()
         if due(step, t.log_interval, t.max_steps):
             entry = {
                 "step": step,
-                "loss": dist.mean(loss_sum),
+                **{name: dist.mean(value) for name, value in losses.items()},
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
                 **clock.rates(),

@@ -338,6 +338,7 @@ def test_wandb_offline_one_metrics_line_per_logged_step_and_a_sample(dataset, tm
         (["--train.device=tpu"], "--train.device must be one of auto, cpu, cuda, not 'tpu'"),
         (["--optim.name=sgd"], "--optim.name must be one of adamw, muon, not 'sgd'"),
         (["--optim.muon_momentum=1"], "--optim.muon_momentum must be at least 0 and below 1, not 1.0"),
+        (["--optim.z_loss=-1"], "--optim.z_loss must be zero or more, not -1.0"),
     ],
 )
 def test_bad_config_is_one_line(dataset, tmp_path, capsys, args, message):
@@ -369,7 +370,7 @@ def test_corrupt_or_mismatched_checkpoint_is_one_line(dataset, tmp_path, capsys)
     assert corrupt.stderr.count("\n") == 1, corrupt.stderr
 
 
-# ---------------------------------------------------------------- Muon
+# ---------------------------------------------------------------- Muon, z-loss
 
 
 def test_muon_takes_the_blocks_matrices_and_the_schedule_scales_both(dataset):
@@ -405,3 +406,23 @@ def test_muon_under_fsdp_two_ranks_matches_one_process_and_resumes_there(dataset
     assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), 1e-3, steps=range(1, 6))
     assert run_in_process(config, tmp_path / "two", "--resume") == 0  # its 2-rank Muon and AdamW state, resharded
     assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), 1e-3, steps=range(6, 9))
+
+
+def test_z_loss_adds_the_squared_log_normaliser_and_is_logged_beside_the_loss(dataset, tmp_path):
+    model = Transformer(build_config({"model": TINY["model"]}, []).model)
+    x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
+    terms = train.loss_terms(model, x, y, 1e-2)
+    assert torch.allclose(terms["loss"], model(x, y))
+    assert torch.allclose(terms["z_loss"], 1e-2 * (torch.logsumexp(model(x), dim=-1) ** 2).mean())
+    assert train.loss_terms(model, x, y, 0.0).keys() == {"loss"}
+    config = config_file(tmp_path, dataset, train={"max_steps": 3}, eval={"interval": 0}, checkpoint={"interval": 0})
+    assert run_in_process(config, tmp_path / "plain") == 0
+    assert run_in_process(config, tmp_path / "z", "--optim.z_loss=1e-3") == 0
+    z, plain = losses(tmp_path / "z", "z_loss"), losses(tmp_path / "plain")
+    assert (
+        sorted(z) == [1, 2, 3]
+        and all(0 < value < 1 for value in z.values())
+        and not losses(tmp_path / "plain", "z_loss")
+    )
+    assert losses(tmp_path / "z")[1] == pytest.approx(plain[1], abs=1e-6)  # "loss" stays the cross-entropy
+    assert losses(tmp_path / "z")[3] != plain[3]  # and the z-loss's gradient changed the updates
