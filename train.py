@@ -1,6 +1,7 @@
 """Train picollama in one process or under torchrun with FSDP2:
 python train.py [--config F.toml] [--section.key=value ...] [--resume]."""
 
+import dataclasses
 import gc
 import json
 import math
@@ -17,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as torch_dist
+import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
-from checkpoint import checkpoints, load_checkpoint, resume_point, save_checkpoint
+from checkpoint import checkpoints, load_checkpoint, load_model, resume_point, save_checkpoint
 from cli import UserError, run_command
 from config import Config, check_config, parse_cli
 from data.loader import RandomBatches, eval_batches, load_meta
@@ -92,15 +94,48 @@ def parallelize(model: Transformer, cfg: Config, mesh) -> Transformer:
     return model
 
 
-def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only, fused where the device supports it."""
-    params = [p for p in model.parameters() if p.requires_grad]
+class Optimizers(list):
+    """Several optimizers stepped as one; checkpoint.py's DCP state dicts take such a list as it is."""
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for optimizer in self for group in optimizer.param_groups]
+
+    def step(self):
+        for optimizer in self:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for optimizer in self:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def build_muon(model, cfg: Config) -> torch.optim.Muon | None:
+    """With optim.name muon, Muon for the blocks' 2-D matrices (modded-nanogpt's split), its learning rate scaled
+    by the schedule as AdamW's is (the group's lr_scale); None otherwise. Under FSDP2 the matrices are DTensors
+    sharded by rows, and Newton–Schulz runs on them as DTensor ops, which gather what each product needs."""
+    o = cfg.optim
+    if o.name != "muon":
+        return None
+    matrices = [p for p in model.layers.parameters() if p.requires_grad and p.ndim == 2]
+    muon = torch.optim.Muon(matrices, lr=o.muon_lr, weight_decay=o.weight_decay, momentum=o.muon_momentum)
+    muon.param_groups[0]["lr_scale"] = o.muon_lr / o.lr
+    return muon
+
+
+def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Optimizer | Optimizers:
+    """AdamW with weight decay on matrices only, fused where the device supports it; with optim.name muon, Muon
+    takes the blocks' matrices and AdamW the rest (embeddings, output head, norms)."""
+    muon = build_muon(model, cfg)
+    taken = {id(p) for p in muon.param_groups[0]["params"]} if muon else set()
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    o = cfg.optim
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=device.type in ("cuda", "cpu"))
+    o, fused = cfg.optim, device.type in ("cuda", "cpu")
+    adamw = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
+    return Optimizers([muon, adamw]) if muon else adamw
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -240,22 +275,43 @@ def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist, autocas
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)), "val_bpb": bits_per_byte}
 
 
-def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autocast):
-    """One optimizer step on this rank's rows (x, y) of the global batch, in train.grad_accum micro-steps.
+def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:
+    """Randomized positions (Ruoss et al. 2023), (batch, seq_len) int64: each row a sorted random subset of seq_len
+    distinct positions from [0, k·seq_len), drawn from torch's global generator (seeded, and checkpointed)."""
+    return torch.rand(batch, k * seq_len).topk(seq_len, dim=1).indices.sort(dim=1).values
 
-    Returns (loss, grad_norm, applied): the loss summed over micro-steps and the global gradient norm, both left on
-    the device, and whether the update was applied: it is not when the gradient norm is NaN or infinite."""
+
+def loss_terms(model, x, y, positions, z_loss: float) -> dict[str, torch.Tensor]:
+    """One micro-batch's loss terms, summed for the gradient: the mean cross-entropy ("loss"), and with z_loss > 0
+    z_loss·mean(logsumexp(logits)²) ("z_loss"; PaLM's, which keeps the softmax normaliser near 1)."""
+    kwargs = {} if positions is None else {"positions": positions}
+    if not z_loss:
+        return {"loss": model(x, y, **kwargs)}
+    logits = model(x, **kwargs).float()
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    return {"loss": loss, "z_loss": z_loss * logits.logsumexp(-1).square().mean()}
+
+
+def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autocast, positions=None):
+    """One optimizer step on this rank's rows (x, y, and positions if given) of the global batch, in
+    train.grad_accum micro-steps.
+
+    Returns (losses, grad_norm, applied): each loss term (loss_terms) averaged over micro-steps and the global
+    gradient norm, all left on the device, and whether the update was applied: it is not when the gradient norm is
+    NaN or infinite."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     accum = cfg.train.grad_accum
-    loss_sum = torch.zeros((), device=dist.device)
-    for micro, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+    losses = {}
+    chunks = [None] * accum if positions is None else positions.chunk(accum)
+    for micro, (xm, ym, pm) in enumerate(zip(x.chunk(accum), y.chunk(accum), chunks, strict=True)):
         if dist.mesh is not None:
             model.set_requires_gradient_sync(micro == accum - 1)
         with autocast:
-            loss = model(xm, ym) / accum
-        loss.backward()
-        loss_sum += loss.detach()
+            terms = loss_terms(model, xm, ym, pm, cfg.optim.z_loss)
+        (sum(terms.values()) / accum).backward()
+        for name, term in terms.items():
+            losses[name] = losses.get(name, 0) + term.detach() / accum
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
@@ -265,22 +321,62 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autoc
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, applied
+    return losses, grad_norm, applied
 
 
-def build_model(cfg: Config, dist: Dist) -> tuple[Transformer, torch.optim.AdamW, str]:
-    """The parallelized model (the same initial weights on any device and world size), its optimizer, and a line
-    saying how many parameters it has and how many rank 0 stores."""
+def build_model(cfg: Config, dist: Dist, init: dict | None = None) -> tuple[Transformer, torch.optim.Optimizer, str]:
+    """The parallelized model (the same initial weights on any device and world size, or `init`'s), its optimizer,
+    and a line saying how many parameters it has and how many rank 0 stores."""
     if cfg.train.compile:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
     if dist.device.type == "cuda":
         torch.set_float32_matmul_precision("high")
     model = Transformer(cfg.model).to(dist.device)  # initialised on the CPU generator first: same weights anywhere
+    if init is not None:
+        model.load_state_dict(init)
     num_params = model.num_params()
     model = parallelize(model, cfg, dist.mesh)
     local_params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     sizes = f"{num_params:,} parameters, {local_params:,} stored on rank 0 of {dist.world_size}"
     return model, build_optimizer(model, cfg, dist.device), sizes
+
+
+# What a run started from train.init_from may change: the context and the RoPE scaling (context extension).
+CONTEXT_KEYS = (
+    "max_seq_len",
+    "rope_scaling",
+    "rope_factor",
+    "rope_original_max_seq_len",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+)
+
+
+def init_from_weights(cfg: Config) -> dict | None:
+    """The weights of the run directory train.init_from (None without one), after checking that its model equals
+    model.* but for CONTEXT_KEYS and that it shares data.dir's tokenizer. A run that stretches the source's context
+    gets model.rope_original_max_seq_len = that context, so that RoPE scaling and extrapolate stretch from it."""
+    source_dir = cfg.train.init_from
+    if source_dir is None:
+        return None
+    try:
+        source, _ = load_model(source_dir)
+    except UserError as e:
+        raise UserError(f"train.init_from: {e}") from None
+    saved, wanted = source.args.to_dict(), cfg.model.to_dict()
+    key = next((k for k in wanted if k not in CONTEXT_KEYS and saved[k] != wanted[k]), None)
+    if key is not None:
+        raise UserError(
+            f"train.init_from {source_dir} has model.{key} = {saved[key]!r}, this run {wanted[key]!r}; "
+            f"only model.{', model.'.join(CONTEXT_KEYS)} may change"
+        )
+    theirs, ours = Path(source_dir) / "tokenizer.model", Path(cfg.data.dir) / "tokenizer.model"
+    if theirs.is_file() and ours.is_file() and theirs.read_bytes() != ours.read_bytes():
+        raise UserError(f"train.init_from {source_dir} has another tokenizer than {cfg.data.dir}")
+    original = source.args.original_seq_len
+    if cfg.model.rope_original_max_seq_len is None and cfg.model.max_seq_len > original:
+        cfg.model = dataclasses.replace(cfg.model, rope_original_max_seq_len=original)
+    return source.state_dict()
 
 
 def diverged(loss: float, grad_norm: float, step: int, run_dir: Path) -> UserError:
@@ -297,6 +393,7 @@ def train(cfg: Config, resume: bool, dist: Dist):
     """Train cfg from scratch or from the latest checkpoint in train.out_dir, logging, evaluating and saving."""
     t = cfg.train
     run_dir = Path(t.out_dir)
+    init = init_from_weights(cfg)  # before resume_point, which checks the model it may adjust
     start = resume_point(run_dir, cfg.model, resume)
     data_dir, meta = prepare_data(cfg, dist)
     random.seed(t.seed)
@@ -305,7 +402,7 @@ def train(cfg: Config, resume: bool, dist: Dist):
     # Every rank draws the same global batch and keeps its rows, so the data never depends on the world size.
     loader = RandomBatches(data_dir, "train", t.batch_size, t.seq_len, seed=t.seed)
     rows = slice(dist.rank * t.batch_size // dist.world_size, (dist.rank + 1) * t.batch_size // dist.world_size)
-    model, optimizer, sizes = build_model(cfg, dist)
+    model, optimizer, sizes = build_model(cfg, dist, None if start else init)  # a resumed run loads its checkpoint
     on_gpu_alone = dist.device.type == "cuda" and dist.mesh is None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu_alone else nullcontext()
     step = 0 if start is None else load_checkpoint(start, model, optimizer, loader, dist)
@@ -322,16 +419,19 @@ def train(cfg: Config, resume: bool, dist: Dist):
     while step < t.max_steps:
         lr = lr_at(step, cfg)
         x, y = (batch[rows].to(dist.device) for batch in loader.next_batch())
-        loss_sum, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist, autocast)
+        positions = None
+        if t.random_positions:  # drawn for the global batch, as the data is: the same on any number of ranks
+            positions = random_positions(t.batch_size, t.seq_len, t.random_positions)[rows].to(dist.device)
+        losses, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist, autocast, positions)
         if not applied:
-            raise diverged(dist.mean(loss_sum), grad_norm.item(), step + 1, run_dir)
+            raise diverged(dist.mean(losses["loss"]), grad_norm.item(), step + 1, run_dir)
         step += 1
         clock.steps += 1
         log.bar.update()
         if due(step, t.log_interval, t.max_steps):
             entry = {
                 "step": step,
-                "loss": dist.mean(loss_sum),
+                **{name: dist.mean(value) for name, value in losses.items()},
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
                 **clock.rates(),
