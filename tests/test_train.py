@@ -1,7 +1,6 @@
 """train.py: learning, gradient accumulation, FSDP2 = one process, exact resume after SIGKILL, wandb, clear errors."""
 
 import dataclasses
-import inspect
 import itertools
 import json
 import os
@@ -466,10 +465,6 @@ def test_random_positions_reach_the_model_only_when_on_and_resume_exactly(datase
     assert len(split) == 4 and all(torch.equal(a, b) for a, b in zip(whole, split))
 
 
-@pytest.mark.skipif(
-    "positions" not in inspect.signature(Transformer.forward).parameters,
-    reason="model.py's forward takes no positions yet (the position-encoding branch adds it)",
-)
 def test_training_at_random_positions_learns_and_resumes_exactly(dataset, tmp_path):
     config = config_file(tmp_path, dataset, train={"max_steps": 8, "random_positions": 4}, eval={"interval": 0})
     assert run_in_process(config, tmp_path / "whole") == 0
