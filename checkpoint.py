@@ -288,7 +288,8 @@ def resume_point(run_dir, args: ModelArgs, resume: bool) -> Path | None:
         raise UserError(f"nothing to resume: {run_dir / 'train_state'} holds no checkpoint; run without --resume")
     latest = found[-1]
     try:
-        saved = json.loads((latest / "meta.json").read_text())["model"]
+        # through ModelArgs, so that keys added since the checkpoint was written read as their defaults
+        saved = ModelArgs.from_dict(json.loads((latest / "meta.json").read_text())["model"]).to_dict()
     except (OSError, ValueError, KeyError, TypeError):
         raise unusable(latest, "meta.json is missing or corrupt") from None
     differences = [f"model.{k} {saved.get(k)!r} → {v!r}" for k, v in args.to_dict().items() if saved.get(k) != v]

@@ -37,6 +37,8 @@ class TrainConfig:
     peak_tflops: float | None = None  # per device, for MFU; None: the GPU table (nothing on CPU)
     sample_tokens: int = 200  # a sample printed at the end (0: none)
     sample_prompt: str = ""
+    init_from: str | None = None  # a run directory whose weights (not optimizer or step) start this run
+    random_positions: int = 0  # k > 0: each sequence at sorted random positions from [0, k·seq_len); 0: off
 
 
 @dataclass
@@ -49,6 +51,10 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0: no clipping
+    name: str = "adamw"  # adamw | muon (Muon for the blocks' matrices, AdamW for the rest)
+    muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it as it scales lr
+    muon_momentum: float = 0.95
+    z_loss: float = 0.0  # adds z_loss·mean(logsumexp(logits)²) to the loss (PaLM); 0: off
 
 
 @dataclass
@@ -105,6 +111,7 @@ POSITIVE = {
     "train.peak_tflops",
     "optim.lr",
     "optim.eps",
+    "optim.muon_lr",
     "eval.batches",
     "eval.batch_size",
     "checkpoint.keep",
@@ -112,15 +119,17 @@ POSITIVE = {
 NOT_NEGATIVE = {
     "train.seed",
     "train.sample_tokens",
+    "train.random_positions",
     "optim.min_lr",
     "optim.warmup_steps",
     "optim.weight_decay",
     "optim.grad_clip",
+    "optim.z_loss",
     "eval.interval",
     "checkpoint.interval",
 }
-BELOW_ONE = {"optim.beta1", "optim.beta2"}  # and not negative
-CHOICES = {"train.device": ("auto", "cpu", "cuda")}
+BELOW_ONE = {"optim.beta1", "optim.beta2", "optim.muon_momentum"}  # and not negative
+CHOICES = {"train.device": ("auto", "cpu", "cuda"), "optim.name": ("adamw", "muon")}
 
 
 def section_types() -> dict[str, type]:
@@ -274,3 +283,19 @@ def check_config(cfg: Config, world_size: int) -> None:
             f"train.seq_len ({t.seq_len}) exceeds the model's context model.max_seq_len ({m.max_seq_len}); "
             "lower train.seq_len or raise model.max_seq_len"
         )
+    check_training_options(cfg)
+
+
+def check_training_options(cfg: Config) -> None:
+    """Refuse random positions the model cannot use, and an init_from run that would be overwritten."""
+    t, m = cfg.train, cfg.model
+    position = getattr(m, "position", "rope")  # model.position comes with the position-encoding switch
+    if t.random_positions and position == "nope":
+        raise UserError("train.random_positions needs a position encoding, and model.position nope has none")
+    if position == "learned" and t.random_positions * t.seq_len > m.max_seq_len:
+        raise UserError(
+            f"train.random_positions ({t.random_positions}) × train.seq_len ({t.seq_len}) exceeds the learned "
+            f"position table model.max_seq_len ({m.max_seq_len}); raise model.max_seq_len or lower random_positions"
+        )
+    if t.init_from is not None and Path(t.init_from).resolve() == Path(t.out_dir).resolve():
+        raise UserError(f"train.init_from ({t.init_from}) must be another run directory than train.out_dir")

@@ -40,6 +40,22 @@ def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+# ModelArgs switches that Hugging Face's Llama has no counterpart for: an export needs LLaMA's value of each
+NOT_IN_LLAMA = ("norm", "norm_placement", "parallel_block", "activation", "qk_norm", "logit_softcap", "position")
+NOT_IN_LLAMA += ("rope_fraction", "nope_every", "logn_attention")
+
+
+def check_llama(args: ModelArgs):
+    """UserError naming the first switch of args that Hugging Face's Llama cannot express."""
+    llama = ModelArgs()
+    for key in NOT_IN_LLAMA:
+        if getattr(args, key) != getattr(llama, key):
+            raise UserError(
+                f"Hugging Face's Llama has no model.{key} = {getattr(args, key)!r} (only {getattr(llama, key)!r}): "
+                "this model cannot be exported"
+            )
+
+
 def weight_names(args: ModelArgs):
     """(our name, Hugging Face name, heads whose RoPE rows to permute or None) for every weight."""
     yield "tok_embeddings.weight", "model.embed_tokens.weight", None
@@ -54,6 +70,7 @@ def weight_names(args: ModelArgs):
 
 def to_hf_state_dict(model: Transformer) -> dict:
     """Our weights under Hugging Face Llama names, with wq/wk permuted to rotate-half."""
+    check_llama(model.args)
     sd = model.state_dict()
     return {
         theirs: (sd[ours] if heads is None else interleaved_to_half(sd[ours], heads)).contiguous()
@@ -63,6 +80,7 @@ def to_hf_state_dict(model: Transformer) -> dict:
 
 def hf_config(args: ModelArgs) -> dict:
     """A LlamaConfig dict for our ModelArgs."""
+    check_llama(args)
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     original_len = args.original_seq_len
     max_positions = args.max_seq_len
@@ -174,6 +192,7 @@ def from_hf_state_dict(state_dict: dict, config) -> Transformer:
 def export_hf(run_dir: Path, hf_dir: Path):
     """Write run_dir as a Hugging Face Llama directory (config.json, model.safetensors, tokenizer)."""
     model, _ = load_model(run_dir)
+    check_llama(model.args)
     tokenizer_path = run_dir / "tokenizer.model"
     if not tokenizer_path.is_file():
         raise UserError(f"{run_dir} has no tokenizer.model")

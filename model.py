@@ -1,13 +1,16 @@
-"""The picollama decoder: RMSNorm pre-norm blocks, RoPE attention (GQA, static KV cache, SDPA), SwiGLU FFN."""
+"""The picollama decoder: LLaMA (RMSNorm pre-norm blocks, RoPE attention with GQA, a static KV cache and SDPA, SwiGLU
+FFN) by default, and the alternatives the seed lectures teach as ModelArgs switches."""
 
 import math
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
+POSITIONS = ("rope", "alibi", "nope", "sinusoidal", "learned")
 
 
 @dataclass
@@ -30,6 +33,17 @@ class ModelArgs:
     rope_original_max_seq_len: int | None = None  # None: max_seq_len
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
+    # the architecture switches; the defaults are LLaMA's (see NORMS, PLACEMENTS, ACTIVATIONS below)
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_placement: str = "pre"  # pre | post (LN(x + f(x))) | sandwich (Gemma 2: a norm before and after f)
+    parallel_block: bool = False  # GPT-J, PaLM: x + attention(n(x)) + ffn(n(x))
+    activation: str = "swiglu"  # gated: swiglu | geglu | reglu (hidden 2/3·4·dim); gelu | relu | relu2 (4·dim)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys, before RoPE (OLMo 2, Gemma 3)
+    logit_softcap: float = 0.0  # cap·tanh(logits/cap) (Gemma 2); 0: off
+    position: str = "rope"  # rope | alibi | nope | sinusoidal | learned
+    rope_fraction: float = 1.0  # < 1: only the first fraction of each head's dimensions rotate (GPT-NeoX)
+    nope_every: int = 0  # k > 0: layers i with (i+1) % k == 0 use no positions, the rest RoPE (Llama 4, Command A)
+    logn_attention: bool = False  # queries at 1-based position n scaled by max(1, log n / log original_seq_len)
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -40,12 +54,25 @@ class ModelArgs:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"the head size dim/n_heads ({self.head_dim}) must be even for RoPE")
-        if self.rope_scaling not in ROPE_SCALINGS:
-            raise ValueError(f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, not {self.rope_scaling!r}")
-        if self.rope_factor < 1:
-            raise ValueError(f"rope_factor must be >= 1, not {self.rope_factor}")
+        choices = dict(norm=NORMS, norm_placement=PLACEMENTS, activation=ACTIVATIONS, position=POSITIONS)
+        choices |= dict.fromkeys(("parallel_block", "qk_norm", "logn_attention"), (False, True))
+        for key, allowed in {**choices, "rope_scaling": ROPE_SCALINGS}.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key} must be one of {', '.join(map(str, allowed))}, not {getattr(self, key)!r}")
+        for key, ok, allowed in [
+            ("rope_factor", self.rope_factor >= 1, ">= 1"),
+            ("rope_fraction", 0 < self.rope_fraction <= 1, "in (0, 1]"),
+            ("nope_every", self.nope_every >= 0, ">= 0"),
+            ("logit_softcap", 0 <= self.logit_softcap < math.inf, "a finite number >= 0"),
+        ]:
+            if not ok:
+                raise ValueError(f"{key} must be {allowed}, not {getattr(self, key)!r}")
+        for key, off in (("rope_scaling", "none"), ("rope_fraction", 1.0), ("nope_every", 0)):
+            if self.position != "rope" and getattr(self, key) != off:
+                raise ValueError(f"{key} applies to position = 'rope' only, not to position = {self.position!r}")
+        pairs = self.head_dim * self.rope_fraction / 2  # RoPE turns pairs of dimensions
+        if self.position == "rope" and (self.head_dim % 2 or pairs < 1 or abs(pairs - round(pairs)) > 1e-6):
+            raise ValueError(f"head_dim ({self.head_dim}) and head_dim·rope_fraction ({2 * pairs:g}) must be even")
 
     @property
     def original_seq_len(self) -> int:
@@ -58,9 +85,10 @@ class ModelArgs:
 
     @property
     def hidden_dim(self) -> int:
+        """The FFN's hidden size: 4·dim, times 2/3 for a gated FFN (3 matrices instead of 2: the same parameters)."""
         if self.ffn_hidden_dim is not None:
             return self.ffn_hidden_dim
-        hidden = int(2 * 4 * self.dim / 3)
+        hidden = int(2 * 4 * self.dim / 3) if ACTIVATIONS[self.activation][0] is FeedForward else 4 * self.dim
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
@@ -87,14 +115,18 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).type_as(x) * self.weight
 
 
+NORMS = {"rmsnorm": RMSNorm, "layernorm": nn.LayerNorm}  # LayerNorm: (x − mean) / std · γ + β, with its bias β
+
+
 def rope_frequencies(args: ModelArgs, seq_len: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float32, head_dim/2) and attention scale for a sequence of seq_len tokens.
+    """Inverse frequencies (float32, head_dim·rope_fraction/2) and attention scale for a sequence of seq_len tokens.
 
     Matches Hugging Face's RoPE functions for the same parameters. `ntk` is static NTK-aware scaling,
     base·s^(d/(d-2)); `dynamic` takes s from the current length, so its frequencies change as it grows: every
     cached key and value (of every layer) is then stale, and decoding must recompute (see generate.py).
     """
     d, base, s, original_len = args.head_dim, args.rope_theta, args.rope_factor, args.original_seq_len
+    d = round(d * args.rope_fraction)  # partial rotary: the first d dimensions of each head rotate
     exponents = torch.arange(0, d, 2, dtype=torch.float32) / d
     if args.rope_scaling == "ntk":
         base = base * s ** (d / (d - 2))
@@ -125,16 +157,51 @@ def rope_frequencies(args: ModelArgs, seq_len: int) -> tuple[torch.Tensor, float
 
 
 def rope_rotations(args: ModelArgs, start: int, end: int, device) -> torch.Tensor:
-    """Complex rotations (end-start, head_dim/2) for positions start..end-1 of an end-token sequence, in float32."""
+    """Complex rotations (end-start, rotated dims/2) for positions start..end-1 of an end-token sequence, in float32."""
     inv_freq, scale = rope_frequencies(args, end)
     angles = torch.outer(torch.arange(start, end, device=device, dtype=torch.float32), inv_freq.to(device))
     return torch.polar(torch.full_like(angles, scale), angles)
 
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (2i, 2i+1) of x (B, T, H, head_dim) by complex freqs_cis (T, head_dim/2)."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * freqs_cis[:, None, :]).flatten(-2).type_as(x)
+    """Rotate interleaved pairs (2i, 2i+1) of x (B, T, H, head_dim) by complex freqs_cis ([B,] T, n/2); the
+    dimensions past the first n pass unrotated (partial rotary)."""
+    n = 2 * freqs_cis.shape[-1]
+    pairs = torch.view_as_complex(x[..., :n].float().unflatten(-1, (-1, 2)))
+    rotated = torch.view_as_real(pairs * freqs_cis[..., None, :]).flatten(-2).type_as(x)
+    return rotated if n == x.shape[-1] else torch.cat([rotated, x[..., n:]], dim=-1)
+
+
+def alibi_bias(n_heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """ALiBi's attention bias ([B,] heads, T, S): −slope·(query position − key position), −inf for later keys. Press
+    et al.'s slopes: 2^(-8i/n) for heads i = 1..n; for n not a power of two p, p's, then every other one of 2p's."""
+    p = 2 ** math.floor(math.log2(n_heads))
+    slopes = [2 ** (-8 * i / p) for i in range(1, p + 1)] + [2 ** (-4 * i / p) for i in range(1, 2 * p, 2)]
+    slopes = torch.tensor(slopes[:n_heads], device=q_pos.device)[:, None, None]
+    distance = (q_pos[..., None, :, None] - k_pos[..., None, None, :]).float()
+    return (-slopes * distance).masked_fill(distance < 0, -math.inf)
+
+
+class Sinusoid(nn.Module):
+    """The Transformer's PE(pos, 2i) = sin(pos / 10000^(2i/dim)), PE(pos, 2i+1) = cos(...), for any position."""
+
+    def __init__(self, max_seq_len: int, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, positions):
+        exponents = torch.arange(0, self.dim, 2, device=positions.device) / self.dim
+        angles = positions[..., None].float() / 10000**exponents
+        return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)[..., : self.dim]
+
+
+class LearnedPositions(nn.Embedding):
+    """GPT-2's absolute positions: a learned table over 0..max_seq_len-1, and nothing past it."""
+
+    def forward(self, positions):
+        if positions.max() >= self.num_embeddings:
+            raise ValueError(f"position {int(positions.max())} is past the learned positions ({self.num_embeddings})")
+        return super().forward(positions)
 
 
 class KVCache(nn.Module):
@@ -150,10 +217,8 @@ class KVCache(nn.Module):
         """ValueError unless `batch` sequences of `seqlen` tokens at positions start_pos.. fit the cache."""
         cache_batch, _, cache_len, _ = self.k.shape
         if start_pos < 0 or start_pos + seqlen > cache_len:
-            where = f"positions {start_pos}..{start_pos + seqlen - 1}"
-            raise ValueError(
-                f"{where} do not fit the KV cache of {cache_len} tokens; raise max_seq_len in setup_cache()"
-            )
+            where = f"positions {start_pos}..{start_pos + seqlen - 1} do not fit the KV cache of {cache_len} tokens"
+            raise ValueError(f"{where}; raise max_seq_len in setup_cache()")
         if batch > cache_batch:
             raise ValueError(f"batch of {batch} exceeds the KV cache's {cache_batch}; raise max_batch_size")
 
@@ -166,22 +231,27 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, rotary: bool = True):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        qk_norm = partial(RMSNorm, args.head_dim, args.norm_eps) if args.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = qk_norm(), qk_norm()
+        self.rotate = apply_rotary if rotary else lambda x, freqs_cis: x  # NoPE: no positions in this layer
         self.cache: KVCache | None = None
 
-    def forward(self, x, freqs_cis, start_pos: int | None, mask):
+    def forward(self, x, freqs_cis, start_pos: int | None, mask, q_scale=None):
         batch, seqlen, _ = x.shape
-        q = self.wq(x).view(batch, seqlen, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seqlen, self.n_kv_heads, self.head_dim)
+        q = self.q_norm(self.wq(x).view(batch, seqlen, self.n_heads, self.head_dim))
+        k = self.k_norm(self.wk(x).view(batch, seqlen, self.n_kv_heads, self.head_dim))
         v = self.wv(x).view(batch, seqlen, self.n_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, freqs_cis).transpose(1, 2), apply_rotary(k, freqs_cis).transpose(1, 2)
+        q, k = self.rotate(q, freqs_cis).transpose(1, 2), self.rotate(k, freqs_cis).transpose(1, 2)
         v = v.transpose(1, 2)
+        if q_scale is not None:  # log-n attention
+            q = q * q_scale.to(q.dtype)
         if start_pos is not None:
             k, v = self.cache.update(start_pos, k, v)
         out = F.scaled_dot_product_attention(
@@ -190,28 +260,63 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seqlen, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+class MLP(nn.Module):
+    """w2(act(w1 x)): the FFN of the original Transformer (ReLU), GPT-2 (GELU), Nemotron-4 (squared ReLU)."""
+
+    def __init__(self, dim: int, hidden_dim: int, act):
         super().__init__()
+        self.act = act
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(self.act(self.w1(x)))
+
+
+class FeedForward(MLP):
+    """The gated FFN w2(act(w1 x) · w3 x): SwiGLU (LLaMA), GeGLU, ReGLU."""
+
+    def __init__(self, dim: int, hidden_dim: int, act=F.silu):
+        super().__init__(dim, hidden_dim, act)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+# activation name -> (FFN, its function)
+ACTIVATIONS = {"swiglu": (FeedForward, F.silu), "geglu": (FeedForward, F.gelu), "reglu": (FeedForward, F.relu)}
+ACTIVATIONS |= {"gelu": (MLP, F.gelu), "relu": (MLP, F.relu), "relu2": (MLP, lambda x: F.relu(x).square())}
+
+# how a sublayer f joins the residual stream x, for each norm_placement (post: sandwich's second norm)
+PLACEMENTS = {
+    "pre": lambda x, f, norm, post: x + f(norm(x)),  # GPT-2, LLaMA
+    "post": lambda x, f, norm, post: norm(x + f(x)),  # the original Transformer: no final norm after its blocks
+    "sandwich": lambda x, f, norm, post: x + post(f(norm(x))),  # Gemma 2
+}
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        nope = args.position != "rope" or args.nope_every > 0 and (layer_id + 1) % args.nope_every == 0
+        self.attention = Attention(args, rotary=not nope)
+        ffn, act = ACTIVATIONS[args.activation]
+        self.feed_forward = ffn(args.dim, args.hidden_dim, act)
+        norm, sandwich = partial(NORMS[args.norm], args.dim, args.norm_eps), args.norm_placement == "sandwich"
+        self.attention_norm = norm()
+        self.ffn_norm = None if args.parallel_block else norm()
+        self.post_attention_norm = norm() if sandwich else None
+        self.post_ffn_norm = norm() if sandwich and not args.parallel_block else None
+        self.residual, self.parallel = PLACEMENTS[args.norm_placement], args.parallel_block
 
-    def forward(self, x, freqs_cis, start_pos, mask):
-        h = x + self.attention(self.attention_norm(x), freqs_cis, start_pos, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, x, freqs_cis, start_pos, mask, q_scale):
+        attention = partial(self.attention, freqs_cis=freqs_cis, start_pos=start_pos, mask=mask, q_scale=q_scale)
+        if self.parallel:  # GPT-J, PaLM: attention and FFN read the same normed input, and add together
+            both = lambda h: attention(h) + self.feed_forward(h)  # noqa: E731
+            return self.residual(x, both, self.attention_norm, self.post_attention_norm)
+        h = self.residual(x, attention, self.attention_norm, self.post_attention_norm)
+        return self.residual(h, self.feed_forward, self.ffn_norm, self.post_ffn_norm)
 
 
 class Transformer(nn.Module):
@@ -219,8 +324,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        absolute = {"sinusoidal": Sinusoid, "learned": LearnedPositions}.get(args.position)  # added to the embeddings
+        self.pos_embeddings = absolute(args.max_seq_len, args.dim) if absolute else None
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        self.norm = nn.Identity() if args.norm_placement == "post" else NORMS[args.norm](args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -231,9 +338,7 @@ class Transformer(nn.Module):
     def init_weights(self):
         """N(0, 0.02) everywhere; the projections that write into the residual stream scaled by 1/sqrt(2·n_layers)."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            else:
+            if not name.endswith(("norm.weight", "norm.bias")):  # norms start as the identity: γ = 1, β = 0
                 std = 0.02 / math.sqrt(2 * self.args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
@@ -249,7 +354,7 @@ class Transformer(nn.Module):
             layer.attention.cache = None
 
     def rope(self, start: int, end: int, device) -> torch.Tensor:
-        """Complex rotations (end-start, head_dim/2) for positions start..end-1 of an end-token sequence, in float32.
+        """Complex rotations (end-start, rotated dims/2) for positions start..end-1 of an end-token sequence (float32).
 
         Static RoPE slices a table over max(max_seq_len, KV cache length) positions, rebuilt when the device or args
         change (.to(), weights loaded onto a meta model, a new model.args); dynamic NTK and longer ends are computed."""
@@ -266,27 +371,42 @@ class Transformer(nn.Module):
                 table, args = self.rope_table = rope_rotations(self.args, 0, length, device), self.args
         return table[start:end]
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, start_pos: int | None = None):
+    def forward(self, tokens: torch.Tensor, targets=None, start_pos: int | None = None, positions=None):
         """Logits (B, T, vocab), or the mean cross-entropy when targets are given (-100 is ignored).
 
         With start_pos, tokens sit at positions start_pos.. and read and write the KV cache (see setup_cache).
+        Without it, `positions` ((T,) or (B, T), increasing) may place them elsewhere than 0..T-1, for every
+        position encoding (randomized-position training).
         """
-        batch, seqlen = tokens.shape
-        end = (start_pos or 0) + seqlen
-        mask = None
+        (batch, seqlen), device = tokens.shape, tokens.device
+        end, given = (start_pos or 0) + seqlen, positions is not None
+        positions = positions if given else torch.arange(end - seqlen, end, device=device)
+        key_positions, mask = positions, None
         if start_pos is not None:
             cache = self.layers[0].attention.cache
             if cache is None:
                 raise ValueError("start_pos needs a KV cache: call setup_cache(max_batch_size, max_seq_len) first")
+            if given:
+                raise ValueError("positions are for a forward without the KV cache: pass start_pos or positions")
             cache.check(start_pos, batch, seqlen)
+            key_positions = torch.arange(end, device=device)
             if seqlen > 1 and start_pos > 0:  # a chunk after earlier tokens: query i sees keys 0..start_pos+i
-                positions = torch.arange(end, device=tokens.device)
-                mask = positions[None, :] <= positions[start_pos:, None]
-        freqs_cis = self.rope(end - seqlen, end, tokens.device)
+                mask = key_positions[None, :] <= positions[:, None]
         h = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(positions).type_as(h)
+        freqs_cis = q_scale = None
+        if self.args.position == "rope":
+            freqs_cis = self.rope(0, int(positions.max()) + 1 if given else end, device)[positions]
+        elif self.args.position == "alibi":
+            mask = alibi_bias(self.args.n_heads, positions, key_positions)
+        if self.args.logn_attention:  # at 1-based position n past the training context L, queries grow by log_L n
+            q_scale = ((positions[..., None, :, None] + 1.0).log() / math.log(self.args.original_seq_len)).clamp(min=1)
         for layer in self.layers:
-            h = layer(h, freqs_cis, start_pos, mask)
+            h = layer(h, freqs_cis, start_pos, mask, q_scale)
         logits = self.output(self.norm(h))
+        if self.args.logit_softcap:
+            logits = self.args.logit_softcap * torch.tanh(logits / self.args.logit_softcap)
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)

@@ -1,34 +1,34 @@
 """Train picollama in one process or under torchrun with FSDP2:
 python train.py [--config F.toml] [--section.key=value ...] [--resume]."""
 
+import dataclasses
 import gc
-import json
 import math
 import os
 import random
-import resource
 import subprocess
 import sys
-import time
 import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as torch_dist
+import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from tqdm import tqdm
 
-from checkpoint import check_tokenizer, checkpoints, load_checkpoint, resume_point, save_checkpoint, stopped
+from checkpoint import check_tokenizer, checkpoints, load_checkpoint, load_model, resume_point, save_checkpoint, stopped
 from cli import UserError, check_writable, run_command
 from config import Config, check_config, parse_cli
 from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
 from data.prepare import prepare
 from device import peak_flops, pick_device
+from metrics import RunLog, Throughput, memory_gb
 from model import Transformer
+from optim import build_optimizer, lr_at
 
 REPO_ROOT = Path(__file__).resolve().parent
 
@@ -92,107 +92,9 @@ def parallelize(model: Transformer, cfg: Config, mesh) -> Transformer:
     return model
 
 
-def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only, fused where the device supports it."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    o = cfg.optim
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=device.type in ("cuda", "cpu"))
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warmup over warmup_steps, then cosine decay to min_lr at max_steps (step counts from 0)."""
-    o, total = cfg.optim, cfg.train.max_steps
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    progress = (step - o.warmup_steps) / max(total - o.warmup_steps, 1)
-    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
 def due(step: int, interval: int, last: int) -> bool:
     """Whether something done every `interval` steps (0: never) and after the last step is due after `step`."""
     return step == last or (interval > 0 and step % interval == 0)
-
-
-def memory_gb(device: torch.device) -> float:
-    """Peak memory of this process: CUDA allocations on GPU, resident set size on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
-
-
-class Throughput:
-    """Tokens/s and MFU over training time alone: the clock stops while evaluating and checkpointing."""
-
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None, device: torch.device):
-        """peak: the FLOP/s of all devices together, None if unknown."""
-        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
-        self.device = device
-        self.steps, self.seconds, self.since = 0, 0.0, time.perf_counter()
-
-    @contextmanager
-    def paused(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the steps' queued GPU work is training time
-        self.seconds += time.perf_counter() - self.since
-        yield
-        self.since = time.perf_counter()
-
-    def rates(self) -> dict:
-        """tokens_per_s (and mfu when the peak is known) of the steps since the last call."""
-        now = time.perf_counter()
-        tokens_per_s = self.tokens_per_step * self.steps / (self.seconds + now - self.since)
-        self.steps, self.seconds, self.since = 0, 0.0, now
-        mfu = {"mfu": self.flops_per_token * tokens_per_s / self.peak} if self.peak else {}
-        return {"tokens_per_s": tokens_per_s, **mfu}
-
-
-def logged_step(line: str) -> float:
-    """The step of a metrics.jsonl line; inf for a line cut short by a crash."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
-
-
-class RunLog:
-    """What rank 0 reports: metrics.jsonl (a resumed run first drops the steps it will redo), wandb, a progress bar."""
-
-    def __init__(self, cfg: Config, run_dir: Path, step: int, main: bool):
-        self.main, self.path, self.wandb = main, run_dir / "metrics.jsonl", None
-        self.bar = tqdm(total=cfg.train.max_steps, initial=step, desc="training", unit="step", disable=not main or None)
-        if not main:
-            return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lines = self.path.read_text().splitlines() if step and self.path.is_file() else []
-        self.path.write_text("".join(line + "\n" for line in lines if logged_step(line) <= step))
-        if cfg.wandb.enabled:
-            import wandb
-
-            self.wandb = wandb.init(
-                project=cfg.wandb.project, name=cfg.wandb.run_name or run_dir.name, config=cfg.to_dict()
-            )
-
-    def record(self, entry: dict):
-        if self.main:
-            # JSON has no NaN or infinity: those are written as null
-            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in entry.items()}
-            with open(self.path, "a") as f:
-                f.write(json.dumps(finite, allow_nan=False) + "\n")
-            if self.wandb is not None:
-                self.wandb.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
-
-    def say(self, text: str):
-        if self.main:
-            self.bar.write(text, file=sys.stdout)
-
-    def close(self):
-        self.bar.close()
-        if self.wandb is not None:
-            self.wandb.finish()
 
 
 def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
@@ -243,43 +145,65 @@ def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist, autocas
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)), "val_bpb": bits_per_byte}
 
 
-def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autocast):
-    """One optimizer step on this rank's rows (x, y) of the global batch, in train.grad_accum micro-steps.
+def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:
+    """Randomized positions (Ruoss et al. 2023), (batch, seq_len) int64: each row a sorted random subset of seq_len
+    distinct positions from [0, k·seq_len), drawn from torch's global generator (seeded, and checkpointed)."""
+    return torch.rand(batch, k * seq_len).topk(seq_len, dim=1).indices.sort(dim=1).values
 
-    Returns (loss, grad_norm, applied): the loss summed over micro-steps and the global gradient norm, both left on
-    the device, and whether the update was applied: it is not when the loss or the gradient norm is NaN or
-    infinite."""
+
+def loss_terms(model, x, y, positions, z_loss: float) -> dict[str, torch.Tensor]:
+    """One micro-batch's loss terms, summed for the gradient: the mean cross-entropy ("loss"), and with z_loss > 0
+    z_loss·mean(logsumexp(logits)²) ("z_loss"; PaLM's, which keeps the softmax normaliser near 1)."""
+    kwargs = {} if positions is None else {"positions": positions}
+    if not z_loss:
+        return {"loss": model(x, y, **kwargs)}
+    logits = model(x, **kwargs).float()
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    return {"loss": loss, "z_loss": z_loss * logits.logsumexp(-1).square().mean()}
+
+
+def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autocast, positions=None):
+    """One optimizer step on this rank's rows (x, y, and positions if given) of the global batch, in
+    train.grad_accum micro-steps.
+
+    Returns (losses, grad_norm, applied): each loss term (loss_terms) averaged over micro-steps and the global
+    gradient norm, all left on the device, and whether the update was applied: it is not when a loss or the gradient
+    norm is NaN or infinite."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     accum = cfg.train.grad_accum
-    loss_sum = torch.zeros((), device=dist.device)
-    for micro, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+    losses = {}
+    chunks = [None] * accum if positions is None else positions.chunk(accum)
+    for micro, (xm, ym, pm) in enumerate(zip(x.chunk(accum), y.chunk(accum), chunks, strict=True)):
         if dist.mesh is not None:
             model.set_requires_gradient_sync(micro == accum - 1)
         with autocast:
-            loss = model(xm, ym) / accum
-        loss.backward()
-        loss_sum += loss.detach()
+            terms = loss_terms(model, xm, ym, pm, cfg.optim.z_loss)
+        (sum(terms.values()) / accum).backward()
+        for name, term in terms.items():
+            losses[name] = losses.get(name, 0) + term.detach() / accum
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     # The one host sync of every step (free on CPU, a short stall on GPU). The gradient norm is global already; the
     # loss is this rank's, so it joins through a sum over ranks: all ranks skip the update together.
-    applied = bool(torch.isfinite(dist.all_reduce_sum(loss_sum.clone()) + grad_norm))
+    applied = bool(torch.isfinite(dist.all_reduce_sum(sum(losses.values()).clone()) + grad_norm))
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, applied
+    return losses, grad_norm, applied
 
 
-def build_model(cfg: Config, dist: Dist) -> tuple[Transformer, torch.optim.AdamW, str]:
-    """The parallelized model (the same initial weights on any device and world size), its optimizer, and a line
-    saying how many parameters it has and how many rank 0 stores."""
+def build_model(cfg: Config, dist: Dist, init: dict | None = None) -> tuple[Transformer, torch.optim.Optimizer, str]:
+    """The parallelized model (the same initial weights on any device and world size, or `init`'s), its optimizer,
+    and a line saying how many parameters it has and how many rank 0 stores."""
     if cfg.train.compile:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
     if dist.device.type == "cuda":
         torch.set_float32_matmul_precision("high")
     model = Transformer(cfg.model).to(dist.device)  # initialised on the CPU generator first: same weights anywhere
+    if init is not None:
+        model.load_state_dict(init)
     num_params = model.num_params()
     model = parallelize(model, cfg, dist.mesh)
     local_params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
@@ -287,11 +211,50 @@ def build_model(cfg: Config, dist: Dist) -> tuple[Transformer, torch.optim.AdamW
     return model, build_optimizer(model, cfg, dist.device), sizes
 
 
+# What a run started from train.init_from may change: the context and the RoPE scaling (context extension).
+CONTEXT_KEYS = (
+    "max_seq_len",
+    "rope_scaling",
+    "rope_factor",
+    "rope_original_max_seq_len",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+)
+
+
+def init_from_weights(cfg: Config) -> dict | None:
+    """The weights of the run directory train.init_from (None without one), after checking that its model equals
+    model.* but for CONTEXT_KEYS and that it shares data.dir's tokenizer. A run that stretches the source's context
+    gets model.rope_original_max_seq_len = that context, so that RoPE scaling and extrapolate stretch from it."""
+    source_dir = cfg.train.init_from
+    if source_dir is None:
+        return None
+    try:
+        source, _ = load_model(source_dir)
+    except UserError as e:
+        raise UserError(f"train.init_from: {e}") from None
+    saved, wanted = source.args.to_dict(), cfg.model.to_dict()
+    key = next((k for k in wanted if k not in CONTEXT_KEYS and saved[k] != wanted[k]), None)
+    if key is not None:
+        raise UserError(
+            f"train.init_from {source_dir} has model.{key} = {saved[key]!r}, this run {wanted[key]!r}; "
+            f"only model.{', model.'.join(CONTEXT_KEYS)} may change"
+        )
+    theirs, ours = Path(source_dir) / "tokenizer.model", Path(cfg.data.dir) / "tokenizer.model"
+    if theirs.is_file() and ours.is_file() and theirs.read_bytes() != ours.read_bytes():
+        raise UserError(f"train.init_from {source_dir} has another tokenizer than {cfg.data.dir}")
+    original = source.args.original_seq_len
+    if cfg.model.rope_original_max_seq_len is None and cfg.model.max_seq_len > original:
+        cfg.model = dataclasses.replace(cfg.model, rope_original_max_seq_len=original)
+    return source.state_dict()
+
+
 def train(cfg: Config, resume: bool, dist: Dist):
     """Train cfg from scratch or from the latest checkpoint in train.out_dir, logging, evaluating and saving."""
     t = cfg.train
     run_dir = Path(t.out_dir)
     check_writable(run_dir / "metrics.jsonl")  # inside the run directory, before any work
+    init = init_from_weights(cfg)  # before resume_point, which checks the model it may adjust
     start = resume_point(run_dir, cfg.model, resume)
     data_dir, meta = prepare_data(cfg, dist)
     if start is not None:
@@ -302,7 +265,7 @@ def train(cfg: Config, resume: bool, dist: Dist):
     # Every rank draws the same global batch and keeps its rows, so the data never depends on the world size.
     loader = RandomBatches(data_dir, "train", t.batch_size, t.seq_len, seed=t.seed)
     rows = slice(dist.rank * t.batch_size // dist.world_size, (dist.rank + 1) * t.batch_size // dist.world_size)
-    model, optimizer, sizes = build_model(cfg, dist)
+    model, optimizer, sizes = build_model(cfg, dist, None if start else init)  # a resumed run loads its checkpoint
     on_gpu_alone = dist.device.type == "cuda" and dist.mesh is None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu_alone else nullcontext()
     step = 0 if start is None else load_checkpoint(start, model, optimizer, loader, dist)
@@ -319,9 +282,12 @@ def train(cfg: Config, resume: bool, dist: Dist):
     while step < t.max_steps:
         lr = lr_at(step, cfg)
         x, y = (batch[rows].to(dist.device) for batch in loader.next_batch())
-        loss_sum, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist, autocast)
+        positions = None
+        if t.random_positions:  # drawn for the global batch, as the data is: the same on any number of ranks
+            positions = random_positions(t.batch_size, t.seq_len, t.random_positions)[rows].to(dist.device)
+        losses, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist, autocast, positions)
         if not applied:
-            problem = f"the loss is {dist.mean(loss_sum)} (gradient norm {grad_norm.item()}) at step {step + 1}"
+            problem = f"the loss is {dist.mean(losses['loss'])} (gradient norm {grad_norm.item()}) at step {step + 1}"
             raise stopped(f"{problem}; training stopped before applying that update", run_dir)
         step += 1
         clock.steps += 1
@@ -329,7 +295,7 @@ def train(cfg: Config, resume: bool, dist: Dist):
         if due(step, t.log_interval, t.max_steps):
             entry = {
                 "step": step,
-                "loss": dist.mean(loss_sum),
+                **{name: dist.mean(value) for name, value in losses.items()},
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
                 **clock.rates(),

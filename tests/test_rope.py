@@ -1,6 +1,8 @@
 """RoPE scaling: our inverse frequencies and attention scale against transformers' own RoPE functions; the KV
 cache stays exact past the training length."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -54,16 +56,49 @@ def test_frequencies_match_transformers(scaling, seq_len):
     assert scale == pytest.approx(hf_scale, rel=1e-7)
 
 
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        dict(rope_scaling="linear", rope_factor=1.0),  # none: transformers' default RoPE has no partial rotary
+        dict(rope_scaling="linear", rope_factor=4.0),
+        dict(rope_scaling="dynamic", rope_factor=2.0),
+        dict(rope_scaling="yarn", rope_factor=8.0),
+        dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_seq_len=128),
+    ],
+    ids=lambda d: d["rope_scaling"] + str(d["rope_factor"]),
+)
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_partial_rotary_frequencies_match_transformers(scaling, fraction):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    args = ModelArgs(**{**BASE, **scaling}, rope_fraction=fraction)
+    config = hf_config(dataclasses.replace(args, rope_fraction=1.0))  # Llama has no partial rotary: add it
+    config["rope_parameters"]["partial_rotary_factor"] = fraction
+    config = transformers.LlamaConfig(**config)
+    hf_inv_freq, hf_scale = ROPE_INIT_FUNCTIONS[args.rope_scaling](config=config, device="cpu", seq_len=1500)
+    inv_freq, scale = rope_frequencies(args, 1500)
+    assert inv_freq.shape == (int(64 * fraction) // 2,)
+    torch.testing.assert_close(inv_freq, hf_inv_freq.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(hf_scale, rel=1e-7)
+    if scaling["rope_factor"] == 1.0:
+        full = rope_frequencies(dataclasses.replace(args, rope_fraction=1.0, rope_scaling="none"), 1500)[0]
+        assert not torch.equal(inv_freq, full[: len(inv_freq)])  # the rotated part keeps the full spectrum's range
+        torch.testing.assert_close(inv_freq, 10000.0 ** -(torch.arange(0, 64 * fraction, 2) / (64 * fraction)))
+
+
 def test_yarn_attention_temperature():
     _, scale = rope_frequencies(ModelArgs(**BASE, rope_scaling="yarn", rope_factor=4.0), 2048)
     assert scale == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
 
 
-@pytest.mark.parametrize("method", ["none", "linear", "ntk", "yarn", "llama3"])
+@pytest.mark.parametrize("method", ["none", "linear", "ntk", "yarn", "llama3", "yarn-partial"])
 def test_cache_equals_full_forward_past_training_length(method):
     torch.manual_seed(0)
     args = ModelArgs(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=16, rope_scaling=method, rope_factor=4.0
+        **dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=16, rope_factor=4.0),
+        rope_scaling=method.removesuffix("-partial"),
+        rope_fraction=0.5 if method.endswith("-partial") else 1.0,
     )
     model = Transformer(args).eval()
     with torch.no_grad():  # larger weights than the init's, so that attention is sharp and positions matter

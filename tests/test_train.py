@@ -1,5 +1,6 @@
 """train.py: learning, gradient accumulation, FSDP2 = one process, exact resume after SIGKILL, wandb, clear errors."""
 
+import dataclasses
 import itertools
 import json
 import os
@@ -17,10 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import metrics
+import optim
 import train
-from checkpoint import checkpoints, non_finite, save_model
+from checkpoint import checkpoints, load_model, non_finite, save_model
 from cli import UserError, run_command
-from config import build_config
+from config import build_config, check_config
 from data.loader import RandomBatches
 from data.prepare import prepare, train_tokenizer
 from model import ModelArgs, Transformer
@@ -162,7 +165,7 @@ def test_tiny_model_overfits_a_few_batches(dataset):
     torch.manual_seed(0)
     cfg = build_config({"model": TINY["model"], "optim": {"lr": 1e-2, "weight_decay": 0.0}}, [])
     model = Transformer(cfg.model)
-    optimizer = train.build_optimizer(model, cfg, torch.device("cpu"))
+    optimizer = optim.build_optimizer(model, cfg, torch.device("cpu"))
     loader = RandomBatches(dataset, "train", 4, 32)
     batches = [loader.next_batch() for _ in range(2)]
     for step in range(150):
@@ -194,7 +197,7 @@ def test_activation_checkpointing_changes_no_number_and_no_name(dataset, tmp_pat
 
 def test_the_schedule_warms_up_then_decays_to_min_lr():
     cfg = build_config({"train": {"max_steps": 100}, "optim": {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10}}, [])
-    lrs = [train.lr_at(step, cfg) for step in range(100)]
+    lrs = [optim.lr_at(step, cfg) for step in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
 
@@ -202,7 +205,7 @@ def test_the_schedule_warms_up_then_decays_to_min_lr():
 def test_a_non_finite_gradient_norm_skips_the_update(dataset):
     cfg = build_config({"model": TINY["model"]}, [])
     model = Transformer(cfg.model)
-    optimizer = train.build_optimizer(model, cfg, torch.device("cpu"))
+    optimizer = optim.build_optimizer(model, cfg, torch.device("cpu"))
     with torch.no_grad():
         model.norm.weight[0] = float("nan")  # every logit, so the loss and every gradient, become NaN
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -215,7 +218,7 @@ def test_a_non_finite_gradient_norm_skips_the_update(dataset):
 def test_an_infinite_loss_skips_the_update_even_with_finite_gradients(dataset):
     cfg = build_config({"model": TINY["model"]}, [])
     model = Transformer(cfg.model)
-    optimizer = train.build_optimizer(model, cfg, torch.device("cpu"))
+    optimizer = optim.build_optimizer(model, cfg, torch.device("cpu"))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     class InfiniteLoss(torch.nn.Module):  # the same gradients as the model's, an infinite loss
@@ -281,7 +284,7 @@ def test_tokens_per_s_counts_training_time_only(dataset, tmp_path, monkeypatch):
 
         return timed
 
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(RandomBatches, "next_batch", taking(1.0, RandomBatches.next_batch))  # once a step
     monkeypatch.setattr(train, "evaluate", taking(100.0, train.evaluate))
     monkeypatch.setattr(train, "save_checkpoint", taking(50.0, train.save_checkpoint))
@@ -392,6 +395,11 @@ def test_wandb_offline_one_metrics_line_per_logged_step_and_a_sample(dataset, tm
         (["--model.norm_eps=-1e-5"], "--model.norm_eps must be positive, not -1e-05"),
         (["--train.seed=-1"], "--train.seed must be zero or more, not -1"),
         (["--train.out_dir=/proc/picollama-run"], "cannot write /proc/picollama-run"),
+        (["--optim.name=sgd"], "--optim.name must be one of adamw, muon, not 'sgd'"),
+        (["--optim.muon_momentum=1"], "--optim.muon_momentum must be at least 0 and below 1, not 1.0"),
+        (["--optim.z_loss=-1"], "--optim.z_loss must be zero or more, not -1.0"),
+        (["--train.random_positions=-2"], "--train.random_positions must be zero or more, not -2"),
+        (["--train.init_from=/no/such/run"], "train.init_from: /no/such/run is not a picollama run directory"),
     ],
 )
 def test_bad_config_is_one_line(dataset, tmp_path, capsys, args, message):
@@ -440,3 +448,143 @@ def test_corrupt_or_mismatched_checkpoint_is_one_line(dataset, tmp_path, capsys)
     assert corrupt.returncode == 2 and corrupt.stderr.startswith("error: cannot resume from"), corrupt.stderr
     assert corrupt.stderr.count("\n") == 1, corrupt.stderr
     assert f"delete it to resume from {tmp_path / 'run' / 'train_state' / 'step_000004'}" in corrupt.stderr
+
+
+# ---------------------------------------------------------------- Muon, z-loss, random positions, init_from
+
+
+def test_muon_takes_the_blocks_matrices_and_the_schedule_scales_both(dataset):
+    cfg = build_config({"model": TINY["model"], "optim": {"name": "muon", "lr": 1e-3, "muon_lr": 0.02}}, [])
+    model = Transformer(cfg.model)
+    optimizer = optim.build_optimizer(model, cfg, torch.device("cpu"))
+    muon, adamw = optimizer
+    names = {id(p): name for name, p in model.named_parameters()}
+    in_muon = {names[id(p)] for p in muon.param_groups[0]["params"]}
+    assert in_muon == {name for name, p in model.named_parameters() if name.startswith("layers.") and p.ndim == 2}
+    assert {names[id(p)] for group in adamw.param_groups for p in group["params"]} == set(names.values()) - in_muon
+    x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
+    train.train_step(model, optimizer, x, y, 5e-4, cfg, train.Dist("cpu"), nullcontext())
+    assert muon.param_groups[0]["lr"] == pytest.approx(0.01) and {g["lr"] for g in adamw.param_groups} == {5e-4}
+    assert len(muon.state) == len(in_muon) and len(adamw.state) == len(names) - len(in_muon)
+
+
+def test_muon_resumes_exactly_in_one_process(dataset, tmp_path):
+    config = config_file(tmp_path, dataset, optim={"name": "muon"}, train={"max_steps": 6}, eval={"interval": 0})
+    assert run_in_process(config, tmp_path / "whole") == 0
+    assert run_in_process(config, tmp_path / "split", "--train.max_steps=3") == 0
+    assert run_in_process(config, tmp_path / "split", "--resume") == 0
+    assert losses(tmp_path / "split") == losses(tmp_path / "whole")
+    assert losses(tmp_path / "split", "val_loss")[6] == losses(tmp_path / "whole", "val_loss")[6]
+
+
+def test_muon_under_fsdp_two_ranks_matches_one_process_and_resumes_there(dataset, tmp_path):
+    config = config_file(tmp_path, dataset, optim={"name": "muon"}, train={"max_steps": 8}, eval={"interval": 0})
+    assert run_in_process(config, tmp_path / "one") == 0
+    two = run_subprocess(2, config, tmp_path / "two", "--train.max_steps=5")
+    assert two.returncode == 0, two.stderr
+    # Newton–Schulz runs in bf16 on the row shards, so the ranks round differently from one process: ~1e-4
+    assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), 1e-3, steps=range(1, 6))
+    assert run_in_process(config, tmp_path / "two", "--resume") == 0  # its 2-rank Muon and AdamW state, resharded
+    assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), 1e-3, steps=range(6, 9))
+
+
+def test_z_loss_adds_the_squared_log_normaliser_and_is_logged_beside_the_loss(dataset, tmp_path):
+    model = Transformer(build_config({"model": TINY["model"]}, []).model)
+    x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
+    terms = train.loss_terms(model, x, y, None, 1e-2)
+    assert torch.allclose(terms["loss"], model(x, y))
+    assert torch.allclose(terms["z_loss"], 1e-2 * (torch.logsumexp(model(x), dim=-1) ** 2).mean())
+    assert train.loss_terms(model, x, y, None, 0.0).keys() == {"loss"}
+    config = config_file(tmp_path, dataset, train={"max_steps": 3}, eval={"interval": 0}, checkpoint={"interval": 0})
+    assert run_in_process(config, tmp_path / "plain") == 0
+    assert run_in_process(config, tmp_path / "z", "--optim.z_loss=1e-3") == 0
+    z, plain = losses(tmp_path / "z", "z_loss"), losses(tmp_path / "plain")
+    assert (
+        sorted(z) == [1, 2, 3]
+        and all(0 < value < 1 for value in z.values())
+        and not losses(tmp_path / "plain", "z_loss")
+    )
+    assert losses(tmp_path / "z")[1] == pytest.approx(plain[1], abs=1e-6)  # "loss" stays the cross-entropy
+    assert losses(tmp_path / "z")[3] != plain[3]  # and the z-loss's gradient changed the updates
+
+
+def test_random_positions_are_sorted_distinct_in_range_and_seeded():
+    torch.manual_seed(0)
+    positions = train.random_positions(16, 32, 4)
+    assert positions.shape == (16, 32) and positions.dtype == torch.int64
+    assert (positions.diff(dim=1) > 0).all() and positions.min() >= 0 and positions.max() < 128
+    assert positions.max() >= 96 and len(positions.unique(dim=0)) == 16  # they reach far, differently in every row
+    torch.manual_seed(0)
+    assert torch.equal(train.random_positions(16, 32, 4), positions)
+    assert torch.equal(train.random_positions(2, 8, 1), torch.arange(8).expand(2, 8))
+
+
+def test_random_positions_reach_the_model_only_when_on_and_resume_exactly(dataset, tmp_path, monkeypatch):
+    passed = []
+    forward = Transformer.forward
+
+    def recording(self, tokens, targets=None, start_pos=None, positions=None):
+        passed.append(positions)
+        return forward(self, tokens, targets, start_pos)  # model.py may not take positions yet
+
+    monkeypatch.setattr(Transformer, "forward", recording)
+    config = config_file(tmp_path, dataset, train={"max_steps": 4}, eval={"interval": 0}, checkpoint={"interval": 0})
+    assert run_in_process(config, tmp_path / "plain", "--train.max_steps=2") == 0
+    assert passed and all(p is None for p in passed)
+    passed.clear()
+    assert run_in_process(config, tmp_path / "whole", "--train.random_positions=2") == 0
+    whole = [p for p in passed if p is not None]
+    assert len(whole) == 4 and all(p.shape == (8, 32) and 0 <= p.min() and p.max() < 64 for p in whole)
+    passed.clear()
+    assert run_in_process(config, tmp_path / "split", "--train.random_positions=2", "--train.max_steps=2") == 0
+    assert run_in_process(config, tmp_path / "split", "--train.random_positions=2", "--resume") == 0
+    split = [p for p in passed if p is not None]
+    assert len(split) == 4 and all(torch.equal(a, b) for a, b in zip(whole, split))
+
+
+def test_training_at_random_positions_learns_and_resumes_exactly(dataset, tmp_path):
+    config = config_file(tmp_path, dataset, train={"max_steps": 8, "random_positions": 4}, eval={"interval": 0})
+    assert run_in_process(config, tmp_path / "whole") == 0
+    assert run_in_process(config, tmp_path / "split", "--train.max_steps=4") == 0
+    assert run_in_process(config, tmp_path / "split", "--resume") == 0
+    curve = losses(tmp_path / "whole")
+    assert losses(tmp_path / "split") == curve and curve[8] < curve[1] - 0.3
+
+
+def test_random_positions_beyond_a_learned_table_or_without_positions_are_refused():
+    cfg = build_config({"model": TINY["model"], "train": {"seq_len": 32, "random_positions": 2}}, [])
+    check_config(cfg, 1)  # RoPE is defined at any position
+    cfg.model.position = "learned"  # set as model.position once the position-encoding switch exists
+    with pytest.raises(UserError, match=r"random_positions \(2\) × train.seq_len \(32\) exceeds the learned"):
+        check_config(cfg, 1)
+    cfg.model.position = "nope"
+    with pytest.raises(UserError, match="model.position nope has none"):
+        check_config(cfg, 1)
+
+
+def test_init_from_extends_the_context_starting_from_the_source_weights(dataset, tmp_path, capsys):
+    config = config_file(tmp_path, dataset, train={"max_steps": 8}, eval={"interval": 0}, checkpoint={"interval": 0})
+    assert run_in_process(config, tmp_path / "source") == 0
+    longer = ["--train.seq_len=64", "--model.max_seq_len=64", "--model.rope_scaling=yarn", "--model.rope_factor=2"]
+    init = f"--train.init_from={tmp_path / 'source'}"
+    assert run_in_process(config, tmp_path / "long", init, *longer) == 0
+    model, saved = load_model(tmp_path / "long")
+    assert model.args.original_seq_len == 32 and saved["model"]["rope_original_max_seq_len"] == 32
+    assert saved["train"]["seq_len"] == 64 and saved["train"]["init_from"] == str(tmp_path / "source")
+    source, _ = load_model(tmp_path / "source")
+    source.args = dataclasses.replace(source.args, **{key: saved["model"][key] for key in train.CONTEXT_KEYS})
+    x, y = RandomBatches(dataset, "train", 8, 64, seed=saved["train"]["seed"]).next_batch()
+    curve = losses(tmp_path / "long")
+    with torch.no_grad():
+        assert curve[1] == pytest.approx(source(x, y).item(), abs=1e-5)  # the source's weights, stretched by YaRN
+    assert curve[1] < losses(tmp_path / "source")[1] - 0.5 and curve[8] < curve[1]
+    # --resume continues the run's own checkpoint; the source is only checked again
+    assert run_in_process(config, tmp_path / "long", init, *longer, "--resume", "--train.max_steps=10") == 0
+    assert "resuming at step 8" in capsys.readouterr().out and sorted(losses(tmp_path / "long")) == list(range(1, 11))
+    for args, message in [
+        ([init, "--model.dim=64"], f"train.init_from {tmp_path / 'source'} has model.dim = 32, this run 64; only"),
+        ([f"--train.init_from={tmp_path / 'long'}"], "must be another run directory than train.out_dir"),
+    ]:
+        assert run_in_process(config, tmp_path / "long", *args) == 2
+        stderr = capsys.readouterr().err
+        assert stderr.startswith("error: ") and message in stderr and stderr.count("\n") == 1, stderr

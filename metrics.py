@@ -1,0 +1,93 @@
+"""What a training run reports: tokens/s and MFU over training time alone, peak memory, metrics.jsonl, wandb and
+the progress bar."""
+
+import json
+import math
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from config import Config
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocations on GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+class Throughput:
+    """Tokens/s and MFU over training time alone: the clock stops while evaluating and checkpointing."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None, device: torch.device):
+        """peak: the FLOP/s of all devices together, None if unknown."""
+        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+        self.device = device
+        self.steps, self.seconds, self.since = 0, 0.0, time.perf_counter()
+
+    @contextmanager
+    def paused(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the steps' queued GPU work is training time
+        self.seconds += time.perf_counter() - self.since
+        yield
+        self.since = time.perf_counter()
+
+    def rates(self) -> dict:
+        """tokens_per_s (and mfu when the peak is known) of the steps since the last call."""
+        now = time.perf_counter()
+        tokens_per_s = self.tokens_per_step * self.steps / (self.seconds + now - self.since)
+        self.steps, self.seconds, self.since = 0, 0.0, now
+        mfu = {"mfu": self.flops_per_token * tokens_per_s / self.peak} if self.peak else {}
+        return {"tokens_per_s": tokens_per_s, **mfu}
+
+
+def logged_step(line: str) -> float:
+    """The step of a metrics.jsonl line; inf for a line cut short by a crash."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
+class RunLog:
+    """What rank 0 reports: metrics.jsonl (a resumed run first drops the steps it will redo), wandb, a progress bar."""
+
+    def __init__(self, cfg: Config, run_dir: Path, step: int, main: bool):
+        self.main, self.path, self.wandb = main, run_dir / "metrics.jsonl", None
+        self.bar = tqdm(total=cfg.train.max_steps, initial=step, desc="training", unit="step", disable=not main or None)
+        if not main:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lines = self.path.read_text().splitlines() if step and self.path.is_file() else []
+        self.path.write_text("".join(line + "\n" for line in lines if logged_step(line) <= step))
+        if cfg.wandb.enabled:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.wandb.project, name=cfg.wandb.run_name or run_dir.name, config=cfg.to_dict()
+            )
+
+    def record(self, entry: dict):
+        if self.main:
+            # JSON has no NaN or infinity: those are written as null
+            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in entry.items()}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(finite, allow_nan=False) + "\n")
+            if self.wandb is not None:
+                self.wandb.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
+
+    def say(self, text: str):
+        if self.main:
+            self.bar.write(text, file=sys.stdout)
+
+    def close(self):
+        self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,65 @@
+"""The optimizers and the learning-rate schedule: AdamW, or Muon for the blocks' matrices beside AdamW; linear
+warmup, then cosine decay."""
+
+import math
+
+import torch
+
+from config import Config
+
+
+class Optimizers(list):
+    """Several optimizers stepped as one; checkpoint.py's DCP state dicts take such a list as it is."""
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for optimizer in self for group in optimizer.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: state for optimizer in self for p, state in optimizer.state.items()}
+
+    def step(self):
+        for optimizer in self:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for optimizer in self:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def build_muon(model, cfg: Config) -> torch.optim.Muon | None:
+    """With optim.name muon, Muon for the blocks' 2-D matrices (modded-nanogpt's split), its learning rate scaled
+    by the schedule as AdamW's is (the group's lr_scale); None otherwise. Under FSDP2 the matrices are DTensors
+    sharded by rows, and Newton–Schulz runs on them as DTensor ops, which gather what each product needs."""
+    o = cfg.optim
+    if o.name != "muon":
+        return None
+    matrices = [p for p in model.layers.parameters() if p.requires_grad and p.ndim == 2]
+    muon = torch.optim.Muon(matrices, lr=o.muon_lr, weight_decay=o.weight_decay, momentum=o.muon_momentum)
+    muon.param_groups[0]["lr_scale"] = o.muon_lr / o.lr
+    return muon
+
+
+def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Optimizer | Optimizers:
+    """AdamW with weight decay on matrices only, fused where the device supports it; with optim.name muon, Muon
+    takes the blocks' matrices and AdamW the rest (embeddings, output head, norms)."""
+    muon = build_muon(model, cfg)
+    taken = {id(p) for p in muon.param_groups[0]["params"]} if muon else set()
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    o, fused = cfg.optim, device.type in ("cuda", "cpu")
+    adamw = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
+    return Optimizers([muon, adamw]) if muon else adamw
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup over warmup_steps, then cosine decay to min_lr at max_steps (step counts from 0)."""
+    o, total = cfg.optim, cfg.train.max_steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = (step - o.warmup_steps) / max(total - o.warmup_steps, 1)
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
