@@ -77,3 +77,21 @@ def test_an_unwritable_output_is_refused_before_measuring(tmp_path):
     done = run_bench("data", "--smoke", "--out", str(tmp_path / "file" / "out.json"))
     assert done.returncode == 2 and done.stderr.startswith("error: cannot write") and done.stderr.count("\n") == 1
     assert done.stdout == ""  # nothing was measured
+
+
+def test_switches_trains_each_switch_for_the_budget(make_tiny_run, tmp_path):
+    _, data_dir = make_tiny_run(steps=1)
+    config = tmp_path / "tiny.toml"
+    config.write_text(
+        "[model]\ndim = 32\nn_layers = 1\nn_heads = 2\nvocab_size = 320\nmax_seq_len = 32\n"
+        f'[data]\ndir = "{data_dir}"\n[train]\nbatch_size = 4\nseq_len = 32\n[eval]\nbatches = 1\nbatch_size = 4\n'
+    )
+    out = tmp_path / "switches.json"
+    done = run_bench("switches", "--smoke", "--config", str(config), "--only", "llama,qk-norm", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())["switches"]
+    assert list(result) == ["llama", "qk-norm"]
+    for switch in result.values():
+        (run,) = switch["runs"]
+        assert run["stability"] == "stable" and run["steps"] >= 1 and 0 < run["val_bpb"] < 20
+    assert result["llama"]["runs"][0]["params"] < result["qk-norm"]["runs"][0]["params"]  # q and k norm weights

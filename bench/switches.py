@@ -1,0 +1,137 @@
+"""The seed lectures' architecture table, measured: each switch trained by train.py, one at a time from a config,
+for the same wall-clock budget; parameters, tokens/s, final validation bits/byte and whether training was stable."""
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import common
+import torch
+from tqdm import tqdm
+
+from cli import UserError, run_command
+from config import parse_cli
+from model import Transformer
+
+# name -> train.py overrides; the first is the baseline every switch is compared with
+SWITCHES = {
+    "llama": [],  # rmsnorm, pre-norm, serial block, swiglu, adamw
+    "layernorm": ["--model.norm=layernorm"],
+    "post-norm": ["--model.norm_placement=post"],
+    "sandwich norm": ["--model.norm_placement=sandwich"],
+    "parallel block": ["--model.parallel_block=true"],
+    "geglu": ["--model.activation=geglu"],
+    "reglu": ["--model.activation=reglu"],
+    "gelu": ["--model.activation=gelu"],
+    "relu": ["--model.activation=relu"],
+    "relu2": ["--model.activation=relu2"],
+    "qk-norm": ["--model.qk_norm=true"],
+    "logit soft-cap 30": ["--model.logit_softcap=30"],
+    "z-loss 1e-4": ["--optim.z_loss=1e-4"],
+    "muon": ["--optim.name=muon"],
+}
+QUIET = ["--eval.interval=0", "--checkpoint.interval=0", "--train.sample_tokens=0"]
+PROBE_STEPS = 12
+
+
+def train(config: str, overrides: list[str], out_dir: Path) -> list[dict]:
+    """Run train.py and return its metrics.jsonl entries; UserError with its last stderr line if it fails."""
+    command = [sys.executable, "train.py", "--config", config, f"--train.out_dir={out_dir}", *QUIET, *overrides]
+    done = subprocess.run(command, cwd=common.REPO_ROOT, capture_output=True, text=True)
+    metrics = out_dir / "metrics.jsonl"
+    entries = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return [*entries, {"failed": last}]
+    return entries
+
+
+def stability(entries: list[dict]) -> str:
+    """'stable', 'spikes' (a logged loss more than 1 nat above the best so far, past the first tenth) or the error."""
+    if entries and "failed" in entries[-1]:
+        return entries[-1]["failed"].removeprefix("error: ")
+    losses = [e["loss"] for e in entries if "loss" in e]
+    best = math.inf
+    for i, loss in enumerate(losses):
+        if i > len(losses) // 10 and loss > best + 1.0:
+            return "spikes"
+        best = min(best, loss)
+    return "stable"
+
+
+def run_switch(config: str, overrides: list[str], seed: int, budget: float, tmp: Path) -> dict:
+    """Measure the switch's throughput in a short run, then train it for `budget` seconds' worth of steps."""
+    cfg, _ = parse_cli(["--config", config, *overrides])
+    with torch.device("meta"):
+        params = Transformer(cfg.model).num_params()
+    seeded = [*overrides, f"--train.seed={seed}"]
+    probe = train(config, [*seeded, f"--train.max_steps={PROBE_STEPS}", "--train.log_interval=1"], tmp / "probe")
+    rates = [e["tokens_per_s"] for e in probe if "tokens_per_s" in e][2:]  # the first steps warm up
+    if not rates:
+        return {"params": params, "stability": stability(probe)}
+    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+    steps = max(int(budget * statistics.median(rates) / tokens_per_step), 1)
+    warmup = min(cfg.optim.warmup_steps, steps // 10)
+    entries = train(config, [*seeded, f"--train.max_steps={steps}", f"--optim.warmup_steps={warmup}"], tmp / "run")
+    bpb = [e["val_bpb"] for e in entries if "val_bpb" in e]
+    tokens_per_s = [e["tokens_per_s"] for e in entries if "tokens_per_s" in e]
+    return {
+        "params": params,
+        "steps": steps,
+        "tokens_per_s": statistics.median(tokens_per_s) if tokens_per_s else None,
+        "val_bpb": bpb[-1] if bpb else None,
+        "stability": stability(entries),
+    }
+
+
+def main(argv: list[str]) -> int:
+    p = common.parser(__doc__, "switches", models=False)
+    p.add_argument("--config", default="configs/default.toml", help="the config every switch starts from")
+    p.add_argument("--budget", type=float, default=90.0, help="training seconds per run (default 90)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    p.add_argument("--only", help="comma-separated switch names (default: all)")
+    args = common.parse(p, argv)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        raise UserError(f"--seeds {args.seeds!r}: expected comma-separated integers") from None
+    names = list(SWITCHES) if args.only is None else [n.strip() for n in args.only.split(",")]
+    unknown = [n for n in names if n not in SWITCHES]
+    if unknown:
+        raise UserError(f"--only: unknown switch {unknown[0]!r} (choose from {', '.join(SWITCHES)})")
+    budget = 3.0 if args.smoke else args.budget
+    results = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="picollama-switches-") as tmp,
+        tqdm(total=len(names) * len(seeds), desc="switches", unit="run", disable=None) as bar,
+    ):
+        for name in names:
+            runs = []
+            for seed in seeds:
+                runs.append(run_switch(args.config, SWITCHES[name], seed, budget, Path(tmp) / f"{len(results)}-{seed}"))
+                bar.update()
+            bpbs = [r["val_bpb"] for r in runs if r.get("val_bpb") is not None]
+            results[name] = {
+                "overrides": SWITCHES[name],
+                "runs": runs,
+                "val_bpb_mean": statistics.mean(bpbs) if bpbs else None,
+                "val_bpb_std": statistics.stdev(bpbs) if len(bpbs) > 1 else None,
+            }
+    rows = []
+    for name, r in results.items():
+        first = r["runs"][0]
+        spread = f" ± {r['val_bpb_std']:.3f}" if r["val_bpb_std"] is not None else ""
+        bpb = f"{r['val_bpb_mean']:.3f}{spread}" if r["val_bpb_mean"] is not None else "-"
+        rate = f"{first['tokens_per_s']:,.0f}" if first.get("tokens_per_s") else "-"
+        rows.append([name, f"{first['params']:,}", rate, bpb, ", ".join(sorted({x["stability"] for x in r["runs"]}))])
+    common.print_table(["switch", "params", "tokens/s", "val bits/byte", "training"], rows)
+    common.write_results(args, {"config": args.config, "budget_seconds": budget, "seeds": seeds, "switches": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_command(main))
