@@ -20,8 +20,8 @@ class DataConfig:
     dir: str = "data/shakespeare"  # a prepared dataset (data/prepare.py); prepared from `source` if missing
     source: str = "shakespeare"  # shakespeare | PATH | hf:NAME, as for data/prepare.py --source
     vocab_size: int | None = None  # tokenizer size when preparing; None: model.vocab_size
-    # synthetic copy data (data/loader.py's RandomBatches): this fraction of training windows get a random span and
-    # copies of it later in the window, so that induction heads form early
+    # synthetic copy data (data/loader.py's RandomBatches, Bi-Induct-style): this fraction of training windows get a
+    # random span and copies of it later in the window, for induction heads to form on; 0: none
     copy_fraction: float = 0.0
     copy_span: int = 8  # tokens in the span
     copy_repeats: int = 4  # copies of it in the window

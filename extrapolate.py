@@ -24,7 +24,7 @@ BINS_PER_OCTAVE = 3  # of the loss-by-position curve
 
 
 def set_rope(model: Transformer, method: str, factor: float, original_len: int):
-    """Switch the model's RoPE to method/factor, stretching from original_len (the training context)."""
+    """Switch the model's RoPE to method/factor, stretching from original_len (the context RoPE was trained at)."""
     model.args = dataclasses.replace(
         model.args, rope_scaling=method, rope_factor=factor, rope_original_max_seq_len=original_len
     )
@@ -254,9 +254,8 @@ def markdown_report(report: dict) -> str:
         else f"every token of {windows} validation windows of {max(lengths)} tokens, scored through windows of n "
         "tokens moving by n/2"
     )
-    title = f"`{runs[0]['name']}`" if not several else ", ".join(f"`{run['name']}`" for run in runs)
     lines = [
-        f"# Length extrapolation of {title}",
+        "# Length extrapolation of " + ", ".join(f"`{run['name']}`" for run in runs),
         "",
         f"Training context {', '.join(map(str, contexts))} tokens. Protocol `{report['protocol']}`: {protocol}. "
         "RoPE runs: static methods use factor n / the context RoPE was trained at, `dynamic` factor 1; other "

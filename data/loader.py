@@ -94,9 +94,9 @@ class RandomBatches:
     """Random windows of seq_len+1 tokens from a split; seeded, rank-aware, resumable.
 
     With copy_fraction > 0, each window is, with that probability, given synthetic copy data (Bi-Induct-style
-    induction snippets, Sabry & Belz 2025, here placed inside real text): see plant_copies. Its unpredictable tokens
-    are -100 in y, so the loss trains only the copies and the text. It gives induction heads, which a small model
-    on a CPU budget does not form from natural text alone, something to form on."""
+    forward-copy snippets, Sabry & Belz 2025, here planted inside real text): see plant_copies. Its unpredictable
+    tokens are -100 in y, so the loss trains only the copies and the text. It is there to give induction heads
+    something to form on; `generate.py extrapolate`'s copy probe tells whether they did."""
 
     def __init__(
         self,
