@@ -20,7 +20,7 @@ from device import pick_device, pick_dtype
 from model import ROPE_SCALINGS, Transformer
 
 DEFAULT_METHODS = ("none", "linear", "ntk", "dynamic", "yarn")
-BINS_PER_OCTAVE = 3  # of the loss-by-position curve
+BINS_PER_OCTAVE, MIN_BIN = 3, 8  # of the loss-by-position curve
 
 
 def set_rope(model: Transformer, method: str, factor: float, original_len: int):
@@ -70,6 +70,14 @@ def sliding_losses(model: Transformer, tokens: torch.Tensor, context: int) -> to
     return torch.cat(pieces, dim=1)
 
 
+def row_blocks(array: np.ndarray, length: int, device):
+    """The rows of array in consecutive blocks, as tensors on device, of about 8192 tokens of forwards `length` long
+    (which bounds the (rows, length, vocab) logits)."""
+    rows = max(1, 8192 // length)
+    for start in range(0, len(array), rows):
+        yield torch.from_numpy(array[start : start + rows]).to(device)
+
+
 # ---------------------------------------------------------------- the copy probe
 
 
@@ -99,10 +107,8 @@ def probe_scores(model: Transformer, sequences: np.ndarray, distance: int, devic
     """Per row of probe_sequences: top-1 accuracy on the repeat after its first token, and the loss drop in nats
     from the first occurrence to the repeat (over the same span-1 tokens of each)."""
     span = sequences.shape[1] - distance
-    rows = max(1, 8192 // sequences.shape[1])  # bounds the (rows, length, vocab) logits
     accuracy, drop = [], []
-    for start in range(0, len(sequences), rows):
-        tokens = torch.from_numpy(sequences[start : start + rows]).to(device)
+    for tokens in row_blocks(sequences, sequences.shape[1], device):
         logits, losses = logits_and_losses(model, tokens)
         hits = logits[:, distance : distance + span - 1].argmax(-1) == tokens[:, distance + 1 :]
         accuracy.append(hits.float().mean(1))
@@ -125,10 +131,14 @@ def spread(values) -> dict:
 
 
 def position_bins(longest: int) -> np.ndarray:
-    """Edges of the loss-by-position bins over a window's longest-1 predictions (index i has i+1 tokens of context),
-    log-spaced at BINS_PER_OCTAVE per doubling: later bins average more tokens, where the curve changes slowly."""
-    count = round(math.log2(longest) * BINS_PER_OCTAVE) + 1
-    return np.unique(np.round(np.geomspace(1, longest, count)).astype(int)) - 1
+    """Edges of the loss-by-position bins over a window's longest-1 predictions (index i has i+1 tokens of context):
+    BINS_PER_OCTAVE per doubling of the position, and at least MIN_BIN positions wide, so that every point averages
+    several tokens and later ones, where the curve changes slowly, many."""
+    edges = [0]
+    while edges[-1] < longest - 1:
+        grown = round((edges[-1] + 1) * 2 ** (1 / BINS_PER_OCTAVE)) - 1
+        edges.append(min(max(grown, edges[-1] + MIN_BIN), longest - 1))
+    return np.array(edges)
 
 
 def effective_context(perplexity: dict, probe: dict, train_len: int, span: int) -> dict:
@@ -168,17 +178,18 @@ def evaluate_run(model, run: dict, text, probe_text, spans, lengths, distances, 
             if fits(model, length):
                 use_rope_for(model, method, length, run["original_context"])
                 window_losses = []
-                for window in text:
-                    tokens = torch.from_numpy(window)[None].to(device)
+                for tokens in row_blocks(text[:, -length:] if protocol == "fixed-target" else text, length, device):
                     if protocol == "fixed-target":
-                        losses = token_losses(model, tokens[:, -length:])[0]
-                        targets = losses[-score_tokens:]
+                        losses = token_losses(model, tokens)
+                        targets = losses[:, -score_tokens:]
                     else:
-                        losses = targets = sliding_losses(model, tokens, length)[0]
-                    window_losses.append(targets.mean().item())
+                        losses = targets = sliding_losses(model, tokens, length)
+                    window_losses += targets.mean(1).tolist()
                     if length == longest:  # the whole window in one forward: its loss at every position
-                        per_position.append([losses[a:b].mean().item() for a, b in zip(edges[:-1], edges[1:])])
-                    bar.update()
+                        per_position += [
+                            [row[a:b].mean().item() for a, b in zip(edges[:-1], edges[1:])] for row in losses
+                        ]
+                    bar.update(len(tokens))
                 loss = spread(window_losses)
                 per_length[str(length)] = {"loss": loss, "perplexity": math.exp(loss["mean"])}
             else:
@@ -298,8 +309,8 @@ def markdown_report(report: dict) -> str:
             ],
         ),
         "",
-        f"Loss by position (the plot): {report['position_bins_per_octave']} log-spaced bins per doubling of the "
-        f"position, over the {windows} windows of {max(lengths)} tokens; each point averages its bin's width × "
+        f"Loss by position (the plot), over the {windows} windows of {max(lengths)} tokens: {BINS_PER_OCTAVE} bins "
+        f"per doubling of the position, at least {MIN_BIN} positions wide; each point averages its bin's width × "
         f"{windows} tokens, from {report['per_position_tokens'][0]:,} (the first) to "
         f"{report['per_position_tokens'][-1]:,} (the last).",
     ]
@@ -435,7 +446,7 @@ def parser() -> ArgumentParser:
         help="fixed-target (default): the same last tokens scored with each context length; "
         "sliding: every token, through windows moving by half their length",
     )
-    parser.add_argument("--num-windows", type=int, default=16, help="validation windows (default 16)")
+    parser.add_argument("--num-windows", type=int, default=8, help="validation windows (default 8)")
     parser.add_argument("--probes", type=int, default=16, help="copy-probe spans per distance (default 16)")
     parser.add_argument("--probe-span", type=int, default=16, help="random tokens in each probe span (default 16)")
     parser.add_argument("--data", help="prepared dataset (default: the first run's data.dir)")
@@ -531,7 +542,6 @@ def main(argv: list[str]) -> int:
         "num_windows": args.num_windows,
         "score_tokens": score_tokens,
         "probe": {"span": args.probe_span, "count": args.probes, "distances": distances},
-        "position_bins_per_octave": BINS_PER_OCTAVE,
         "per_position_edges": edges.tolist(),
         "per_position_tokens": (np.diff(edges) * args.num_windows).tolist(),
         "seed": args.seed,
