@@ -20,6 +20,15 @@ class DataConfig:
     dir: str = "data/shakespeare"  # a prepared dataset (data/prepare.py); prepared from `source` if missing
     source: str = "shakespeare"  # shakespeare | PATH | hf:NAME, as for data/prepare.py --source
     vocab_size: int | None = None  # tokenizer size when preparing; None: model.vocab_size
+    # synthetic copy data (data/loader.py's RandomBatches, Bi-Induct-style): this fraction of training windows get a
+    # random span and copies of it later in the window, for induction heads to form on; 0: none
+    copy_fraction: float = 0.0
+    copy_span: int = 8  # tokens in the span
+    copy_repeats: int = 4  # copies of it in the window
+
+    def copy_options(self) -> dict:
+        """The copy-data keyword arguments of RandomBatches."""
+        return {"copy_fraction": self.copy_fraction, "copy_span": self.copy_span, "copy_repeats": self.copy_repeats}
 
 
 @dataclass
@@ -103,6 +112,8 @@ POSITIVE = {
     "model.rope_low_freq_factor",
     "model.rope_high_freq_factor",
     "data.vocab_size",
+    "data.copy_span",
+    "data.copy_repeats",
     "train.max_steps",
     "train.batch_size",
     "train.grad_accum",
@@ -128,7 +139,7 @@ NOT_NEGATIVE = {
     "eval.interval",
     "checkpoint.interval",
 }
-BELOW_ONE = {"optim.beta1", "optim.beta2", "optim.muon_momentum"}  # and not negative
+BELOW_ONE = {"data.copy_fraction", "optim.beta1", "optim.beta2", "optim.muon_momentum"}  # and not negative
 CHOICES = {"train.device": ("auto", "cpu", "cuda"), "optim.name": ("adamw", "muon")}
 
 

@@ -1,5 +1,5 @@
-"""RoPE length extrapolation: switching a model's RoPE scaling, and how perplexity and retrieval hold up past the
-training context with each method (the `python generate.py extrapolate` command)."""
+"""Length extrapolation: switching a model's RoPE scaling, and how perplexity and a copy probe hold up past the
+training context, for each scaling method and each of several runs (the `python generate.py extrapolate` command)."""
 
 import dataclasses
 import hashlib
@@ -15,31 +15,47 @@ from tqdm import tqdm
 
 from checkpoint import load_run
 from cli import ArgumentParser, UserError, atomic_output, check_writable
-from data.loader import document_windows, load_meta
+from data.loader import copy_vocabulary, document_windows, load_meta
 from device import pick_device, pick_dtype
 from model import ROPE_SCALINGS, Transformer
 
-SPAN, GIVEN = 32, 8  # retrieval: a 32-token span of real text; its repeat gives the first 8, the next 24 are scored
+DEFAULT_METHODS = ("none", "linear", "ntk", "dynamic", "yarn")
+BINS_PER_OCTAVE, MIN_BIN = 3, 8  # of the loss-by-position curve
 
 
 def set_rope(model: Transformer, method: str, factor: float, original_len: int):
-    """Switch the model's RoPE to method/factor, stretching from original_len (the training context)."""
+    """Switch the model's RoPE to method/factor, stretching from original_len (the context RoPE was trained at)."""
     model.args = dataclasses.replace(
         model.args, rope_scaling=method, rope_factor=factor, rope_original_max_seq_len=original_len
     )
 
 
-def use_rope_for(model: Transformer, method: str, length: int, train_len: int):
-    """RoPE `method` for sequences of `length` tokens: static methods stretch by length/train_len (none at 1×),
+def use_rope_for(model: Transformer, method: str, length: int, original_len: int):
+    """RoPE `method` for sequences of `length` tokens: static methods stretch by length/original_len (none at 1×),
     dynamic gets factor 1 and scales itself from the current length."""
-    factor = 1.0 if method in ("none", "dynamic") else max(1.0, length / train_len)
-    set_rope(model, method, factor, train_len)
+    factor = 1.0 if method in ("none", "dynamic") else max(1.0, length / original_len)
+    set_rope(model, method, factor, original_len)
+
+
+def position_of(args) -> str:
+    """The model's position encoding (rope unless its args name another)."""
+    return getattr(args, "position", "rope")
+
+
+def fits(model: Transformer, length: int) -> bool:
+    """Whether the model can score a sequence of `length` tokens: learned absolute positions end at max_seq_len."""
+    return position_of(model.args) != "learned" or length <= model.args.max_seq_len
+
+
+def logits_and_losses(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 logits (B, T-1, vocab) and cross-entropy (B, T-1) of each of tokens[:, 1:] given everything before it."""
+    logits = model(tokens[:, :-1]).float()
+    return logits, F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
 
 
 def token_losses(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     """Cross-entropy (B, T-1) of each of tokens[:, 1:] given everything before it, in float32."""
-    logits = model(tokens[:, :-1]).float()
-    return F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
+    return logits_and_losses(model, tokens)[1]
 
 
 def sliding_losses(model: Transformer, tokens: torch.Tensor, context: int) -> torch.Tensor:
@@ -54,32 +70,314 @@ def sliding_losses(model: Transformer, tokens: torch.Tensor, context: int) -> to
     return torch.cat(pieces, dim=1)
 
 
-def retrieval_distances(longest: int) -> list[int]:
-    """Span-to-repeat distances: 64, 128, ... and the farthest that fits a sequence of `longest` tokens."""
-    distances, d = [], 64
-    while d + SPAN <= longest:
-        distances.append(d)
-        d *= 2
-    return sorted(set(distances) | ({longest - SPAN} if longest - SPAN >= 64 else set()))
+def row_blocks(array: np.ndarray, length: int, device):
+    """The rows of array in consecutive blocks, as tensors on device, of about 8192 tokens of forwards `length` long
+    (which bounds the (rows, length, vocab) logits)."""
+    rows = max(1, 8192 // length)
+    for start in range(0, len(array), rows):
+        yield torch.from_numpy(array[start : start + rows]).to(device)
 
 
-def retrieval_score(model: Transformer, filler: np.ndarray, span: np.ndarray, distance: int, device):
-    """(accuracy, mean log-probability) of continuing `span` when its repeat (first GIVEN tokens) comes `distance`
-    tokens after it, with real text as filler between."""
-    sequence = filler[: distance + SPAN].copy()
-    sequence[:SPAN] = span
-    sequence[distance:] = span
-    tokens = torch.from_numpy(sequence)[None].to(device)
-    logits = model(tokens[:, :-1])[0, distance + GIVEN - 1 :].float()
-    targets = tokens[0, distance + GIVEN :]
-    accuracy = (logits.argmax(-1) == targets).float().mean().item()
-    logprob = -F.cross_entropy(logits, targets).item()
-    return accuracy, logprob
+# ---------------------------------------------------------------- the copy probe
+
+
+def probe_distances(train_len: int, lengths: list[int], span: int) -> list[int]:
+    """Span-to-repeat distances: train_len/4, train_len/2, and for each tested length n the farthest that fits n
+    tokens, n - span (so that the probe reads at every length); never below span (no overlap)."""
+    return sorted(d for d in {train_len // 4, train_len // 2} | {n - span for n in lengths} if d >= span)
+
+
+def probe_spans(meta: dict, count: int, span: int, seed: int) -> np.ndarray:
+    """(count, span) random token ids, uniform over the non-special vocabulary: no language prior predicts them."""
+    vocabulary = copy_vocabulary(meta)
+    return vocabulary[np.random.default_rng(seed).integers(0, len(vocabulary), size=(count, span))]
+
+
+def probe_sequences(text: np.ndarray, spans: np.ndarray, distance: int) -> np.ndarray:
+    """Rows of real text, distance + span tokens long, with each row's span at its start and again `distance`
+    tokens later."""
+    span = spans.shape[1]
+    sequences = text[:, : distance + span].copy()
+    sequences[:, :span] = spans
+    sequences[:, distance:] = spans
+    return sequences
+
+
+def probe_scores(model: Transformer, sequences: np.ndarray, distance: int, device) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of probe_sequences: top-1 accuracy on the repeat after its first token, and the loss drop in nats
+    from the first occurrence to the repeat (over the same span-1 tokens of each)."""
+    span = sequences.shape[1] - distance
+    accuracy, drop = [], []
+    for tokens in row_blocks(sequences, sequences.shape[1], device):
+        logits, losses = logits_and_losses(model, tokens)
+        hits = logits[:, distance : distance + span - 1].argmax(-1) == tokens[:, distance + 1 :]
+        accuracy.append(hits.float().mean(1))
+        drop.append((losses[:, : span - 1] - losses[:, distance : distance + span - 1]).mean(1))
+    return torch.cat(accuracy).cpu().numpy(), torch.cat(drop).cpu().numpy()
+
+
+# ---------------------------------------------------------------- the evaluation
 
 
 def spread(values) -> dict:
+    """Mean, standard deviation, standard error of the mean and count."""
     values = np.asarray(values, dtype=np.float64)
-    return {"mean": float(values.mean()), "std": float(values.std()), "n": len(values)}
+    return {
+        "mean": float(values.mean()),
+        "std": float(values.std()),
+        "sem": float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0,
+        "n": len(values),
+    }
+
+
+def position_bins(longest: int) -> np.ndarray:
+    """Edges of the loss-by-position bins over a window's longest-1 predictions (index i has i+1 tokens of context):
+    BINS_PER_OCTAVE per doubling of the position, and at least MIN_BIN positions wide, so that every point averages
+    several tokens and later ones, where the curve changes slowly, many."""
+    edges = [0]
+    while edges[-1] < longest - 1:
+        grown = round((edges[-1] + 1) * 2 ** (1 / BINS_PER_OCTAVE)) - 1
+        edges.append(min(max(grown, edges[-1] + MIN_BIN), longest - 1))
+    return np.array(edges)
+
+
+def effective_context(perplexity: dict, probe: dict, train_len: int, span: int) -> dict:
+    """The longest tested length up to which every tested length keeps perplexity within 5% of its training-length
+    value and the probe (at the farthest distance that fits the length) within 10 points of its accuracy at the
+    training length; perplexity alone where the probe reads under 20% there."""
+    in_context = probe.get(str(train_len - span))
+    accuracy = in_context["accuracy"]["mean"] if in_context else None
+    use_probe = accuracy is not None and accuracy >= 0.2
+    tokens = train_len
+    for length in sorted(int(n) for n in perplexity if int(n) > train_len):
+        row, read = perplexity[str(length)], probe.get(str(length - span))
+        holds = row is not None and row["ratio"] <= 1.05
+        if use_probe:
+            holds = holds and read is not None and read["accuracy"]["mean"] >= accuracy - 0.10
+        if not holds:
+            break
+        tokens = length
+    if use_probe:
+        basis = "perplexity and probe"
+    elif accuracy is None:
+        basis = "perplexity only: no probe fits the training context"
+    else:
+        basis = f"perplexity only: the probe reads {accuracy:.0%} in context"
+    return {"tokens": tokens, "basis": basis, "probe_in_context": accuracy}
+
+
+def evaluate_run(model, run: dict, text, probe_text, spans, lengths, distances, protocol, score_tokens, device, bar):
+    """The perplexity, probe, loss-by-position and effective-context numbers of one run, for each of its methods.
+    Lengths a learned-position model cannot reach are None ("n/a")."""
+    longest, span, edges = max(lengths), spans.shape[1], position_bins(max(lengths))
+    result = {"perplexity": {}, "probe": {}, "per_position": {}, "effective_context": {}}
+    for method in run["methods"]:
+        per_length, per_distance, per_position = {}, {}, []
+        for length in lengths:
+            per_length[str(length)] = None
+            if fits(model, length):
+                use_rope_for(model, method, length, run["original_context"])
+                window_losses = []
+                for tokens in row_blocks(text[:, -length:] if protocol == "fixed-target" else text, length, device):
+                    if protocol == "fixed-target":
+                        losses = token_losses(model, tokens)
+                        targets = losses[:, -score_tokens:]
+                    else:
+                        losses = targets = sliding_losses(model, tokens, length)
+                    window_losses += targets.mean(1).tolist()
+                    if length == longest:  # the whole window in one forward: its loss at every position
+                        per_position += [
+                            [row[a:b].mean().item() for a, b in zip(edges[:-1], edges[1:])] for row in losses
+                        ]
+                    bar.update(len(tokens))
+                loss = spread(window_losses)
+                per_length[str(length)] = {"loss": loss, "perplexity": math.exp(loss["mean"])}
+            else:
+                bar.update(len(text))
+        reference = per_length[str(run["train_context"])]["perplexity"]
+        for row in filter(None, per_length.values()):
+            row["ratio"] = row["perplexity"] / reference
+        for distance in distances:
+            per_distance[str(distance)] = None
+            if fits(model, distance + span):
+                use_rope_for(model, method, distance + span, run["original_context"])
+                accuracy, drop = probe_scores(model, probe_sequences(probe_text, spans, distance), distance, device)
+                per_distance[str(distance)] = {"accuracy": spread(accuracy), "loss_drop": spread(drop)}
+            bar.update(len(probe_text))
+        result["perplexity"][method], result["probe"][method] = per_length, per_distance
+        if per_position:
+            by_bin = np.asarray(per_position)
+            result["per_position"][method] = {"loss_mean": by_bin.mean(0).tolist(), "loss_std": by_bin.std(0).tolist()}
+        result["effective_context"][method] = effective_context(per_length, per_distance, run["train_context"], span)
+    return result
+
+
+# ---------------------------------------------------------------- the report
+
+
+def short_number(x: float) -> str:
+    """3 significant digits; `>10^k` for blow-ups of 1000 and more."""
+    if not math.isfinite(x):
+        return "inf"
+    return f">10^{int(math.log10(x))}" if x >= 1000 else f"{x:.3g}"
+
+
+def ratio_text(x: float) -> str:
+    return short_number(x) if x >= 1000 or not math.isfinite(x) else f"{x:.2f}×"
+
+
+def perplexity_cell(row: dict | None) -> str:
+    """Perplexity ± its standard error over windows (as a percentage), and the ratio to the training length."""
+    if row is None:
+        return "n/a"
+    error = 100 * math.expm1(row["loss"]["sem"])
+    return f"{short_number(row['perplexity'])} ±{error:.0f}% ({ratio_text(row['ratio'])})"
+
+
+def probe_cell(cell: dict | None) -> str:
+    """Accuracy ± its standard error over probes, and the loss drop in nats."""
+    if cell is None:
+        return "n/a"
+    accuracy = cell["accuracy"]
+    return f"{accuracy['mean']:.0%} ±{100 * accuracy['sem']:.0f} ({cell['loss_drop']['mean']:+.1f})"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def markdown_report(report: dict) -> str:
+    runs, lengths, probe = report["runs"], report["lengths"], report["probe"]
+    several = len(runs) > 1
+    # one row per run and method; the run column only when there are several runs
+    keys = [(run, method) for run in runs for method in run["methods"]]
+    first = ["run", "method"] if several else ["method"]
+
+    def label(run, method):
+        return [f"`{run['name']}`", method] if several else [method]
+
+    contexts = sorted({run["train_context"] for run in runs})
+    windows = report["num_windows"]
+    protocol = (
+        f"the last {report['score_tokens']} tokens of {windows} validation windows of {max(lengths)} tokens (each "
+        "inside one document), scored with the last n tokens as context"
+        if report["protocol"] == "fixed-target"
+        else f"every token of {windows} validation windows of {max(lengths)} tokens, scored through windows of n "
+        "tokens moving by n/2"
+    )
+    lines = [
+        "# Length extrapolation of " + ", ".join(f"`{run['name']}`" for run in runs),
+        "",
+        f"Training context {', '.join(map(str, contexts))} tokens. Protocol `{report['protocol']}`: {protocol}. "
+        "RoPE runs: static methods use factor n / the context RoPE was trained at, `dynamic` factor 1; other "
+        "position encodings are scored as they are (`none`).",
+        "",
+        f"Perplexity ± its standard error over the {windows} windows (ratio to the run's training length):",
+        "",
+        *table(
+            first + [f"{n}" for n in lengths],
+            [label(run, m) + [perplexity_cell(run["perplexity"][m][str(n)]) for n in lengths] for run, m in keys],
+        ),
+    ]
+    distances, span = probe["distances"], probe["span"]
+    inside = [d for d in distances if d + span <= min(contexts)]
+    lines += [
+        "",
+        f"Copy probe: a span of {span} random token ids (uniform over the non-special vocabulary) at the start of "
+        f"real validation text, repeated d tokens later; top-1 accuracy on the repeat after its first token ± its "
+        f"standard error over {probe['count']} probes, and (in brackets) the loss drop in nats from the first "
+        f"occurrence to the repeat. d ≤ {max(inside, default=0)} lies inside the training context.",
+        "",
+        *table(
+            first + [f"d={d}" for d in distances],
+            [label(run, m) + [probe_cell(run["probe"][m][str(d)]) for d in distances] for run, m in keys],
+        ),
+        "",
+        "Effective context: the longest tested length up to which perplexity stays within 5% of its training-length "
+        "value and the probe (its farthest repeat that fits) within 10 points of its in-context accuracy:",
+        "",
+        *table(
+            first + ["training context", "effective context", "basis"],
+            [
+                label(run, m)
+                + [
+                    str(run["train_context"]),
+                    str(run["effective_context"][m]["tokens"]),
+                    run["effective_context"][m]["basis"],
+                ]
+                for run, m in keys
+            ],
+        ),
+        "",
+        f"Loss by position (the plot), over the {windows} windows of {max(lengths)} tokens: {BINS_PER_OCTAVE} bins "
+        f"per doubling of the position, at least {MIN_BIN} positions wide; each point averages its bin's width × "
+        f"{windows} tokens, from {report['per_position_tokens'][0]:,} (the first) to "
+        f"{report['per_position_tokens'][-1]:,} (the last).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def effective_line(report: dict) -> str:
+    """The effective contexts, in one line per run."""
+    return "\n".join(
+        f"effective context of {run['name']} (trained at {run['train_context']}): "
+        + ", ".join(f"{m} {run['effective_context'][m]['tokens']}" for m in run["methods"])
+        for run in report["runs"]
+    )
+
+
+def plot_report(report: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    runs, lengths = report["runs"], report["lengths"]
+    distances, span = report["probe"]["distances"], report["probe"]["span"]
+    several = len(runs) > 1
+    fig, (ppl_ax, pos_ax, probe_ax) = plt.subplots(1, 3, figsize=(17, 5))
+    styles = dict(zip(DEFAULT_METHODS + ("llama3",), ["o-", "s--", "^-.", "D:", "v-", "x--"]))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    edges = np.asarray(report["per_position_edges"])
+    centers = np.sqrt((edges[:-1] + 1) * edges[1:])  # index i predicts the token at position i+1
+    for index, run in enumerate(runs):
+        for number, method in enumerate(run["methods"]):
+            style = styles[method]
+            color = colors[(index if several else number) % len(colors)]
+            name = f"{run['name']}: {method}" if several else method
+            cells = [(n, run["perplexity"][method][str(n)]) for n in lengths]
+            cells = [(n, c["perplexity"]) for n, c in cells if c is not None]
+            ppl_ax.plot(*zip(*cells), style, color=color, label=name)
+            if method in run["per_position"]:
+                pos_ax.plot(centers, run["per_position"][method]["loss_mean"], style[1:], color=color, label=name)
+            reads = [(d, run["probe"][method][str(d)]) for d in distances]
+            reads = [(d, c["accuracy"]["mean"]) for d, c in reads if c is not None]
+            if reads:
+                probe_ax.plot(*zip(*reads), style, color=color, label=name)
+        run_color = colors[index % len(colors)] if several else "gray"
+        for ax, at in ((ppl_ax, run["train_context"]), (pos_ax, run["train_context"])):
+            ax.axvline(at, color=run_color, linestyle="--", linewidth=1)
+        probe_ax.axvline(run["train_context"] - span, color=run_color, linestyle="--", linewidth=1)
+    ppl_ax.set(yscale="log", xlabel="context length (tokens)", ylabel="perplexity")
+    ppl_ax.set_title(f"perplexity ({report['protocol']}); dashed: training context")
+    pos_ax.set(xlabel="position in the window", ylabel="loss (nats)", title=f"loss by position, {max(lengths)} tokens")
+    probe_ax.set(xlabel="distance to the repeat (tokens)", ylabel="top-1 accuracy on the repeat", ylim=(-0.02, 1.02))
+    probe_ax.set_title(f"copy probe: {span} random tokens, repeated")
+    for ax in (ppl_ax, pos_ax, probe_ax):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    # ticks at 1, 1.5, 2, 3, 5, 7 per decade, labelled 90, 100, 150 rather than 9×10^1
+    ppl_ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+    ppl_ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    ppl_ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ppl_ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- the command
 
 
 def find_data_dir(config: dict, override: str | None) -> Path:
@@ -104,161 +402,6 @@ def check_same_tokenizer(checkpoint: Path, data_dir: Path):
         raise UserError(f"{data_dir} was tokenized with another tokenizer than {checkpoint}/tokenizer.model")
 
 
-def evaluate_extrapolation(model, data_dir, train_len, lengths, methods, protocol, num_windows, seed, device) -> dict:
-    """All the numbers of the extrapolation report (see the `extrapolate` command)."""
-    longest = max(lengths)
-    score_tokens = min(64, train_len // 2)
-    windows = document_windows(data_dir, "val", longest, num_windows, seed=seed)
-    spans = document_windows(data_dir, "val", SPAN, num_windows, seed=seed + 1)
-    if windows.max() >= model.args.vocab_size:
-        raise UserError(f"{data_dir} holds token ids beyond the model's vocabulary; it was made with another tokenizer")
-    distances = retrieval_distances(longest)
-    bins = np.linspace(0, longest - 1, min(32, longest - 1) + 1).round().astype(int)
-    results = {"perplexity": {}, "per_position": {"bin_edges": bins.tolist()}, "retrieval": {}}
-    work = len(methods) * (len(lengths) + len(distances)) * num_windows
-    with tqdm(total=work, desc="extrapolation", unit="window") as bar:
-        for method in methods:
-            per_length, per_distance = {}, {}
-            for length in lengths:
-                use_rope_for(model, method, length, train_len)
-                window_losses = []
-                for window in windows:
-                    tokens = torch.from_numpy(window)[None].to(device)
-                    if protocol == "fixed-target":
-                        losses = token_losses(model, tokens[:, -length:])[0]
-                        targets = losses[-score_tokens:]
-                    else:
-                        losses = targets = sliding_losses(model, tokens, length)[0]
-                    window_losses.append(targets.mean().item())
-                    if length == longest:  # the whole window in one forward: its loss at every position
-                        per_bin = [losses[a:b].mean().item() for a, b in zip(bins[:-1], bins[1:], strict=True)]
-                        results["per_position"].setdefault(method, []).append(per_bin)
-                    bar.update()
-                loss = spread(window_losses)
-                per_length[str(length)] = {"loss": loss, "perplexity": math.exp(loss["mean"])}
-            for distance in distances:
-                use_rope_for(model, method, distance + SPAN, train_len)
-                scores = [retrieval_score(model, w, s, distance, device) for w, s in zip(windows, spans, strict=True)]
-                per_distance[str(distance)] = {
-                    "accuracy": spread([a for a, _ in scores]),
-                    "logprob": spread([p for _, p in scores]),
-                }
-                bar.update(num_windows)
-            reference = per_length[str(train_len)]["perplexity"]
-            for row in per_length.values():
-                row["ratio"] = row["perplexity"] / reference
-            results["perplexity"][method] = per_length
-            results["retrieval"][method] = per_distance
-            by_bin = np.asarray(results["per_position"][method])
-            results["per_position"][method] = {"loss_mean": by_bin.mean(0).tolist(), "loss_std": by_bin.std(0).tolist()}
-    results["retrieval"]["distances"] = distances
-    results["score_tokens"] = score_tokens
-    return results
-
-
-def short_number(x: float) -> str:
-    """3 significant digits; `>10^k` for blow-ups of 1000 and more."""
-    if not math.isfinite(x):
-        return "inf"
-    return f">10^{int(math.log10(x))}" if x >= 1000 else f"{x:.3g}"
-
-
-def ratio_text(x: float) -> str:
-    return short_number(x) if x >= 1000 or not math.isfinite(x) else f"{x:.2f}×"
-
-
-def markdown_report(report: dict) -> str:
-    lengths, train_len = report["lengths"], report["train_context"]
-    header = "| method | " + " | ".join(f"{n} ({n / train_len:g}×)" for n in lengths) + " |"
-    rule = "|---" * (len(lengths) + 1) + "|"
-    lines = [
-        f"# RoPE extrapolation of {report['checkpoint']}",
-        "",
-        f"Training context {train_len} tokens. Protocol `{report['protocol']}`: "
-        + (
-            f"the last {report['score_tokens']} tokens of {report['num_windows']} validation windows of "
-            f"{max(lengths)} tokens (each inside one document), scored with the last n tokens as context."
-            if report["protocol"] == "fixed-target"
-            else f"every token of {report['num_windows']} validation windows of {max(lengths)} tokens, scored through "
-            "windows of n tokens moving by n/2."
-        )
-        + " Static methods use factor n/training context, `dynamic` factor 1.",
-        "",
-        "Perplexity (ratio to the training length):",
-        "",
-        header,
-        rule,
-    ]
-    for method, row in report["perplexity"].items():
-        cells = [f"{short_number(row[str(n)]['perplexity'])} ({ratio_text(row[str(n)]['ratio'])})" for n in lengths]
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    distances = report["retrieval"]["distances"]
-    lines += [
-        "",
-        f"Retrieval: accuracy of continuing a {SPAN}-token span of real text ({SPAN - GIVEN} tokens scored) when its "
-        f"first {GIVEN} tokens repeat d tokens later:",
-        "",
-        "| method | " + " | ".join(f"d={d}" for d in distances) + " |",
-        "|---" * (len(distances) + 1) + "|",
-    ]
-    for method in report["methods"]:
-        row = report["retrieval"][method]
-        lines.append(f"| {method} | " + " | ".join(f"{row[str(d)]['accuracy']['mean']:.0%}" for d in distances) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_report(report: dict, path: Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    train_len, methods = report["train_context"], report["methods"]
-    fig, (ppl_ax, pos_ax, ret_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
-    styles = ["o-", "s--", "^-.", "D:", "v-", "x--"]  # distinct even where two methods' lines coincide
-    lengths, distances = report["lengths"], report["retrieval"]["distances"]
-    edges = np.asarray(report["per_position"]["bin_edges"])
-    for method, style in zip(methods, styles, strict=False):
-        ppl_ax.plot(lengths, [report["perplexity"][method][str(n)]["perplexity"] for n in lengths], style, label=method)
-        pos_ax.plot((edges[:-1] + edges[1:]) / 2, report["per_position"][method]["loss_mean"], style[1:], label=method)
-        ret_ax.plot(
-            distances, [report["retrieval"][method][str(d)]["accuracy"]["mean"] for d in distances], style, label=method
-        )
-    ppl_ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="context length (tokens)",
-        ylabel="perplexity",
-        title=f"perplexity ({report['protocol']})",
-    )
-    ppl_ax.set_xscale("log", base=2)
-    pos_ax.set(
-        xlabel="position in the window",
-        ylabel="loss (nats)",
-        title=f"loss by position, {max(report['lengths'])} tokens",
-    )
-    ret_ax.set(
-        xscale="log",
-        xlabel="distance to the repeat (tokens)",
-        ylabel="accuracy",
-        ylim=(-0.02, 1.02),
-        title=f"retrieval: continue a {SPAN}-token span",
-    )
-    ret_ax.set_xscale("log", base=2)
-    # ticks at 1, 1.5, 2, 3, 5, 7 per decade, labelled 90, 100, 150 rather than 9×10^1
-    ppl_ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
-    ppl_ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-    ppl_ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    for ax in (ppl_ax, pos_ax, ret_ax):
-        ax.axvline(train_len, color="gray", linestyle="--", linewidth=1)
-        ax.grid(alpha=0.3)
-    ppl_ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
-
-
 def parse_list(text: str, flag: str, convert=str) -> list:
     """The comma-separated items of a flag's value, each through convert; UserError naming a bad item."""
     values = []
@@ -274,11 +417,11 @@ def parse_list(text: str, flag: str, convert=str) -> list:
     return values
 
 
-def add_run_arguments(parser: ArgumentParser):
-    """The options that choose a run directory and how to load it (here and in generate.py's sampling command)."""
-    parser.add_argument(
-        "--checkpoint", required=True, help="run directory (model.safetensors, config.json, tokenizer.model)"
-    )
+def add_run_arguments(parser: ArgumentParser, several: bool = False):
+    """The options that choose a run directory (or several, comma-separated) and how to load it (here and in
+    generate.py's sampling command)."""
+    what = "run directory (model.safetensors, config.json, tokenizer.model)"
+    parser.add_argument("--checkpoint", required=True, help=what + (", or several, comma-separated" if several else ""))
     parser.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on a GPU, float32 on CPU)")
 
@@ -286,14 +429,15 @@ def add_run_arguments(parser: ArgumentParser):
 def parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="python generate.py extrapolate",
-        description="How perplexity and retrieval hold up past the training context, for each RoPE scaling method.",
+        description="How perplexity and a copy probe hold up past the training context, for each RoPE scaling "
+        "method, on one run or side by side on several (--checkpoint a,b,c --out DIR).",
     )
-    add_run_arguments(parser)
+    add_run_arguments(parser, several=True)
     parser.add_argument("--lengths", help="comma-separated context lengths (default: 1,2,4,8 × the training context)")
     parser.add_argument(
         "--methods",
-        default="none,linear,ntk,dynamic,yarn",
-        help="comma-separated RoPE scaling methods (default none,linear,ntk,dynamic,yarn)",
+        help="comma-separated RoPE scaling methods (default: none,linear,ntk,dynamic,yarn for RoPE runs, none for "
+        "other position encodings)",
     )
     parser.add_argument(
         "--protocol",
@@ -303,54 +447,109 @@ def parser() -> ArgumentParser:
         "sliding: every token, through windows moving by half their length",
     )
     parser.add_argument("--num-windows", type=int, default=8, help="validation windows (default 8)")
-    parser.add_argument("--data", help="prepared dataset (default: config.json's data.dir)")
-    parser.add_argument("--seed", type=int, default=0, help="which windows (default 0)")
-    parser.add_argument("--out", help="output directory (default CHECKPOINT/extrapolation)")
+    parser.add_argument("--probes", type=int, default=16, help="copy-probe spans per distance (default 16)")
+    parser.add_argument("--probe-span", type=int, default=16, help="random tokens in each probe span (default 16)")
+    parser.add_argument("--data", help="prepared dataset (default: the first run's data.dir)")
+    parser.add_argument("--seed", type=int, default=0, help="which windows and probe spans (default 0)")
+    parser.add_argument("--out", help="output directory (default CHECKPOINT/extrapolation; required with several runs)")
     return parser
+
+
+def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> list[tuple[Transformer, dict]]:
+    """(model, run description) for each run directory, all sharing one tokenizer; UserError otherwise, or where
+    a RoPE scaling method is named for a model without RoPE."""
+    runs, tokenizers = [], {}
+    for name in names:
+        model, config, _ = load_run(name, device, dtype)
+        tokenizers.setdefault(hashlib.sha256((Path(name) / "tokenizer.model").read_bytes()).hexdigest(), name)
+        if len(tokenizers) > 1:
+            first, other = tokenizers.values()
+            raise UserError(
+                f"{first} and {other} have different tokenizers (tokenizer.model); runs compared together must share "
+                "one, so that they score the same tokens"
+            )
+        position = position_of(model.args)
+        scaling = [m for m in methods or () if m != "none"]
+        if position != "rope" and scaling:
+            raise UserError(
+                f"--methods {','.join(scaling)}: RoPE scaling applies to RoPE models only, and {name} uses {position} "
+                "positions (leave --methods out, or pass --methods none)"
+            )
+        run = {
+            "name": name,
+            "position": position,
+            "train_context": int((config.get("train") or {}).get("seq_len") or model.args.original_seq_len),
+            "original_context": model.args.original_seq_len,  # what RoPE scaling stretches from
+            "methods": methods or (list(DEFAULT_METHODS) if position == "rope" else ["none"]),
+            "model": model.args.to_dict(),  # before the evaluation switches RoPE
+            "config": config,
+        }
+        runs.append((model, run))
+    return runs
 
 
 def main(argv: list[str]) -> int:
     """The `extrapolate` command; argv is what follows `python generate.py extrapolate`."""
     args = parser().parse_args(argv)
-    methods = parse_list(args.methods, "--methods")
-    unknown = [m for m in methods if m not in ROPE_SCALINGS]
+    names = [name.rstrip("/") or name for name in parse_list(args.checkpoint, "--checkpoint")]
+    if len({Path(name).resolve() for name in names}) < len(names):
+        raise UserError(f"--checkpoint names a run twice: {args.checkpoint}")
+    if len(names) > 1 and args.out is None:
+        raise UserError("--out is required with several runs: the directory the comparison is written to")
+    methods = parse_list(args.methods, "--methods") if args.methods else None
+    unknown = [m for m in methods or () if m not in ROPE_SCALINGS]
     if unknown:
         raise UserError(f"--methods: unknown {', '.join(unknown)} (choose from {', '.join(ROPE_SCALINGS)})")
-    if args.num_windows < 1:
-        raise UserError(f"--num-windows must be >= 1, not {args.num_windows}")
+    for flag, value, least in (("--num-windows", args.num_windows, 1), ("--probes", args.probes, 1)):
+        if value < least:
+            raise UserError(f"{flag} must be >= {least}, not {value}")
+    if args.probe_span < 2:
+        raise UserError(f"--probe-span must be >= 2, not {args.probe_span}")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, not {args.seed}")
     device = pick_device(args.device)
-    model, config, _ = load_run(args.checkpoint, device, pick_dtype(args.dtype, device))
-    train_len = int((config.get("train") or {}).get("seq_len") or model.args.original_seq_len)
-    lengths = parse_list(args.lengths, "--lengths", int) if args.lengths else [train_len * k for k in (1, 2, 4, 8)]
-    lengths = sorted(set(lengths) | {train_len})
-    if min(lengths) <= min(64, train_len // 2):
-        raise UserError(f"--lengths must all exceed {min(64, train_len // 2)} (the scored tokens)")
-    data_dir = find_data_dir(config, args.data)
-    check_same_tokenizer(Path(args.checkpoint), data_dir)
-    out_dir = Path(args.out) if args.out else Path(args.checkpoint) / "extrapolation"
+    loaded = load_runs(names, methods, device, pick_dtype(args.dtype, device))
+    runs = [run for _, run in loaded]
+    contexts = [run["train_context"] for run in runs]
+    lengths = parse_list(args.lengths, "--lengths", int) if args.lengths else [min(contexts) * k for k in (1, 2, 4, 8)]
+    lengths = sorted(set(lengths) | set(contexts))
+    score_tokens = min(64, min(contexts) // 2)
+    if min(lengths) <= score_tokens:
+        raise UserError(f"--lengths must all exceed {score_tokens} (the scored tokens)")
+    data_dir = find_data_dir(runs[0]["config"], args.data)
+    check_same_tokenizer(Path(names[0]), data_dir)
+    out_dir = Path(args.out) if args.out else Path(names[0]) / "extrapolation"
     check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
-    model_args = model.args.to_dict()  # before the evaluation switches RoPE
+    text = document_windows(data_dir, "val", max(lengths), args.num_windows, seed=args.seed)
+    probe_text = document_windows(data_dir, "val", max(lengths), args.probes, seed=args.seed + 1)
+    if text.max() >= min(model.args.vocab_size for model, _ in loaded):
+        raise UserError(f"{data_dir} holds token ids beyond the model's vocabulary; it was made with another tokenizer")
+    spans = probe_spans(load_meta(data_dir), args.probes, args.probe_span, args.seed)
+    distances = probe_distances(min(contexts), lengths, args.probe_span)
+    edges = position_bins(max(lengths))
     start = time.perf_counter()
-    with torch.inference_mode():
-        results = evaluate_extrapolation(
-            model, data_dir, train_len, lengths, methods, args.protocol, args.num_windows, args.seed, device
-        )
+    work = sum(len(run["methods"]) * (len(lengths) * len(text) + len(distances) * len(spans)) for run in runs)
+    with torch.inference_mode(), tqdm(total=work, desc="extrapolation", unit="sequence") as bar:
+        for model, run in loaded:
+            run.update(
+                evaluate_run(
+                    model, run, text, probe_text, spans, lengths, distances, args.protocol, score_tokens, device, bar
+                )
+            )
     report = {
-        "checkpoint": str(args.checkpoint),
         "command": ["python", "generate.py", "extrapolate", *argv],
-        "model": model_args,
         "data": str(data_dir),
-        "train_context": train_len,
         "lengths": lengths,
-        "methods": methods,
         "protocol": args.protocol,
         "num_windows": args.num_windows,
+        "score_tokens": score_tokens,
+        "probe": {"span": args.probe_span, "count": args.probes, "distances": distances},
+        "per_position_edges": edges.tolist(),
+        "per_position_tokens": (np.diff(edges) * args.num_windows).tolist(),
         "seed": args.seed,
         "device": device.type,
         "seconds": round(time.perf_counter() - start, 1),
-        **results,
+        "runs": [{k: v for k, v in run.items() if k != "config"} for run in runs],
     }
     markdown = markdown_report(report)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -364,5 +563,6 @@ def main(argv: list[str]) -> int:
         md_path.write_text(markdown)
         plot_report(report, png_path)
     print(markdown)
+    print(effective_line(report))
     print(f"wrote {out_dir}/extrapolation.json, .md and .png ({report['seconds']} s)")
     return 0

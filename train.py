@@ -263,7 +263,7 @@ def train(cfg: Config, resume: bool, dist: Dist):
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
     # Every rank draws the same global batch and keeps its rows, so the data never depends on the world size.
-    loader = RandomBatches(data_dir, "train", t.batch_size, t.seq_len, seed=t.seed)
+    loader = RandomBatches(data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **cfg.data.copy_options())
     rows = slice(dist.rank * t.batch_size // dist.world_size, (dist.rank + 1) * t.batch_size // dist.world_size)
     model, optimizer, sizes = build_model(cfg, dist, None if start else init)  # a resumed run loads its checkpoint
     on_gpu_alone = dist.device.type == "cuda" and dist.mesh is None

@@ -54,10 +54,15 @@ def doc_offsets(data_dir, split) -> np.ndarray:
     return np.load(Path(data_dir) / f"{split}.docs.npy").astype(np.int64, copy=False)
 
 
-def _to_device(windows: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split (B, T+1) windows into int64 x and y = x shifted by one, both contiguous, on device."""
+def _to_device(
+    windows: np.ndarray, device, unpredictable: np.ndarray | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split (B, T+1) windows into int64 x and y = x shifted by one, both contiguous, on device; y is -100 (ignored
+    by the loss) where `unpredictable` (B, T+1) marks the token."""
     x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1], dtype=np.int64))
     y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:], dtype=np.int64))
+    if unpredictable is not None:
+        y[torch.from_numpy(unpredictable[:, 1:])] = -100
     if torch.device(device).type == "cuda":
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
@@ -70,24 +75,89 @@ def _check_fits(tokens: np.ndarray, split: str, seq_len: int) -> None:
         raise UserError(f"seq_len {seq_len} needs {seq_len + 1} tokens but the {split} split has only {len(tokens)}")
 
 
-class RandomBatches:
-    """Random windows of seq_len+1 tokens from a split; seeded, rank-aware, resumable."""
+def copy_vocabulary(meta: dict) -> np.ndarray:
+    """The token ids random copy spans draw from, uniformly: the whole vocabulary but its control tokens (unk, BOS,
+    EOS, pad), so that no language prior can predict a span."""
+    special = {meta.get(key) for key in ("unk_id", "bos_id", "eos_id", "pad_id")}
+    return np.array([i for i in range(meta["vocab_size"]) if i not in special], dtype=np.int64)
 
-    def __init__(self, data_dir, split, batch_size, seq_len, seed=0, rank=0, world_size=1, device="cpu"):
+
+def plant_copies(windows: np.ndarray, rng: np.random.Generator, vocabulary: np.ndarray, span: int, repeats: int):
+    """Overwrite each row of windows (B, T) in place with a random span of `span` ids from `vocabulary` and
+    `repeats` exact copies of it later in the row, at random places with the row's own text between (gaps may be
+    empty). Returns the (B, T) mask of tokens nothing can predict: the first occurrence and each copy's first token."""
+    rows, length = windows.shape
+    occurrences = repeats + 1
+    free = length - occurrences * span
+    if free < 0:
+        raise UserError(
+            f"a copy span of {span} tokens and {repeats} repeats need {occurrences * span} tokens; "
+            f"the window has {length}"
+        )
+    starts = np.sort(rng.integers(0, free + 1, size=(rows, occurrences)), axis=1) + np.arange(occurrences) * span
+    spans = vocabulary[rng.integers(0, len(vocabulary), size=(rows, span))]
+    positions = starts[:, :, None] + np.arange(span)  # (rows, occurrences, span)
+    windows[np.arange(rows)[:, None, None], positions] = spans[:, None, :]
+    unpredictable = np.zeros(windows.shape, dtype=bool)
+    unpredictable[np.arange(rows)[:, None], positions[:, 0]] = True
+    unpredictable[np.arange(rows)[:, None], starts] = True
+    return unpredictable
+
+
+class RandomBatches:
+    """Random windows of seq_len+1 tokens from a split; seeded, rank-aware, resumable.
+
+    With copy_fraction > 0, each window is, with that probability, given synthetic copy data (Bi-Induct-style
+    forward-copy snippets, Sabry & Belz 2025, here planted inside real text): see plant_copies. Its unpredictable
+    tokens are -100 in y, so the loss trains only the copies and the text. It is there to give induction heads
+    something to form on; `generate.py extrapolate`'s copy probe tells whether they did."""
+
+    def __init__(
+        self,
+        data_dir,
+        split,
+        batch_size,
+        seq_len,
+        seed=0,
+        rank=0,
+        world_size=1,
+        device="cpu",
+        copy_fraction=0.0,
+        copy_span=16,
+        copy_repeats=1,
+    ):
         if not 0 <= rank < world_size:
             raise UserError(f"rank {rank} is outside world_size {world_size}")
+        if not 0 <= copy_fraction < 1:
+            raise UserError(f"copy_fraction must be at least 0 and below 1, not {copy_fraction}")
+        if copy_span < 2 or copy_repeats < 1:
+            raise UserError(f"copy_span must be >= 2 and copy_repeats >= 1, not {copy_span} and {copy_repeats}")
+        if copy_fraction and copy_span * (copy_repeats + 1) > seq_len + 1:
+            raise UserError(
+                f"copy_span × (copy_repeats + 1) = {copy_span * (copy_repeats + 1)} tokens do not fit a window of "
+                f"seq_len + 1 = {seq_len + 1}; shorten the span or repeat it less"
+            )
         self.tokens = open_tokens(data_dir, split)
         _check_fits(self.tokens, split, seq_len)
         self.batch_size, self.seq_len, self.device = batch_size, seq_len, device
         self.rank, self.world_size = rank, world_size
+        self.copy_fraction, self.copy_span, self.copy_repeats = copy_fraction, copy_span, copy_repeats
+        self.vocabulary = copy_vocabulary(load_meta(data_dir)) if copy_fraction else None
         # Each rank gets its own stream from the same seed, so ranks draw different windows.
         self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, rank])))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y of shape (batch_size, seq_len), int64, on the device."""
         starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
-        windows = np.stack([self.tokens[start : start + self.seq_len + 1] for start in starts])
-        return _to_device(windows, self.device)
+        windows = np.stack([self.tokens[start : start + self.seq_len + 1] for start in starts]).astype(np.int64)
+        if not self.copy_fraction:
+            return _to_device(windows, self.device)
+        rows = np.flatnonzero(self.rng.random(self.batch_size) < self.copy_fraction)
+        unpredictable = np.zeros(windows.shape, dtype=bool)
+        copies = windows[rows]
+        unpredictable[rows] = plant_copies(copies, self.rng, self.vocabulary, self.copy_span, self.copy_repeats)
+        windows[rows] = copies
+        return _to_device(windows, self.device, unpredictable)
 
     def state_dict(self) -> dict:
         """Plain-Python state (JSON- and torch.save-able) that load_state_dict resumes from exactly."""

@@ -14,7 +14,17 @@ import sentencepiece as spm
 import torch
 
 from cli import UserError
-from data.loader import RandomBatches, doc_offsets, document_windows, eval_batches, load_meta, open_tokens
+from config import build_config
+from data.loader import (
+    RandomBatches,
+    copy_vocabulary,
+    doc_offsets,
+    document_windows,
+    eval_batches,
+    load_meta,
+    open_tokens,
+    plant_copies,
+)
 from data.prepare import prepare, split_documents
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -162,6 +172,91 @@ def test_a_truncated_shard_is_refused_when_opened(corpus, tmp_path, cut):
         with pytest.raises(UserError, match="val.bin holds .* but meta.json counts .* truncated"):
             open_split()
     assert len(open_tokens(copy, "train")) == load_meta(copy)["splits"]["train"]["tokens"]
+
+
+def test_plant_copies_repeats_a_random_span_inside_the_text(corpus):
+    data_dir, _ = corpus
+    meta = load_meta(data_dir)
+    vocabulary = copy_vocabulary(meta)
+    assert len(vocabulary) == meta["vocab_size"] - 3 and not np.isin([0, 1, 2], vocabulary).any()  # unk, BOS, EOS
+    windows = np.tile(np.arange(1000, 1040), (200, 1))  # "text" ids that no span can hold
+    text = windows.copy()
+    unpredictable = plant_copies(windows, np.random.default_rng(0), vocabulary, span=5, repeats=3)
+    assert np.array_equal(plant_copies(text.copy(), np.random.default_rng(0), vocabulary, 5, 3), unpredictable)
+    gaps = []
+    for row, mask, original in zip(windows, unpredictable, text):
+        planted = np.flatnonzero(row < 1000)
+        assert len(planted) == 4 * 5 and np.isin(row[planted], vocabulary).all()
+        occurrences = planted.reshape(4, 5)
+        assert (np.diff(occurrences, axis=1) == 1).all()  # each occurrence is contiguous, and all are the same span
+        assert (row[occurrences] == row[occurrences[0]]).all()
+        assert np.array_equal(row[row >= 1000], original[row >= 1000])  # the text around keeps its order
+        # unpredictable: the whole first occurrence and the first token of each copy, nothing else
+        assert np.array_equal(np.flatnonzero(mask), np.union1d(occurrences[0], occurrences[1:, 0]))
+        gaps += np.diff(occurrences[:, 0]).tolist()
+    assert min(gaps) == 5 and max(gaps) > 15  # copies may follow at once or after text
+    with pytest.raises(UserError, match="need 20 tokens"):
+        plant_copies(np.zeros((1, 19), dtype=np.int64), np.random.default_rng(0), vocabulary, 5, 3)
+
+
+def test_copy_mixing_is_seeded_respects_its_fraction_and_resumes_exactly(corpus, tmp_path):
+    data_dir, _ = corpus
+    options = {"batch_size": 16, "seq_len": 32, "seed": 5, "copy_fraction": 0.25, "copy_span": 4, "copy_repeats": 2}
+    loader = RandomBatches(data_dir, "train", **options)
+    batches = [loader.next_batch() for _ in range(50)]
+    again = RandomBatches(data_dir, "train", **options)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(batches, (again.next_batch() for _ in range(50))))
+    copy_rows = 0
+    for x, y in batches:
+        assert x.shape == y.shape == (16, 32) and x.dtype == y.dtype == torch.int64
+        ignored = y == -100
+        kept = ~ignored[:, :-1]
+        assert torch.equal(x[:, 1:][kept], y[:, :-1][kept])  # y is x shifted wherever it is not ignored
+        for row, mask in zip(x, ignored):
+            if not mask.any():
+                continue
+            copy_rows += 1
+            # window positions (y[j] is position j+1): the first occurrence, then each copy's first token; a
+            # first occurrence at position 0 has no target there
+            positions = (np.flatnonzero(mask.numpy()) + 1).tolist()
+            positions = [0] * (len(positions) == 4 + 2 - 1) + positions
+            assert len(positions) == 4 + 2 and np.array_equal(np.diff(positions[:4]), [1, 1, 1])
+            for copy in positions[4:]:
+                if copy + 4 <= 32:  # inside x
+                    assert torch.equal(row[copy : copy + 4], row[positions[0] : positions[0] + 4])
+    assert abs(copy_rows / (50 * 16) - 0.25) < 0.05
+    plain = RandomBatches(data_dir, "train", batch_size=16, seq_len=32, seed=5)
+    assert not (plain.next_batch()[1] == -100).any()
+
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = [loader.next_batch() for _ in range(3)]
+    resumed = RandomBatches(data_dir, "train", **(options | {"seed": 99}))
+    resumed.load_state_dict(state)
+    for want, got in zip(expected, (resumed.next_batch() for _ in range(3))):
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+@pytest.mark.parametrize("key, value", [("copy_fraction", "1.0"), ("copy_fraction", "-0.5"), ("copy_span", "0")])
+def test_copy_config_keys_are_checked_as_read(key, value):
+    with pytest.raises(UserError, match=f"--data.{key} must be"):
+        build_config({}, [(f"data.{key}", value)])
+    options = build_config({"data": {"copy_fraction": 0.5}}, []).data.copy_options()
+    assert options == {"copy_fraction": 0.5, "copy_span": 8, "copy_repeats": 4}
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"copy_fraction": 1.0}, "copy_fraction must be at least 0 and below 1"),
+        ({"copy_fraction": -0.1}, "copy_fraction must be at least 0 and below 1"),
+        ({"copy_fraction": 0.5, "copy_span": 1}, "copy_span must be >= 2"),
+        ({"copy_fraction": 0.5, "copy_span": 11, "copy_repeats": 2}, "do not fit a window"),
+    ],
+)
+def test_copy_mixing_refuses_bad_settings(corpus, options, message):
+    data_dir, _ = corpus
+    with pytest.raises(UserError, match=message):
+        RandomBatches(data_dir, "train", batch_size=2, seq_len=31, **options)
 
 
 def test_eval_batches_cover_the_split_sequentially(corpus):

@@ -1,20 +1,24 @@
-"""`python generate.py extrapolate` on a tiny model trained in the fixture: files, keys, finite numbers, invariants,
-errors before any work, and all outputs or none."""
+"""`python generate.py extrapolate` on tiny models trained in the fixture: files, keys, finite numbers, invariants,
+the copy probe, the effective context, several runs side by side, errors before any work, and all outputs or none."""
 
+import hashlib
 import json
 import math
 import shutil
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 import torch
 
 import extrapolate
 import generate
 from checkpoint import load_run
 from cli import run_command
+from data.loader import load_meta
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+SPAN = 8  # the probe span in these tests: a quarter of the tiny runs' context
 
 
 @pytest.fixture(scope="module")
@@ -22,62 +26,189 @@ def tiny_run(make_tiny_run, one_thread):
     return make_tiny_run(60)
 
 
+def extrapolate_argv(run_dir, *more):
+    return ["extrapolate", "--checkpoint", str(run_dir), "--probe-span", str(SPAN), "--probes", "4", *more]
+
+
 def test_extrapolation_writes_report(tiny_run, capsys):
     run_dir, _ = tiny_run
-    assert generate.main(["extrapolate", "--checkpoint", str(run_dir), "--num-windows", "3"]) == 0
+    assert generate.main(extrapolate_argv(run_dir, "--num-windows", "3")) == 0
     out_dir = run_dir / "extrapolation"
     assert {p.name for p in out_dir.iterdir()} == {"extrapolation.json", "extrapolation.md", "extrapolation.png"}
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"wrote {out_dir}")
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1].startswith(f"wrote {out_dir}") and printed[-2].startswith(f"effective context of {run_dir}")
     report = json.loads((out_dir / "extrapolation.json").read_text())
     methods, lengths = ["none", "linear", "ntk", "dynamic", "yarn"], [32, 64, 128, 256]
-    assert report["methods"] == methods and report["lengths"] == lengths
-    assert report["train_context"] == 32  # the tiny run's context
-    assert {"model", "command", "checkpoint", "protocol", "num_windows"} <= report.keys()
+    [run] = report["runs"]
+    assert run["methods"] == methods and report["lengths"] == lengths
+    assert run["train_context"] == 32 and run["position"] == "rope"  # the tiny run's context
+    assert {"model", "name", "perplexity", "probe", "per_position", "effective_context"} <= run.keys()
+    assert {"command", "protocol", "num_windows", "probe", "per_position_tokens", "seconds"} <= report.keys()
+    # the probe reads at a quarter and half of the context, and at the farthest repeat that fits each length
+    assert report["probe"]["distances"] == [8, 16, 24, 56, 120, 248]
+    edges = report["per_position_edges"]
+    assert edges[0] == 0 and edges[-1] == 255 and sum(report["per_position_tokens"]) == 255 * 3
     for method in methods:
         for n in lengths:
-            cell = report["perplexity"][method][str(n)]
-            assert math.isfinite(cell["perplexity"]) and cell["loss"]["n"] == 3 and cell["loss"]["std"] >= 0
+            cell = run["perplexity"][method][str(n)]
+            assert math.isfinite(cell["perplexity"]) and cell["loss"]["n"] == 3 and cell["loss"]["sem"] >= 0
         # at the training length every method is plain RoPE: the same targets give the same numbers
-        assert report["perplexity"][method]["32"]["perplexity"] == pytest.approx(
-            report["perplexity"]["none"]["32"]["perplexity"], rel=1e-5
+        assert run["perplexity"][method]["32"]["perplexity"] == pytest.approx(
+            run["perplexity"]["none"]["32"]["perplexity"], rel=1e-5
         )
-        assert report["perplexity"][method]["32"]["ratio"] == pytest.approx(1.0)
-        losses = report["per_position"][method]["loss_mean"]
-        assert len(losses) == len(report["per_position"]["bin_edges"]) - 1 and all(map(math.isfinite, losses))
-        for d in report["retrieval"]["distances"]:
-            cell = report["retrieval"][method][str(d)]
-            assert 0 <= cell["accuracy"]["mean"] <= 1 and cell["logprob"]["mean"] <= 0
-    assert report["retrieval"]["distances"] == [64, 128, 224]
+        assert run["perplexity"][method]["32"]["ratio"] == pytest.approx(1.0)
+        losses = run["per_position"][method]["loss_mean"]
+        assert len(losses) == len(edges) - 1 and all(map(math.isfinite, losses))
+        for d in report["probe"]["distances"]:
+            cell = run["probe"][method][str(d)]
+            assert 0 <= cell["accuracy"]["mean"] <= 1 and cell["accuracy"]["n"] == 4
+            assert math.isfinite(cell["loss_drop"]["mean"])
+        effective = run["effective_context"][method]
+        assert effective["tokens"] in lengths and effective["basis"].startswith("perplexity only")  # no copying yet
     # a few dozen steps already beat a uniform guess over the vocabulary by far
-    assert report["perplexity"]["none"]["32"]["perplexity"] < 320 / 4
+    assert run["perplexity"]["none"]["32"]["perplexity"] < 320 / 4
     table = (out_dir / "extrapolation.md").read_text()
-    assert all(f"| {m} |" in table for m in methods) and "256 (8×)" in table
+    assert all(f"| {m} |" in table for m in methods) and "| method | 32 | 64 | 128 | 256 |" in table
+    assert "d=248" in table and "Effective context" in table and "from 24 (the first)" in table
     assert (out_dir / "extrapolation.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_probe_places_the_span_twice_and_scores_the_repeat():
+    text = np.arange(100, 140)[None].repeat(2, axis=0)
+    spans = np.array([[5, 6, 7, 8], [9, 10, 11, 12]])
+    sequences = extrapolate.probe_sequences(text, spans, 10)
+    assert sequences.shape == (2, 14)
+    assert (sequences[:, :4] == spans).all() and (sequences[:, 10:] == spans).all()
+    assert (sequences[:, 4:10] == np.arange(104, 110)).all()  # real text between
+
+    def copier(tokens):  # predicts, at each position, the token 9 places back: a perfect copy at distance 10
+        logits = torch.full((*tokens.shape, 200), -10.0)
+        logits[:, 9:].scatter_(2, tokens[:, :-9, None], 10.0)
+        return logits
+
+    accuracy, drop = extrapolate.probe_scores(copier, sequences, 10, "cpu")
+    assert accuracy.tolist() == [1.0, 1.0] and np.allclose(drop, math.log(200))  # from a uniform guess to ~0
+    accuracy, drop = extrapolate.probe_scores(lambda t: torch.zeros(*t.shape, 200), sequences, 10, "cpu")
+    assert accuracy.tolist() == [0.0, 0.0] and np.allclose(drop, 0)
+
+
+def test_probe_spans_are_seeded_and_never_special(tiny_run):
+    _, data_dir = tiny_run
+    meta = load_meta(data_dir)
+    spans = extrapolate.probe_spans(meta, 50, 16, seed=0)
+    assert spans.shape == (50, 16) and np.array_equal(spans, extrapolate.probe_spans(meta, 50, 16, seed=0))
+    special = [meta[k] for k in ("unk_id", "bos_id", "eos_id")]
+    assert not np.isin(spans, special).any() and spans.max() < meta["vocab_size"]
+    assert len(np.unique(spans)) > 200  # uniform over the vocabulary, not its frequent tokens
+
+
+def cells(ratios: dict, accuracies: dict) -> tuple[dict, dict]:
+    perplexity = {str(n): None if r is None else {"ratio": r} for n, r in ratios.items()}
+    probe = {str(d): None if a is None else {"accuracy": {"mean": a}} for d, a in accuracies.items()}
+    return perplexity, probe
+
+
+def test_effective_context_needs_perplexity_and_probe():
+    # perplexity within 5% up to 512; the probe (at n - 16) within 10 points of 0.9 up to 1024
+    perplexity, probe = cells({256: 1, 512: 1.04, 1024: 1.04, 2048: 1.2}, {240: 0.9, 496: 0.85, 1008: 0.7})
+    assert extrapolate.effective_context(perplexity, probe, 256, 16) == {
+        "tokens": 512,
+        "basis": "perplexity and probe",
+        "probe_in_context": 0.9,
+    }
+    perplexity, probe = cells({256: 1, 512: 1.06, 1024: 1.0}, {240: 0.9, 496: 0.9, 1008: 0.9})
+    assert extrapolate.effective_context(perplexity, probe, 256, 16)["tokens"] == 256  # "stays": the first miss ends it
+    # a probe that never copies is left out, and said so
+    perplexity, probe = cells({256: 1, 512: 1.01, 1024: 1.02}, {240: 0.1, 496: 0.0, 1008: 0.0})
+    result = extrapolate.effective_context(perplexity, probe, 256, 16)
+    assert result["tokens"] == 1024 and result["basis"] == "perplexity only: the probe reads 10% in context"
+    # n/a (a learned table's end) stops it
+    perplexity, probe = cells({256: 1, 512: None}, {240: 0.9, 496: None})
+    assert extrapolate.effective_context(perplexity, probe, 256, 16)["tokens"] == 256
+
+
+def test_position_bins_are_log_spaced_and_cover_the_window():
+    edges = extrapolate.position_bins(2048)
+    assert edges[0] == 0 and edges[-1] == 2047 and (np.diff(edges) > 0).all()
+    widths = np.diff(edges)
+    assert widths[-1] > 300 and widths.min() == 8  # wide bins late, where the curve is flat
+
+
+@pytest.fixture(scope="module")
+def second_run(make_tiny_run, one_thread):
+    return make_tiny_run(30)
+
+
+def test_several_runs_share_windows_and_spans(tiny_run, second_run, tmp_path, capsys):
+    (run_a, data_dir), (run_b, _) = tiny_run, second_run
+    argv = extrapolate_argv(f"{run_a},{run_b}", "--methods", "none,yarn", "--lengths", "32,64")
+    argv += ["--num-windows", "2", "--data", str(data_dir), "--out", str(tmp_path / "both")]
+    assert generate.main(argv) == 0
+    report = json.loads((tmp_path / "both" / "extrapolation.json").read_text())
+    assert [run["name"] for run in report["runs"]] == [str(run_a), str(run_b)]
+    table = (tmp_path / "both" / "extrapolation.md").read_text()
+    assert f"| `{run_a}` | yarn |" in table and f"| `{run_b}` | none |" in table
+    printed = capsys.readouterr().out
+    assert f"effective context of {run_a}" in printed and f"effective context of {run_b}" in printed
+    # the same run alone gives the same numbers: the same windows and probe spans
+    alone = extrapolate_argv(run_b, "--methods", "none,yarn", "--lengths", "32,64", "--num-windows", "2")
+    assert generate.main([*alone, "--data", str(data_dir), "--out", str(tmp_path / "alone")]) == 0
+    [single] = json.loads((tmp_path / "alone" / "extrapolation.json").read_text())["runs"]
+    assert single["perplexity"] == report["runs"][1]["perplexity"] and single["probe"] == report["runs"][1]["probe"]
+    assert (tmp_path / "both" / "extrapolation.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_runs_with_other_tokenizers_are_refused(tiny_run, tmp_path, capsys):
+    run_dir, data_dir = tiny_run
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other, ignore=shutil.ignore_patterns("extrapolation"))
+    (tmp_path / "text.txt").write_text("a small corpus of words for another tokenizer\n" * 50)
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "spm"), vocab_size=25, minloglevel=2
+    )
+    shutil.copy(tmp_path / "spm.model", other / "tokenizer.model")
+    config = json.loads((other / "config.json").read_text())  # a run saved with that tokenizer
+    config["tokenizer_sha256"] = hashlib.sha256((other / "tokenizer.model").read_bytes()).hexdigest()
+    (other / "config.json").write_text(json.dumps(config))
+    argv = extrapolate_argv(f"{run_dir},{other}", "--out", str(tmp_path / "out"))
+    assert run_command(generate.main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "different tokenizers" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_other_position_encodings_get_none_alone(tiny_run, tmp_path, capsys, monkeypatch):
+    run_dir, data_dir = tiny_run
+    monkeypatch.setattr(extrapolate, "position_of", lambda args: "alibi")
+    argv = extrapolate_argv(run_dir, "--lengths", "32,64", "--num-windows", "2", "--out", str(tmp_path / "a"))
+    assert generate.main(argv) == 0
+    [run] = json.loads((tmp_path / "a" / "extrapolation.json").read_text())["runs"]
+    assert run["methods"] == ["none"] and run["position"] == "alibi"
+    capsys.readouterr()
+    assert run_command(generate.main, [*argv, "--methods", "none,ntk"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --methods ntk: RoPE scaling applies to RoPE models only") and err.count("\n") == 1
+
+
+def test_learned_positions_past_their_table_are_not_available(tiny_run, tmp_path, monkeypatch):
+    run_dir, _ = tiny_run
+    monkeypatch.setattr(extrapolate, "position_of", lambda args: "learned")
+    argv = extrapolate_argv(run_dir, "--lengths", "32,64", "--num-windows", "2", "--out", str(tmp_path))
+    assert generate.main(argv) == 0
+    [run] = json.loads((tmp_path / "extrapolation.json").read_text())["runs"]
+    assert run["perplexity"]["none"]["64"] is None and run["probe"]["none"]["56"] is None  # 64 > max_seq_len 32
+    assert run["perplexity"]["none"]["32"]["ratio"] == 1 and run["effective_context"]["none"]["tokens"] == 32
+    assert run["per_position"] == {}  # no curve: the whole window does not fit
+    assert "n/a" in (tmp_path / "extrapolation.md").read_text()
 
 
 def test_sliding_protocol_scores_every_token(tiny_run, tmp_path):
     run_dir, data_dir = tiny_run
-    argv = [
-        "extrapolate",
-        "--checkpoint",
-        str(run_dir),
-        "--protocol",
-        "sliding",
-        "--methods",
-        "none,ntk",
-        "--lengths",
-        "32,64",
-        "--num-windows",
-        "2",
-        "--data",
-        str(data_dir),
-        "--out",
-        str(tmp_path),
-    ]
-    assert generate.main(argv) == 0
+    argv = extrapolate_argv(run_dir, "--protocol", "sliding", "--methods", "none,ntk", "--lengths", "32,64")
+    assert generate.main([*argv, "--num-windows", "2", "--data", str(data_dir), "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "extrapolation.json").read_text())
     assert report["lengths"] == [32, 64] and report["protocol"] == "sliding"
-    perplexity = report["perplexity"]
+    perplexity = report["runs"][0]["perplexity"]
     assert perplexity["ntk"]["32"]["perplexity"] == pytest.approx(perplexity["none"]["32"]["perplexity"])
 
 
@@ -105,15 +236,21 @@ def test_bad_extrapolation_input_is_one_line(tiny_run, tmp_path, capsys):
         (["--lengths", "32,abc"], "'abc' is not a valid int"),
         (["--lengths", "32,100000"], "no val document"),
         (["--data", str(run_dir)], "not a prepared dataset"),
+        (["--probes", "0"], "--probes must be >= 1"),
+        (["--probe-span", "1"], "--probe-span must be >= 2"),
     ]:
         assert run_command(generate.main, ["extrapolate", "--checkpoint", str(run_dir), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and message in err and "\n" not in err
+    for checkpoints, message in [(f"{run_dir},{run_dir}/", "names a run twice"), (f"{run_dir},{data_dir}", "--out")]:
+        assert run_command(generate.main, ["extrapolate", "--checkpoint", checkpoints]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and "\n" not in err
 
 
 def test_unwritable_out_fails_before_the_evaluation(tiny_run, tmp_path, capsys, monkeypatch):
     run_dir, _ = tiny_run
-    monkeypatch.setattr(extrapolate, "evaluate_extrapolation", lambda *a, **k: pytest.fail("evaluated"))
+    monkeypatch.setattr(extrapolate, "evaluate_run", lambda *a, **k: pytest.fail("evaluated"))
     (tmp_path / "file").write_text("not a directory")
     argv = ["extrapolate", "--checkpoint", str(run_dir), "--out", str(tmp_path / "file")]
     assert run_command(generate.main, argv) == 2
@@ -129,21 +266,7 @@ def test_a_failed_write_leaves_no_outputs(tiny_run, tmp_path, capsys, monkeypatc
         raise OSError(28, "No space left on device", str(path))
 
     monkeypatch.setattr(extrapolate, "plot_report", disk_full)
-    argv = [
-        "extrapolate",
-        "--checkpoint",
-        str(run_dir),
-        "--methods",
-        "none",
-        "--lengths",
-        "64",
-        "--num-windows",
-        "1",
-        "--data",
-        str(data_dir),
-        "--out",
-        str(tmp_path / "out"),
-    ]
-    assert run_command(generate.main, argv) == 2
+    argv = extrapolate_argv(run_dir, "--methods", "none", "--lengths", "64", "--num-windows", "1")
+    assert run_command(generate.main, [*argv, "--data", str(data_dir), "--out", str(tmp_path / "out")]) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert list((tmp_path / "out").iterdir()) == []  # neither the report files nor their temporary copies
