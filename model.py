@@ -239,7 +239,7 @@ class Transformer(nn.Module):
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int):
         """Allocate a KV cache for up to max_batch_size sequences of max_seq_len tokens (prompt + generated)."""
-        a, w = self.args, self.output.weight
+        a, w = self.args, self.tok_embeddings.weight  # the activations' dtype, whatever the output layer stores
         for layer in self.layers:
             layer.attention.cache = KVCache(max_batch_size, a.n_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device)
 
