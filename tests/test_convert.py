@@ -1,6 +1,7 @@
 """convert.py: the Hugging Face weight and config mapping (equal logits with LlamaForCausalLM both ways, an exact
 round trip), the GGUF export checked in llama.cpp, and the `to-hf` / `from-hf` / `to-gguf` command line."""
 
+import dataclasses
 import itertools
 import json
 import os
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import convert
-from checkpoint import load_model, load_run
+from checkpoint import load_model, load_run, save_model
 from cli import run_command
 from convert import from_hf_state_dict, hf_config, to_hf_state_dict
 from generate import encode_prompt, generate
@@ -201,9 +202,9 @@ def test_command_errors_are_one_line(run_dir, tmp_path, argv, message):
 
 
 def llama_cpp_logits(path, tokens: list[int]) -> torch.Tensor:
-    """The logits (T, vocab) llama.cpp computes for tokens, through its C API with the extra (AMX, repacked) CPU
-    kernels off: ggml_backend_amx_mul_mat crashes on q8_0 weights on this Xeon (llama-cpp-python 0.3.36), also for
-    files that llama.cpp quantized itself."""
+    """The logits (T, vocab) llama.cpp computes for tokens with f32 attention, through its C API with the extra
+    (AMX, repacked) CPU kernels off: ggml_backend_amx_mul_mat crashes on q8_0 weights on this Xeon
+    (llama-cpp-python 0.3.36), also for files that llama.cpp quantized itself."""
     llama_cpp = pytest.importorskip("llama_cpp")
     model_params = llama_cpp.llama_model_default_params()
     model_params.use_extra_bufts = False
@@ -211,6 +212,9 @@ def llama_cpp_logits(path, tokens: list[int]) -> torch.Tensor:
     context_params = llama_cpp.llama_context_default_params()
     context_params.n_ctx = context_params.n_batch = len(tokens)
     context_params.n_threads = context_params.n_threads_batch = 1
+    # f32 attention: llama.cpp's defaults (an f16 KV cache, flash attention with f16 dot products) cost ~1e-3
+    context_params.type_k = context_params.type_v = llama_cpp.GGML_TYPE_F32
+    context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     context = llama_cpp.llama_init_from_model(model, context_params)
     try:
         batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
@@ -249,7 +253,7 @@ def test_gguf_continues_like_generate_in_llama_cpp(run_dir, gguf_files):
             assert ids == encode_prompt(tokenizer, text) and llm.detokenize(ids[1:]) == text.encode()
 
 
-@pytest.mark.parametrize("kind, tolerance", [("f32", 1e-4), ("f16", 2e-3), ("q8_0", 0.02)])
+@pytest.mark.parametrize("kind, tolerance", [("f32", 1e-5), ("f16", 2e-3), ("q8_0", 0.02)])
 def test_gguf_logits_match_ours(run_dir, gguf_files, kind, tolerance):
     model, _ = load_model(run_dir)
     tokens = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(0))
@@ -257,6 +261,33 @@ def test_gguf_logits_match_ours(run_dir, gguf_files, kind, tolerance):
         ours = model(tokens[None])[0]
     theirs = llama_cpp_logits(gguf_files[kind], tokens.tolist())
     assert (theirs - ours).abs().max() <= tolerance * ours.abs().max()
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        dict(rope_scaling="ntk", rope_factor=4.0),
+        dict(rope_scaling="linear", rope_factor=4.0),
+        dict(rope_scaling="llama3", rope_factor=4.0, rope_original_max_seq_len=16),
+    ],
+    ids=lambda d: d["rope_scaling"],
+)
+def test_gguf_carries_rope_scaling(run_dir, tmp_path, scaling):
+    pytest.importorskip("gguf")
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=32, multiple_of=32)
+    plain = make_model(args)
+    with torch.no_grad():  # sharp weights, so that positions matter
+        for p in plain.parameters():
+            p.normal_(0, 0.3) if p.ndim == 2 else None
+    scaled = Transformer(dataclasses.replace(args, **scaling)).eval()
+    scaled.load_state_dict(plain.state_dict())
+    save_model(scaled, tmp_path / "run", tokenizer=run_dir / "tokenizer.model")
+    assert run_command(convert.main, ["to-gguf", str(tmp_path / "run"), str(tmp_path / "m.gguf")]) == 0
+    tokens = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, unscaled = scaled(tokens[None])[0], plain(tokens[None])[0]
+    error = (llama_cpp_logits(tmp_path / "m.gguf", tokens.tolist()) - ours).abs().max()
+    assert error <= 1e-5 * ours.abs().max() and (ours - unscaled).abs().max() > 0.1 * ours.abs().max()
 
 
 def test_gguf_refuses_dynamic_ntk_and_an_existing_file(run_dir, tmp_path, capsys):
