@@ -31,6 +31,7 @@ class TrainConfig:
     seq_len: int = 256
     seed: int = 1337
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    dtype: str = "auto"  # float32 | bfloat16 | auto: bfloat16 where the device computes it natively (FSDP2 policy)
     compile: bool = False  # torch.compile each block
     activation_checkpointing: bool = False
     log_interval: int = 10
@@ -111,7 +112,7 @@ NOT_NEGATIVE = {
     "checkpoint.interval",
 }
 BELOW_ONE = {"optim.beta1", "optim.beta2"}  # and not negative
-CHOICES = {"train.device": ("auto", "cpu", "cuda")}
+CHOICES = {"train.device": ("auto", "cpu", "cuda"), "train.dtype": ("auto", "float32", "bfloat16")}
 
 
 def section_types() -> dict[str, type]:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -27,14 +27,15 @@ from cli import UserError, run_command
 from config import Config, check_config, parse_cli
 from data.loader import RandomBatches, eval_batches, load_meta
 from data.prepare import prepare
-from device import peak_flops, pick_device
+from device import peak_flops, pick_device, pick_dtype
 from model import Transformer
 
 REPO_ROOT = Path(__file__).resolve().parent
 
 
 class Dist:
-    """Rank, world size, device, device mesh and the collectives training needs; trivial without a process group."""
+    """Rank, world size, device, device mesh and the collectives training needs. A single process is a group of
+    one (in-process, no port), so that it trains through the same FSDP2 code, mixed precision included."""
 
     def __init__(self, device_name: str):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -43,22 +44,22 @@ class Dist:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
-        self.mesh = None
-        if self.world_size > 1:
-            torch_dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-            self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if "WORLD_SIZE" in os.environ:  # torchrun's
+            torch_dist.init_process_group(backend)
+        else:
+            torch_dist.init_process_group(backend, store=torch_dist.HashStore(), rank=0, world_size=1)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
     def barrier(self):
-        if self.mesh is not None:
-            torch_dist.barrier()
+        torch_dist.barrier()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.mesh is not None:
-            torch_dist.all_reduce(tensor)
+        torch_dist.all_reduce(tensor)
         return tensor
 
     def mean(self, scalar: torch.Tensor) -> float:
@@ -74,21 +75,20 @@ class Dist:
             torch_dist.destroy_process_group()
 
 
-def parallelize(model: Transformer, cfg: Config, mesh) -> Transformer:
-    """Activation checkpointing, torch.compile and FSDP2 (when mesh is given) on the plain model, per block."""
+def parallelize(model: Transformer, cfg: Config, mesh, dtype: torch.dtype) -> Transformer:
+    """Activation checkpointing, torch.compile and FSDP2 on the plain model, per block. Mixed precision is FSDP2's
+    policy: fp32 master weights, sharded, gathered as `dtype` for the forward and backward, gradients reduced in
+    fp32 (the same on any device and number of ranks)."""
     if cfg.train.activation_checkpointing:
         for i, block in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
     if cfg.train.compile:
         for block in model.layers:
             block.compile()  # in place: parameter names keep no _orig_mod. prefix
-    if mesh is not None:
-        on_gpu = mesh.device_type == "cuda"
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else None
-        kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
-        for block in model.layers:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -221,7 +221,7 @@ def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
     return data_dir, meta
 
 
-def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist, autocast) -> dict:
+def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist) -> dict:
     """Validation loss over the fixed first eval.batches batches, split over ranks; loss, perplexity, bits/byte."""
     batches = list(eval_batches(data_dir, "val", cfg.eval.batch_size, cfg.train.seq_len, cfg.eval.batches))
     per_rank = math.ceil(len(batches) / dist.world_size)
@@ -230,8 +230,7 @@ def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist, autocas
         for i in range(per_rank):
             index = i * dist.world_size + dist.rank
             x, y = batches[min(index, len(batches) - 1)]  # ranks without a batch still join FSDP's collectives
-            with autocast:
-                loss = model(x.to(dist.device), y.to(dist.device))
+            loss = model(x.to(dist.device), y.to(dist.device))
             if index < len(batches):
                 totals += torch.stack([loss.double() * y.numel(), torch.tensor(y.numel(), device=dist.device)])
     loss_sum, count = dist.all_reduce_sum(totals).tolist()
@@ -240,7 +239,7 @@ def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist, autocas
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)), "val_bpb": bits_per_byte}
 
 
-def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autocast):
+def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist):
     """One optimizer step on this rank's rows (x, y) of the global batch, in train.grad_accum micro-steps.
 
     Returns (loss, grad_norm, applied): the loss summed over micro-steps and the global gradient norm, both left on
@@ -250,10 +249,8 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autoc
     accum = cfg.train.grad_accum
     loss_sum = torch.zeros((), device=dist.device)
     for micro, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
-        if dist.mesh is not None:
-            model.set_requires_gradient_sync(micro == accum - 1)
-        with autocast:
-            loss = model(xm, ym) / accum
+        model.set_requires_gradient_sync(micro == accum - 1)
+        loss = model(xm, ym) / accum
         loss.backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
@@ -270,17 +267,19 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autoc
 
 def build_model(cfg: Config, dist: Dist) -> tuple[Transformer, torch.optim.AdamW, str]:
     """The parallelized model (the same initial weights on any device and world size), its optimizer, and a line
-    saying how many parameters it has and how many rank 0 stores."""
+    saying how many parameters it has, how many rank 0 stores, and the precision."""
     if cfg.train.compile:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
     if dist.device.type == "cuda":
         torch.set_float32_matmul_precision("high")
     model = Transformer(cfg.model).to(dist.device)  # initialised on the CPU generator first: same weights anywhere
     num_params = model.num_params()
-    model = parallelize(model, cfg, dist.mesh)
-    local_params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    dtype = pick_dtype(cfg.train.dtype, dist.device)
+    model = parallelize(model, cfg, dist.mesh, dtype)
+    local_params = sum(p.to_local().numel() for p in model.parameters())
     sizes = f"{num_params:,} parameters, {local_params:,} stored on rank 0 of {dist.world_size}"
-    return model, build_optimizer(model, cfg, dist.device), sizes
+    precision = "fp32" if dtype == torch.float32 else f"{str(dtype)[6:]} with fp32 master weights"
+    return model, build_optimizer(model, cfg, dist.device), f"{sizes}; {precision}"
 
 
 def diverged(loss: float, grad_norm: float, step: int, run_dir: Path) -> UserError:
@@ -306,8 +305,6 @@ def train(cfg: Config, resume: bool, dist: Dist):
     loader = RandomBatches(data_dir, "train", t.batch_size, t.seq_len, seed=t.seed)
     rows = slice(dist.rank * t.batch_size // dist.world_size, (dist.rank + 1) * t.batch_size // dist.world_size)
     model, optimizer, sizes = build_model(cfg, dist)
-    on_gpu_alone = dist.device.type == "cuda" and dist.mesh is None
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu_alone else nullcontext()
     step = 0 if start is None else load_checkpoint(start, model, optimizer, loader, dist)
     log = RunLog(cfg, run_dir, step, dist.main)
     log.say(
@@ -322,7 +319,7 @@ def train(cfg: Config, resume: bool, dist: Dist):
     while step < t.max_steps:
         lr = lr_at(step, cfg)
         x, y = (batch[rows].to(dist.device) for batch in loader.next_batch())
-        loss_sum, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist, autocast)
+        loss_sum, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist)
         if not applied:
             raise diverged(dist.mean(loss_sum), grad_norm.item(), step + 1, run_dir)
         step += 1
@@ -343,7 +340,7 @@ def train(cfg: Config, resume: bool, dist: Dist):
         if evaluating or saving:
             with clock.paused():
                 if evaluating:
-                    result = evaluate(model, cfg, data_dir, meta, dist, autocast)
+                    result = evaluate(model, cfg, data_dir, meta, dist)
                     log.record({"step": step, **result})
                     log.say(
                         f"step {step}: val loss {result['val_loss']:.4f}, perplexity {result['val_ppl']:.2f}, "
