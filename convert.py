@@ -39,7 +39,7 @@ GGUF_LAYER_KEYS = {
     "attention_norm": "attn_norm",
     "ffn_norm": "ffn_norm",
 }
-GGUF_TYPES = ("f32", "f16", "q8_0")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -239,27 +239,28 @@ def gguf_rope(args: ModelArgs) -> tuple[float, torch.Tensor | None]:
 
 
 def export_gguf(run_dir: Path, out: Path, type_: str):
-    """Write run_dir as a llama.cpp GGUF file: the llama architecture, the sentencepiece vocabulary with scores and
-    token types, and the weights in f32, f16 or q8_0 (norms and rope_freqs stay f32)."""
-    try:
-        import gguf
-    except ImportError:
-        raise UserError("to-gguf needs the gguf package (llama.cpp's writer): pip install gguf") from None
+    """Write run_dir as a llama.cpp GGUF file (see write_gguf)."""
     model, _ = load_model(run_dir)
     tokenizer_path = run_dir / "tokenizer.model"
     if not tokenizer_path.is_file():
         raise UserError(f"{run_dir} has no tokenizer.model")
-    tokenizer, args = read_tokenizer(tokenizer_path), model.args
+    write_gguf(model, read_tokenizer(tokenizer_path), out, type_, run_dir.resolve().name)
+
+
+def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
+    """Write a llama.cpp GGUF file: the llama architecture, the sentencepiece vocabulary with scores and token
+    types, and the weights in f32, f16, bf16 or q8_0 (norms and rope_freqs stay f32)."""
+    try:
+        import gguf
+    except ImportError:
+        raise UserError("to-gguf needs the gguf package (llama.cpp's writer): pip install gguf") from None
+    args = model.args
     freq_base, freq_divisors = gguf_rope(args)
-    qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16}.get(
-        type_, gguf.GGMLQuantizationType.Q8_0
-    )
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}.get(
-        type_, gguf.LlamaFileType.MOSTLY_Q8_0
-    )
+    qtype = gguf.GGMLQuantizationType[type_.upper()]
+    file_type = gguf.LlamaFileType.ALL_F32 if type_ == "f32" else gguf.LlamaFileType[f"MOSTLY_{type_.upper()}"]
     with atomic_output(out) as tmp:
         writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
-        writer.add_name(run_dir.resolve().name)
+        writer.add_name(name)
         writer.add_context_length(args.max_seq_len)
         writer.add_embedding_length(args.dim)
         writer.add_block_count(args.n_layers)

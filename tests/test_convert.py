@@ -253,7 +253,7 @@ def test_gguf_continues_like_generate_in_llama_cpp(run_dir, gguf_files):
             assert ids == encode_prompt(tokenizer, text) and llm.detokenize(ids[1:]) == text.encode()
 
 
-@pytest.mark.parametrize("kind, tolerance", [("f32", 1e-5), ("f16", 2e-3), ("q8_0", 0.02)])
+@pytest.mark.parametrize("kind, tolerance", [("f32", 1e-5), ("f16", 2e-3), ("bf16", 0.01), ("q8_0", 0.02)])
 def test_gguf_logits_match_ours(run_dir, gguf_files, kind, tolerance):
     model, _ = load_model(run_dir)
     tokens = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(0))
