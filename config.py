@@ -40,6 +40,7 @@ class TrainConfig:
     seq_len: int = 256
     seed: int = 1337
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    dtype: str = "auto"  # float32 | bfloat16 | auto: bfloat16 where the device computes it natively (FSDP2 policy)
     compile: bool = False  # torch.compile each block
     activation_checkpointing: bool = False
     log_interval: int = 10
@@ -140,7 +141,11 @@ NOT_NEGATIVE = {
     "checkpoint.interval",
 }
 BELOW_ONE = {"data.copy_fraction", "optim.beta1", "optim.beta2", "optim.muon_momentum"}  # and not negative
-CHOICES = {"train.device": ("auto", "cpu", "cuda"), "optim.name": ("adamw", "muon")}
+CHOICES = {
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.dtype": ("auto", "float32", "bfloat16"),
+    "optim.name": ("adamw", "muon"),
+}
 
 
 def section_types() -> dict[str, type]:

@@ -1,4 +1,5 @@
-"""Hugging Face Llama export and import: weight and config mapping, and the to-hf / from-hf command line."""
+"""Hugging Face Llama export and import, and GGUF export for llama.cpp: weight and config mapping, and the to-hf /
+from-hf / to-gguf command line."""
 
 import json
 import shutil
@@ -12,7 +13,7 @@ from tqdm import tqdm
 
 from checkpoint import load_model, model_from_state_dict, read_tokenizer, save_model
 from cli import ArgumentParser, UserError, atomic_output, check_writable, run_command
-from model import ModelArgs, Transformer
+from model import SWITCHES, ModelArgs, Transformer, rope_frequencies
 
 # picollama name -> Hugging Face name, per layer
 LAYER_KEYS = {
@@ -26,6 +27,19 @@ LAYER_KEYS = {
     "attention_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# picollama name -> llama.cpp's GGUF name, per layer (blk.N.…)
+GGUF_LAYER_KEYS = {
+    "attention.wq": "attn_q",
+    "attention.wk": "attn_k",
+    "attention.wv": "attn_v",
+    "attention.wo": "attn_output",
+    "feed_forward.w1": "ffn_gate",
+    "feed_forward.w2": "ffn_down",
+    "feed_forward.w3": "ffn_up",
+    "attention_norm": "attn_norm",
+    "ffn_norm": "ffn_norm",
+}
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -40,15 +54,10 @@ def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-# ModelArgs switches that Hugging Face's Llama has no counterpart for: an export needs LLaMA's value of each
-NOT_IN_LLAMA = ("norm", "norm_placement", "parallel_block", "activation", "qk_norm", "logit_softcap", "position")
-NOT_IN_LLAMA += ("rope_fraction", "nope_every", "logn_attention")
-
-
 def check_llama(args: ModelArgs):
     """UserError naming the first switch of args that Hugging Face's Llama cannot express."""
     llama = ModelArgs()
-    for key in NOT_IN_LLAMA:
+    for key in SWITCHES:
         if getattr(args, key) != getattr(llama, key):
             raise UserError(
                 f"Hugging Face's Llama has no model.{key} = {getattr(args, key)!r} (only {getattr(llama, key)!r}): "
@@ -205,14 +214,12 @@ def export_hf(run_dir: Path, hf_dir: Path):
         "eos_token_id": tokenizer.eos_id(),
         "torch_dtype": dtype,
     }
-    # our tokenizers have no dummy prefix ("a" is not "▁a"); Hugging Face adds one unless told
-    dummy_prefix = tokenizer.encode_as_pieces("a")[0].startswith("\u2581")
     tokenizer_config = {
         "tokenizer_class": "LlamaTokenizer",
         **special,
         "add_bos_token": True,
         "add_eos_token": False,
-        "add_prefix_space": dummy_prefix,
+        "add_prefix_space": has_dummy_prefix(tokenizer),
         "legacy": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model.args.max_seq_len,
@@ -223,6 +230,119 @@ def export_hf(run_dir: Path, hf_dir: Path):
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.model")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def has_dummy_prefix(tokenizer) -> bool:
+    """Whether sentencepiece puts a space before the text ("a" → "▁a"); ours do not, while Hugging Face's and
+    llama.cpp's Llama tokenizers add one unless told."""
+    return tokenizer.encode_as_pieces("a")[0].startswith("\u2581")
+
+
+def gguf_rope(args: ModelArgs) -> tuple[float, torch.Tensor | None]:
+    """(rope_freq_base, per-dimension frequency divisors or None) reproducing our RoPE in llama.cpp: static NTK is a
+    larger base; linear and llama3 scaling divide each frequency (its rope_freqs tensor)."""
+    d = args.head_dim
+    if args.rope_scaling == "none":
+        return args.rope_theta, None
+    if args.rope_scaling == "ntk":
+        return args.rope_theta * args.rope_factor ** (d / (d - 2)), None
+    if args.rope_scaling in ("linear", "llama3"):
+        plain = 1.0 / args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        return args.rope_theta, plain / rope_frequencies(args, args.max_seq_len)[0]
+    raise UserError(f"RoPE scaling {args.rope_scaling!r} is not exported to GGUF (none, ntk, linear and llama3 are)")
+
+
+def export_gguf(run_dir: Path, out: Path, type_: str):
+    """Write run_dir as a llama.cpp GGUF file (see write_gguf)."""
+    model, _ = load_model(run_dir)
+    tokenizer_path = run_dir / "tokenizer.model"
+    if not tokenizer_path.is_file():
+        raise UserError(f"{run_dir} has no tokenizer.model")
+    write_gguf(model, read_tokenizer(tokenizer_path), out, type_, run_dir.resolve().name)
+
+
+def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
+    """Write a llama.cpp GGUF file: the llama architecture, the sentencepiece vocabulary with scores and token
+    types, and the weights in f32, f16, bf16 or q8_0 (norms and rope_freqs stay f32)."""
+    try:
+        import gguf
+    except ImportError:
+        raise UserError("to-gguf needs the gguf package (llama.cpp's writer): pip install gguf") from None
+    args = model.args
+    freq_base, freq_divisors = gguf_rope(args)
+    qtype = gguf.GGMLQuantizationType[type_.upper()]
+    file_type = gguf.LlamaFileType.ALL_F32 if type_ == "f32" else gguf.LlamaFileType[f"MOSTLY_{type_.upper()}"]
+    with atomic_output(out) as tmp:
+        writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+        writer.add_name(name)
+        writer.add_context_length(args.max_seq_len)
+        writer.add_embedding_length(args.dim)
+        writer.add_block_count(args.n_layers)
+        writer.add_feed_forward_length(args.hidden_dim)
+        writer.add_head_count(args.n_heads)
+        writer.add_head_count_kv(args.n_kv_heads)
+        writer.add_rope_dimension_count(args.head_dim)
+        writer.add_rope_freq_base(freq_base)
+        writer.add_layer_norm_rms_eps(args.norm_eps)
+        writer.add_vocab_size(args.vocab_size)
+        writer.add_file_type(file_type)
+        add_gguf_vocab(writer, tokenizer, args.vocab_size, gguf)
+        state = model.state_dict()
+        tensors = {"token_embd": state["tok_embeddings.weight"], "output_norm": state["norm.weight"]}
+        if not args.tie_embeddings:  # llama.cpp reuses token_embd when output is absent
+            tensors["output"] = state["output.weight"]
+        if freq_divisors is not None:
+            tensors["rope_freqs"] = freq_divisors
+        for i in range(args.n_layers):
+            for ours, theirs in GGUF_LAYER_KEYS.items():
+                tensors[f"blk.{i}.{theirs}"] = state[f"layers.{i}.{ours}.weight"]
+        for name, tensor in tensors.items():
+            data = tensor.detach().float().numpy()
+            # llama.cpp's own rules: vectors stay f32, q8_0 needs rows in blocks of 32 (else f16)
+            kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+            if kind == gguf.GGMLQuantizationType.Q8_0 and data.shape[1] % 32:
+                kind = gguf.GGMLQuantizationType.F16
+            writer.add_tensor(f"{name}.weight", gguf.quants.quantize(data, kind), raw_dtype=kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+
+def add_gguf_vocab(writer, tokenizer, vocab_size: int, gguf):
+    """The sentencepiece vocabulary as llama.cpp's "llama" tokenizer: pieces, scores, token types, special ids; rows
+    past the tokenizer (a padded embedding) as unused [PADn] tokens."""
+    pieces, scores, types = [], [], []
+    for i in range(vocab_size):
+        if i >= tokenizer.get_piece_size():
+            pieces.append(f"[PAD{i}]".encode())
+            scores.append(-10000.0)
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        pieces.append(tokenizer.id_to_piece(i).encode())
+        scores.append(tokenizer.get_score(i))
+        if tokenizer.is_unknown(i):
+            types.append(gguf.TokenType.UNKNOWN)
+        elif tokenizer.is_control(i):
+            types.append(gguf.TokenType.CONTROL)
+        elif tokenizer.is_unused(i):
+            types.append(gguf.TokenType.UNUSED)
+        elif tokenizer.is_byte(i):
+            types.append(gguf.TokenType.BYTE)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(pieces)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_add_space_prefix(has_dummy_prefix(tokenizer))
+    writer.add_remove_extra_whitespaces(False)
+    for name, token_id in (("bos", tokenizer.bos_id()), ("eos", tokenizer.eos_id()), ("unk", tokenizer.unk_id())):
+        if token_id >= 0:
+            getattr(writer, f"add_{name}_token_id")(token_id)
+    writer.add_add_bos_token(tokenizer.bos_id() >= 0)
+    writer.add_add_eos_token(False)
 
 
 def read_hf_weights(hf_dir: Path) -> dict:
@@ -281,18 +401,26 @@ def main(argv: list[str]) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     to_hf = commands.add_parser("to-hf", help="export a run directory for transformers.AutoModelForCausalLM")
     to_hf.add_argument("run_dir", type=Path)
-    to_hf.add_argument("hf_dir", type=Path)
+    to_hf.add_argument("out", type=Path, metavar="hf_dir")
     from_hf = commands.add_parser("from-hf", help="import a Hugging Face Llama directory as a run directory")
     from_hf.add_argument("hf_dir", type=Path)
-    from_hf.add_argument("run_dir", type=Path)
-    for sub in (to_hf, from_hf):
-        sub.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    from_hf.add_argument("out", type=Path, metavar="run_dir")
+    to_gguf = commands.add_parser("to-gguf", help="export a run directory as one GGUF file for llama.cpp")
+    to_gguf.add_argument("run_dir", type=Path)
+    to_gguf.add_argument("out", type=Path, metavar="out.gguf")
+    to_gguf.add_argument("--type", choices=GGUF_TYPES, default="f32", help="weight type (default f32)")
+    for sub in (to_hf, from_hf, to_gguf):
+        sub.add_argument("--force", action="store_true", help="replace an existing (non-empty) output")
     args = parser.parse_args(argv)
-    source, out = (args.run_dir, args.hf_dir) if args.command == "to-hf" else (args.hf_dir, args.run_dir)
-    check_writable(out, inputs=[source], directory=True)
-    if out.is_dir() and any(out.iterdir()) and not args.force:
-        raise UserError(f"{out} exists and is not empty; pass --force to replace it")
-    (export_hf if args.command == "to-hf" else import_hf)(source, out)
+    source, out = (args.hf_dir if args.command == "from-hf" else args.run_dir), args.out
+    directory = args.command != "to-gguf"
+    check_writable(out, inputs=[source], directory=directory)
+    if out.exists() and (not directory or any(out.iterdir())) and not args.force:
+        raise UserError(f"{out} exists{' and is not empty' if directory else ''}; pass --force to replace it")
+    if args.command == "to-gguf":
+        export_gguf(source, out, args.type)
+    else:
+        (export_hf if args.command == "to-hf" else import_hf)(source, out)
     print(f"wrote {out}")
     return 0
 

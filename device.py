@@ -51,7 +51,11 @@ def cpu_has_bf16() -> bool:
 
 
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """The named dtype, else bfloat16 on a GPU that supports it (float16 otherwise) and float32 on CPU."""
+    """The named dtype, else bfloat16 on a GPU that supports it (float16 otherwise) and float32 on CPU; "auto" is
+    bfloat16 where the device computes it natively (a GPU, or a CPU with cpu_has_bf16()) and float32 elsewhere."""
+    if name == "auto":
+        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_has_bf16()
+        return torch.bfloat16 if native else torch.float32
     if name is None:
         if device.type != "cuda":
             return torch.float32

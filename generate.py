@@ -12,6 +12,7 @@ import extrapolate
 from checkpoint import load_run
 from cli import ArgumentParser, UserError, run_command
 from device import pick_device, pick_dtype
+from inference import QUANTIZATIONS, DecodeStep, compile_step, int8_dtype, quantize
 from model import ROPE_SCALINGS, Transformer
 
 
@@ -84,7 +85,7 @@ def generate(
     eos_id: int | None = None,
     seed: int | None = None,
     on_token=None,
-    compile: bool = False,
+    step=None,
     vocab_limit: int | None = None,
 ) -> list[list[int]]:
     """New tokens for each prompt (at most max_new_tokens; stops after EOS, which is not included).
@@ -92,8 +93,9 @@ def generate(
     Prompts of different lengths share one batch: all rows advance one position per step from the shortest
     prompt's end, a row feeding its own prompt token while still inside its prompt, so greedy output per row is
     the same as alone. on_token(row, token_id) is called as each new token is chosen (for streaming).
-    compile=True runs the one-token decode step through torch.compile. vocab_limit: choose only ids below it (a
-    tokenizer with fewer pieces than the model has embeddings cannot decode the others).
+    step computes the one-token decode steps (an inference.DecodeStep of the model; default: the model itself).
+    vocab_limit: choose only ids below it (a tokenizer with fewer pieces than the model has embeddings cannot
+    decode the others).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -105,7 +107,7 @@ def generate(
     check_length(model.args, total)
     if max_new_tokens == 0:
         return [[] for _ in prompts]
-    device = model.output.weight.device
+    device = model.tok_embeddings.weight.device
     tokens = torch.zeros(len(prompts), total, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
@@ -113,10 +115,9 @@ def generate(
     end = prompt_len + max_new_tokens  # each row's own stop position (exclusive)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
-    decode = torch.compile(model, dynamic=True) if compile else None
     model.setup_cache(len(prompts), total)
     try:
-        for pos, logits in decode_steps(model, tokens, min(lengths), decode):
+        for pos, logits in decode_steps(model, tokens, min(lengths), step):
             if vocab_limit is not None:
                 logits[:, vocab_limit:] = float("-inf")
             chosen = sample(logits, temperature, top_k, top_p, generator)
@@ -213,7 +214,9 @@ def sample_command(args) -> int:
     check_rope_flags(args)
     texts = read_prompts(args)
     device = pick_device(args.device)
-    model, _, tokenizer = load_run(args.checkpoint, device, pick_dtype(args.dtype, device))
+    dtype = int8_dtype(device) if args.quantize == "int8" and args.dtype is None else pick_dtype(args.dtype, device)
+    model, _, tokenizer = load_run(args.checkpoint, device, torch.float32)
+    model = quantize(model, args.quantize).to(dtype)
     prompts = [encode_prompt(tokenizer, text) for text in texts for _ in range(args.num_samples)]
     total = max(map(len, prompts)) + args.max_new_tokens
     if args.rope_scaling is not None:
@@ -223,6 +226,10 @@ def sample_command(args) -> int:
         else:
             extrapolate.set_rope(model, args.rope_scaling, args.rope_factor, original)
     check_length(model.args, total)
+    # dynamic NTK re-runs the prefix as it grows (decode_steps), and the fused step is LLaMA's: else the model decodes
+    step = DecodeStep(model) if model.is_llama() and model.args.rope_scaling != "dynamic" else None
+    if step is not None and args.compile:
+        step = compile_step(step)
     streams = [TextStream(tokenizer, prompts[0])] if len(prompts) == 1 else None
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
     pieces = tokenizer.get_piece_size()
@@ -237,7 +244,7 @@ def sample_command(args) -> int:
         eos,
         args.seed,
         on_token=(lambda row, token: streams[row].add(token)) if streams else None,
-        compile=args.compile,
+        step=step,
         vocab_limit=pieces if pieces < model.args.vocab_size else None,
     )
     if device.type == "cuda":
@@ -253,7 +260,8 @@ def sample_command(args) -> int:
     new_tokens = sum(map(len, outputs))
     print(
         f"{sum(map(len, prompts))} prompt tokens, {new_tokens} new tokens in {seconds:.2f} s: "
-        f"{new_tokens / seconds:.1f} tokens/s ({len(prompts)} rows, {device.type}, {str(model.output.weight.dtype)[6:]}"
+        f"{new_tokens / seconds:.1f} tokens/s ({len(prompts)} rows, {device.type}, {str(dtype)[6:]}"
+        f"{', int8 weights' if args.quantize == 'int8' else ''}"
         f"{', rope ' + model.args.rope_scaling if model.args.rope_scaling != 'none' else ''})",
         file=sys.stderr,
     )
@@ -284,7 +292,16 @@ def parser() -> ArgumentParser:
         type=float,
         help="its factor, >= 1 (default: just enough for prompt + new tokens; 1 for dynamic)",
     )
-    parser.add_argument("--compile", action="store_true", help="torch.compile the one-token decode step")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the one-token decode step (~10-40 s on first use)"
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="int8: weight-only int8 with per-channel scales, bfloat16 activations where the CPU has bf16 "
+        "(default none; bfloat16 weights: --dtype bfloat16)",
+    )
     return parser
 
 

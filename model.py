@@ -11,6 +11,9 @@ from torch import nn
 
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 POSITIONS = ("rope", "alibi", "nope", "sinusoidal", "learned")
+# the ModelArgs keys that leave LLaMA's architecture when away from their defaults (what HF's Llama and GGUF lack)
+SWITCHES = ("norm", "norm_placement", "parallel_block", "activation", "qk_norm", "logit_softcap", "position")
+SWITCHES += ("rope_fraction", "nope_every", "logn_attention")
 
 
 @dataclass
@@ -344,7 +347,7 @@ class Transformer(nn.Module):
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int):
         """Allocate a KV cache for up to max_batch_size sequences of max_seq_len tokens (prompt + generated)."""
-        a, w = self.args, self.output.weight
+        a, w = self.args, self.tok_embeddings.weight  # the activations' dtype, whatever the output layer stores
         for layer in self.layers:
             layer.attention.cache = KVCache(max_batch_size, a.n_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device)
 
@@ -413,6 +416,10 @@ class Transformer(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def is_llama(self) -> bool:
+        """Whether every switch is at LLaMA's default (SWITCHES)."""
+        return all(getattr(self.args, key) == getattr(ModelArgs, key) for key in SWITCHES)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per matmul weight, plus attention's 12·layers·dim·seq_len."""

@@ -9,7 +9,6 @@ import random
 import subprocess
 import sys
 import traceback
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from cli import UserError, check_writable, run_command
 from config import Config, check_config, parse_cli
 from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
 from data.prepare import prepare
-from device import peak_flops, pick_device
+from device import peak_flops, pick_device, pick_dtype
 from metrics import RunLog, Throughput, memory_gb
 from model import Transformer
 from optim import build_optimizer, lr_at
@@ -34,7 +33,8 @@ REPO_ROOT = Path(__file__).resolve().parent
 
 
 class Dist:
-    """Rank, world size, device, device mesh and the collectives training needs; trivial without a process group."""
+    """Rank, world size, device, device mesh and the collectives training needs. A single process is a group of
+    one (in-process, no port), so that it trains through the same FSDP2 code, mixed precision included."""
 
     def __init__(self, device_name: str):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -43,22 +43,22 @@ class Dist:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
-        self.mesh = None
-        if self.world_size > 1:
-            torch_dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-            self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if "WORLD_SIZE" in os.environ:  # torchrun's
+            torch_dist.init_process_group(backend)
+        else:
+            torch_dist.init_process_group(backend, store=torch_dist.HashStore(), rank=0, world_size=1)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
     def barrier(self):
-        if self.mesh is not None:
-            torch_dist.barrier()
+        torch_dist.barrier()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.mesh is not None:
-            torch_dist.all_reduce(tensor)
+        torch_dist.all_reduce(tensor)
         return tensor
 
     def mean(self, scalar: torch.Tensor) -> float:
@@ -74,21 +74,20 @@ class Dist:
             torch_dist.destroy_process_group()
 
 
-def parallelize(model: Transformer, cfg: Config, mesh) -> Transformer:
-    """Activation checkpointing, torch.compile and FSDP2 (when mesh is given) on the plain model, per block."""
+def parallelize(model: Transformer, cfg: Config, mesh, dtype: torch.dtype) -> Transformer:
+    """Activation checkpointing, torch.compile and FSDP2 on the plain model, per block. Mixed precision is FSDP2's
+    policy: fp32 master weights, sharded, gathered as `dtype` for the forward and backward, gradients reduced in
+    fp32 (the same on any device and number of ranks)."""
     if cfg.train.activation_checkpointing:
         for i, block in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
     if cfg.train.compile:
         for block in model.layers:
             block.compile()  # in place: parameter names keep no _orig_mod. prefix
-    if mesh is not None:
-        on_gpu = mesh.device_type == "cuda"
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else None
-        kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
-        for block in model.layers:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -126,7 +125,7 @@ def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
     return data_dir, meta
 
 
-def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist, autocast) -> dict:
+def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist) -> dict:
     """Validation loss over the fixed first eval.batches batches, split over ranks; loss, perplexity, bits/byte."""
     batches = list(eval_batches(data_dir, "val", cfg.eval.batch_size, cfg.train.seq_len, cfg.eval.batches))
     per_rank = math.ceil(len(batches) / dist.world_size)
@@ -135,8 +134,7 @@ def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist, autocas
         for i in range(per_rank):
             index = i * dist.world_size + dist.rank
             x, y = batches[min(index, len(batches) - 1)]  # ranks without a batch still join FSDP's collectives
-            with autocast:
-                loss = model(x.to(dist.device), y.to(dist.device))
+            loss = model(x.to(dist.device), y.to(dist.device))
             if index < len(batches):
                 totals += torch.stack([loss.double() * y.numel(), torch.tensor(y.numel(), device=dist.device)])
     loss_sum, count = dist.all_reduce_sum(totals).tolist()
@@ -162,7 +160,7 @@ def loss_terms(model, x, y, positions, z_loss: float) -> dict[str, torch.Tensor]
     return {"loss": loss, "z_loss": z_loss * logits.logsumexp(-1).square().mean()}
 
 
-def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autocast, positions=None):
+def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, positions=None):
     """One optimizer step on this rank's rows (x, y, and positions if given) of the global batch, in
     train.grad_accum micro-steps.
 
@@ -175,10 +173,8 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autoc
     losses = {}
     chunks = [None] * accum if positions is None else positions.chunk(accum)
     for micro, (xm, ym, pm) in enumerate(zip(x.chunk(accum), y.chunk(accum), chunks, strict=True)):
-        if dist.mesh is not None:
-            model.set_requires_gradient_sync(micro == accum - 1)
-        with autocast:
-            terms = loss_terms(model, xm, ym, pm, cfg.optim.z_loss)
+        model.set_requires_gradient_sync(micro == accum - 1)
+        terms = loss_terms(model, xm, ym, pm, cfg.optim.z_loss)
         (sum(terms.values()) / accum).backward()
         for name, term in terms.items():
             losses[name] = losses.get(name, 0) + term.detach() / accum
@@ -196,7 +192,7 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, autoc
 
 def build_model(cfg: Config, dist: Dist, init: dict | None = None) -> tuple[Transformer, torch.optim.Optimizer, str]:
     """The parallelized model (the same initial weights on any device and world size, or `init`'s), its optimizer,
-    and a line saying how many parameters it has and how many rank 0 stores."""
+    and a line saying how many parameters it has, how many rank 0 stores, and the precision."""
     if cfg.train.compile:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
     if dist.device.type == "cuda":
@@ -205,10 +201,12 @@ def build_model(cfg: Config, dist: Dist, init: dict | None = None) -> tuple[Tran
     if init is not None:
         model.load_state_dict(init)
     num_params = model.num_params()
-    model = parallelize(model, cfg, dist.mesh)
-    local_params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    dtype = pick_dtype(cfg.train.dtype, dist.device)
+    model = parallelize(model, cfg, dist.mesh, dtype)
+    local_params = sum(p.to_local().numel() for p in model.parameters())
     sizes = f"{num_params:,} parameters, {local_params:,} stored on rank 0 of {dist.world_size}"
-    return model, build_optimizer(model, cfg, dist.device), sizes
+    precision = "fp32" if dtype == torch.float32 else f"{str(dtype)[6:]} with fp32 master weights"
+    return model, build_optimizer(model, cfg, dist.device), f"{sizes}; {precision}"
 
 
 # What a run started from train.init_from may change: the context and the RoPE scaling (context extension).
@@ -266,8 +264,6 @@ def train(cfg: Config, resume: bool, dist: Dist):
     loader = RandomBatches(data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **cfg.data.copy_options())
     rows = slice(dist.rank * t.batch_size // dist.world_size, (dist.rank + 1) * t.batch_size // dist.world_size)
     model, optimizer, sizes = build_model(cfg, dist, None if start else init)  # a resumed run loads its checkpoint
-    on_gpu_alone = dist.device.type == "cuda" and dist.mesh is None
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu_alone else nullcontext()
     step = 0 if start is None else load_checkpoint(start, model, optimizer, loader, dist)
     log = RunLog(cfg, run_dir, step, dist.main)
     log.say(
@@ -285,7 +281,7 @@ def train(cfg: Config, resume: bool, dist: Dist):
         positions = None
         if t.random_positions:  # drawn for the global batch, as the data is: the same on any number of ranks
             positions = random_positions(t.batch_size, t.seq_len, t.random_positions)[rows].to(dist.device)
-        losses, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist, autocast, positions)
+        losses, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist, positions)
         if not applied:
             problem = f"the loss is {dist.mean(losses['loss'])} (gradient norm {grad_norm.item()}) at step {step + 1}"
             raise stopped(f"{problem}; training stopped before applying that update", run_dir)
@@ -307,7 +303,7 @@ def train(cfg: Config, resume: bool, dist: Dist):
         if evaluating or saving:
             with clock.paused():
                 if evaluating:
-                    result = evaluate(model, cfg, data_dir, meta, dist, autocast)
+                    result = evaluate(model, cfg, data_dir, meta, dist)
                     log.record({"step": step, **result})
                     if not math.isfinite(result["val_loss"]):
                         raise stopped(f"the validation loss is {result['val_loss']} at step {step}", run_dir)

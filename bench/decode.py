@@ -1,18 +1,29 @@
-"""Batch-1 greedy decoding: ours with and without the KV cache vs HF's generate; decode step time by position."""
+"""Batch-1 greedy decoding on one model and prompt: HF's generate, ours (the plain model step, the fused step eager
+and compiled, bf16 and int8 weights), llama.cpp (f32, bf16, q8_0); the decode step by position; what bounds it."""
 
+import copy
 import dataclasses
+import logging
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import common
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from checkpoint import read_tokenizer
 from cli import UserError, run_command
+from convert import write_gguf
 from generate import generate
+from inference import DecodeStep, compile_step, int8_dtype, quantize
 from model import ModelArgs
 
 SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
+LLAMA_CPP_TYPES = ("f32", "bf16", "q8_0")
 
 
 @torch.inference_mode()
@@ -39,10 +50,85 @@ def hf_greedy(hf, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
     return hf.generate(prompt, generation_config=config)[0, prompt.shape[1] :].tolist()
 
 
+def variants(model, device, compiled: bool) -> dict:
+    """Our decoders, each (model, step) on its own copy of the weights: the plain model as its own step, the fused
+    step eager and compiled, and compiled with bf16 and int8 weights (bf16 activations where the CPU has bf16)."""
+    found = {"ours_model_step": (model, None)}
+
+    def fused(dtype, mode="none", compile_it=True):
+        twin = quantize(copy.deepcopy(model), mode).to(dtype)
+        step = DecodeStep(twin)
+        return twin, compile_step(step) if compile_it else step
+
+    found["ours_fused_eager"] = fused(torch.float32, compile_it=False)
+    found["ours_int8_eager"] = fused(int8_dtype(device), "int8", compile_it=False)
+    if compiled:
+        found["ours_compiled"] = fused(torch.float32)
+        found["ours_bf16_compiled"] = fused(torch.bfloat16)
+        found["ours_int8_compiled"] = fused(int8_dtype(device), "int8")
+    return found
+
+
+class LlamaCpp:
+    """A llama.cpp model and context (llama-cpp-python's C API) for greedy decoding at batch 1, with its defaults
+    (f16 KV cache, flash attention where it chooses) except the extra CPU buffer types: their AMX kernel crashes
+    on q8_0 weights on AMX CPUs (ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36)."""
+
+    def __init__(self, path: Path, context: int, threads: int):
+        import llama_cpp
+
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # where its C logging goes
+        self.api = llama_cpp
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.use_extra_bufts = False
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        context_params = llama_cpp.llama_context_default_params()
+        context_params.n_ctx = context_params.n_batch = context
+        context_params.n_threads = context_params.n_threads_batch = threads
+        self.context = llama_cpp.llama_init_from_model(self.model, context_params)
+        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        api, out = self.api, []
+        api.llama_memory_clear(api.llama_get_memory(self.context), True)
+        tokens = prompt
+        for _ in range(max_new_tokens):
+            ids = (api.llama_token * len(tokens))(*tokens)  # kept alive while llama_decode reads it
+            if api.llama_decode(self.context, api.llama_batch_get_one(ids, len(tokens))):
+                raise RuntimeError("llama_decode failed")
+            logits = np.ctypeslib.as_array(api.llama_get_logits_ith(self.context, -1), shape=(self.vocab,))
+            tokens = [int(logits.argmax())]
+            out.append(tokens[0])
+        return out
+
+    def close(self):
+        self.api.llama_free(self.context)
+        self.api.llama_model_free(self.model)
+
+
+def llama_cpp_decoders(model, tokenizer_path: Path, context: int, folder: Path) -> tuple[dict, str | None]:
+    """({name: LlamaCpp} for our model exported as f32, bf16 and q8_0 GGUF files, or {}, and why not)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return {}, "llama-cpp-python is not installed"
+    if not tokenizer_path.is_file():
+        return {}, f"no tokenizer at {tokenizer_path} (--tokenizer) for the GGUF vocabulary"
+    tokenizer = read_tokenizer(tokenizer_path)
+    if tokenizer.get_piece_size() > model.args.vocab_size:
+        return {}, f"{tokenizer_path} has more pieces than the model's {model.args.vocab_size} embeddings"
+    decoders = {}
+    for kind in LLAMA_CPP_TYPES:
+        write_gguf(model, tokenizer, folder / f"{kind}.gguf", kind, "bench")
+        decoders[f"llama_cpp_{kind}"] = LlamaCpp(folder / f"{kind}.gguf", context, torch.get_num_threads())
+    return decoders, None
+
+
 @torch.inference_mode()
-def step_seconds(model, positions: list[int], device, calls: int, repeats: int, progress) -> dict[int, float]:
-    """Median seconds of one model(token, start_pos=p) decode step with positions 0..p-1 already cached."""
-    model.setup_cache(1, max(positions) + 1)
+def step_seconds(model, step, positions: list[int], device, calls: int, repeats: int, progress) -> dict[int, float]:
+    """Median seconds of one decode step (step, or the model) at each position, positions 0..p-1 already cached."""
+    step = model if step is None else step
+    model.setup_cache(1, max(positions) + 2)  # +2: never the cache's last slot, as in generate()
     try:
         generator = torch.Generator().manual_seed(1)
         model(torch.randint(0, model.args.vocab_size, (1, max(positions)), generator=generator).to(device), start_pos=0)
@@ -51,7 +137,7 @@ def step_seconds(model, positions: list[int], device, calls: int, repeats: int, 
         def steps_at(pos):
             def run():
                 for _ in range(calls):
-                    model(token, start_pos=pos)
+                    step(token, start_pos=pos)
 
             return run
 
@@ -63,8 +149,8 @@ def step_seconds(model, positions: list[int], device, calls: int, repeats: int, 
 
 @torch.inference_mode()
 def decode_bounds(model, device, repeats: int, progress) -> dict:
-    """What bounds a batch-1 decode step: the bare matrix-vector products over every weight matrix (each Linear
-    once), and a plain streaming read (a sum over 512 MB) for the bandwidth the memory itself gives."""
+    """What bounds a batch-1 fp32 decode step: the bare matrix-vector products over every weight matrix (each
+    Linear once), and a plain streaming read (a sum over 512 MB) for the bandwidth the memory itself gives."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     inputs = {w.shape[1]: torch.ones(1, w.shape[1], device=device, dtype=w.dtype) for w in weights}
@@ -87,12 +173,18 @@ def decode_bounds(model, device, repeats: int, progress) -> dict:
 
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__, "decode")
-    p.add_argument("--compile", action="store_true", help="our decode step via torch.compile (generate(compile=True))")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled decoders (each compiles ~10-40 s)")
     p.add_argument("--config", default="small", help="small, base or a configs/NAME.toml name (default small)")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=int, default=512, help="tokens to generate (default 512)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each method (default 3)")
     p.add_argument("--positions", default="16,1024", help="positions to time the one-token step at (default 16,1024)")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=common.REPO_ROOT / "data" / "shakespeare" / "tokenizer.model",
+        help="the sentencepiece vocabulary of the GGUF files for llama.cpp (default: data/shakespeare's)",
+    )
     cli = common.parse(p, argv)
     device, dtype = common.setup(cli)
     try:
@@ -106,65 +198,100 @@ def main(argv: list[str]) -> int:
     if min(cli.prompt_len, cli.new_tokens, cli.repeats, *positions) < 1:
         raise UserError("--prompt-len, --new-tokens, --repeats and --positions must be positive")
     # RoPE is computed for any position: raise the context so the prompt, the new tokens and the positions all fit
-    context = max(margs.max_seq_len, cli.prompt_len + cli.new_tokens, max(positions) + 1)
+    context = max(margs.max_seq_len, cli.prompt_len + cli.new_tokens, max(positions) + 2)
     margs = dataclasses.replace(margs, max_seq_len=context)
     ours = common.build_ours(margs, device, dtype).eval()
     hf = common.build_hf(ours).eval()
     prompt = torch.randint(0, margs.vocab_size, (1, cli.prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
-    outputs = {}
-    methods = {
-        "ours_cached": lambda n: generate(ours, prompt.tolist(), n, temperature=0, compile=cli.compile)[0],
-        "ours_no_cache": lambda n: greedy_without_cache(ours, prompt, n),
-        "hf_generate": lambda n: hf_greedy(hf, prompt, n),
-    }
-    for run in methods.values():  # warm-up on a few tokens
-        run(min(cli.new_tokens, 8))
+    decoders = variants(ours, device, compiled=not cli.smoke and not cli.no_compile)
+    with tempfile.TemporaryDirectory() as folder:
+        llama_cpp, why_not = (
+            ({}, "not in --smoke")
+            if cli.smoke
+            else llama_cpp_decoders(ours, cli.tokenizer, cli.prompt_len + cli.new_tokens, Path(folder))
+        )
+        methods = {
+            "hf_generate": lambda n: hf_greedy(hf, prompt, n),
+            "ours_no_cache": lambda n: greedy_without_cache(ours, prompt, n),
+            **{
+                name: lambda n, model=model, step=step: generate(model, prompt.tolist(), n, temperature=0, step=step)[0]
+                for name, (model, step) in decoders.items()
+            },
+            **{name: lambda n, d=decoder: d.greedy(prompt[0].tolist(), n) for name, decoder in llama_cpp.items()},
+        }
+        compile_seconds = {}
+        for name, run in methods.items():  # warm-up on a few tokens; the compiled steps compile here
+            start = time.perf_counter()
+            run(min(cli.new_tokens, 8))
+            if "compiled" in name:
+                compile_seconds[name] = time.perf_counter() - start
+        outputs = {}
 
-    def record(name):
-        def run():
-            outputs[name] = methods[name](cli.new_tokens)
+        def record(name):
+            def run():
+                outputs[name] = methods[name](cli.new_tokens)
 
-        return run
+            return run
 
-    with tqdm(total=cli.repeats + 4 * cli.repeats + 2, desc="decode runs", disable=None) as progress:
-        seconds = common.interleaved_medians({name: record(name) for name in methods}, device, 0, cli.repeats, progress)
         calls = 4 if cli.smoke else 32
-        step = step_seconds(ours, positions, device, calls, 2 * cli.repeats, progress)
-        bounds = decode_bounds(ours, device, 2 * cli.repeats, progress)
+        timed = ("ours_model_step", "ours_fused_eager", "ours_compiled", "ours_int8_compiled")
+        timed_steps = [name for name in timed if name in decoders]
+        total = cli.repeats + len(timed_steps) * (2 * cli.repeats + 1) + 2 * cli.repeats + 1
+        with tqdm(total=total, desc="decode runs", disable=None) as progress:
+            seconds = common.interleaved_medians(
+                {name: record(name) for name in methods}, device, 0, cli.repeats, progress
+            )
+            steps = {
+                name: step_seconds(*decoders[name], positions, device, calls, 2 * cli.repeats, progress)
+                for name in timed_steps
+            }
+            bounds = decode_bounds(ours, device, 2 * cli.repeats, progress)
+        for decoder in llama_cpp.values():
+            decoder.close()
     n = cli.new_tokens
     agree = {
-        other: sum(a == b for a, b in zip(outputs["ours_cached"], tokens, strict=False))
+        other: sum(a == b for a, b in zip(outputs["ours_model_step"], tokens, strict=False))
         for other, tokens in outputs.items()
     }
-    if dtype == torch.float32 and agree["ours_no_cache"] != n:  # bf16 kernels may legitimately flip a near-tie
-        raise UserError(f"cached and uncached greedy decoding disagree ({agree['ours_no_cache']}/{n} tokens)")
-    rows = [[name, n / s, s, seconds["hf_generate"] / s] for name, s in seconds.items()]
+    exact = ["ours_no_cache", "ours_fused_eager", "ours_compiled"]  # fp32 throughout: the same tokens
+    if dtype == torch.float32 and any(agree[name] != n for name in exact if name in agree):
+        raise UserError(f"fp32 decoders disagree with the plain model's greedy tokens: {agree}")
+    rows = [[name, n / s, s, seconds["hf_generate"] / s, agree[name]] for name, s in seconds.items()]
     print(
         f"batch 1, {cli.prompt_len}-token prompt, {n} greedy new tokens, "
         f"{margs.dim}-dim {margs.n_layers}-layer model, context raised to {context}"
+        + (f"; llama.cpp skipped: {why_not}" if why_not else "")
     )
-    common.print_table(["method", "tok/s", "seconds", "vs HF"], rows)
+    common.print_table(["method", "tok/s", "seconds", "vs HF", "same tokens"], rows)
+    first, last = positions[0], positions[-1]
     common.print_table(
-        ["decode step", "ms"],
-        [[f"position {p}", s * 1e3] for p, s in step.items()]
-        + [
+        ["decode step (ms)", *(f"position {p}" for p in positions), f"{last} / {first}"],
+        [[name, *(s[p] * 1e3 for p in positions), s[last] / s[first]] for name, s in steps.items()],
+    )
+    common.print_table(
+        ["bound (fp32 weights)", "ms"],
+        [
             ["bare matrix-vector products", bounds["matvec_seconds"] * 1e3],
             ["weights at the streaming-read rate", bounds["stream_read_bound_seconds"] * 1e3],
         ],
     )
     print(
-        f"{bounds['weight_bytes'] / 1e6:.1f} MB of weights per token: read at "
+        f"{bounds['weight_bytes'] / 1e6:.1f} MB of fp32 weights per token: read at "
         f"{bounds['matvec_bytes_per_s'] / 1e9:.1f} GB/s by the matrix-vector products, "
         f"{bounds['stream_read_bytes_per_s'] / 1e9:.1f} GB/s by a plain streaming read"
+        + "".join(f"; {name} compiled in {s:.1f} s" for name, s in compile_seconds.items())
     )
-    first, last = positions[0], positions[-1]
+    best_fp32 = "ours_compiled" if "ours_compiled" in seconds else "ours_fused_eager"
+    best_int8 = "ours_int8_compiled" if "ours_int8_compiled" in seconds else "ours_int8_eager"
     ratios = {
-        "cached_over_hf": seconds["hf_generate"] / seconds["ours_cached"],
-        "cached_over_no_cache": seconds["ours_no_cache"] / seconds["ours_cached"],
-        f"step_{last}_over_step_{first}": step[last] / step[first],
-        "matvec_share_of_step": bounds["matvec_seconds"] / step[first],
-        "bandwidth_bound_share_of_step": bounds["stream_read_bound_seconds"] / step[first],
+        f"{best_fp32}_over_hf": seconds["hf_generate"] / seconds[best_fp32],
+        f"{best_int8}_over_hf": seconds["hf_generate"] / seconds[best_int8],
+        f"{best_fp32}_over_stream_bound": bounds["stream_read_bound_seconds"] * n / seconds[best_fp32],
+        "model_step_over_no_cache": seconds["ours_no_cache"] / seconds["ours_model_step"],
+        **{f"{name}_step_{last}_over_{first}": s[last] / s[first] for name, s in steps.items()},
+        **{f"{best_fp32}_over_{k}": seconds[k] / seconds[best_fp32] for k in ("llama_cpp_f32",) if k in seconds},
+        **{f"{best_int8}_over_{k}": seconds[k] / seconds[best_int8] for k in ("llama_cpp_q8_0",) if k in seconds},
     }
     print("  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     common.write_results(
@@ -176,8 +303,10 @@ def main(argv: list[str]) -> int:
             "new_tokens": n,
             "dtype": str(dtype).removeprefix("torch."),
             "methods": {name: {"seconds": s, "tokens_per_second": n / s} for name, s in seconds.items()},
-            "greedy_tokens_agreeing_with_ours_cached": agree,
-            "step_seconds_by_position": {str(p): s for p, s in step.items()},
+            "compile_seconds": compile_seconds,
+            "llama_cpp_skipped": why_not,
+            "greedy_tokens_agreeing_with_ours_model_step": agree,
+            "step_seconds_by_position": {name: {str(p): t for p, t in s.items()} for name, s in steps.items()},
             "bounds": bounds,
             "ratios": ratios,
         },

@@ -1,7 +1,9 @@
-"""Training throughput (forward + backward + AdamW): ours vs HF's LlamaForCausalLM, same weights, interleaved."""
+"""Training throughput (forward + backward + AdamW): ours vs HF's LlamaForCausalLM, same weights, interleaved; in
+fp32 and in bf16 (both models under the same torch.autocast, fp32 weights)."""
 
 import math
 import sys
+from contextlib import nullcontext
 
 import common
 import torch
@@ -13,9 +15,10 @@ from model import ModelArgs
 SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
 
 
-def train_step(model, optimizer, loss_fn):
+def train_step(model, optimizer, loss_fn, autocast):
     def step():
-        loss = loss_fn(model)
+        with autocast:
+            loss = loss_fn(model)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -24,21 +27,26 @@ def train_step(model, optimizer, loss_fn):
     return step
 
 
-def bench_config(name, margs, batch, seq_len, device, dtype, cli, progress):
+def bench_config(name, margs, batch, seq_len, device, dtype, precision, cli, progress):
     ours = common.build_ours(margs, device, dtype).train()
     hf = common.build_hf(ours).train()
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, margs.vocab_size, (batch, seq_len + 1), generator=generator).to(device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     ours_c, hf_c = common.maybe_compile(ours, cli.compile), common.maybe_compile(hf, cli.compile)
-    with torch.no_grad():  # same weights, same batch: the two losses must agree before we time anything
+    bf16 = dtype == torch.bfloat16 or precision == "bfloat16"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bfloat16" else nullcontext()
+    with torch.no_grad(), autocast:  # same weights, same batch: the two losses must agree before we time anything
         loss_ours, loss_hf = ours_c(x, targets=y).item(), hf_c(input_ids=x, labels=y, shift_labels=y).loss.item()
-    if not math.isclose(loss_ours, loss_hf, rel_tol=1e-2 if dtype == torch.bfloat16 else 1e-4):
+    if not math.isclose(loss_ours, loss_hf, rel_tol=1e-2 if bf16 else 1e-4):
         raise UserError(f"{name}: our loss {loss_ours:.5f} != Hugging Face's {loss_hf:.5f}; the comparison is off")
     steps = {
-        "ours": train_step(ours_c, torch.optim.AdamW(ours.parameters(), lr=1e-4), lambda m: m(x, targets=y)),
+        "ours": train_step(ours_c, torch.optim.AdamW(ours.parameters(), lr=1e-4), lambda m: m(x, targets=y), autocast),
         "hf": train_step(
-            hf_c, torch.optim.AdamW(hf.parameters(), lr=1e-4), lambda m: m(input_ids=x, labels=y, shift_labels=y).loss
+            hf_c,
+            torch.optim.AdamW(hf.parameters(), lr=1e-4),
+            lambda m: m(input_ids=x, labels=y, shift_labels=y).loss,
+            autocast,
         ),
     }
     seconds = common.interleaved_medians(steps, device, cli.warmup, cli.steps, progress)
@@ -51,6 +59,7 @@ def bench_config(name, margs, batch, seq_len, device, dtype, cli, progress):
         "batch_size": batch,
         "seq_len": seq_len,
         "dtype": str(dtype).removeprefix("torch."),
+        "autocast": precision == "bfloat16",
         "compile": cli.compile,
         "initial_loss": {"ours": loss_ours, "hf": loss_hf},
     }
@@ -73,6 +82,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--config", default="small,default", help="comma-separated: small, base, configs/NAME.toml names")
     p.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's max_seq_len)")
+    p.add_argument(
+        "--precisions",
+        default="float32,bfloat16",
+        help="comma-separated: float32, bfloat16 (= autocast to bf16 for both models); default both",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each model first (default 2)")
     p.add_argument("--steps", type=int, default=7, help="timed steps of each model, interleaved (default 7)")
     cli = common.parse(p, argv)
@@ -92,13 +106,19 @@ def main(argv: list[str]) -> int:
                 print(f"skipping default: {e}")  # configs/default.toml is written by the training engineer
                 continue
             cases.append((name, margs, cli.batch_size or 16, cli.seq_len or margs.max_seq_len))
+    precisions = [name.strip() for name in cli.precisions.split(",") if name.strip()]
+    if not precisions or set(precisions) - {"float32", "bfloat16"}:
+        raise UserError(f"--precisions must list float32 and/or bfloat16, not {cli.precisions!r}")
     results = []
-    with tqdm(total=len(cases) * (cli.warmup + cli.steps), desc="train steps (ours+hf)", disable=None) as progress:
+    total = len(cases) * len(precisions) * (cli.warmup + cli.steps)
+    with tqdm(total=total, desc="train steps (ours+hf)", disable=None) as progress:
         for case in cases:
-            results.append(bench_config(*case, device, dtype, cli, progress))
+            for precision in precisions:
+                results.append(bench_config(*case, device, dtype, precision, cli, progress))
     rows = [
         [
             r["config"],
+            "bf16 autocast" if r["autocast"] else r["dtype"],
             r["params"] / 1e6,
             f"{r['batch_size']}x{r['seq_len']}",
             r["ours"]["tokens_per_second"],
@@ -108,7 +128,8 @@ def main(argv: list[str]) -> int:
         ]
         for r in results
     ]
-    common.print_table(["config", "params (M)", "batch", "ours tok/s", "HF tok/s", "ours/HF", "ours MFU"], rows)
+    headers = ["config", "precision", "params (M)", "batch", "ours tok/s", "HF tok/s", "ours/HF", "ours MFU"]
+    common.print_table(headers, rows)
     common.write_results(cli, {"results": results})
     return 0
 

@@ -17,7 +17,7 @@ def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("script", ["train", "decode", "memory", "data"])
+@pytest.mark.parametrize("script", ["train", "decode", "memory", "data", "quantize"])
 def test_smoke_run_writes_results(script, tmp_path):
     if script != "data":
         pytest.importorskip("transformers")  # the model benchmarks compare with its LlamaForCausalLM
@@ -29,12 +29,19 @@ def test_smoke_run_writes_results(script, tmp_path):
     assert result["benchmark"] == script
     assert {"cpu", "cpu_cores", "torch", "device"} <= result["machine"].keys()
     if script == "train":
-        (r,) = result["results"]
-        assert r["ours"]["tokens_per_second"] > 0 and r["hf"]["tokens_per_second"] > 0
-        assert abs(r["initial_loss"]["ours"] - r["initial_loss"]["hf"]) < 1e-3  # same weights, same loss
+        fp32, bf16 = result["results"]
+        assert not fp32["autocast"] and bf16["autocast"]  # fp32, then both models under bf16 autocast
+        for r in (fp32, bf16):
+            assert r["ours"]["tokens_per_second"] > 0 and r["hf"]["tokens_per_second"] > 0
+        assert abs(fp32["initial_loss"]["ours"] - fp32["initial_loss"]["hf"]) < 1e-3  # same weights, same loss
+        assert abs(bf16["initial_loss"]["ours"] - bf16["initial_loss"]["hf"]) < 3e-2
     elif script == "decode":
-        assert result["greedy_tokens_agreeing_with_ours_cached"]["ours_no_cache"] == result["new_tokens"]
+        agree = result["greedy_tokens_agreeing_with_ours_model_step"]
+        assert agree["ours_no_cache"] == agree["ours_fused_eager"] == result["new_tokens"]
         assert all(m["tokens_per_second"] > 0 for m in result["methods"].values())
+    elif script == "quantize":
+        assert result["results"].keys() == {"fp32", "bf16", "int8"}
+        assert all(0.99 < r["perplexity_over_fp32"] < 1.01 for r in result["results"].values())
     elif script == "memory":
         (r,) = result["results"]
         assert r["ours"]["step_peak_bytes"] > 0 and r["hf"]["step_peak_bytes"] > 0
@@ -47,6 +54,8 @@ def test_smoke_run_writes_results(script, tmp_path):
     [
         ("train", ["--config", "no-such-config"], "no config 'no-such-config'"),
         ("data", ["--source", "/no/such/corpus.txt"], "data/prepare.py failed"),
+        ("quantize", [], "--checkpoint RUN_DIR is required"),
+        ("quantize", ["--checkpoint", "/no/such/run"], "not a picollama run directory"),
     ],
 )
 def test_bad_input_is_one_error_line(script, args, message, tmp_path):

@@ -1,19 +1,23 @@
 """convert.py: the Hugging Face weight and config mapping (equal logits with LlamaForCausalLM both ways, an exact
-round trip) and the `to-hf` / `from-hf` command line."""
+round trip), the GGUF export checked in llama.cpp, and the `to-hf` / `from-hf` / `to-gguf` command line."""
 
+import dataclasses
+import itertools
 import json
 import os
 import shutil
 import subprocess
 import sys
+from contextlib import closing
 
 import pytest
 import torch
 
 import convert
-from checkpoint import load_model
+from checkpoint import load_model, load_run, save_model
 from cli import run_command
 from convert import from_hf_state_dict, hf_config, to_hf_state_dict
+from generate import encode_prompt, generate
 from model import ModelArgs, Transformer
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32, multiple_of=16)
@@ -176,6 +180,8 @@ def test_from_hf_refuses_what_it_cannot_read(run_dir, tmp_path, capsys):
         (["to-hf", "{missing}", "{out}"], "not a picollama run directory"),
         (["from-hf", "{run}", "{out}"], "not a Hugging Face Llama config"),
         (["sideways", "{run}", "{out}"], "invalid choice"),
+        (["to-gguf", "{missing}", "{out}"], "not a picollama run directory"),
+        (["to-gguf", "{run}", "{out}", "--type", "q4_0"], "invalid choice"),
     ],
 )
 def test_command_errors_are_one_line(run_dir, tmp_path, argv, message):
@@ -190,3 +196,110 @@ def test_command_errors_are_one_line(run_dir, tmp_path, argv, message):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("error:") and message in result.stderr and result.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- GGUF for llama.cpp
+
+
+def llama_cpp_logits(path, tokens: list[int]) -> torch.Tensor:
+    """The logits (T, vocab) llama.cpp computes for tokens with f32 attention, through its C API with the extra
+    (AMX, repacked) CPU kernels off: ggml_backend_amx_mul_mat crashes on q8_0 weights on this Xeon
+    (llama-cpp-python 0.3.36), also for files that llama.cpp quantized itself."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.use_extra_bufts = False
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+    context_params = llama_cpp.llama_context_default_params()
+    context_params.n_ctx = context_params.n_batch = len(tokens)
+    context_params.n_threads = context_params.n_threads_batch = 1
+    # f32 attention: llama.cpp's defaults (an f16 KV cache, flash attention with f16 dot products) cost ~1e-3
+    context_params.type_k = context_params.type_v = llama_cpp.GGML_TYPE_F32
+    context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    context = llama_cpp.llama_init_from_model(model, context_params)
+    try:
+        batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+        batch.n_tokens = len(tokens)
+        for i, token in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = token, i, 1, 0, 1
+        assert llama_cpp.llama_decode(context, batch) == 0
+        vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+        logits = llama_cpp.llama_get_logits(context)
+        return torch.tensor([logits[i] for i in range(len(tokens) * vocab)]).view(len(tokens), vocab)
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(context)
+        llama_cpp.llama_model_free(model)
+
+
+@pytest.fixture(scope="module")
+def gguf_files(run_dir, tmp_path_factory):
+    """run_dir exported as f32, f16 and q8_0 GGUF files."""
+    pytest.importorskip("llama_cpp")
+    out = tmp_path_factory.mktemp("gguf")
+    for kind in convert.GGUF_TYPES:
+        assert run_command(convert.main, ["to-gguf", str(run_dir), str(out / f"{kind}.gguf"), "--type", kind]) == 0
+    return {kind: out / f"{kind}.gguf" for kind in convert.GGUF_TYPES}
+
+
+def test_gguf_continues_like_generate_in_llama_cpp(run_dir, gguf_files):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    model, _, tokenizer = load_run(run_dir, "cpu", torch.float32)
+    prompt = encode_prompt(tokenizer, "ab cd")
+    ours = generate(model, [prompt], 24, temperature=0)[0]
+    with closing(llama_cpp.Llama(str(gguf_files["f32"]), n_ctx=32, n_threads=1, verbose=False)) as llm:
+        assert list(itertools.islice(llm.generate(prompt, temp=0.0), 24)) == ours
+        for text in ["ab cd ef.", "  two spaces\nand a line", "Héllo ✓ 123"]:  # the tokenizer round-trips
+            ids = llm.tokenize(text.encode(), add_bos=True)
+            assert ids == encode_prompt(tokenizer, text) and llm.detokenize(ids[1:]) == text.encode()
+
+
+@pytest.mark.parametrize("kind, tolerance", [("f32", 1e-5), ("f16", 2e-3), ("bf16", 0.01), ("q8_0", 0.02)])
+def test_gguf_logits_match_ours(run_dir, gguf_files, kind, tolerance):
+    model, _ = load_model(run_dir)
+    tokens = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens[None])[0]
+    theirs = llama_cpp_logits(gguf_files[kind], tokens.tolist())
+    assert (theirs - ours).abs().max() <= tolerance * ours.abs().max()
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        dict(rope_scaling="ntk", rope_factor=4.0),
+        dict(rope_scaling="linear", rope_factor=4.0),
+        dict(rope_scaling="llama3", rope_factor=4.0, rope_original_max_seq_len=16),
+    ],
+    ids=lambda d: d["rope_scaling"],
+)
+def test_gguf_carries_rope_scaling(run_dir, tmp_path, scaling):
+    pytest.importorskip("gguf")
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=32, multiple_of=32)
+    plain = make_model(args)
+    with torch.no_grad():  # sharp weights, so that positions matter
+        for p in plain.parameters():
+            p.normal_(0, 0.3) if p.ndim == 2 else None
+    scaled = Transformer(dataclasses.replace(args, **scaling)).eval()
+    scaled.load_state_dict(plain.state_dict())
+    save_model(scaled, tmp_path / "run", tokenizer=run_dir / "tokenizer.model")
+    assert run_command(convert.main, ["to-gguf", str(tmp_path / "run"), str(tmp_path / "m.gguf")]) == 0
+    tokens = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, unscaled = scaled(tokens[None])[0], plain(tokens[None])[0]
+    error = (llama_cpp_logits(tmp_path / "m.gguf", tokens.tolist()) - ours).abs().max()
+    assert error <= 1e-5 * ours.abs().max() and (ours - unscaled).abs().max() > 0.1 * ours.abs().max()
+
+
+def test_gguf_refuses_dynamic_ntk_and_an_existing_file(run_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    config = json.loads((run / "config.json").read_text())
+    config["model"] |= {"rope_scaling": "dynamic", "rope_factor": 2.0}
+    (run / "config.json").write_text(json.dumps(config))
+    assert run_command(convert.main, ["to-gguf", str(run), str(tmp_path / "m.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: RoPE scaling 'dynamic'") and err.count("\n") == 1
+    assert not list(tmp_path.glob("*.gguf*"))  # nothing half-written
+    (tmp_path / "m.gguf").write_text("keep")
+    assert run_command(convert.main, ["to-gguf", str(run_dir), str(tmp_path / "m.gguf")]) == 2
+    assert "--force" in capsys.readouterr().err and (tmp_path / "m.gguf").read_text() == "keep"

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 import types
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,14 @@ from model import ModelArgs, Transformer
 REPO = Path(__file__).resolve().parent.parent
 TINY = {
     "model": {"dim": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 300, "max_seq_len": 32},
-    "train": {"max_steps": 12, "batch_size": 8, "seq_len": 32, "log_interval": 1, "sample_tokens": 0},
+    "train": {
+        "max_steps": 12,
+        "batch_size": 8,
+        "seq_len": 32,
+        "log_interval": 1,
+        "sample_tokens": 0,
+        "dtype": "float32",  # not auto: bf16 rounds differently for other batch splits, which tests compare
+    },
     # constant after warmup, so a run's losses do not depend on max_steps (killed runs use a huge one)
     "optim": {"lr": 3e-3, "min_lr": 3e-3, "warmup_steps": 2},
     "eval": {"interval": 6, "batches": 2, "batch_size": 8},
@@ -189,8 +195,6 @@ def test_activation_checkpointing_changes_no_number_and_no_name(dataset, tmp_pat
     assert run_in_process(config, tmp_path / "plain") == 0
     assert run_in_process(config, tmp_path / "ac", "--train.activation_checkpointing=true") == 0
     assert losses(tmp_path / "plain") == losses(tmp_path / "ac")
-    from safetensors.torch import load_file
-
     plain, ac = (load_file(tmp_path / run / "model.safetensors") for run in ("plain", "ac"))
     assert plain.keys() == ac.keys() and all(torch.equal(plain[k], ac[k]) for k in plain)
 
@@ -204,15 +208,17 @@ def test_the_schedule_warms_up_then_decays_to_min_lr():
 
 def test_a_non_finite_gradient_norm_skips_the_update(dataset):
     cfg = build_config({"model": TINY["model"]}, [])
-    model = Transformer(cfg.model)
-    optimizer = optim.build_optimizer(model, cfg, torch.device("cpu"))
+    dist = train.Dist("cpu")
+    model, optimizer, _ = train.build_model(cfg, dist)
     with torch.no_grad():
-        model.norm.weight[0] = float("nan")  # every logit, so the loss and every gradient, become NaN
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        model.norm.weight.to_local()[0] = float("nan")  # every logit, so the loss and every gradient, become NaN
+    before = {name: p.to_local().clone() for name, p in model.named_parameters()}
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
-    _, grad_norm, applied = train.train_step(model, optimizer, x, y, 1e-3, cfg, train.Dist("cpu"), nullcontext())
+    _, grad_norm, applied = train.train_step(model, optimizer, x, y, 1e-3, cfg, dist)
     assert not applied and not torch.isfinite(grad_norm) and not optimizer.state
-    assert all(torch.equal(p.nan_to_num(), before[name].nan_to_num()) for name, p in model.named_parameters())
+    assert all(torch.equal(p.to_local().nan_to_num(), before[n].nan_to_num()) for n, p in model.named_parameters())
+    del model, optimizer
+    dist.close()
 
 
 def test_an_infinite_loss_skips_the_update_even_with_finite_gradients(dataset):
@@ -229,10 +235,13 @@ def test_an_infinite_loss_skips_the_update_even_with_finite_gradients(dataset):
         def forward(self, x, y):
             return self.model(x, y) + float("inf")
 
+        def set_requires_gradient_sync(self, sync):  # train_step's FSDP2 call: this stand-in is not sharded
+            pass
+
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
-    _, grad_norm, applied = train.train_step(
-        InfiniteLoss(), optimizer, x, y, 1e-3, cfg, train.Dist("cpu"), nullcontext()
-    )
+    dist = train.Dist("cpu")
+    _, grad_norm, applied = train.train_step(InfiniteLoss(), optimizer, x, y, 1e-3, cfg, dist)
+    dist.close()
     assert torch.isfinite(grad_norm) and not applied and not optimizer.state
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
@@ -305,44 +314,66 @@ def test_tokens_per_s_counts_training_time_only(dataset, tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def runs(dataset, tmp_path_factory) -> dict[str, Path]:
-    """One process for 16 steps, and 2 ranks for 12 steps: the runs the FSDP and resume tests compare against."""
+def runs(dataset, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """Per precision, one process for 16 steps and 2 ranks for 12 steps: the runs the FSDP and resume tests compare
+    against."""
     root = tmp_path_factory.mktemp("runs")
-    config = config_file(root, dataset)
-    assert run_in_process(config, root / "single", "--train.max_steps=16") == 0
-    two = run_subprocess(2, config, root / "two")
-    assert two.returncode == 0, two.stderr
-    (root / "two.stdout").write_text(two.stdout)
-    return {"config": config, "single": root / "single", "two": root / "two", "two_stdout": root / "two.stdout"}
+    found = {}
+    for dtype in ("float32", "bfloat16"):
+        (root / dtype).mkdir()
+        config = config_file(root / dtype, dataset, train={"dtype": dtype})
+        assert run_in_process(config, root / dtype / "single", "--train.max_steps=16") == 0
+        two = run_subprocess(2, config, root / dtype / "two")
+        assert two.returncode == 0, two.stderr
+        (root / dtype / "two.stdout").write_text(two.stdout)
+        found[dtype] = {"config": config, "single": root / dtype / "single", "two": root / dtype / "two"}
+        found[dtype]["two_stdout"] = root / dtype / "two.stdout"
+    return found
 
 
 def test_fsdp_two_ranks_match_one_process(runs):
-    assert_close(losses(runs["single"]), losses(runs["two"]), 1e-5, steps=range(1, 13))
-    assert_close(losses(runs["single"], "val_loss"), losses(runs["two"], "val_loss"), 1e-5, steps=[6, 12])
-    stdout = runs["two_stdout"].read_text()
+    fp32 = runs["float32"]
+    assert_close(losses(fp32["single"]), losses(fp32["two"]), 1e-5, steps=range(1, 13))
+    assert_close(losses(fp32["single"], "val_loss"), losses(fp32["two"], "val_loss"), 1e-5, steps=[6, 12])
+    stdout = fp32["two_stdout"].read_text()
     counts = stdout.split("model: ")[1].split(" stored")[0].split(" parameters, ")
     total, stored = (int(n.replace(",", "")) for n in counts)
     assert 0.45 * total <= stored <= 0.55 * total, stdout  # FSDP2 shards every parameter over the 2 ranks
 
 
+def test_bf16_trains_in_bf16_with_fp32_master_weights(runs):
+    for dtype in runs:
+        assert f"; {'fp32' if dtype == 'float32' else 'bfloat16 with fp32 master weights'}" in (
+            runs[dtype]["two_stdout"].read_text()
+        )
+    fp32, bf16 = (losses(runs[dtype]["single"]) for dtype in ("float32", "bfloat16"))
+    assert 0 < abs(fp32[1] - bf16[1]) < 1e-2  # the same weights at step 1, computed in bf16
+    assert_close(fp32, bf16, 0.05)
+    weights = load_file(runs["bfloat16"]["single"] / "model.safetensors")
+    assert all(w.dtype == torch.float32 for w in weights.values())
+
+
 def test_resume_after_sigkill_is_exact_in_one_process(runs, tmp_path):
-    resumed_at = run_killed_then_resumed(1, runs["config"], tmp_path / "run", kill_after=4, max_steps=16)
+    run = runs["bfloat16"]  # the default where the CPU has bf16: its resume must be exact too
+    resumed_at = run_killed_then_resumed(1, run["config"], tmp_path / "run", kill_after=4, max_steps=16)
     assert 4 <= resumed_at < 16
-    expected, got = losses(runs["single"]), losses(tmp_path / "run")
+    expected, got = losses(run["single"]), losses(tmp_path / "run")
     assert sorted(got) == list(range(1, 17))  # steps past the checkpoint were dropped from the log and redone
     assert all(got[step] == expected[step] for step in range(1, 17)), (got, expected)
 
 
 def test_resume_after_sigkill_with_two_ranks(runs, tmp_path):
-    resumed_at = run_killed_then_resumed(2, runs["config"], tmp_path / "run", kill_after=4, max_steps=12)
+    run = runs["bfloat16"]
+    resumed_at = run_killed_then_resumed(2, run["config"], tmp_path / "run", kill_after=4, max_steps=12)
     assert 4 <= resumed_at < 12
-    assert_close(losses(runs["two"]), losses(tmp_path / "run"), 1e-6, steps=range(1, 13))
+    assert_close(losses(run["two"]), losses(tmp_path / "run"), 1e-6, steps=range(1, 13))
 
 
 def test_two_rank_checkpoint_resumes_in_one_process(runs, tmp_path):
-    shutil.copytree(runs["two"], tmp_path / "run")
-    assert run_in_process(runs["config"], tmp_path / "run", "--resume", "--train.max_steps=16") == 0
-    assert_close(losses(runs["single"]), losses(tmp_path / "run"), 1e-5, steps=range(13, 17))
+    fp32 = runs["float32"]
+    shutil.copytree(fp32["two"], tmp_path / "run")
+    assert run_in_process(fp32["config"], tmp_path / "run", "--resume", "--train.max_steps=16") == 0
+    assert_close(losses(fp32["single"]), losses(tmp_path / "run"), 1e-5, steps=range(13, 17))
 
 
 # ---------------------------------------------------------------- logging
@@ -455,17 +486,19 @@ def test_corrupt_or_mismatched_checkpoint_is_one_line(dataset, tmp_path, capsys)
 
 def test_muon_takes_the_blocks_matrices_and_the_schedule_scales_both(dataset):
     cfg = build_config({"model": TINY["model"], "optim": {"name": "muon", "lr": 1e-3, "muon_lr": 0.02}}, [])
-    model = Transformer(cfg.model)
-    optimizer = optim.build_optimizer(model, cfg, torch.device("cpu"))
+    dist = train.Dist("cpu")
+    model, optimizer, _ = train.build_model(cfg, dist)
     muon, adamw = optimizer
     names = {id(p): name for name, p in model.named_parameters()}
     in_muon = {names[id(p)] for p in muon.param_groups[0]["params"]}
     assert in_muon == {name for name, p in model.named_parameters() if name.startswith("layers.") and p.ndim == 2}
     assert {names[id(p)] for group in adamw.param_groups for p in group["params"]} == set(names.values()) - in_muon
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
-    train.train_step(model, optimizer, x, y, 5e-4, cfg, train.Dist("cpu"), nullcontext())
+    train.train_step(model, optimizer, x, y, 5e-4, cfg, dist)
     assert muon.param_groups[0]["lr"] == pytest.approx(0.01) and {g["lr"] for g in adamw.param_groups} == {5e-4}
     assert len(muon.state) == len(in_muon) and len(adamw.state) == len(names) - len(in_muon)
+    del model, optimizer, muon, adamw
+    dist.close()
 
 
 def test_muon_resumes_exactly_in_one_process(dataset, tmp_path):

@@ -1,0 +1,86 @@
+"""Validation perplexity of a trained run with fp32, bf16 and int8 weights (generate.py's --dtype and --quantize),
+over the whole validation split of its dataset."""
+
+import math
+import sys
+from pathlib import Path
+
+import common
+import torch
+from tqdm import tqdm
+
+from checkpoint import load_model
+from cli import UserError, run_command
+from data.loader import eval_batches, load_meta
+from inference import int8_dtype, quantize
+from model import ModelArgs, Transformer
+
+SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
+PRECISIONS = {"fp32": (torch.float32, "none"), "bf16": (torch.bfloat16, "none"), "int8": (None, "int8")}
+
+
+@torch.inference_mode()
+def mean_loss(model: Transformer, batches: list) -> float:
+    """Mean cross-entropy per target token over the batches."""
+    total, count = 0.0, 0
+    for x, y in batches:
+        total += model(x, y).double().item() * y.numel()
+        count += y.numel()
+    return total / count
+
+
+def main(argv: list[str]) -> int:
+    p = common.parser(__doc__, "quantize")
+    p.add_argument("--checkpoint", type=Path, help="a trained run directory (required but in --smoke)")
+    p.add_argument("--seq-len", type=int, help="window length (default: the run's train.seq_len)")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per forward (default 16)")
+    cli = common.parse(p, argv)
+    device, _ = common.setup(cli)
+    if cli.smoke:
+        torch.manual_seed(0)
+        original, bytes_per_token, seq_len = Transformer(ModelArgs(**SMOKE)), None, 32
+        tokens = torch.randint(0, SMOKE["vocab_size"], (4, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        batches, where = [(tokens[:, :-1], tokens[:, 1:])], "random tokens"
+    else:
+        if cli.checkpoint is None:
+            raise UserError("--checkpoint RUN_DIR is required (a trained run)")
+        original, config = load_model(cli.checkpoint, device)
+        data_dir = Path(config.get("data", {}).get("dir", "data/shakespeare"))
+        data_dir = data_dir if data_dir.is_absolute() else common.REPO_ROOT / data_dir
+        bytes_per_token = load_meta(data_dir)["bytes_per_token"]
+        seq_len = cli.seq_len or config.get("train", {}).get("seq_len") or original.args.max_seq_len
+        batches = list(eval_batches(data_dir, "val", cli.batch_size, seq_len, device=device))
+        where = f"{data_dir}'s validation split"
+    results = {}
+    for name, (dtype, mode) in tqdm(PRECISIONS.items(), desc="precisions", disable=None):
+        model = Transformer(original.args).eval()
+        model.load_state_dict(original.state_dict())
+        model = quantize(model, mode).to(device=device, dtype=dtype or int8_dtype(device))
+        loss = mean_loss(model, batches)
+        results[name] = {"dtype": str(dtype or int8_dtype(device))[6:], "weights": mode, "loss": loss}
+        results[name]["perplexity"] = math.exp(loss)
+        if bytes_per_token:
+            results[name]["bits_per_byte"] = loss / math.log(2) / bytes_per_token
+    for r in results.values():
+        r["perplexity_over_fp32"] = r["perplexity"] / results["fp32"]["perplexity"]
+    targets = sum(y.numel() for _, y in batches)
+    print(f"{targets:,} target tokens of {where}, windows of {seq_len}")
+    common.print_table(
+        ["weights", "activations", "loss", "perplexity", "vs fp32"],
+        [[name, r["dtype"], r["loss"], r["perplexity"], r["perplexity_over_fp32"]] for name, r in results.items()],
+    )
+    common.write_results(
+        cli,
+        {
+            "checkpoint": None if cli.smoke else str(cli.checkpoint),
+            "model_args": original.args.to_dict(),
+            "seq_len": seq_len,
+            "target_tokens": targets,
+            "results": results,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_command(main))

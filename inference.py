@@ -1,0 +1,160 @@
+"""Inference-only speed-ups built from a trained Transformer at load time: weight-only int8 (`quantize`) and a lean
+one-token decode step (`DecodeStep`: fused projections, a real-valued RoPE table, torch.compile-able)."""
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from device import cpu_has_bf16
+from model import ModelArgs, Transformer, rope_frequencies
+
+QUANTIZATIONS = ("none", "int8")
+REPO_ROOT = Path(__file__).resolve().parent
+# Inductor options for the decode step, measured on a 2-core Xeon (bench/decode.py): freezing folds the weights into
+# the compiled code and cpp_wrapper removes the Python wrapper around its kernels.
+COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+
+
+class Int8Linear(nn.Module):
+    """A bias-free linear layer whose weight is stored as int8 with one scale per output row (absmax / 127)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor) -> "Int8Linear":
+        """weight (out, in) rounded to int8 per output row (float32 scales: .to(dtype) casts them)."""
+        w = weight.detach().float()
+        scale = w.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        return cls((w / scale[:, None]).round().to(torch.int8), scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # PyTorch's int8 kernel (gpt-fast's on CPU) with bf16 inputs reads a quarter of fp32's bytes, 1.5-2.7x faster
+        # than F.linear in fp32 per matrix-vector product here; it returns garbage unless in_features is a multiple
+        # of 16 (torch 2.13). With fp32 inputs it is 4-6x slower than F.linear: those, and other devices, dequantize.
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.weight.shape[1] % 16 == 0:
+            out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scale)
+            return out.view(*x.shape[:-1], -1)
+        return F.linear(x, self.weight.to(x.dtype)) * self.scale
+
+
+def int8_dtype(device: torch.device) -> torch.dtype:
+    """The activation dtype for int8 weights: bf16 where the hardware has it (its int8 kernel is ~10× faster than
+    the fp32 one on a CPU with AVX-512 BF16), else float32."""
+    return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+
+
+def quantize(model: Transformer, mode: str) -> Transformer:
+    """The model for inference with its weights as `mode` says, changed in place: "none" leaves them as they are,
+    "int8" replaces every linear layer (not the embedding or the norms) by an Int8Linear. Quantize before casting
+    the model to its activation dtype (.to(torch.bfloat16)): the int8 weights are rounded from the given ones."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {mode!r}")
+    if mode == "int8":
+        for module in list(model.modules()):
+            for name, child in module.named_children():
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, Int8Linear.quantized(child.weight))
+    return model.requires_grad_(False)
+
+
+def fuse(*layers: nn.Module) -> nn.Module:
+    """One layer computing the outputs of `layers` (which read the same input) concatenated; they keep working as
+    views into its tensors, so no weight is stored twice."""
+    names = ("weight", "scale") if isinstance(layers[0], Int8Linear) else ("weight",)
+    fused = {name: torch.cat([getattr(layer, name) for layer in layers]) for name in names}
+    start = 0
+    for layer in layers:
+        rows = slice(start, start + layer.weight.shape[0])
+        for name in names:
+            view = fused[name][rows]
+            setattr(layer, name, nn.Parameter(view, requires_grad=False) if name in layer._parameters else view)
+        start = rows.stop
+    if isinstance(layers[0], Int8Linear):
+        return Int8Linear(fused["weight"], fused["scale"])
+    linear = nn.Linear(fused["weight"].shape[1], fused["weight"].shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(fused["weight"], requires_grad=False)
+    return linear
+
+
+def rope_table(args: ModelArgs, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE as real arithmetic on interleaved pairs, x·cos + swap_pairs(x)·sin, for positions 0..length-1: cos and
+    sin (length, head_dim) in float32, sin signed (−, +) per pair; the same rotation as model.apply_rotary."""
+    inv_freq, scale = rope_frequencies(args, length)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    cos, sin = scale * angles.cos(), scale * angles.sin()
+    return cos.repeat_interleave(2, -1), torch.stack((-sin, sin), -1).flatten(-2)
+
+
+class FusedBlock(nn.Module):
+    """A TransformerBlock for one token per row, with wq/wk/wv as one matrix and w1/w3 as one."""
+
+    def __init__(self, block):
+        super().__init__()
+        attention, ffn = block.attention, block.feed_forward
+        self.heads, self.kv_heads, self.head_dim = attention.n_heads, attention.n_kv_heads, attention.head_dim
+        self.wqkv, self.wo = fuse(attention.wq, attention.wk, attention.wv), attention.wo
+        self.w13, self.w2 = fuse(ffn.w1, ffn.w3), ffn.w2
+        self.attention_norm, self.ffn_norm = block.attention_norm, block.ffn_norm
+
+    def forward(self, x, pos, cos, sin, k_cache, v_cache):
+        batch, heads, kv_heads = x.shape[0], self.heads, self.kv_heads
+        qkv = self.wqkv(self.attention_norm(x)).view(batch, heads + 2 * kv_heads, self.head_dim)
+        qk, v = qkv.split((heads + kv_heads, kv_heads), 1)
+        qk = qk.float()
+        qk = (qk * cos + qk.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).type_as(v)
+        q, k = qk.split((heads, kv_heads), 1)
+        k_cache[:batch, :, pos : pos + 1] = k.unsqueeze(2)  # a slice, not [pos]: one compiled graph for every pos
+        v_cache[:batch, :, pos : pos + 1] = v.unsqueeze(2)
+        keys, values = k_cache[:batch, :, : pos + 1], v_cache[:batch, :, : pos + 1]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, enable_gqa=heads != kv_heads)
+        x = x + self.wo(out.view(batch, -1))
+        gate, up = self.w13(self.ffn_norm(x)).chunk(2, -1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+class DecodeStep(nn.Module):
+    """`model(tokens, start_pos=pos)` for one token per row, tokens (B, 1), built for speed at batch 1: wq/wk/wv
+    and w1/w3 fused, RoPE from a table computed once, reading and writing the model's KV cache (set up by the
+    caller). Logits (B, 1, vocab), equal to the model's within float rounding. Shares the model's weights; built
+    for model.args as they are (RoPE scaling included)."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        if model.args.rope_scaling == "dynamic":
+            raise ValueError("dynamic NTK rescales every cached position as the sequence grows: no fused decode step")
+        if not model.is_llama():
+            raise ValueError("the fused decode step is LLaMA's: a model with other switches decodes with its forward")
+        self.attentions = [block.attention for block in model.layers]  # whose KV caches generation sets up
+        self.tok_embeddings, self.norm, self.output = model.tok_embeddings, model.norm, model.output
+        self.layers = nn.ModuleList(FusedBlock(block) for block in model.layers)
+        self.args = model.args
+        self.cos, self.sin = rope_table(model.args, model.args.max_seq_len)
+
+    def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        if start_pos >= self.cos.shape[0]:
+            with torch.inference_mode(False):  # as at construction: an inference tensor would be a new input kind
+                self.cos, self.sin = rope_table(self.args, 2 * start_pos)
+        caches = [(attention.cache.k, attention.cache.v) for attention in self.attentions]
+        # Tables and caches go in as arguments: torch.compile's freezing would fold module tensors into constants.
+        return self.step(tokens, start_pos, self.cos[start_pos], self.sin[start_pos], caches)
+
+    def step(self, tokens, pos, cos, sin, caches):
+        x = self.tok_embeddings(tokens[:, 0])
+        for layer, (k_cache, v_cache) in zip(self.layers, caches):
+            x = layer(x, pos, cos, sin, k_cache, v_cache)
+        return self.output(self.norm(x))[:, None]
+
+
+def compile_step(step: DecodeStep) -> DecodeStep:
+    """The step with its arithmetic compiled by Inductor into one C++ function. Shapes are dynamic: one graph
+    serves every position and cache length, a second every batch above 1 (a first cache length or batch equal to a
+    head size or head count is tied to it by dynamo's duck sizing, and costs one more compile)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
+    step.step = torch.compile(step.step, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
+    return step

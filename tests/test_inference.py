@@ -1,0 +1,145 @@
+"""inference.py: the fused decode step (eager and compiled) and int8 weights compute what the plain model does."""
+
+import pytest
+import torch
+
+import generate
+from inference import DecodeStep, Int8Linear, compile_step, fuse, quantize, rope_table
+from model import ModelArgs, Transformer, apply_rotary, rope_rotations
+
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16)
+PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+STATIC_SCALINGS = [
+    dict(rope_scaling="none"),
+    dict(rope_scaling="linear", rope_factor=4.0),
+    dict(rope_scaling="ntk", rope_factor=4.0),
+    dict(rope_scaling="yarn", rope_factor=4.0),
+    dict(rope_scaling="llama3", rope_factor=4.0, rope_original_max_seq_len=16),
+]
+
+
+def make_model(sharp=True, **overrides) -> Transformer:
+    """A random tiny model; sharp: with weights N(0, 0.3), so that numeric differences show in the logits."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(**TINY | overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if sharp and not name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    return model
+
+
+def copy_of(model: Transformer) -> Transformer:
+    twin = Transformer(model.args).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+@torch.inference_mode()
+def step_logits(model: Transformer, decode, tokens: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits (B, T - prefill, vocab) of one-token steps through `decode` after prefilling through the model."""
+    model.setup_cache(tokens.shape[0], tokens.shape[1])
+    try:
+        model(tokens[:, :prefill], start_pos=0)
+        return torch.cat([decode(tokens[:, p : p + 1], start_pos=p) for p in range(prefill, tokens.shape[1])], 1)
+    finally:
+        model.reset_cache()
+
+
+@pytest.mark.parametrize("scaling", STATIC_SCALINGS, ids=lambda d: d["rope_scaling"])
+def test_the_real_rope_table_rotates_like_the_complex_one(scaling):
+    args = ModelArgs(**TINY | scaling)
+    x = torch.randn(2, 40, 4, args.head_dim)
+    cos, sin = rope_table(args, 40)
+    pairs_swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    real = x * cos[:, None] + pairs_swapped * sin[:, None]
+    torch.testing.assert_close(real, apply_rotary(x, rope_rotations(args, 0, 40, "cpu")), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("scaling", STATIC_SCALINGS, ids=lambda d: d["rope_scaling"])
+def test_fused_step_gives_the_models_logits(scaling):
+    model = make_model(**scaling)
+    reference, tokens = copy_of(model), torch.randint(0, 97, (2, 48))  # past max_seq_len: the table grows
+    expected = step_logits(reference, reference, tokens, 5)
+    got = step_logits(model, DecodeStep(model), tokens, 5)
+    torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+
+
+def test_fusing_keeps_one_copy_of_each_weight():
+    model = make_model()
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    step = DecodeStep(model)
+    attention = model.layers[0].attention
+    assert step.layers[0].wqkv.weight.data_ptr() == attention.wq.weight.data_ptr()
+    assert attention.wv.weight.untyped_storage().data_ptr() == attention.wq.weight.untyped_storage().data_ptr()
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_dynamic_ntk_is_refused():
+    with pytest.raises(ValueError, match="dynamic NTK"):
+        DecodeStep(make_model(rope_scaling="dynamic", rope_factor=2.0))
+
+
+def test_generate_with_the_fused_step_gives_the_same_tokens():
+    model = make_model()
+    expected = generate.generate(copy_of(model), PROMPTS, 20, temperature=0)
+    assert generate.generate(model, PROMPTS, 20, temperature=0, step=DecodeStep(model)) == expected
+
+
+def test_int8_weights_round_per_output_row():
+    weight = torch.randn(48, 64) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different sizes
+    layer = Int8Linear.quantized(weight)
+    assert layer.weight.dtype == torch.int8 and layer.weight.abs().amax(1).eq(127).all()
+    dequantized = layer.weight.float() * layer.scale[:, None]
+    assert ((dequantized - weight).abs() <= layer.scale[:, None] / 2 + 1e-7).all()  # half a step per row
+    x = torch.randn(3, 5, 64)
+    torch.testing.assert_close(layer(x), x @ dequantized.T, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("in_features", [64, 40])  # 40: not a multiple of 16, which the int8 kernel gets wrong
+def test_int8_in_bf16_matches_dequantized_weights(in_features):
+    layer = Int8Linear.quantized(torch.randn(17, in_features)).to(torch.bfloat16)
+    x = torch.randn(1, in_features, dtype=torch.bfloat16)
+    expected = x.float() @ (layer.weight.float() * layer.scale.float()[:, None]).T
+    torch.testing.assert_close(layer(x).float(), expected, atol=0.02 * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("sharp", [False, True])
+def test_int8_model_stays_close_and_its_fused_step_matches_it(sharp):
+    model = make_model(sharp)
+    reference = copy_of(model)
+    quantize(model, "int8").to(torch.bfloat16)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    tokens = torch.randint(0, 97, (1, 24))
+    with torch.inference_mode():
+        plain, full = model(tokens).float(), reference(tokens)
+    if not sharp:  # int8 and bf16 rounding (0.7% here), not a different model
+        assert (plain - full).abs().max() < 0.02 * full.abs().max()
+    fused = step_logits(model, DecodeStep(model), tokens, 5).float()
+    torch.testing.assert_close(fused, plain[:, 5:], atol=0.01 * plain.abs().max().item(), rtol=0)
+
+
+def test_fuse_concatenates_int8_rows_and_scales():
+    layers = [Int8Linear.quantized(torch.randn(n, 32)) for n in (8, 4, 4)]
+    x = torch.randn(2, 32)
+    expected = torch.cat([layer(x) for layer in layers], -1)
+    torch.testing.assert_close(fuse(*layers)(x), expected, atol=0, rtol=0)
+
+
+def test_quantize_refuses_an_unknown_mode():
+    with pytest.raises(ValueError, match="int8"):
+        quantize(make_model(), "int4")
+
+
+def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
+    """Inductor with freezing: the KV caches and RoPE tables must stay inputs (folded constants would go stale),
+    and one graph must serve every position and cache length."""
+    torch._dynamo.reset()
+    model = make_model(n_layers=1, max_seq_len=16, rope_scaling="linear", rope_factor=4.0)
+    reference = copy_of(model)
+    step = compile_step(DecodeStep(model))
+    # cache lengths 17, 42 (the RoPE table grows), 16: not 16 first, which dynamo would tie to the head size
+    for prompts, new in (([[1, 5, 6, 7]], 13), ([[1, 9]], 40), ([[1, 2, 3]], 13)):
+        expected = generate.generate(reference, prompts, new, temperature=0)
+        assert generate.generate(model, prompts, new, temperature=0, step=step) == expected
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
