@@ -10,7 +10,18 @@ import torch.nn.functional as F
 import convert
 from checkpoint import save_model
 from cli import run_command
-from model import ACTIVATIONS, MLP, NORMS, FeedForward, ModelArgs, Sinusoid, Transformer, alibi_bias, apply_rotary
+from model import (
+    ACTIVATIONS,
+    MLP,
+    NORMS,
+    SWITCHES,
+    FeedForward,
+    ModelArgs,
+    Sinusoid,
+    Transformer,
+    alibi_bias,
+    apply_rotary,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -394,7 +405,7 @@ def test_a_non_rope_model_needs_no_even_head_size():
 @pytest.mark.parametrize("name", [n for n in VARIANTS if n != "llama"])
 def test_hf_export_refuses_what_llama_cannot_express(name):
     model = make_model(**VARIANTS[name])
-    key = next(k for k in convert.NOT_IN_LLAMA if k in VARIANTS[name])
+    key = next(k for k in SWITCHES if k in VARIANTS[name])
     with pytest.raises(ValueError, match=f"no model.{key} = "):
         convert.hf_config(model.args)
     with pytest.raises(ValueError, match=f"no model.{key} = "):
