@@ -202,8 +202,10 @@ def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: 
         tmp.mkdir(parents=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
+    # One process saves without DCP's collectives: run on gloo's threads, they start a second OpenMP thread team,
+    # after which libgomp sees more threads than cores and stops spinning; training ran ~25% slower ever after.
     with single_process_quiet():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), no_dist=dist.world_size == 1)
     extra = {"step": step, "loader": loader.state_dict(), "rng": rng_state(dist.device)}
     (tmp / f"rank{dist.rank}.json").write_text(json.dumps(extra))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,5 +1,8 @@
 """Where and in what precision to run: the device, the dtype, native bf16 on CPUs, and peak FLOP/s for MFU."""
 
+import ctypes
+import ctypes.util
+import sys
 from pathlib import Path
 
 import torch
@@ -48,6 +51,19 @@ def cpu_has_bf16() -> bool:
     except (OSError, StopIteration):
         return False
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def keep_freed_memory():
+    """Make glibc keep the memory the training step frees for the next step (Linux; elsewhere nothing). By default it
+    returns large freed blocks to the OS and the next step faults them back in: ~110k page faults a step of the
+    default model on 2 cores, a quarter of its time (measured: 9.6k → 12.9k tokens/s with this). The cost: the
+    process holds on to its peak memory."""
+    if not sys.platform.startswith("linux") or (name := ctypes.util.find_library("c")) is None:
+        return
+    libc = ctypes.CDLL(name)
+    if hasattr(libc, "mallopt"):  # glibc's M_TRIM_THRESHOLD (-1) and M_MMAP_THRESHOLD (-3), to 1 GiB
+        libc.mallopt(-1, 1 << 30)
+        libc.mallopt(-3, 1 << 30)
 
 
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:

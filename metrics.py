@@ -61,6 +61,7 @@ class RunLog:
 
     def __init__(self, cfg: Config, run_dir: Path, step: int, main: bool):
         self.main, self.path, self.wandb = main, run_dir / "metrics.jsonl", None
+        self.start = time.perf_counter()
         self.bar = tqdm(total=cfg.train.max_steps, initial=step, desc="training", unit="step", disable=not main or None)
         if not main:
             return
@@ -75,6 +76,9 @@ class RunLog:
             )
 
     def record(self, entry: dict):
+        """Append entry to metrics.jsonl (and wandb), with elapsed_s: wall seconds since this process began training,
+        evaluations and checkpoints included (the time axis of a validation curve)."""
+        entry = {**entry, "elapsed_s": round(time.perf_counter() - self.start, 3)}
         if self.main:
             # JSON has no NaN or infinity: those are written as null
             finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in entry.items()}

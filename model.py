@@ -122,12 +122,9 @@ NORMS = {"rmsnorm": RMSNorm, "layernorm": nn.LayerNorm}  # LayerNorm: (x − mea
 
 
 def rope_frequencies(args: ModelArgs, seq_len: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float32, head_dim·rope_fraction/2) and attention scale for a sequence of seq_len tokens.
-
-    Matches Hugging Face's RoPE functions for the same parameters. `ntk` is static NTK-aware scaling,
-    base·s^(d/(d-2)); `dynamic` takes s from the current length, so its frequencies change as it grows: every
-    cached key and value (of every layer) is then stale, and decoding must recompute (see generate.py).
-    """
+    """Inverse frequencies (float32, head_dim·rope_fraction/2) and attention scale for a sequence of seq_len tokens,
+    as Hugging Face's RoPE functions give them. `ntk` is static NTK-aware scaling, base·s^(d/(d-2)); `dynamic` takes
+    s from the current length, so every cached key and value goes stale as it grows (generate.py recomputes)."""
     d, base, s, original_len = args.head_dim, args.rope_theta, args.rope_factor, args.original_seq_len
     d = round(d * args.rope_fraction)  # partial rotary: the first d dimensions of each head rotate
     exponents = torch.arange(0, d, 2, dtype=torch.float32) / d
@@ -357,10 +354,8 @@ class Transformer(nn.Module):
             layer.attention.cache = None
 
     def rope(self, start: int, end: int, device) -> torch.Tensor:
-        """Complex rotations (end-start, rotated dims/2) for positions start..end-1 of an end-token sequence (float32).
-
-        Static RoPE slices a table over max(max_seq_len, KV cache length) positions, rebuilt when the device or args
-        change (.to(), weights loaded onto a meta model, a new model.args); dynamic NTK and longer ends are computed."""
+        """rope_rotations(args, start, end), sliced from a table over max(max_seq_len, KV cache) positions, rebuilt
+        when the device or args change (.to(), a new model.args); dynamic NTK and longer ends are computed."""
         device = torch.device(device)
         if self.args.rope_scaling == "dynamic":  # its frequencies depend on end
             return rope_rotations(self.args, start, end, device)
@@ -375,12 +370,9 @@ class Transformer(nn.Module):
         return table[start:end]
 
     def forward(self, tokens: torch.Tensor, targets=None, start_pos: int | None = None, positions=None):
-        """Logits (B, T, vocab), or the mean cross-entropy when targets are given (-100 is ignored).
-
-        With start_pos, tokens sit at positions start_pos.. and read and write the KV cache (see setup_cache).
-        Without it, `positions` ((T,) or (B, T), increasing) may place them elsewhere than 0..T-1, for every
-        position encoding (randomized-position training).
-        """
+        """Logits (B, T, vocab), or the mean cross-entropy when targets are given (-100 is ignored). With start_pos,
+        tokens sit at positions start_pos.. and use the KV cache (setup_cache); without it, `positions` ((T,) or
+        (B, T), increasing) may place them elsewhere than 0..T-1 (randomized-position training)."""
         (batch, seqlen), device = tokens.shape, tokens.device
         end, given = (start_pos or 0) + seqlen, positions is not None
         positions = positions if given else torch.arange(end - seqlen, end, device=device)

@@ -24,7 +24,7 @@ from cli import UserError, check_writable, run_command
 from config import Config, check_config, parse_cli
 from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
 from data.prepare import prepare
-from device import peak_flops, pick_device, pick_dtype
+from device import keep_freed_memory, peak_flops, pick_device, pick_dtype
 from metrics import RunLog, Throughput, memory_gb
 from model import Transformer
 from optim import build_optimizer, lr_at
@@ -334,6 +334,7 @@ def print_sample(cfg: Config, device: torch.device):
 def main(argv: list[str]) -> int:
     cfg, resume = parse_cli(argv, __doc__)
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    keep_freed_memory()
     dist = Dist(cfg.train.device)
     try:
         train(cfg, resume, dist)

@@ -171,6 +171,13 @@ def decode_bounds(model, device, repeats: int, progress) -> dict:
     }
 
 
+def warm_up(run, new_tokens: int) -> float:
+    """Run a decoder on a few tokens (the compiled steps compile here); the seconds it took."""
+    start = time.perf_counter()
+    run(min(new_tokens, 8))
+    return time.perf_counter() - start
+
+
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__, "decode")
     p.add_argument("--no-compile", action="store_true", help="skip the compiled decoders (each compiles ~10-40 s)")
@@ -205,48 +212,48 @@ def main(argv: list[str]) -> int:
     prompt = torch.randint(0, margs.vocab_size, (1, cli.prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
     decoders = variants(ours, device, compiled=not cli.smoke and not cli.no_compile)
+    methods = {
+        "hf_generate": lambda n: hf_greedy(hf, prompt, n),
+        "ours_no_cache": lambda n: greedy_without_cache(ours, prompt, n),
+        **{
+            name: lambda n, model=model, step=step: generate(model, prompt.tolist(), n, temperature=0, step=step)[0]
+            for name, (model, step) in decoders.items()
+        },
+    }
+    compile_seconds = {name: warm_up(run, cli.new_tokens) for name, run in methods.items() if "compiled" in name}
+    outputs = {}
+
+    def record(name, methods):
+        def run():
+            outputs[name] = methods[name](cli.new_tokens)
+
+        return run
+
+    calls = 4 if cli.smoke else 32
+    timed = ("ours_model_step", "ours_fused_eager", "ours_compiled", "ours_int8_compiled")
+    timed_steps = [name for name in timed if name in decoders]
+    total = cli.repeats + len(timed_steps) * (2 * cli.repeats + 1) + 2 * cli.repeats + 1
+    with tqdm(total=total, desc="decode runs", disable=None) as progress:
+        seconds = common.interleaved_medians(
+            {name: record(name, methods) for name in methods}, device, 0, cli.repeats, progress
+        )
+        steps = {
+            name: step_seconds(*decoders[name], positions, device, calls, 2 * cli.repeats, progress)
+            for name in timed_steps
+        }
+        bounds = decode_bounds(ours, device, 2 * cli.repeats, progress)
+    # llama.cpp last and on its own: its idle worker threads keep polling for work between calls, which slowed the
+    # torch decoders run between them by up to 40% here.
     with tempfile.TemporaryDirectory() as folder:
         llama_cpp, why_not = (
             ({}, "not in --smoke")
             if cli.smoke
             else llama_cpp_decoders(ours, cli.tokenizer, cli.prompt_len + cli.new_tokens, Path(folder))
         )
-        methods = {
-            "hf_generate": lambda n: hf_greedy(hf, prompt, n),
-            "ours_no_cache": lambda n: greedy_without_cache(ours, prompt, n),
-            **{
-                name: lambda n, model=model, step=step: generate(model, prompt.tolist(), n, temperature=0, step=step)[0]
-                for name, (model, step) in decoders.items()
-            },
-            **{name: lambda n, d=decoder: d.greedy(prompt[0].tolist(), n) for name, decoder in llama_cpp.items()},
-        }
-        compile_seconds = {}
-        for name, run in methods.items():  # warm-up on a few tokens; the compiled steps compile here
-            start = time.perf_counter()
-            run(min(cli.new_tokens, 8))
-            if "compiled" in name:
-                compile_seconds[name] = time.perf_counter() - start
-        outputs = {}
-
-        def record(name):
-            def run():
-                outputs[name] = methods[name](cli.new_tokens)
-
-            return run
-
-        calls = 4 if cli.smoke else 32
-        timed = ("ours_model_step", "ours_fused_eager", "ours_compiled", "ours_int8_compiled")
-        timed_steps = [name for name in timed if name in decoders]
-        total = cli.repeats + len(timed_steps) * (2 * cli.repeats + 1) + 2 * cli.repeats + 1
-        with tqdm(total=total, desc="decode runs", disable=None) as progress:
-            seconds = common.interleaved_medians(
-                {name: record(name) for name in methods}, device, 0, cli.repeats, progress
-            )
-            steps = {
-                name: step_seconds(*decoders[name], positions, device, calls, 2 * cli.repeats, progress)
-                for name in timed_steps
-            }
-            bounds = decode_bounds(ours, device, 2 * cli.repeats, progress)
+        theirs = {name: lambda n, d=decoder: d.greedy(prompt[0].tolist(), n) for name, decoder in llama_cpp.items()}
+        for run in theirs.values():
+            warm_up(run, cli.new_tokens)
+        seconds |= common.interleaved_medians({name: record(name, theirs) for name in theirs}, device, 0, cli.repeats)
         for decoder in llama_cpp.values():
             decoder.close()
     n = cli.new_tokens

@@ -19,7 +19,7 @@ from model import Transformer
 
 # name -> train.py overrides; the first is the baseline every switch is compared with
 SWITCHES = {
-    "llama": [],  # rmsnorm, pre-norm, serial block, swiglu, adamw
+    "llama": [],  # the config as it is: rmsnorm, pre-norm, serial block, swiglu
     "layernorm": ["--model.norm=layernorm"],
     "post-norm": ["--model.norm_placement=post"],
     "sandwich norm": ["--model.norm_placement=sandwich"],
@@ -32,8 +32,8 @@ SWITCHES = {
     "qk-norm": ["--model.qk_norm=true"],
     "logit soft-cap 30": ["--model.logit_softcap=30"],
     "z-loss 1e-4": ["--optim.z_loss=1e-4"],
-    "muon": ["--optim.name=muon"],
 }
+OPTIMIZERS = ("adamw", "muon")  # the table also trains the optimizer that the config does not use
 QUIET = ["--eval.interval=0", "--checkpoint.interval=0", "--train.sample_tokens=0"]
 PROBE_STEPS = 12
 
@@ -99,10 +99,13 @@ def main(argv: list[str]) -> int:
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
         raise UserError(f"--seeds {args.seeds!r}: expected comma-separated integers") from None
-    names = list(SWITCHES) if args.only is None else [n.strip() for n in args.only.split(",")]
-    unknown = [n for n in names if n not in SWITCHES]
+    cfg, _ = parse_cli(["--config", args.config])
+    other = next(name for name in OPTIMIZERS if name != cfg.optim.name)
+    switches = {**SWITCHES, other: [f"--optim.name={other}"]}
+    names = list(switches) if args.only is None else [n.strip() for n in args.only.split(",")]
+    unknown = [n for n in names if n not in switches]
     if unknown:
-        raise UserError(f"--only: unknown switch {unknown[0]!r} (choose from {', '.join(SWITCHES)})")
+        raise UserError(f"--only: unknown switch {unknown[0]!r} (choose from {', '.join(switches)})")
     budget = 3.0 if args.smoke else args.budget
     results = {}
     with (
@@ -112,11 +115,11 @@ def main(argv: list[str]) -> int:
         for name in names:
             runs = []
             for seed in seeds:
-                runs.append(run_switch(args.config, SWITCHES[name], seed, budget, Path(tmp) / f"{len(results)}-{seed}"))
+                runs.append(run_switch(args.config, switches[name], seed, budget, Path(tmp) / f"{len(results)}-{seed}"))
                 bar.update()
             bpbs = [r["val_bpb"] for r in runs if r.get("val_bpb") is not None]
             results[name] = {
-                "overrides": SWITCHES[name],
+                "overrides": switches[name],
                 "runs": runs,
                 "val_bpb_mean": statistics.mean(bpbs) if bpbs else None,
                 "val_bpb_std": statistics.stdev(bpbs) if len(bpbs) > 1 else None,

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from cli import UserError, run_command
+from device import keep_freed_memory
 from model import ModelArgs
 
 SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
@@ -51,7 +52,7 @@ def bench_config(name, margs, batch, seq_len, device, dtype, precision, cli, pro
     }
     seconds = common.interleaved_medians(steps, device, cli.warmup, cli.steps, progress)
     tokens_per_step = batch * seq_len
-    peak = common.mfu_peak_flops(cli, device)
+    peak = common.mfu_peak_flops(cli, device, torch.bfloat16 if bf16 else dtype)
     result = {
         "config": name,
         "model_args": margs.to_dict(),
@@ -77,7 +78,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--peak-tflops",
         type=float,
-        help="the device's peak for MFU (default: 0.095 per CPU thread, or a table of GPUs)",
+        help="the device's peak for MFU (default: a measured matmul in the run's dtype on CPU, a table of GPUs)",
     )
     p.add_argument("--config", default="small,default", help="comma-separated: small, base, configs/NAME.toml names")
     p.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
@@ -91,6 +92,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=7, help="timed steps of each model, interleaved (default 7)")
     cli = common.parse(p, argv)
     device, dtype = common.setup(cli)
+    keep_freed_memory()  # as train.py does, for both models
     if min(cli.batch_size or 1, cli.seq_len or 1, cli.steps, cli.warmup + 1) < 1:
         raise UserError("--batch-size, --seq-len and --steps must be positive, --warmup not negative")
     if cli.smoke:

@@ -25,12 +25,22 @@ def write_corpus(directory, num_docs=12, words_per_doc=2500, seed=0):
     return directory
 
 
-def build_tiny_run(root, steps=60) -> tuple:
-    """(run_dir, data_dir): a dataset prepared with data.prepare and a tiny model trained on it for a few steps."""
+def build_tiny_run(root, steps=60, **model_args) -> tuple:
+    """(run_dir, data_dir): a dataset prepared with data.prepare and a tiny model (ModelArgs changed by model_args)
+    trained on it for a few steps."""
     data_dir = prepare(str(write_corpus(root / "corpus")), vocab_size=320, out_dir=root / "data", command=["test"])
     torch.manual_seed(0)
     model = Transformer(
-        ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=TRAIN_LEN, multiple_of=16)
+        ModelArgs(
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            vocab_size=320,
+            max_seq_len=TRAIN_LEN,
+            multiple_of=16,
+            **model_args,
+        )
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batches = RandomBatches(data_dir, "train", batch_size=16, seq_len=TRAIN_LEN)
@@ -59,5 +69,5 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def make_tiny_run(tmp_path_factory):
-    """make_tiny_run(steps) -> (run_dir, data_dir), each in a fresh directory."""
-    return lambda steps=60: build_tiny_run(tmp_path_factory.mktemp("run"), steps)
+    """make_tiny_run(steps, **model_args) -> (run_dir, data_dir), each in a fresh directory."""
+    return lambda steps=60, **model_args: build_tiny_run(tmp_path_factory.mktemp("run"), steps, **model_args)

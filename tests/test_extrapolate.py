@@ -177,9 +177,8 @@ def test_runs_with_other_tokenizers_are_refused(tiny_run, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_other_position_encodings_get_none_alone(tiny_run, tmp_path, capsys, monkeypatch):
-    run_dir, data_dir = tiny_run
-    monkeypatch.setattr(extrapolate, "position_of", lambda args: "alibi")
+def test_other_position_encodings_get_none_alone(make_tiny_run, tmp_path, capsys):
+    run_dir, _ = make_tiny_run(5, position="alibi")
     argv = extrapolate_argv(run_dir, "--lengths", "32,64", "--num-windows", "2", "--out", str(tmp_path / "a"))
     assert generate.main(argv) == 0
     [run] = json.loads((tmp_path / "a" / "extrapolation.json").read_text())["runs"]
@@ -190,9 +189,8 @@ def test_other_position_encodings_get_none_alone(tiny_run, tmp_path, capsys, mon
     assert err.startswith("error: --methods ntk: RoPE scaling applies to RoPE models only") and err.count("\n") == 1
 
 
-def test_learned_positions_past_their_table_are_not_available(tiny_run, tmp_path, monkeypatch):
-    run_dir, _ = tiny_run
-    monkeypatch.setattr(extrapolate, "position_of", lambda args: "learned")
+def test_learned_positions_past_their_table_are_not_available(make_tiny_run, tmp_path):
+    run_dir, _ = make_tiny_run(5, position="learned")
     argv = extrapolate_argv(run_dir, "--lengths", "32,64", "--num-windows", "2", "--out", str(tmp_path))
     assert generate.main(argv) == 0
     [run] = json.loads((tmp_path / "extrapolation.json").read_text())["runs"]

@@ -22,7 +22,7 @@ import optim
 import train
 from checkpoint import checkpoints, load_model, non_finite, save_model
 from cli import UserError, run_command
-from config import build_config, check_config
+from config import build_config, check_config, parse_cli
 from data.loader import RandomBatches
 from data.prepare import prepare, train_tokenizer
 from model import ModelArgs, Transformer
@@ -308,6 +308,8 @@ def test_tokens_per_s_counts_training_time_only(dataset, tmp_path, monkeypatch):
     rates = losses(tmp_path / "run", "tokens_per_s")
     assert sorted(rates) == [10, 20, 30, 40] and sorted(losses(tmp_path / "run", "val_loss")) == [25, 40]
     assert all(rate == pytest.approx(8 * 32) for rate in rates.values()), rates
+    elapsed = losses(tmp_path / "run", "elapsed_s")  # wall time: steps, evaluations and checkpoints alike
+    assert elapsed[10] == 10 and elapsed[30] == 30 + 100 + 50
 
 
 # ---------------------------------------------------------------- FSDP2 and resume
@@ -437,6 +439,14 @@ def test_bad_config_is_one_line(dataset, tmp_path, capsys, args, message):
     assert run_in_process(config_file(tmp_path, dataset), tmp_path / "run", *args) == 2
     stderr = capsys.readouterr().err
     assert stderr.startswith("error: ") and message in stderr and stderr.count("\n") == 1, stderr
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path):
+    cfg, _ = parse_cli(["--config", str(path)])
+    check_config(cfg, 8 if "llama-1b" in path.name else 1)
+    with torch.device("meta"):
+        assert Transformer(cfg.model).num_params() > 0
 
 
 def test_toml_type_errors_name_the_key(dataset, tmp_path, capsys):
