@@ -1,4 +1,5 @@
-"""Where and in what precision to run: the device, the dtype, native bf16 on CPUs, and peak FLOP/s for MFU."""
+"""Where and in what precision to run: the device, the dtype, native bf16 on CPUs, peak FLOP/s for MFU, and how
+glibc should treat the memory a training step frees."""
 
 import ctypes
 import ctypes.util

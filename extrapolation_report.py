@@ -166,9 +166,10 @@ def plot_report(report: dict, path: Path):
     ppl_ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
     ppl_ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
     ppl_ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ppl_ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
+    # beside the panels, not over the first: a comparison of several runs has a line per run and method
+    fig.legend(*ppl_ax.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    fig.savefig(path, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -371,6 +371,16 @@ def test_resume_after_sigkill_with_two_ranks(runs, tmp_path):
     assert_close(losses(run["two"]), losses(tmp_path / "run"), 1e-6, steps=range(1, 13))
 
 
+def test_one_process_checkpoint_resumes_on_two_ranks(runs, tmp_path):
+    """One process saves without DCP's collectives (checkpoint.py); the checkpoint is still one that 2 ranks resume."""
+    fp32 = runs["float32"]
+    shutil.copytree(fp32["single"], tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "train_state" / "step_000016")  # resume from step 12
+    resumed = run_subprocess(2, fp32["config"], tmp_path / "run", "--resume", "--train.max_steps=16")
+    assert resumed.returncode == 0, resumed.stderr
+    assert_close(losses(fp32["single"]), losses(tmp_path / "run"), 1e-5, steps=range(13, 17))
+
+
 def test_two_rank_checkpoint_resumes_in_one_process(runs, tmp_path):
     fp32 = runs["float32"]
     shutil.copytree(fp32["two"], tmp_path / "run")
