@@ -202,8 +202,9 @@ def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: 
         tmp.mkdir(parents=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    # One process saves without DCP's collectives: run on gloo's threads, they start a second OpenMP thread team,
-    # after which libgomp sees more threads than cores and stops spinning; training ran ~25% slower ever after.
+    # One process saves without DCP's collectives: after a save with them, training ran ~25% slower ever after, the
+    # cores idle in OpenMP barrier waits (most likely gloo's threads start a second OpenMP team, and libgomp, seeing
+    # more threads than cores, stops spinning).
     with single_process_quiet():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), no_dist=dist.world_size == 1)
     extra = {"step": step, "loader": loader.state_dict(), "rng": rng_state(dist.device)}
