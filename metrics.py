@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from config import Config
@@ -20,6 +21,12 @@ def memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+def flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token of a Transformer: 6 per matmul weight, plus attention's 12·layers·dim·seq_len."""
+    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return 6 * matmul_params + 12 * model.args.n_layers * model.args.dim * seq_len
 
 
 class Throughput:

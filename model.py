@@ -412,8 +412,3 @@ class Transformer(nn.Module):
     def is_llama(self) -> bool:
         """Whether every switch is at LLaMA's default (SWITCHES)."""
         return all(getattr(self.args, key) == getattr(ModelArgs, key) for key in SWITCHES)
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 per matmul weight, plus attention's 12·layers·dim·seq_len."""
-        matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return 6 * matmul_params + 12 * self.args.n_layers * self.args.dim * seq_len

@@ -25,7 +25,7 @@ from config import Config, check_config, parse_cli
 from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
 from data.prepare import prepare
 from device import keep_freed_memory, peak_flops, pick_device, pick_dtype
-from metrics import RunLog, Throughput, memory_gb
+from metrics import RunLog, Throughput, flops_per_token, memory_gb
 from model import Transformer
 from optim import build_optimizer, lr_at
 
@@ -272,7 +272,7 @@ def train(cfg: Config, resume: bool, dist: Dist):
     )
     peak = peak_flops(dist.device, t.peak_tflops)
     peak = peak * dist.world_size if peak else None
-    clock = Throughput(t.batch_size * t.seq_len, model.flops_per_token(t.seq_len), peak, dist.device)
+    clock = Throughput(t.batch_size * t.seq_len, flops_per_token(model, t.seq_len), peak, dist.device)
     export_config = {k: v for k, v in cfg.to_dict().items() if k != "model"}  # config.json's, beside the model's
     keep = cfg.checkpoint.keep
     while step < t.max_steps:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from cli import UserError, run_command
 from device import keep_freed_memory
+from metrics import flops_per_token
 from model import ModelArgs
 
 SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
@@ -67,7 +68,7 @@ def bench_config(name, margs, batch, seq_len, device, dtype, precision, cli, pro
     for who, s in seconds.items():
         result[who] = {"step_seconds": s, "tokens_per_second": tokens_per_step / s}
         if peak:
-            result[who]["mfu"] = ours.flops_per_token(seq_len) * tokens_per_step / s / peak
+            result[who]["mfu"] = flops_per_token(ours, seq_len) * tokens_per_step / s / peak
     result["ratio_ours_over_hf"] = seconds["hf"] / seconds["ours"]
     return result
 

@@ -119,7 +119,6 @@ def test_args_round_trip_and_counts():
     assert ModelArgs.from_dict(args.to_dict()) == args
     model = make_model(args)
     assert model.num_params() == sum(p.numel() for p in model.parameters())
-    assert model.flops_per_token(32) > 6 * model.num_params() - 6 * 97 * 64  # embeddings are not matmuls
     assert ModelArgs(dim=4096, n_heads=32, multiple_of=256).hidden_dim == 11008  # Llama 2 7B's rule
 
 

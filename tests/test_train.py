@@ -275,6 +275,11 @@ def test_a_diverged_update_is_never_saved_nor_logged_as_a_number(dataset, tmp_pa
         json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl:\n{metrics}"))
 
 
+def test_flops_per_token_counts_the_matmuls_not_the_embeddings():
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32))
+    assert metrics.flops_per_token(model, 32) > 6 * model.num_params() - 6 * 97 * 64  # embeddings are not matmuls
+
+
 def test_due_every_interval_and_after_the_last_step():
     assert [step for step in range(1, 101) if train.due(step, 25, 100)] == [25, 50, 75, 100]
     assert [step for step in range(1, 31) if train.due(step, 7, 30)] == [7, 14, 21, 28, 30]
