@@ -211,7 +211,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: 
     (tmp / f"rank{dist.rank}.json").write_text(json.dumps(extra))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.main:
-        meta = {"step": step, "world_size": dist.world_size, "model": model.args.to_dict()}
+        meta = {"step": step, "world_size": dist.world_size, "model": model.args.to_dict(), "train": config["train"]}
         if tokenizer is not None:
             meta["tokenizer_sha256"] = sha256(tokenizer)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -301,6 +301,17 @@ def resume_point(run_dir, args: ModelArgs, resume: bool) -> Path | None:
             f"cannot resume from {latest}: it was trained with a different model ({', '.join(differences)})"
         )
     return latest
+
+
+def recorded_max_steps(checkpoint: Path) -> int:
+    """The step count a train.max_minutes run chose, as its checkpoint records it."""
+    try:
+        steps = json.loads((checkpoint / "meta.json").read_text())["train"]["max_steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        steps = None
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise UserError(f"{checkpoint} records no step count for train.max_minutes; resume with --train.max_steps=N")
+    return steps
 
 
 def check_tokenizer(checkpoint: Path, tokenizer: Path):

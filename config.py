@@ -34,12 +34,15 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     out_dir: str = "out/default"  # the run directory
-    max_steps: int = 1000
+    max_steps: int = 1000  # the run's length, unless max_minutes sizes it
+    # a wall-clock budget (data preparation, evaluations, checkpoints and the final sample included): a probe of the
+    # first warmup steps measures this machine, then fixes max_steps so that the run fits; none: max_steps as given
+    max_minutes: float | None = None
     batch_size: int = 16  # sequences per optimizer step, over all ranks and micro-steps
     grad_accum: int = 1  # micro-steps per optimizer step
     seq_len: int = 256
     seed: int = 1337
-    device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    device: str = "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | mps
     dtype: str = "auto"  # float32 | bfloat16 | auto: bfloat16 where the device computes it natively (FSDP2 policy)
     compile: bool = False  # torch.compile each block
     activation_checkpointing: bool = False
@@ -116,6 +119,7 @@ POSITIVE = {
     "data.copy_span",
     "data.copy_repeats",
     "train.max_steps",
+    "train.max_minutes",
     "train.batch_size",
     "train.grad_accum",
     "train.seq_len",
@@ -142,7 +146,7 @@ NOT_NEGATIVE = {
 }
 BELOW_ONE = {"data.copy_fraction", "optim.beta1", "optim.beta2", "optim.muon_momentum"}  # and not negative
 CHOICES = {
-    "train.device": ("auto", "cpu", "cuda"),
+    "train.device": ("auto", "cpu", "cuda", "mps"),
     "train.dtype": ("auto", "float32", "bfloat16"),
     "optim.name": ("adamw", "muon"),
 }
@@ -232,6 +236,12 @@ def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
                 raise unknown_key_error(f"{name}.{key}", [f"{name}.{k}" for k in types_])
             values[name][key] = check_value(f"{name}.{key}", f"config key {name}.{key}", value, types_[key])
     all_keys = [f"{name}.{k}" for name, cls in sections.items() for k in field_types(cls)]
+    given = {dotted for dotted, _ in overrides}
+    for layer, keys in (("the config file", {f"train.{k}" for k in values["train"]}), ("the command line", given)):
+        if {"train.max_steps", "train.max_minutes"} <= keys:
+            raise UserError(f"{layer} sets both train.max_steps and train.max_minutes; keep one")
+    if "train.max_steps" in given:  # the command line wins: a step count given there turns off the file's budget
+        values["train"]["max_minutes"] = None
     for dotted, text in overrides:
         name, _, key = dotted.partition(".")
         if name not in sections or key not in field_types(sections[name]):
@@ -303,8 +313,14 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 
 def check_training_options(cfg: Config) -> None:
-    """Refuse random positions the model cannot use, and an init_from run that would be overwritten."""
+    """Refuse random positions the model cannot use, an init_from run that would be overwritten, and a budget
+    without the warmup steps its probe times."""
     t, m = cfg.train, cfg.model
+    if t.max_minutes and cfg.optim.warmup_steps < 4:
+        raise UserError(
+            f"train.max_minutes needs optim.warmup_steps of 4 or more (not {cfg.optim.warmup_steps}): it times the "
+            "first warmup steps, whose learning rate does not depend on the run's length, to size the run"
+        )
     position = getattr(m, "position", "rope")  # model.position comes with the position-encoding switch
     if t.random_positions and position == "nope":
         raise UserError("train.random_positions needs a position encoding, and model.position nope has none")

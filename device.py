@@ -32,16 +32,23 @@ DTYPES = {
 }
 
 
+def mps_available() -> bool:
+    return hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+
+
 def pick_device(name: str | None = None) -> torch.device:
-    """The named device (cpu, cuda, cuda:1, mps), or cuda when available else cpu; UserError if unusable."""
+    """The named device (cpu, cuda, cuda:1, mps), or what the machine has: cuda, else Apple's mps, else cpu;
+    UserError if unusable."""
     if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
         raise UserError(f"device {name!r}: not a device (examples: cpu, cuda, cuda:1, mps)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {name!r}: CUDA is not available on this machine")
+    if device.type == "mps" and not mps_available():
+        raise UserError(f"device {name!r}: Apple's MPS is not available on this machine")
     return device
 
 

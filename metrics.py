@@ -66,10 +66,11 @@ def logged_step(line: str) -> float:
 class RunLog:
     """What rank 0 reports: metrics.jsonl (a resumed run first drops the steps it will redo), wandb, a progress bar."""
 
-    def __init__(self, cfg: Config, run_dir: Path, step: int, main: bool):
+    def __init__(self, cfg: Config, run_dir: Path, step: int, total: int | None, main: bool):
+        """total: the run's steps, None while a train.max_minutes probe has not sized it yet."""
         self.main, self.path, self.wandb = main, run_dir / "metrics.jsonl", None
         self.start = time.perf_counter()
-        self.bar = tqdm(total=cfg.train.max_steps, initial=step, desc="training", unit="step", disable=not main or None)
+        self.bar = tqdm(total=total, initial=step, desc="training", unit="step", disable=not main or None)
         if not main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -93,6 +94,13 @@ class RunLog:
                 f.write(json.dumps(finite, allow_nan=False) + "\n")
             if self.wandb is not None:
                 self.wandb.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
+
+    def sized(self, step: int, max_steps: int, line: str):
+        """Say and record the step count a train.max_minutes probe chose."""
+        self.bar.total = max_steps
+        self.bar.refresh()
+        self.say(line)
+        self.record({"step": step, "max_steps": max_steps})
 
     def say(self, text: str):
         if self.main:

@@ -6,8 +6,10 @@ import gc
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -19,7 +21,16 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from checkpoint import check_tokenizer, checkpoints, load_checkpoint, load_model, resume_point, save_checkpoint, stopped
+from checkpoint import (
+    check_tokenizer,
+    checkpoints,
+    load_checkpoint,
+    load_model,
+    recorded_max_steps,
+    resume_point,
+    save_checkpoint,
+    stopped,
+)
 from cli import UserError, check_writable, run_command
 from config import Config, check_config, parse_cli
 from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
@@ -27,9 +38,10 @@ from data.prepare import prepare
 from device import keep_freed_memory, peak_flops, pick_device, pick_dtype
 from metrics import RunLog, Throughput, flops_per_token, memory_gb
 from model import Transformer
-from optim import build_optimizer, lr_at
+from optim import build_optimizer, lr_at, steps_in_budget
 
 REPO_ROOT = Path(__file__).resolve().parent
+PROBE_STEPS = 10  # a train.max_minutes run times its first steps (within the warmup) to size itself
 
 
 class Dist:
@@ -247,7 +259,49 @@ def init_from_weights(cfg: Config) -> dict | None:
     return source.state_dict()
 
 
-def train(cfg: Config, resume: bool, dist: Dist):
+class BudgetProbe:
+    """Sizes a train.max_minutes run from its first steps. These are warmup steps, whose learning rate does not
+    depend on max_steps, so the run is the same as one given the chosen max_steps from the start."""
+
+    def __init__(self, cfg: Config, started: float):
+        self.cfg, self.started, self.ends = cfg, started, []
+        self.steps = min(PROBE_STEPS, cfg.optim.warmup_steps)
+
+    def step_done(self) -> bool:
+        """Note a finished step; True once the probe has timed all of its steps."""
+        self.ends.append(time.perf_counter())
+        return len(self.ends) == self.steps
+
+    def eval_seconds(self, model, data_dir: Path, dist: Dist) -> float:
+        """One evaluation's seconds, from the fastest of 3 validation batches (the first may compile)."""
+        e, times = self.cfg.eval, []
+        with torch.no_grad():
+            for x, y in eval_batches(data_dir, "val", e.batch_size, self.cfg.train.seq_len, min(3, e.batches)):
+                begin = time.perf_counter()
+                model(x.to(dist.device), y.to(dist.device)).item()
+                times.append(time.perf_counter() - begin)
+        return min(times) * math.ceil(e.batches / dist.world_size)
+
+    def max_steps(self, model, data_dir: Path, dist: Dist) -> tuple[int, str]:
+        """The run's length and a line saying how it was chosen (the same on every rank)."""
+        t = self.cfg.train
+        # the first two steps warm caches up (and compile); the rest give a median step time
+        step_s = statistics.median(b - a for a, b in zip(self.ends[1:], self.ends[2:]))
+        step_s, eval_s = (
+            dist.mean(torch.tensor(x, device=dist.device)) for x in (step_s, self.eval_seconds(model, data_dir, dist))
+        )
+        # a checkpoint writes ~4 copies of the fp32 weights (model, two AdamW moments, the export): an estimate
+        save_s = 0.5 + 16 * sum(p.numel() for p in model.parameters()) / 200e6
+        sample_s = 3.0 + 0.01 * t.sample_tokens if t.sample_tokens else 0.0  # generate.py's start and decode
+        left = t.max_minutes * 60 - (time.perf_counter() - self.started) - sample_s
+        steps = steps_in_budget(left, self.steps, step_s, eval_s, save_s, self.cfg)
+        return steps, (
+            f"budget {t.max_minutes:g} min: {step_s:.3f} s a step over steps 3-{self.steps}, an evaluation "
+            f"{eval_s:.1f} s, so {steps} steps (train.max_steps, recorded for --resume)"
+        )
+
+
+def train(cfg: Config, resume: bool, dist: Dist, started: float):
     """Train cfg from scratch or from the latest checkpoint in train.out_dir, logging, evaluating and saving."""
     t = cfg.train
     run_dir = Path(t.out_dir)
@@ -265,7 +319,12 @@ def train(cfg: Config, resume: bool, dist: Dist):
     rows = slice(dist.rank * t.batch_size // dist.world_size, (dist.rank + 1) * t.batch_size // dist.world_size)
     model, optimizer, sizes = build_model(cfg, dist, None if start else init)  # a resumed run loads its checkpoint
     step = 0 if start is None else load_checkpoint(start, model, optimizer, loader, dist)
-    log = RunLog(cfg, run_dir, step, dist.main)
+    probe = None
+    if t.max_minutes and start is None:
+        probe, t.max_steps = BudgetProbe(cfg, started), sys.maxsize  # until the probe has sized the run
+    elif t.max_minutes:
+        t.max_steps = recorded_max_steps(start)
+    log = RunLog(cfg, run_dir, step, None if probe else t.max_steps, dist.main)
     log.say(
         f"model: {sizes}; data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens); "
         f"device {dist.device}" + (f"; resuming at step {step}" if start else "")
@@ -273,7 +332,6 @@ def train(cfg: Config, resume: bool, dist: Dist):
     peak = peak_flops(dist.device, t.peak_tflops)
     peak = peak * dist.world_size if peak else None
     clock = Throughput(t.batch_size * t.seq_len, flops_per_token(model, t.seq_len), peak, dist.device)
-    export_config = {k: v for k, v in cfg.to_dict().items() if k != "model"}  # config.json's, beside the model's
     keep = cfg.checkpoint.keep
     while step < t.max_steps:
         lr = lr_at(step, cfg)
@@ -288,6 +346,11 @@ def train(cfg: Config, resume: bool, dist: Dist):
         step += 1
         clock.steps += 1
         log.bar.update()
+        if probe is not None and probe.step_done():
+            with clock.paused():
+                t.max_steps, line = probe.max_steps(model, data_dir, dist)
+            probe = None
+            log.sized(step, t.max_steps, line)
         if due(step, t.log_interval, t.max_steps):
             entry = {
                 "step": step,
@@ -313,6 +376,7 @@ def train(cfg: Config, resume: bool, dist: Dist):
                     )
                 if saving:
                     tokenizer = data_dir / "tokenizer.model"
+                    export_config = {k: v for k, v in cfg.to_dict().items() if k != "model"}  # beside the model's
                     save_checkpoint(run_dir, step, model, optimizer, loader, dist, export_config, tokenizer, keep)
                     log.say(f"step {step}: saved checkpoint {checkpoints(run_dir)[-1]}")
     log.close()
@@ -332,12 +396,13 @@ def print_sample(cfg: Config, device: torch.device):
 
 
 def main(argv: list[str]) -> int:
+    started = time.perf_counter()  # a train.max_minutes budget counts from here
     cfg, resume = parse_cli(argv, __doc__)
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     keep_freed_memory()
     dist = Dist(cfg.train.device)
     try:
-        train(cfg, resume, dist)
+        train(cfg, resume, dist, started)
     except BaseException as e:
         traceback.clear_frames(e.__traceback__)  # the failed frames' model and optimizer must go before close()
         raise

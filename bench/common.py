@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from cli import ArgumentParser, UserError, atomic_output, check_writable  # noqa: E402
 from convert import hf_config, to_hf_state_dict  # noqa: E402
-from device import peak_flops, pick_device, pick_dtype  # noqa: E402
+from device import cpu_has_bf16, peak_flops, pick_device, pick_dtype  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
@@ -139,10 +139,12 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
 
 
 def mfu_peak_flops(args, device: torch.device, dtype: torch.dtype = torch.float32) -> float | None:
-    """Peak FLOP/s for MFU: --peak-tflops, a measured CPU matmul in `dtype`, or device.py's GPU table (None if
-    unknown)."""
+    """Peak FLOP/s for MFU: --peak-tflops, a measured CPU matmul in the dtype the arithmetic runs in, or device.py's
+    GPU table (None if unknown). A CPU without bf16 units computes bf16 through its fp32 units (converting, ~50-100×
+    slower in a large matmul), so its bf16 peak is its fp32 one. --smoke measures a small matmul: seconds anywhere."""
     if device.type == "cpu" and args.peak_tflops is None:
-        return matmul_flops(dtype)
+        native = dtype == torch.float32 or cpu_has_bf16()
+        return matmul_flops(dtype if native else torch.float32, n=256 if args.smoke else 2048)
     return peak_flops(device, args.peak_tflops)
 
 

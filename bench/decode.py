@@ -111,7 +111,7 @@ def llama_cpp_decoders(model, tokenizer_path: Path, context: int, folder: Path) 
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        return {}, "llama-cpp-python is not installed"
+        return {}, "llama-cpp-python is not installed (pip install -e '.[llama]')"
     if not tokenizer_path.is_file():
         return {}, f"no tokenizer at {tokenizer_path} (--tokenizer) for the GGUF vocabulary"
     tokenizer = read_tokenizer(tokenizer_path)

@@ -1,5 +1,8 @@
 """Shared test helpers: a tiny dataset with a briefly trained run directory, and one torch thread for tiny models."""
 
+import importlib
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -71,3 +74,15 @@ def one_thread():
 def make_tiny_run(tmp_path_factory):
     """make_tiny_run(steps, **model_args) -> (run_dir, data_dir), each in a fresh directory."""
     return lambda steps=60, **model_args: build_tiny_run(tmp_path_factory.mktemp("run"), steps, **model_args)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """llama-cpp-python (the `llama` extra: compiled from source, so not in `dev`), or a skip saying how to install
+    it. CI installs every extra, so there a missing module fails rather than skips: a skip never passes in CI."""
+    try:
+        return importlib.import_module("llama_cpp")
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("llama_cpp is not installed, and CI must run the llama.cpp checks: pip install -e '.[llama]'")
+        pytest.skip("llama-cpp-python is not installed: pip install -e '.[llama]' runs the llama.cpp checks")

@@ -201,11 +201,10 @@ def test_command_errors_are_one_line(run_dir, tmp_path, argv, message):
 # ---------------------------------------------------------------- GGUF for llama.cpp
 
 
-def llama_cpp_logits(path, tokens: list[int]) -> torch.Tensor:
+def llama_cpp_logits(llama_cpp, path, tokens: list[int]) -> torch.Tensor:
     """The logits (T, vocab) llama.cpp computes for tokens with f32 attention, through its C API with the extra
     (AMX, repacked) CPU kernels off: ggml_backend_amx_mul_mat crashes on q8_0 weights on this Xeon
     (llama-cpp-python 0.3.36), also for files that llama.cpp quantized itself."""
-    llama_cpp = pytest.importorskip("llama_cpp")
     model_params = llama_cpp.llama_model_default_params()
     model_params.use_extra_bufts = False
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
@@ -232,17 +231,15 @@ def llama_cpp_logits(path, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def gguf_files(run_dir, tmp_path_factory):
-    """run_dir exported as f32, f16 and q8_0 GGUF files."""
-    pytest.importorskip("llama_cpp")
+def gguf_files(run_dir, tmp_path_factory, llama_cpp):
+    """run_dir exported as f32, f16 and q8_0 GGUF files (for llama.cpp to read)."""
     out = tmp_path_factory.mktemp("gguf")
     for kind in convert.GGUF_TYPES:
         assert run_command(convert.main, ["to-gguf", str(run_dir), str(out / f"{kind}.gguf"), "--type", kind]) == 0
     return {kind: out / f"{kind}.gguf" for kind in convert.GGUF_TYPES}
 
 
-def test_gguf_continues_like_generate_in_llama_cpp(run_dir, gguf_files):
-    llama_cpp = pytest.importorskip("llama_cpp")
+def test_gguf_continues_like_generate_in_llama_cpp(run_dir, gguf_files, llama_cpp):
     model, _, tokenizer = load_run(run_dir, "cpu", torch.float32)
     prompt = encode_prompt(tokenizer, "ab cd")
     ours = generate(model, [prompt], 24, temperature=0)[0]
@@ -254,12 +251,12 @@ def test_gguf_continues_like_generate_in_llama_cpp(run_dir, gguf_files):
 
 
 @pytest.mark.parametrize("kind, tolerance", [("f32", 1e-5), ("f16", 2e-3), ("bf16", 0.01), ("q8_0", 0.02)])
-def test_gguf_logits_match_ours(run_dir, gguf_files, kind, tolerance):
+def test_gguf_logits_match_ours(run_dir, gguf_files, kind, tolerance, llama_cpp):
     model, _ = load_model(run_dir)
     tokens = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(tokens[None])[0]
-    theirs = llama_cpp_logits(gguf_files[kind], tokens.tolist())
+    theirs = llama_cpp_logits(llama_cpp, gguf_files[kind], tokens.tolist())
     assert (theirs - ours).abs().max() <= tolerance * ours.abs().max()
 
 
@@ -272,8 +269,7 @@ def test_gguf_logits_match_ours(run_dir, gguf_files, kind, tolerance):
     ],
     ids=lambda d: d["rope_scaling"],
 )
-def test_gguf_carries_rope_scaling(run_dir, tmp_path, scaling):
-    pytest.importorskip("gguf")
+def test_gguf_carries_rope_scaling(run_dir, tmp_path, scaling, llama_cpp):
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=32, multiple_of=32)
     plain = make_model(args)
     with torch.no_grad():  # sharp weights, so that positions matter
@@ -286,7 +282,7 @@ def test_gguf_carries_rope_scaling(run_dir, tmp_path, scaling):
     tokens = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, unscaled = scaled(tokens[None])[0], plain(tokens[None])[0]
-    error = (llama_cpp_logits(tmp_path / "m.gguf", tokens.tolist()) - ours).abs().max()
+    error = (llama_cpp_logits(llama_cpp, tmp_path / "m.gguf", tokens.tolist()) - ours).abs().max()
     assert error <= 1e-5 * ours.abs().max() and (ours - unscaled).abs().max() > 0.1 * ours.abs().max()
 
 

@@ -438,7 +438,7 @@ def test_wandb_offline_one_metrics_line_per_logged_step_and_a_sample(dataset, tm
         (["--checkpoint.interval=-1"], "--checkpoint.interval must be zero or more, not -1"),
         (["--eval.interval=-5"], "--eval.interval must be zero or more, not -5"),
         (["--optim.beta2=1"], "--optim.beta2 must be at least 0 and below 1, not 1.0"),
-        (["--train.device=tpu"], "--train.device must be one of auto, cpu, cuda, not 'tpu'"),
+        (["--train.device=tpu"], "--train.device must be one of auto, cpu, cuda, mps, not 'tpu'"),
         (["--model.multiple_of=0"], "--model.multiple_of must be positive, not 0"),
         (["--model.norm_eps=-1e-5"], "--model.norm_eps must be positive, not -1e-05"),
         (["--train.seed=-1"], "--train.seed must be zero or more, not -1"),
@@ -646,3 +646,64 @@ def test_init_from_extends_the_context_starting_from_the_source_weights(dataset,
         assert run_in_process(config, tmp_path / "long", *args) == 2
         stderr = capsys.readouterr().err
         assert stderr.startswith("error: ") and message in stderr and stderr.count("\n") == 1, stderr
+
+
+# ---------------------------------------------------------------- a run sized in minutes
+
+
+def test_steps_in_budget_counts_steps_evaluations_and_saves():
+    cfg = build_config({"eval": {"interval": 10}, "checkpoint": {"interval": 0}}, [])
+    # 100 s left after 5 steps: the last evaluation (4 s) first, then 0.5 s a step + 4 s every 10 steps = 0.9 s a step
+    assert optim.steps_in_budget(100.0, 5, 0.5, 4.0, 2.0, cfg) == 5 + int((100 - 4 - 2) / 0.9)
+    assert optim.steps_in_budget(-3.0, 5, 0.5, 4.0, 2.0, cfg) == 5  # over budget already: stop after the probe
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--train.max_minutes=1", "--train.max_steps=5"], "the command line sets both train.max_steps and"),
+        (["--train.max_minutes=0"], "--train.max_minutes must be positive"),
+        (["--train.max_minutes=1", "--optim.warmup_steps=2"], "train.max_minutes needs optim.warmup_steps of 4"),
+    ],
+)
+def test_bad_budgets_are_one_line(dataset, tmp_path, capsys, args, message):
+    assert run_in_process(config_file(tmp_path, dataset), tmp_path / "run", *args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_step_count_on_the_command_line_turns_off_the_files_budget():
+    cfg = build_config({"train": {"max_minutes": 5.0}}, [("train.max_steps", "7")])
+    assert cfg.train.max_minutes is None and cfg.train.max_steps == 7
+    with pytest.raises(UserError, match="the config file sets both"):
+        build_config({"train": {"max_minutes": 5.0, "max_steps": 7}}, [])
+
+
+def test_a_budgeted_run_killed_and_resumed_equals_the_same_steps_given_up_front(dataset, tmp_path):
+    """The probe's steps are warmup steps, so a run sized by max_minutes is the run of its chosen max_steps; the
+    checkpoint records that number, so a SIGKILLed run resumes on the same schedule (cosine to a min_lr ≠ lr)."""
+    budget = {"max_minutes": 0.12, "sample_tokens": 0, "log_interval": 1}
+    schedule = {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 10}
+    config = config_file(tmp_path, dataset, train=budget, optim=schedule, checkpoint={"interval": 10, "keep": 5})
+    config.write_text(config.read_text().replace("max_steps = 12\n", ""))
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "train.py", "--config", str(config), f"--train.out_dir={killed}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while not [p for p in checkpoints(killed) if int(p.name[5:]) >= 20]:
+        assert process.poll() is None, f"the run ended early: {process.communicate()}"
+        assert time.time() < deadline, "no checkpoint within 120 s"
+        time.sleep(0.01)
+    process.kill()
+    process.wait()
+    (chosen,) = [e["max_steps"] for e in map(json.loads, (killed / "metrics.jsonl").open()) if "max_steps" in e]
+    assert chosen > 30, f"the budget sized only {chosen} steps: too few to kill the run halfway"
+    assert run_in_process(config, killed, "--resume") == 0
+    reference = tmp_path / "reference"
+    assert run_in_process(config, reference, f"--train.max_steps={chosen}") == 0
+    assert max(losses(killed)) == chosen == json.loads((killed / "config.json").read_text())["train"]["max_steps"]
+    assert_close(losses(killed), losses(reference), 1e-6, steps=range(1, chosen + 1))
