@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from checkpoint import load_model, model_from_state_dict, read_tokenizer, save_model
 from cli import ArgumentParser, UserError, atomic_output, check_writable, run_command
-from model import SWITCHES, ModelArgs, Transformer, rope_frequencies
+from model import ModelArgs, Transformer, rope_frequencies
 
 # picollama name -> Hugging Face name, per layer
 LAYER_KEYS = {
@@ -54,15 +54,14 @@ def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def check_llama(args: ModelArgs):
-    """UserError naming the first switch of args that Hugging Face's Llama cannot express."""
-    llama = ModelArgs()
-    for key in SWITCHES:
-        if getattr(args, key) != getattr(llama, key):
-            raise UserError(
-                f"Hugging Face's Llama has no model.{key} = {getattr(args, key)!r} (only {getattr(llama, key)!r}): "
-                "this model cannot be exported"
-            )
+def check_llama(args: ModelArgs, target: str = "Hugging Face's Llama"):
+    """The one export gate, asked by every exporter: UserError naming the first switch of args away from LLaMA's
+    defaults, which `target` cannot compute."""
+    for key in args.non_llama():
+        raise UserError(
+            f"{target} has no model.{key} = {getattr(args, key)!r} (only {getattr(ModelArgs, key)!r}): "
+            "this model cannot be exported"
+        )
 
 
 def weight_names(args: ModelArgs):
@@ -255,6 +254,7 @@ def gguf_rope(args: ModelArgs) -> tuple[float, torch.Tensor | None]:
 def export_gguf(run_dir: Path, out: Path, type_: str):
     """Write run_dir as a llama.cpp GGUF file (see write_gguf)."""
     model, _ = load_model(run_dir)
+    check_llama(model.args, "llama.cpp's llama")
     tokenizer_path = run_dir / "tokenizer.model"
     if not tokenizer_path.is_file():
         raise UserError(f"{run_dir} has no tokenizer.model")
@@ -269,6 +269,7 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
     except ImportError:
         raise UserError("to-gguf needs the gguf package (llama.cpp's writer): pip install gguf") from None
     args = model.args
+    check_llama(args, "llama.cpp's llama")
     freq_base, freq_divisors = gguf_rope(args)
     qtype = gguf.GGMLQuantizationType[type_.upper()]
     file_type = gguf.LlamaFileType.ALL_F32 if type_ == "f32" else gguf.LlamaFileType[f"MOSTLY_{type_.upper()}"]

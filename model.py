@@ -96,6 +96,10 @@ class ModelArgs:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
+    def non_llama(self) -> list[str]:
+        """The switches (SWITCHES) away from LLaMA's defaults: what HF's Llama and llama.cpp cannot compute."""
+        return [key for key in SWITCHES if getattr(self, key) != getattr(ModelArgs, key)]
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -410,5 +414,4 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def is_llama(self) -> bool:
-        """Whether every switch is at LLaMA's default (SWITCHES)."""
-        return all(getattr(self.args, key) == getattr(ModelArgs, key) for key in SWITCHES)
+        return not self.args.non_llama()

@@ -412,6 +412,18 @@ def test_hf_export_refuses_what_llama_cannot_express(name):
         convert.to_hf_state_dict(model)
 
 
+@pytest.mark.parametrize("command", ["to-hf", "to-gguf"])
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "llama"])
+def test_every_exporter_refuses_every_non_llama_switch_in_one_line(name, command, tmp_path, capsys):
+    run = save_model(make_model(**VARIANTS[name]), tmp_path / "run", {})
+    out = tmp_path / ("hf" if command == "to-hf" else "m.gguf")
+    assert run_command(convert.main, [command, str(run), str(out)]) == 2
+    err = capsys.readouterr().err
+    key = next(k for k in SWITCHES if k in VARIANTS[name])
+    assert err.startswith("error: ") and f"has no model.{key} = " in err and err.count("\n") == 1
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 def test_hf_export_command_names_the_switch(tmp_path, capsys):
     run = save_model(make_model(qk_norm=True), tmp_path / "run", {})
     assert run_command(convert.main, ["to-hf", str(run), str(tmp_path / "hf")]) == 2
