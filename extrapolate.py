@@ -1,7 +1,6 @@
 """Length extrapolation: switching a model's RoPE scaling, and how perplexity and a copy probe hold up past the
 training context, for each scaling method and each of several runs (the `python generate.py extrapolate` command)."""
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -21,28 +20,10 @@ from extrapolation_report import BINS_PER_OCTAVE, DEFAULT_METHODS, MIN_BIN, effe
 from model import ROPE_SCALINGS, Transformer
 
 
-def set_rope(model: Transformer, method: str, factor: float, original_len: int):
-    """Switch the model's RoPE to method/factor, stretching from original_len (the context RoPE was trained at)."""
-    model.args = dataclasses.replace(
-        model.args, rope_scaling=method, rope_factor=factor, rope_original_max_seq_len=original_len
-    )
-
-
-def use_rope_for(model: Transformer, method: str, length: int, original_len: int):
-    """RoPE `method` for sequences of `length` tokens: static methods stretch by length/original_len (none at 1×),
-    dynamic gets factor 1 and scales itself from the current length."""
-    factor = 1.0 if method in ("none", "dynamic") else max(1.0, length / original_len)
-    set_rope(model, method, factor, original_len)
-
-
-def position_of(args) -> str:
-    """The model's position encoding (rope unless its args name another)."""
-    return getattr(args, "position", "rope")
-
-
 def fits(model: Transformer, length: int) -> bool:
-    """Whether the model can score a sequence of `length` tokens: learned absolute positions end at max_seq_len."""
-    return position_of(model.args) != "learned" or length <= model.args.max_seq_len
+    """Whether the model can score a sequence of `length` tokens at all (the model's length policy)."""
+    limit = model.args.position_limit
+    return limit is None or length <= limit
 
 
 def logits_and_losses(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +155,7 @@ def evaluate_run(model, run: dict, text, probe_text, spans, lengths, distances, 
         for length in lengths:
             per_length[str(length)] = None
             if fits(model, length):
-                use_rope_for(model, method, length, run["original_context"])
+                model.args = model.args.stretched(method, length)
                 window_losses = []
                 for tokens in row_blocks(text[:, -length:] if protocol == "fixed-target" else text, length, device):
                     if protocol == "fixed-target":
@@ -198,7 +179,7 @@ def evaluate_run(model, run: dict, text, probe_text, spans, lengths, distances, 
         for distance in distances:
             per_distance[str(distance)] = None
             if fits(model, distance + span):
-                use_rope_for(model, method, distance + span, run["original_context"])
+                model.args = model.args.stretched(method, distance + span)
                 accuracy, drop = probe_scores(model, probe_sequences(probe_text, spans, distance), distance, device)
                 per_distance[str(distance)] = {"accuracy": spread(accuracy), "loss_drop": spread(drop)}
             bar.update(len(probe_text))
@@ -301,7 +282,7 @@ def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> lis
                 f"{first} and {other} have different tokenizers (tokenizer.model); runs compared together must share "
                 "one, so that they score the same tokens"
             )
-        position = position_of(model.args)
+        position = model.args.position
         scaling = [m for m in methods or () if m != "none"]
         if position != "rope" and scaling:
             raise UserError(

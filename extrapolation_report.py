@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from model import ROPE_SCALINGS
+
 DEFAULT_METHODS = ("none", "linear", "ntk", "dynamic", "yarn")
 BINS_PER_OCTAVE, MIN_BIN = 3, 8  # of the loss-by-position curve
 
@@ -132,7 +134,8 @@ def plot_report(report: dict, path: Path):
     distances, span = report["probe"]["distances"], report["probe"]["span"]
     several = len(runs) > 1
     fig, (ppl_ax, pos_ax, probe_ax) = plt.subplots(1, 3, figsize=(17, 5))
-    styles = dict(zip(DEFAULT_METHODS + ("llama3",), ["o-", "s--", "^-.", "D:", "v-", "x--"]))
+    marks, lines = "os^Dvx<>ph", ["-", "--", "-.", ":"]
+    styles = {method: marks[i % len(marks)] + lines[i % len(lines)] for i, method in enumerate(ROPE_SCALINGS)}
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     edges = np.asarray(report["per_position_edges"])
     centers = np.sqrt((edges[:-1] + 1) * edges[1:])  # index i predicts the token at position i+1

@@ -25,7 +25,7 @@ def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decod
     whole prefix is re-run: the logits are exactly those of model(tokens[:, :pos]) at every step.
     """
     decode = model if decode is None else decode
-    recompute_after = model.args.original_seq_len if model.args.rope_scaling == "dynamic" else tokens.shape[1]
+    recompute_after = model.args.original_seq_len if model.args.length_dependent else tokens.shape[1]
     cached = 0  # positions 0..cached-1 hold valid keys and values
     for pos in range(first_pos, tokens.shape[1]):
         if pos > recompute_after:
@@ -66,11 +66,19 @@ def check_sampling(max_new_tokens, temperature, top_k, top_p):
 
 
 def check_length(args, total: int):
-    """ValueError when total tokens exceed the model's context and no RoPE scaling method stretches it."""
-    if total > args.max_seq_len and args.rope_scaling == "none":
+    """ValueError when the model cannot run `total` tokens (the model's length policy says so): past a learned
+    position table, or past a RoPE model's context with no RoPE scaling to stretch it. ALiBi, NoPE and sinusoidal
+    positions run past their context (sinusoidal ones were never trained there: sample_command warns)."""
+    if args.position_limit is not None and total > args.position_limit:
+        raise ValueError(
+            f"prompt + new tokens = {total} exceeds the model's learned position table of {args.position_limit} "
+            "positions; generate fewer tokens"
+        )
+    if args.needs_scaling(total):
+        methods = "|".join(m for m in ROPE_SCALINGS if m != "none")
         raise ValueError(
             f"prompt + new tokens = {total} exceeds the model's context of {args.max_seq_len} tokens; "
-            "generate fewer tokens or choose a RoPE scaling method (--rope-scaling linear|ntk|dynamic|yarn|llama3)"
+            f"generate fewer tokens or choose a RoPE scaling method (--rope-scaling {methods})"
         )
 
 
@@ -220,14 +228,15 @@ def sample_command(args) -> int:
     prompts = [encode_prompt(tokenizer, text) for text in texts for _ in range(args.num_samples)]
     total = max(map(len, prompts)) + args.max_new_tokens
     if args.rope_scaling is not None:
-        original = model.args.original_seq_len
-        if args.rope_factor is None:  # a static method stretches by just enough; dynamic scales itself
-            extrapolate.use_rope_for(model, args.rope_scaling, total, original)
-        else:
-            extrapolate.set_rope(model, args.rope_scaling, args.rope_factor, original)
+        try:
+            model.args = model.args.stretched(args.rope_scaling, total, args.rope_factor)
+        except ValueError as e:  # e.g. a run without RoPE
+            raise UserError(f"--rope-scaling: {e}") from None
     check_length(model.args, total)
+    if model.args.position == "sinusoidal" and total > model.args.max_seq_len:
+        print(f"warning: sinusoidal positions past {model.args.max_seq_len} were never trained", file=sys.stderr)
     # dynamic NTK re-runs the prefix as it grows (decode_steps), and the fused step is LLaMA's: else the model decodes
-    step = DecodeStep(model) if model.is_llama() and model.args.rope_scaling != "dynamic" else None
+    step = DecodeStep(model) if model.is_llama() and not model.args.length_dependent else None
     if step is not None and args.compile:
         step = compile_step(step)
     streams = [TextStream(tokenizer, prompts[0])] if len(prompts) == 1 else None

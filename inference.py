@@ -126,7 +126,7 @@ class DecodeStep(nn.Module):
 
     def __init__(self, model: Transformer):
         super().__init__()
-        if model.args.rope_scaling == "dynamic":
+        if model.args.length_dependent:
             raise ValueError("dynamic NTK rescales every cached position as the sequence grows: no fused decode step")
         if not model.is_llama():
             raise ValueError("the fused decode step is LLaMA's: a model with other switches decodes with its forward")

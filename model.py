@@ -2,7 +2,7 @@
 FFN) by default, and the alternatives the seed lectures teach as ModelArgs switches."""
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 
 import torch
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
+LENGTH_DEPENDENT = ("dynamic",)  # scalings whose frequencies follow the current length (cached keys go stale)
 POSITIONS = ("rope", "alibi", "nope", "sinusoidal", "learned")
 # the ModelArgs keys that leave LLaMA's architecture when away from their defaults (what HF's Llama and GGUF lack)
 SWITCHES = ("norm", "norm_placement", "parallel_block", "activation", "qk_norm", "logit_softcap", "position")
@@ -99,6 +100,31 @@ class ModelArgs:
     def non_llama(self) -> list[str]:
         """The switches (SWITCHES) away from LLaMA's defaults: what HF's Llama and llama.cpp cannot compute."""
         return [key for key in SWITCHES if getattr(self, key) != getattr(ModelArgs, key)]
+
+    # ---- the length policy: how far this model runs, and what running past its context takes
+
+    @property
+    def position_limit(self) -> int | None:
+        """The longest sequence the model can compute at all: learned positions end at their table; else None."""
+        return self.max_seq_len if self.position == "learned" else None
+
+    def needs_scaling(self, length: int) -> bool:
+        """Whether `length` tokens take this RoPE model past its context with no RoPE scaling to stretch it (ALiBi,
+        NoPE and sinusoidal positions have none to stretch)."""
+        return self.position == "rope" and self.rope_scaling == "none" and length > self.max_seq_len
+
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the RoPE frequencies change with the current length (LENGTH_DEPENDENT): then a cache goes stale."""
+        return self.position == "rope" and self.rope_scaling in LENGTH_DEPENDENT
+
+    def stretched(self, method: str, length: int, factor: float | None = None) -> "ModelArgs":
+        """These args with RoPE scaling `method` for `length` tokens, stretching from original_seq_len by `factor`,
+        else by just enough (length / original_seq_len, at least 1; 1 for "none" and length-dependent methods)."""
+        if factor is None:
+            scales = method != "none" and method not in LENGTH_DEPENDENT
+            factor = max(1.0, length / self.original_seq_len) if scales else 1.0
+        return replace(self, rope_scaling=method, rope_factor=factor, rope_original_max_seq_len=self.original_seq_len)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -361,7 +387,7 @@ class Transformer(nn.Module):
         """rope_rotations(args, start, end), sliced from a table over max(max_seq_len, KV cache) positions, rebuilt
         when the device or args change (.to(), a new model.args); dynamic NTK and longer ends are computed."""
         device = torch.device(device)
-        if self.args.rope_scaling == "dynamic":  # its frequencies depend on end
+        if self.args.length_dependent:  # its frequencies depend on end
             return rope_rotations(self.args, start, end, device)
         table, args = self.rope_table
         if table is None or table.device != device or args is not self.args or end > table.shape[0]:

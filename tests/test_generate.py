@@ -14,7 +14,6 @@ import generate
 from checkpoint import load_model, model_from_state_dict, save_model
 from cli import run_command
 from data.prepare import train_tokenizer
-from extrapolate import set_rope
 from generate import TextStream, decode_steps, sample
 from model import ModelArgs, Transformer
 
@@ -81,7 +80,7 @@ def test_too_long_needs_rope_scaling():
     model = make_model()
     with pytest.raises(ValueError, match="--rope-scaling"):
         generate.generate(model, [[1] * 10], 30)
-    set_rope(model, "linear", 2.0, 32)
+    model.args = model.args.stretched("linear", 64, factor=2.0)
     assert len(generate.generate(model, [[1] * 10], 30, temperature=0)[0]) == 30
 
 
@@ -204,6 +203,26 @@ def test_command_context_limit_names_rope_scaling(run_dir, capsys):
     assert err.startswith("error:") and "--rope-scaling" in err and err.count("\n") == 1
     assert generate.main(argv + ["--rope-scaling", "yarn"]) == 0
     assert "40 new tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("position", ["alibi", "nope", "sinusoidal", "learned"])
+def test_sampling_past_the_context_is_the_position_encodings_to_allow(run_dir, tmp_path, capsys, position):
+    """ALiBi and NoPE sample 4× their context (a cache sized for the request), sinusoidal with a warning; a learned
+    table cannot, and says how large it is; none of them takes a RoPE scaling."""
+    torch.manual_seed(0)
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=320, max_seq_len=32, position=position)
+    run = save_model(Transformer(args).eval(), tmp_path / position, tokenizer=run_dir / "tokenizer.model")
+    argv = ["--checkpoint", str(run), "--prompt", "ab", "--max-new-tokens", "128", "--temperature", "0"]
+    status = run_command(generate.main, argv)
+    out, err = capsys.readouterr()
+    if position == "learned":
+        assert status == 2 and out == "" and err.count("\n") == 1 and "learned position table of 32 positions" in err
+    else:
+        assert status == 0 and "128 new tokens" in err, err
+        assert ("warning: sinusoidal positions past 32" in err) == (position == "sinusoidal")
+    assert run_command(generate.main, argv + ["--rope-scaling", "yarn"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --rope-scaling") and "position = 'rope' only" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize(

@@ -678,16 +678,25 @@ def test_a_step_count_on_the_command_line_turns_off_the_files_budget():
         build_config({"train": {"max_minutes": 5.0, "max_steps": 7}}, [])
 
 
+# train.py on a fake clock that advances 0.1 s whenever it is read: the probe then sizes the run the same way on any
+# machine, however loaded
+ON_A_FAKE_CLOCK = (
+    "import itertools, sys, types, train; from cli import run_command; ticks = itertools.count(); "
+    "train.time = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.1); "
+    "sys.exit(run_command(train.main, sys.argv[1:]))"
+)
+
+
 def test_a_budgeted_run_killed_and_resumed_equals_the_same_steps_given_up_front(dataset, tmp_path):
     """The probe's steps are warmup steps, so a run sized by max_minutes is the run of its chosen max_steps; the
     checkpoint records that number, so a SIGKILLed run resumes on the same schedule (cosine to a min_lr ≠ lr)."""
-    budget = {"max_minutes": 0.12, "sample_tokens": 0, "log_interval": 1}
+    budget = {"max_minutes": 0.2, "sample_tokens": 0, "log_interval": 1}
     schedule = {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 10}
     config = config_file(tmp_path, dataset, train=budget, optim=schedule, checkpoint={"interval": 10, "keep": 5})
     config.write_text(config.read_text().replace("max_steps = 12\n", ""))
     killed = tmp_path / "killed"
     process = subprocess.Popen(
-        [sys.executable, "train.py", "--config", str(config), f"--train.out_dir={killed}"],
+        [sys.executable, "-c", ON_A_FAKE_CLOCK, "--config", str(config), f"--train.out_dir={killed}"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
