@@ -114,6 +114,8 @@ def hf_config(args: ModelArgs) -> dict:
             low_freq_factor=args.rope_low_freq_factor,
             high_freq_factor=args.rope_high_freq_factor,
         )
+    elif args.rope_scaling != "none":  # a method added to model.py that is not mapped here
+        raise UserError(f"RoPE scaling {args.rope_scaling!r} is not exported to Hugging Face's Llama")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
