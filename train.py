@@ -41,6 +41,9 @@ from model import Transformer
 from optim import build_optimizer, lr_at, steps_in_budget
 
 REPO_ROOT = Path(__file__).resolve().parent
+# Devices whose tensors neither gloo nor nccl can hold, even in a group of one (Apple's MPS): one process trains there
+# without a group, so without FSDP2 and its mixed precision
+UNGROUPED = ("mps",)
 PROBE_STEPS = 10  # a train.max_minutes run times its first steps (within the warmup) to size itself
 
 
@@ -55,6 +58,11 @@ class Dist:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
+        self.mesh = None  # no group: a plain model, no FSDP2
+        if self.device.type in UNGROUPED:
+            if self.world_size > 1:
+                raise UserError(f"no collective backend serves {self.device.type} tensors: train there in one process")
+            return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if "WORLD_SIZE" in os.environ:  # torchrun's
             torch_dist.init_process_group(backend)
@@ -67,10 +75,12 @@ class Dist:
         return self.rank == 0
 
     def barrier(self):
-        torch_dist.barrier()
+        if self.mesh is not None:
+            torch_dist.barrier()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        torch_dist.all_reduce(tensor)
+        if self.mesh is not None:
+            torch_dist.all_reduce(tensor)
         return tensor
 
     def mean(self, scalar: torch.Tensor) -> float:
@@ -96,6 +106,8 @@ def parallelize(model: Transformer, cfg: Config, mesh, dtype: torch.dtype) -> Tr
     if cfg.train.compile:
         for block in model.layers:
             block.compile()  # in place: parameter names keep no _orig_mod. prefix
+    if mesh is None:  # a device without collectives (UNGROUPED): the plain model, in its own dtype
+        return model
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -185,7 +197,8 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, posit
     losses = {}
     chunks = [None] * accum if positions is None else positions.chunk(accum)
     for micro, (xm, ym, pm) in enumerate(zip(x.chunk(accum), y.chunk(accum), chunks, strict=True)):
-        model.set_requires_gradient_sync(micro == accum - 1)
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2's: reduce gradients on the last micro-step only
+            model.set_requires_gradient_sync(micro == accum - 1)
         terms = loss_terms(model, xm, ym, pm, cfg.optim.z_loss)
         (sum(terms.values()) / accum).backward()
         for name, term in terms.items():
@@ -214,8 +227,11 @@ def build_model(cfg: Config, dist: Dist, init: dict | None = None) -> tuple[Tran
         model.load_state_dict(init)
     num_params = model.num_params()
     dtype = pick_dtype(cfg.train.dtype, dist.device)
+    if dist.mesh is None and dtype != torch.float32:
+        problem = f"train.dtype {cfg.train.dtype} on {dist.device.type}"
+        raise UserError(f"{problem}: mixed precision needs FSDP2's process group; use float32")
     model = parallelize(model, cfg, dist.mesh, dtype)
-    local_params = sum(p.to_local().numel() for p in model.parameters())
+    local_params = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
     sizes = f"{num_params:,} parameters, {local_params:,} stored on rank 0 of {dist.world_size}"
     precision = "fp32" if dtype == torch.float32 else f"{str(dtype)[6:]} with fp32 master weights"
     return model, build_optimizer(model, cfg, dist.device), f"{sizes}; {precision}"

@@ -393,6 +393,19 @@ def test_two_rank_checkpoint_resumes_in_one_process(runs, tmp_path):
     assert_close(losses(fp32["single"]), losses(tmp_path / "run"), 1e-5, steps=range(13, 17))
 
 
+def test_a_device_without_collectives_trains_the_plain_model_alike_and_resumes(dataset, tmp_path, monkeypatch):
+    """Apple's MPS has no collective backend, so one process trains there without a group or FSDP2. That path, run
+    here on the CPU, gives the same losses as the grouped one and resumes exactly."""
+    config = config_file(tmp_path, dataset)
+    assert run_in_process(config, tmp_path / "grouped") == 0
+    monkeypatch.setattr(train, "UNGROUPED", ("mps", "cpu"))
+    assert run_in_process(config, tmp_path / "plain") == 0
+    assert_close(losses(tmp_path / "grouped"), losses(tmp_path / "plain"), 1e-5, steps=range(1, 13))
+    shutil.rmtree(tmp_path / "plain" / "train_state" / "step_000012")
+    assert run_in_process(config, tmp_path / "plain", "--resume") == 0
+    assert_close(losses(tmp_path / "grouped"), losses(tmp_path / "plain"), 1e-5, steps=range(1, 13))
+
+
 # ---------------------------------------------------------------- logging
 
 
