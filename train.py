@@ -303,13 +303,15 @@ class BudgetProbe:
         t = self.cfg.train
         # the first two steps warm caches up (and compile); the rest give a median step time
         step_s = statistics.median(b - a for a, b in zip(self.ends[1:], self.ends[2:]))
-        step_s, eval_s = (
-            dist.mean(torch.tensor(x, device=dist.device)) for x in (step_s, self.eval_seconds(model, data_dir, dist))
+        eval_s = self.eval_seconds(model, data_dir, dist)
+        # every input averaged over ranks, so that every rank chooses the same step count
+        step_s, eval_s, elapsed = (
+            dist.mean(torch.tensor(x, device=dist.device)) for x in (step_s, eval_s, time.perf_counter() - self.started)
         )
         # a checkpoint writes ~4 copies of the fp32 weights (model, two AdamW moments, the export): an estimate
         save_s = 0.5 + 16 * sum(p.numel() for p in model.parameters()) / 200e6
         sample_s = 3.0 + 0.01 * t.sample_tokens if t.sample_tokens else 0.0  # generate.py's start and decode
-        left = t.max_minutes * 60 - (time.perf_counter() - self.started) - sample_s
+        left = t.max_minutes * 60 - elapsed - sample_s
         steps = steps_in_budget(left, self.steps, step_s, eval_s, save_s, self.cfg)
         return steps, (
             f"budget {t.max_minutes:g} min: {step_s:.3f} s a step over steps 3-{self.steps}, an evaluation "
