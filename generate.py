@@ -11,7 +11,7 @@ import torch
 import extrapolate
 from checkpoint import load_run
 from cli import ArgumentParser, UserError, run_command
-from device import pick_device, pick_dtype
+from device import check_compiler, pick_device, pick_dtype
 from inference import QUANTIZATIONS, DecodeStep, compile_step, int8_dtype, quantize
 from model import ROPE_SCALINGS, Transformer
 
@@ -185,8 +185,10 @@ def read_prompts(args) -> list[str]:
         return [args.prompt or ""]
     try:
         lines = Path(args.prompt_file).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise UserError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompt-file {args.prompt_file} is not UTF-8 text (byte {e.start}); re-save it") from None
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise UserError(f"--prompt-file {args.prompt_file} has no prompts (one per line)")
@@ -214,6 +216,8 @@ def sample_command(args) -> int:
     check_rope_flags(args)
     texts = read_prompts(args)
     device = pick_device(args.device)
+    if args.compile:
+        check_compiler()
     dtype = int8_dtype(device) if args.quantize == "int8" and args.dtype is None else pick_dtype(args.dtype, device)
     model, _, tokenizer = load_run(args.checkpoint, device, torch.float32)
     model = quantize(model, args.quantize).to(dtype)

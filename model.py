@@ -2,12 +2,15 @@
 FFN) by default, and the alternatives the seed lectures teach as ModelArgs switches."""
 
 import math
+import typing
 from dataclasses import asdict, dataclass, fields
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cli import UserError, check_type
 
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 POSITIONS = ("rope", "alibi", "nope", "sinusoidal", "learned")
@@ -101,10 +104,15 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
+        """ModelArgs from a dict read from a file: each value checked for its field's type (UserError naming
+        model.KEY), unknown keys refused."""
+        if not isinstance(d, dict):
+            raise UserError(f"model must be a table of settings, not {type(d).__name__}")
         unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown model argument(s): {', '.join(sorted(unknown))}")
-        return cls(**d)
+        hints = typing.get_type_hints(cls)
+        return cls(**{key: check_type(f"model.{key}", value, hints[key]) for key, value in d.items()})
 
 
 class RMSNorm(nn.Module):
