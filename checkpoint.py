@@ -243,6 +243,8 @@ def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: 
         if dist.main:
             remove(tmp)
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        if isinstance(cause, KeyboardInterrupt) and cause is not e:  # DCP wraps a Ctrl-C too
+            raise cause from None
         failure = write_failure(final, cause, needed)
         if failure is not None:
             raise failure from None
