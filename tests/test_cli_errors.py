@@ -85,6 +85,7 @@ def ws(make_tiny_run, tmp_path_factory):
     shutil.copytree(ws / "data", ws / "data_with_text")  # a prepared dataset holding a text the command reads
     (ws / "data_with_text" / "notes.txt").write_text("a few words to tokenize, read from inside the output\n" * 40)
 
+    make_device(ws / "null")  # an output that is not a file (never /dev/null itself: old code replaced it)
     (ws / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))  # not UTF-8
     edit_json(ws, "run", "bool_as_string_run", "config.json", lambda c: c["model"].update(tie_embeddings="yes"))
     edit_json(ws, "run", "null_dim_run", "config.json", lambda c: c["model"].update(dim=None))
@@ -93,6 +94,14 @@ def ws(make_tiny_run, tmp_path_factory):
     edit_json(ws, "hf", "hf_null_eps", "config.json", lambda c: c.update(rms_norm_eps=None))
     edit_json(ws, "trained", "string_step_trained", "train_state/step_000002/meta.json", lambda m: m.update(step="2"))
     return ws
+
+
+def make_device(path: Path):
+    """A character device like /dev/null at path (root only), else a FIFO: neither may be replaced by an output."""
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        os.mkfifo(path)
 
 
 def edit_json(ws: Path, source: str, copy: str, name: str, edit):
@@ -207,8 +216,8 @@ CASES = [
     ("convert", ["from-hf", "{ws}/hf", "{ws}/hf", "--force"], "overlaps the input"),
     ("convert", ["from-hf", "{ws}/hf_string_tie", "{ws}/out"], "tie_word_embeddings must be bool, not str 'false'"),
     ("convert", ["from-hf", "{ws}/hf_null_eps", "{ws}/out"], "rms_norm_eps must be float, not NoneType"),
-    ("convert", ["to-gguf", "{ws}/run", "/dev/full", "--force"], "/dev/full: it is a character device"),
-    ("convert", ["to-hf", "{ws}/run", "/dev/null", "--force"], "/dev/null: it is a character device"),
+    ("convert", ["to-gguf", "{ws}/run", "{ws}/null", "--force"], "null: it is a"),
+    ("convert", ["to-hf", "{ws}/run", "{ws}/null", "--force"], "null: it is a"),
     # data/prepare.py
     ("prepare", ["--source", "{ws}/missing", "--out", "{ws}/out"], "no such file or directory"),
     ("prepare", ["--source", "{ws}/corpus", "--out", "/proc/picollama-data"], "cannot write"),
@@ -222,8 +231,8 @@ CASES = [
     ("bench.decode", ["--positions", "16,abc", "--out", "{ws}/bench.json"], "--positions"),
     ("bench.memory", ["--smoke", "--out", "{ws}/file/bench.json"], "is a file, not a directory"),
     ("bench.data", ["--smoke", "--out", "/proc/picollama.json"], "cannot write"),
-    ("bench.data", ["--smoke", "--out", "/dev/null"], "/dev/null: it is a character device"),
-    ("bench.memory", ["--smoke", "--out", "/dev/full"], "/dev/full: it is a character device"),
+    ("bench.data", ["--smoke", "--out", "{ws}/null"], "null: it is a"),
+    ("bench.memory", ["--smoke", "--out", "{ws}/null"], "null: it is a"),
 ]
 MAINS = {"train": train.main, "generate": generate.main, "convert": convert.main, "prepare": prepare.main}
 
@@ -277,7 +286,8 @@ def test_as_scripts_too(ws):
 def test_outputs_that_are_not_files_are_refused_and_left_alone(ws, tmp_path, capsys):
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
-    outputs = {tmp_path / "fifo": "a FIFO", tmp_path / "loop": "a symbolic link loop", Path("/dev/null"): "device"}
+    make_device(tmp_path / "device")
+    outputs = {tmp_path / "fifo": "a FIFO", tmp_path / "loop": "a symbolic link loop", tmp_path / "device": "it is a"}
     for path, kind in outputs.items():
         for argv in (["to-gguf", str(ws / "run"), str(path), "--force"], ["to-hf", str(ws / "run"), str(path)]):
             assert run_command(convert.main, argv) == 2
@@ -286,8 +296,8 @@ def test_outputs_that_are_not_files_are_refused_and_left_alone(ws, tmp_path, cap
         with pytest.raises(UserError, match=kind):
             with cli.atomic_output(path) as tmp:
                 tmp.write_text("never renamed over it")
-    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
-    assert (tmp_path / "loop").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "loop"]
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode) and not (tmp_path / "device").is_file()
+    assert (tmp_path / "loop").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["device", "fifo", "loop"]
 
 
 def test_a_second_prepare_into_one_out_waits_for_none(ws, tmp_path, capsys):
