@@ -145,7 +145,7 @@ def write_failure(path, e: BaseException, needed: int | None = None) -> "UserErr
     full = full or (isinstance(e, RuntimeError) and "inline_container" in text and "unexpected pos" in text)
     if not full:
         return None
-    return UserError(f"cannot write {path}: the disk is full ({space_note(path, needed)}); free some space")
+    return UserError(f"cannot write {path}: No space left on device ({space_note(path, needed)}); free some space")
 
 
 def space_note(path, needed: int | None) -> str:
