@@ -7,7 +7,7 @@ import random
 import re
 import shutil
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -24,13 +24,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from cli import UserError, atomic_output, remove, replace
+from cli import UserError, atomic_output, check_free_space, check_type, remove, replace, write_failure
 from model import ModelArgs, Transformer
 
 
 def save_model(model: Transformer, run_dir, config: dict | None = None, tokenizer=None) -> Path:
     """Write model.safetensors, config.json ({"model": ModelArgs, **config, and the tokenizer's sha256}) and a copy of
-    tokenizer.model, each file atomically; UserError, writing nothing, if a weight is NaN or infinite."""
+    tokenizer.model, all atomically together (see model_files); UserError, writing nothing, if a weight is NaN or
+    infinite or the disk has too little space."""
+    with model_files(model, run_dir, config, tokenizer):
+        pass
+    return Path(run_dir)
+
+
+@contextmanager
+def model_files(model: Transformer, run_dir, config: dict | None = None, tokenizer=None):
+    """save_model's files, each written to a temporary name before the block and all renamed into place after it
+    (in the order tokenizer, config, weights), so that a failed write (a full disk) or a failed block leaves the
+    previous model, config and tokenizer as they were, consistent with each other."""
     run_dir = Path(run_dir)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     bad = non_finite(state.items())
@@ -39,15 +50,25 @@ def save_model(model: Transformer, run_dir, config: dict | None = None, tokenize
     if model.args.tie_embeddings:
         del state["output.weight"]  # the same tensor as tok_embeddings.weight
     recorded = {"tokenizer_sha256": sha256(tokenizer)} if tokenizer is not None else {}
+    text = json.dumps({"model": model.args.to_dict(), **(config or {}), **recorded}, indent=2)
+    copy = tokenizer is not None and Path(tokenizer).resolve() != (run_dir / "tokenizer.model").resolve()
+    needed = model_bytes(model) + len(text) + (Path(tokenizer).stat().st_size if copy else 0)
+    check_free_space(run_dir, needed, f"the model to {run_dir}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_output(run_dir / "model.safetensors") as tmp:
-        save_file(state, tmp)
-    with atomic_output(run_dir / "config.json") as tmp:
-        tmp.write_text(json.dumps({"model": model.args.to_dict(), **(config or {}), **recorded}, indent=2))
-    if tokenizer is not None and Path(tokenizer).resolve() != (run_dir / "tokenizer.model").resolve():
-        with atomic_output(run_dir / "tokenizer.model") as tmp:
-            shutil.copyfile(tokenizer, tmp)
-    return run_dir
+    with ExitStack() as files:  # entered in this order, renamed in the reverse one
+        weights = files.enter_context(atomic_output(run_dir / "model.safetensors", needed))
+        save_file(state, weights)
+        config_tmp = files.enter_context(atomic_output(run_dir / "config.json"))
+        config_tmp.write_text(text)
+        if copy:
+            shutil.copyfile(tokenizer, files.enter_context(atomic_output(run_dir / "tokenizer.model")))
+        yield
+
+
+def model_bytes(model: Transformer) -> int:
+    """About the size of model.safetensors: the weights (a tied output counted once) and a header."""
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() * p.element_size() for p in params) + 64 * 1024
 
 
 def non_finite(named_tensors) -> list[str]:
@@ -74,8 +95,11 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
     try:
         config = json.loads((run_dir / "config.json").read_text())
         args = ModelArgs.from_dict(config["model"])
+        check_type("tokenizer_sha256", config.get("tokenizer_sha256"), str | None)
         state = load_file(run_dir / "model.safetensors", device=str(device))
-    except (KeyError, TypeError, ValueError, SafetensorError) as e:
+    except UserError as e:
+        raise UserError(f"{run_dir}/config.json: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, SafetensorError) as e:
         raise UserError(f"{run_dir}: unreadable checkpoint ({type(e).__name__}: {e})") from None
     bad = non_finite(state.items())
     if bad:
@@ -190,17 +214,47 @@ def checkpoints(run_dir) -> list[Path]:
 
 def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: dict, tokenizer, keep: int):
     """train_state/step_N (DCP model and optimizer shards, each rank's loader and RNG state, meta.json), written
-    into a temporary directory that is renamed once every rank has finished; then the run directory's model export
-    (save_model with `config` and `tokenizer`); the last `keep` checkpoints are kept."""
+    into a temporary directory, and the run directory's model export (save_model with `config` and `tokenizer`)
+    written beside it; both are renamed into place only once all is written, so that a failed save (a full disk:
+    checked first, and reported as one line) removes its temporary files and leaves the previous checkpoint and
+    model, consistent with each other. The last `keep` checkpoints are kept."""
     check_finite(model, optimizer, dist, f"at step {step}", run_dir)
     state_dir = Path(run_dir) / "train_state"
     final = state_dir / f"step_{step:06d}"
     tmp = state_dir / f".{final.name}.tmp"  # one name on every rank, all writing into it (not atomic_output's)
+    needed = dist.world_size * local_state_bytes(model, optimizer) + model_bytes(model)
     if dist.main:
         for stale in state_dir.glob(".step_*.tmp"):  # left by a crash
             remove(stale)
+        check_free_space(run_dir, needed, f"checkpoint {final} and the model export")
         tmp.mkdir(parents=True)
     dist.barrier()
+    try:
+        write_train_state(tmp, step, model, optimizer, loader, dist, config, tokenizer)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        dist.barrier()
+        if dist.main:
+            exported = model_from_state_dict(model.args, {k: v.float() for k, v in full.items()})
+            with model_files(exported, run_dir, config, tokenizer):
+                replace(tmp, final)
+            for old in checkpoints(run_dir)[:-keep]:
+                remove(old)
+    except BaseException as e:
+        if dist.main:
+            remove(tmp)
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        if isinstance(cause, KeyboardInterrupt) and cause is not e:  # DCP wraps a Ctrl-C too
+            raise cause from None
+        failure = write_failure(final, cause, needed)
+        if failure is not None:
+            raise failure from None
+        raise
+    dist.barrier()
+
+
+def write_train_state(tmp: Path, step: int, model, optimizer, loader, dist, config: dict, tokenizer):
+    """This rank's part of a checkpoint in `tmp`: DCP shards, rank{R}.json; and rank 0's meta.json, which records
+    the model, the tokenizer and the settings a resume must keep (EXACT_KEYS)."""
     model_state, optim_state = get_state_dict(model, optimizer)
     # One process saves without DCP's collectives: after a save with them, training ran ~25% slower ever after, the
     # cores idle in OpenMP barrier waits (most likely gloo's threads start a second OpenMP team, and libgomp, seeing
@@ -209,20 +263,20 @@ def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: 
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), no_dist=dist.world_size == 1)
     extra = {"step": step, "loader": loader.state_dict(), "rng": rng_state(dist.device)}
     (tmp / f"rank{dist.rank}.json").write_text(json.dumps(extra))
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.main:
         meta = {"step": step, "world_size": dist.world_size, "model": model.args.to_dict(), "train": config["train"]}
+        meta["settings"] = {key: setting(config, key) for key in EXACT_KEYS}
         if tokenizer is not None:
             meta["tokenizer_sha256"] = sha256(tokenizer)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    dist.barrier()
-    if dist.main:
-        replace(tmp, final)
-        exported = model_from_state_dict(model.args, {k: v.float() for k, v in full.items()})
-        save_model(exported, run_dir, config, tokenizer)
-        for old in checkpoints(run_dir)[:-keep]:
-            remove(old)
-    dist.barrier()
+
+
+def local_state_bytes(model, optimizer) -> int:
+    """About the bytes this rank's shard of a checkpoint takes: its weights, its optimizer state, and JSON."""
+    tensors = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    for state in optimizer.state.values():
+        tensors += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors) + 256 * 1024
 
 
 def check_finite(model, optimizer, dist, when: str, run_dir):
@@ -277,38 +331,89 @@ def load_checkpoint(path: Path, model, optimizer, loader, dist) -> int:
     return int(extra["step"])
 
 
-def resume_point(run_dir, args: ModelArgs, resume: bool) -> Path | None:
-    """The checkpoint to continue from, after checking it holds a model of `args`; None for a fresh run."""
+# What a resume must keep to continue exactly (the model, data and tokenizer are checked on their own); a checkpoint
+# records them in meta.json's "settings". The schedule (max_steps, learning rates) may change.
+EXACT_KEYS = (
+    "train.batch_size",
+    "train.seq_len",
+    "train.random_positions",
+    "data.copy_fraction",
+    "data.copy_span",
+    "data.copy_repeats",
+)
+RUN_FILES = ("model.safetensors", "config.json")  # what makes a directory a run, with or without train_state/
+
+
+def setting(config: dict, key: str):
+    """config["section"]["name"] for key "section.name" (None where absent)."""
+    section, _, name = key.partition(".")
+    return (config.get(section) or {}).get(name)
+
+
+def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = None) -> Path | None:
+    """The checkpoint to continue from, after checking it holds a model of `args`, that `config` (the run's settings
+    as save_checkpoint gets them) keeps its EXACT_KEYS and has steps left to do; None for a fresh run, which is
+    refused in a directory that holds a run."""
     run_dir, found = Path(run_dir), checkpoints(run_dir)
     if not resume:
-        if found:
+        held = [found[-1].name] if found else [name for name in RUN_FILES if (run_dir / name).exists()]
+        if held:
             raise UserError(
-                f"{run_dir} already holds a run (checkpoint {found[-1].name}); pass --resume to continue "
-                "it, or choose another train.out_dir"
+                f"{run_dir} already holds a run ({held[0]}); pass --resume to continue it, or choose "
+                "another train.out_dir"
             )
         return None
     if not found:
         raise UserError(f"nothing to resume: {run_dir / 'train_state'} holds no checkpoint; run without --resume")
     latest = found[-1]
-    try:
-        # through ModelArgs, so that keys added since the checkpoint was written read as their defaults
-        saved = ModelArgs.from_dict(json.loads((latest / "meta.json").read_text())["model"]).to_dict()
-    except (OSError, ValueError, KeyError, TypeError):
-        raise unusable(latest, "meta.json is missing or corrupt") from None
+    meta = read_meta(latest)
+    saved = ModelArgs.from_dict(meta["model"]).to_dict()  # keys added since read as their defaults
     differences = [f"model.{k} {saved.get(k)!r} → {v!r}" for k, v in args.to_dict().items() if saved.get(k) != v]
     if differences:
         raise UserError(
             f"cannot resume from {latest}: it was trained with a different model ({', '.join(differences)})"
         )
+    if config is None:
+        return latest
+    recorded = meta.get("settings") or {}
+    current = {k: setting(config, k) for k in EXACT_KEYS}
+    changed = [f"{k} {recorded[k]!r} → {current[k]!r}" for k in EXACT_KEYS if recorded.get(k) not in (None, current[k])]
+    if changed:
+        raise UserError(
+            f"cannot resume from {latest} exactly: {', '.join(changed)}; resume with the checkpoint's values, or "
+            "start a new run (train.init_from takes its weights)"
+        )
+    max_steps = setting(config, "train.max_steps")
+    if setting(config, "train.max_minutes"):  # the length its budget chose
+        max_steps = recorded_max_steps(latest)
+    if max_steps is not None and meta["step"] >= max_steps:
+        raise UserError(
+            f"nothing to do: {latest} is at step {meta['step']} and train.max_steps is {max_steps}; raise "
+            "train.max_steps to train on"
+        )
     return latest
+
+
+def read_meta(checkpoint: Path) -> dict:
+    """A checkpoint's meta.json, each value checked for its type (UserError naming the key)."""
+    try:
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        if not isinstance(meta, dict):
+            raise TypeError(type(meta).__name__)
+        for key, kind in (("step", int), ("world_size", int), ("tokenizer_sha256", str | None)):
+            check_type(key, meta.get(key), kind)
+        check_type("settings", meta.get("settings"), dict | None)
+        ModelArgs.from_dict(meta["model"])
+    except UserError as e:
+        raise unusable(checkpoint, f"meta.json: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise unusable(checkpoint, "meta.json is missing or corrupt") from None
+    return meta
 
 
 def recorded_max_steps(checkpoint: Path) -> int:
     """The step count a train.max_minutes run chose, as its checkpoint records it."""
-    try:
-        steps = json.loads((checkpoint / "meta.json").read_text())["train"]["max_steps"]
-    except (OSError, ValueError, KeyError, TypeError):
-        steps = None
+    steps = (read_meta(checkpoint).get("train") or {}).get("max_steps")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise UserError(f"{checkpoint} records no step count for train.max_minutes; resume with --train.max_steps=N")
     return steps
@@ -317,7 +422,7 @@ def recorded_max_steps(checkpoint: Path) -> int:
 def check_tokenizer(checkpoint: Path, tokenizer: Path):
     """UserError unless `tokenizer` (the dataset's) is the one the checkpoint was trained with, as its meta.json
     records, or as the run's tokenizer.model says for checkpoints that record none."""
-    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta = read_meta(checkpoint)
     run_tokenizer = checkpoint.parent.parent / "tokenizer.model"
     expected = meta.get("tokenizer_sha256") or (sha256(run_tokenizer) if run_tokenizer.is_file() else None)
     found = sha256(tokenizer)

@@ -1,11 +1,18 @@
-"""What every command shares: the one error type for user mistakes, an argument parser raising it, the `error:` exit,
-and atomic outputs."""
+"""What every command shares: the one error type for user mistakes, an argument parser raising it, the `error:` exit
+(signals included), type checks of values read from files, atomic outputs, free-space checks and the one-writer lock."""
 
 import argparse
+import errno
+import fcntl
 import os
 import shutil
+import signal
+import stat
 import sys
 import tempfile
+import threading
+import types
+import typing
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,22 +38,60 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM, with a message saying what was kept (e.g. where --resume continues)."""
+
+
 def run_command(main, argv=None) -> int:
     """main(argv)'s exit status; user mistakes, OS errors and exhausted memory become one `error:` line and
-    status 2 (Ctrl-C: 130). Only rank 0 of a torchrun job prints."""
-    try:
-        return main(sys.argv[1:] if argv is None else list(argv)) or 0
-    except KeyboardInterrupt:
-        message, status = "interrupted", 130
-    except (ValueError, OSError, MemoryError) as e:
-        message, status = one_line(e), 2
-    except RuntimeError as e:  # torch reports a failed allocation as a RuntimeError
-        if "can't allocate memory" not in str(e) and "out of memory" not in str(e).lower():
-            raise
-        message, status = one_line(e), 2
+    status 2; Ctrl-C (130) and SIGTERM (143) at any moment become one `error:` line too, even where Python would
+    swallow the KeyboardInterrupt (in a __del__ or a callback). Only rank 0 of a torchrun job prints."""
+    received = []
+    with interrupt_handlers(received):
+        try:
+            status = main(sys.argv[1:] if argv is None else list(argv)) or 0
+            if not received:
+                return status
+            message = "interrupted"  # a signal whose KeyboardInterrupt was swallowed: the work may be incomplete
+        except KeyboardInterrupt as e:
+            message, status = str(e) or "interrupted", 128 + signal.SIGINT
+        except (ValueError, OSError, MemoryError) as e:
+            message, status = one_line(e), 2
+        except RuntimeError as e:  # torch reports a failed allocation as a RuntimeError
+            if "can't allocate memory" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            message, status = one_line(e), 2
+    if received:
+        status = 128 + received[0]
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {message}", file=sys.stderr)
     return status
+
+
+@contextmanager
+def interrupt_handlers(received: list):
+    """SIGINT and SIGTERM raise KeyboardInterrupt and are recorded in `received`; a KeyboardInterrupt that Python
+    reports as "Exception ignored" is not printed (the caller sees it in `received`). Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    def unraisable(info):
+        if not isinstance(info.exc_value, KeyboardInterrupt):
+            previous_hook(info)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+        sys.unraisablehook = previous_hook
 
 
 def remove(path: Path):
@@ -70,27 +115,85 @@ def replace(src: Path, dst: Path):
 
 
 @contextmanager
-def atomic_output(path):
+def atomic_output(path, needed: int | None = None):
     """Yield a temporary path beside `path`; when the block succeeds it is renamed to `path` (file or directory),
-    otherwise it is removed and `path` keeps what it held."""
+    otherwise it is removed and `path` keeps what it held. `path` must be absent, a regular file or a directory;
+    `needed` bytes (where the size is known) must be free first. A full disk ends in a UserError naming the path."""
     path = Path(path)
+    check_output_kind(path)
+    if needed is not None:
+        check_free_space(path, needed)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     remove(tmp)
     try:
         yield tmp
         replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         remove(tmp)
+        failure = write_failure(path, e, needed)
+        if failure is not None:
+            raise failure from None
         raise
 
 
+def write_failure(path, e: BaseException, needed: int | None = None) -> "UserError | None":
+    """The one-line error for an exception that means the disk is full while writing `path` (an OSError ENOSPC or
+    EDQUOT, or torch's and safetensors' reports of one); None for any other exception."""
+    text = str(e)
+    full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+    full = full or "No space left on device" in text or "Disk quota exceeded" in text
+    full = full or (isinstance(e, RuntimeError) and "inline_container" in text and "unexpected pos" in text)
+    if not full:
+        return None
+    return UserError(f"cannot write {path}: No space left on device ({space_note(path, needed)}); free some space")
+
+
+def space_note(path, needed: int | None) -> str:
+    free = shutil.disk_usage(existing_parent(Path(path))).free
+    return f"{free:,} bytes free" + (f", about {needed:,} needed" if needed is not None else "")
+
+
+def check_free_space(path, needed: int, what: str | None = None):
+    """UserError unless the file system that will hold `path` has `needed` bytes free."""
+    if shutil.disk_usage(existing_parent(Path(path))).free < needed:
+        raise UserError(f"cannot write {what or path}: not enough disk space ({space_note(path, needed)})")
+
+
+def existing_parent(path: Path) -> Path:
+    return next(p for p in Path(os.path.abspath(path)).parents if p.exists())
+
+
+FILE_KINDS = {
+    stat.S_ISCHR: "a character device",
+    stat.S_ISBLK: "a block device",
+    stat.S_ISFIFO: "a FIFO",
+    stat.S_ISSOCK: "a socket",
+}
+
+
+def check_output_kind(path):
+    """UserError unless path is absent, a regular file or a directory (a symbolic link is followed: to one of those
+    it is fine; into a loop, a device, a FIFO or a socket it is refused, and nothing is replaced)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"cannot write {path}: a symbolic link loop; choose another output") from None
+        return  # absent, a dangling link (replaced as a link), or a folder that is not one: check_writable says
+    kind = next((name for test, name in FILE_KINDS.items() if test(mode)), None)
+    if kind is not None:
+        raise UserError(f"cannot write {path}: it is {kind}, not a regular file or directory; choose another output")
+
+
 def check_writable(path, inputs=(), directory: bool = False):
-    """UserError unless `path` (a directory if `directory`, else a file) can be created or replaced: its folder can
-    be made and written to, and it is not, does not contain, and does not lie inside any of `inputs`.
-    Called before long work starts, so that it never ends in a failed write."""
-    path = Path(path).resolve()
+    """UserError unless `path` (a directory if `directory`, else a file) can be created or replaced: it is absent,
+    a regular file or a directory (check_output_kind), its folder can be made and written to, and it is not, does
+    not contain, and does not lie inside any of `inputs`. Called before long work starts, so that it never ends in
+    a failed write."""
+    check_output_kind(path)
+    path = resolved(path)
     for given in inputs:
-        given = Path(given).resolve()
+        given = resolved(given)
         if path == given or given.is_relative_to(path) or path.is_relative_to(given):
             raise UserError(f"the output {path} overlaps the input {given}; choose another output")
     if path.exists() and path.is_dir() != directory:
@@ -103,3 +206,68 @@ def check_writable(path, inputs=(), directory: bool = False):
             pass
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def resolved(path) -> Path:
+    try:
+        return Path(path).resolve()
+    except RuntimeError:  # Python 3.11's report of a symbolic link loop
+        raise UserError(f"{path}: a symbolic link loop") from None
+
+
+@contextmanager
+def exclusive(path):
+    """Hold the one-writer lock of `path` (a run or dataset directory) for the block: an advisory fcntl.flock on
+    the lock file .NAME.lock beside it, which records the holder's pid and which the OS releases on any exit, even
+    SIGKILL. UserError, naming that pid, when another process holds it. Folders made for the lock file are removed
+    again if left empty."""
+    path = resolved(path)
+    lock_path = path.parent / f".{path.name}.lock"
+    made = [p for p in path.parents if not p.exists()]
+    while True:
+        try:
+            lock_path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UserError(
+                f"{path} is in use by another process (pid {holder}, lock file {lock_path}); wait for it to end"
+            ) from None
+        try:  # the file may have been removed by its last holder between our open and our lock: lock the new one
+            if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)  # before unlocking, so that no one locks a file that is going
+        os.close(fd)
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def check_type(name: str, value, annotation):
+    """value, of the type `annotation` (int, float, str, bool, or one of those | None; an int passes as a float);
+    UserError naming `name` otherwise (a bool is not an int, a string is not a bool)."""
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    base, optional = next(t for t in options if t is not type(None)), type(None) in options
+    if value is None and optional:
+        return None
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+        wanted = base.__name__ + (" or none" if optional else "")
+        raise UserError(f"{name} must be {wanted}, not {type(value).__name__} {value!r}")
+    return value

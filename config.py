@@ -9,7 +9,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from cli import ArgumentParser, UserError
+from cli import ArgumentParser, UserError, check_type
 from model import ModelArgs
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
@@ -191,14 +191,9 @@ def range_problem(key: str, value) -> str | None:
 def check_value(key: str, name: str, value, annotation):
     """value converted to the field's type (int → float is allowed) and checked against its range; UserError
     naming the key (as `name`: "config key K" in a file, "--K" on the command line) otherwise."""
-    base, optional = type_options(annotation)
-    if value is None and optional:
+    value = check_type(name, value, annotation)
+    if value is None:
         return None
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
-        wanted = base.__name__ + (" or none" if optional else "")
-        raise UserError(f"{name} must be {wanted}, not {type(value).__name__} {value!r}")
     problem = range_problem(key, value)
     if problem:
         raise UserError(f"{name} must be {problem}, not {value!r}")

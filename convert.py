@@ -11,8 +11,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from checkpoint import load_model, model_from_state_dict, read_tokenizer, save_model
-from cli import ArgumentParser, UserError, atomic_output, check_writable, run_command
+from checkpoint import load_model, model_bytes, model_from_state_dict, read_tokenizer, save_model
+from cli import ArgumentParser, UserError, atomic_output, check_type, check_writable, run_command
 from model import ModelArgs, Transformer, rope_frequencies
 
 # picollama name -> Hugging Face name, per layer
@@ -144,18 +144,20 @@ def model_args_from_hf(config) -> ModelArgs:
         raise ValueError(f"not a Llama model (model_type {c.get('model_type')!r}, {c.get('architectures')})")
     if c.get("attention_bias") or c.get("mlp_bias") or c.get("hidden_act", "silu") != "silu":
         raise ValueError("biases and activations other than SiLU are not implemented")
-    dim, n_heads = c["hidden_size"], c["num_attention_heads"]
-    if c.get("head_dim") not in (None, dim // n_heads):
+    value = hf_reader(c, "config.json")
+    dim, n_heads = value("hidden_size", int), value("num_attention_heads", int)
+    if value("head_dim", int | None, None) not in (None, dim // n_heads):
         raise ValueError(f"head_dim {c['head_dim']} != hidden_size/num_attention_heads is not implemented")
-    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope = value("rope_parameters", dict | None, None) or value("rope_scaling", dict | None, None) or {}
+    rope_value = hf_reader(rope, "config.json rope_parameters")
+    rope_type = rope_value("rope_type", str, rope_value("type", str, "default"))
     kwargs = {}
     if rope_type == "default":
         kwargs["rope_scaling"] = "none"
     elif rope_type in ("linear", "dynamic", "yarn", "llama3"):
-        kwargs.update(rope_scaling=rope_type, rope_factor=float(rope["factor"]))
+        kwargs.update(rope_scaling=rope_type, rope_factor=rope_value("factor", float))
         if rope_type in ("yarn", "llama3"):
-            kwargs["rope_original_max_seq_len"] = rope.get("original_max_position_embeddings")
+            kwargs["rope_original_max_seq_len"] = rope_value("original_max_position_embeddings", int | None, None)
         if rope_type == "yarn" and (
             rope.get("beta_fast") not in (None, 32)
             or rope.get("beta_slow") not in (None, 1)
@@ -165,22 +167,38 @@ def model_args_from_hf(config) -> ModelArgs:
         ):
             raise ValueError("yarn is implemented with beta_fast=32, beta_slow=1 and the default attention factor only")
         if rope_type == "llama3":
-            kwargs.update(rope_low_freq_factor=rope["low_freq_factor"], rope_high_freq_factor=rope["high_freq_factor"])
+            low, high = rope_value("low_freq_factor", float), rope_value("high_freq_factor", float)
+            kwargs.update(rope_low_freq_factor=low, rope_high_freq_factor=high)
     else:
         raise ValueError(f"RoPE type {rope_type!r} is not implemented")
+    theta = rope_value("rope_theta", float, value("rope_theta", float, 10000.0))
     return ModelArgs(
         dim=dim,
-        n_layers=c["num_hidden_layers"],
+        n_layers=value("num_hidden_layers", int),
         n_heads=n_heads,
-        n_kv_heads=c.get("num_key_value_heads") or n_heads,
-        vocab_size=c["vocab_size"],
-        ffn_hidden_dim=c["intermediate_size"],
-        norm_eps=c.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
-        max_seq_len=c.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        n_kv_heads=value("num_key_value_heads", int | None, None) or n_heads,
+        vocab_size=value("vocab_size", int),
+        ffn_hidden_dim=value("intermediate_size", int),
+        norm_eps=value("rms_norm_eps", float, 1e-6),
+        rope_theta=theta,
+        max_seq_len=value("max_position_embeddings", int, 2048),
+        tie_embeddings=value("tie_word_embeddings", bool, False),
         **kwargs,
     )
+
+
+def hf_reader(config: dict, where: str):
+    """value(key, type, default): config[key] checked for its type (UserError naming the key); KeyError when a
+    key without a default is missing."""
+    if not isinstance(config, dict):
+        raise UserError(f"{where} must be a JSON object, not {type(config).__name__}")
+
+    def value(key: str, kind, default=KeyError):
+        if key not in config and default is KeyError:
+            raise KeyError(key)
+        return check_type(f"{where} {key}", config.get(key, default), kind)
+
+    return value
 
 
 def from_hf_state_dict(state_dict: dict, config) -> Transformer:
@@ -225,7 +243,8 @@ def export_hf(run_dir: Path, hf_dir: Path):
         "clean_up_tokenization_spaces": False,
         "model_max_length": model.args.max_seq_len,
     }
-    with atomic_output(hf_dir) as tmp:
+    needed = model_bytes(model) + tokenizer_path.stat().st_size + 64 * 1024
+    with atomic_output(hf_dir, needed) as tmp:
         tmp.mkdir()
         save_file(to_hf_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -382,6 +401,8 @@ def import_hf(hf_dir: Path, run_dir: Path):
         raise UserError(f"{hf_dir}/config.json: not JSON ({e})") from None
     try:
         model_args_from_hf(config)  # fails early on an architecture we do not implement
+    except UserError as e:  # a value of the wrong type
+        raise UserError(f"{hf_dir}/{e}") from None
     except (KeyError, TypeError, AttributeError) as e:
         raise UserError(f"{hf_dir}/config.json is not a Hugging Face Llama config ({type(e).__name__}: {e})") from None
     tokenizer_path = hf_dir / "tokenizer.model"

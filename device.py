@@ -45,11 +45,28 @@ def pick_device(name: str | None = None) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise UserError(f"device {name!r}: not a device (examples: cpu, cuda, cuda:1, mps)") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"device {name!r}: picollama runs on cpu, cuda (cuda:N) or mps; choose one of those")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {name!r}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type == "mps" and not mps_available():
-        raise UserError(f"device {name!r}: Apple's MPS is not available on this machine")
+        raise UserError(f"device {name!r}: MPS (Apple's GPU) is not available on this machine; use cpu")
     return device
+
+
+def check_compiler():
+    """UserError unless torch.compile can build kernels here: Inductor needs a C++ compiler (g++, or $CXX)."""
+    from torch._inductor import cpp_builder  # imported only when compiling: it takes a while
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception:  # Inductor's InvalidCxxCompiler, or whatever its search runs into
+        raise UserError(
+            "--compile needs a working C++ compiler for torch.compile (Inductor), and none was found (tried $CXX, "
+            "g++); install one or run without compiling"
+        ) from None
 
 
 def cpu_has_bf16() -> bool:

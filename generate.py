@@ -11,7 +11,7 @@ import torch
 import extrapolate
 from checkpoint import load_run
 from cli import ArgumentParser, UserError, run_command
-from device import pick_device, pick_dtype
+from device import check_compiler, pick_device, pick_dtype
 from inference import QUANTIZATIONS, DecodeStep, compile_step, int8_dtype, quantize
 from model import ROPE_SCALINGS, Transformer
 
@@ -66,20 +66,13 @@ def check_sampling(max_new_tokens, temperature, top_k, top_p):
 
 
 def check_length(args, total: int):
-    """ValueError when the model cannot run `total` tokens (the model's length policy says so): past a learned
-    position table, or past a RoPE model's context with no RoPE scaling to stretch it. ALiBi, NoPE and sinusoidal
-    positions run past their context (sinusoidal ones were never trained there: sample_command warns)."""
-    if args.position_limit is not None and total > args.position_limit:
-        raise ValueError(
-            f"prompt + new tokens = {total} exceeds the model's learned position table of {args.position_limit} "
-            "positions; generate fewer tokens"
-        )
-    if args.needs_scaling(total):
+    """ValueError when the model cannot run `total` tokens (its length policy: ModelArgs.length_problem). ALiBi,
+    NoPE and sinusoidal positions run past their context (sinusoidal ones untrained there: sample_command warns)."""
+    problem = args.length_problem(total)
+    if problem:
         methods = "|".join(m for m in ROPE_SCALINGS if m != "none")
-        raise ValueError(
-            f"prompt + new tokens = {total} exceeds the model's context of {args.max_seq_len} tokens; "
-            f"generate fewer tokens or choose a RoPE scaling method (--rope-scaling {methods})"
-        )
+        hint = f" or choose a RoPE scaling method (--rope-scaling {methods})" if args.needs_scaling(total) else ""
+        raise ValueError(f"prompt + new tokens: {problem}; generate fewer tokens{hint}")
 
 
 @torch.inference_mode()
@@ -193,8 +186,10 @@ def read_prompts(args) -> list[str]:
         return [args.prompt or ""]
     try:
         lines = Path(args.prompt_file).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise UserError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompt-file {args.prompt_file} is not UTF-8 text (byte {e.start}); re-save it") from None
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise UserError(f"--prompt-file {args.prompt_file} has no prompts (one per line)")
@@ -222,6 +217,8 @@ def sample_command(args) -> int:
     check_rope_flags(args)
     texts = read_prompts(args)
     device = pick_device(args.device)
+    if args.compile:
+        check_compiler()
     dtype = int8_dtype(device) if args.quantize == "int8" and args.dtype is None else pick_dtype(args.dtype, device)
     model, _, tokenizer = load_run(args.checkpoint, device, torch.float32)
     model = quantize(model, args.quantize).to(dtype)

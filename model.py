@@ -2,12 +2,15 @@
 FFN) by default, and the alternatives the seed lectures teach as ModelArgs switches."""
 
 import math
+import typing
 from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cli import UserError, check_type
 
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 LENGTH_DEPENDENT = ("dynamic",)  # scalings whose frequencies follow the current length (cached keys go stale)
@@ -113,6 +116,15 @@ class ModelArgs:
         NoPE and sinusoidal positions have none to stretch)."""
         return self.position == "rope" and self.rope_scaling == "none" and length > self.max_seq_len
 
+    def length_problem(self, length: int) -> str | None:
+        """Why this model cannot run `length` tokens as it is (past a learned table, or a RoPE context with no scaling
+        to stretch it); None when it can."""
+        if self.position_limit is not None and length > self.position_limit:
+            return f"{length} tokens exceed the model's learned position table of {self.position_limit} positions"
+        if self.needs_scaling(length):
+            return f"{length} tokens exceed the model's context of {self.max_seq_len} tokens"
+        return None
+
     @property
     def length_dependent(self) -> bool:
         """Whether the RoPE frequencies change with the current length (LENGTH_DEPENDENT): then a cache goes stale."""
@@ -131,10 +143,15 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
+        """ModelArgs from a dict read from a file: each value checked for its field's type (UserError naming
+        model.KEY), unknown keys refused."""
+        if not isinstance(d, dict):
+            raise UserError(f"model must be a table of settings, not {type(d).__name__}")
         unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown model argument(s): {', '.join(sorted(unknown))}")
-        return cls(**d)
+        hints = typing.get_type_hints(cls)
+        return cls(**{key: check_type(f"model.{key}", value, hints[key]) for key, value in d.items()})
 
 
 class RMSNorm(nn.Module):

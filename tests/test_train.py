@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+import checkpoint
 import metrics
 import optim
 import train
@@ -623,7 +625,9 @@ def test_training_at_random_positions_learns_and_resumes_exactly(dataset, tmp_pa
 
 
 def test_random_positions_beyond_a_learned_table_or_without_positions_are_refused():
-    cfg = build_config({"model": TINY["model"], "train": {"seq_len": 32, "random_positions": 2}}, [])
+    cfg = build_config(
+        {"model": TINY["model"], "train": {"seq_len": 32, "random_positions": 2, "sample_tokens": 0}}, []
+    )
     check_config(cfg, 1)  # RoPE is defined at any position
     cfg.model.position = "learned"  # set as model.position once the position-encoding switch exists
     with pytest.raises(UserError, match=r"random_positions \(2\) × train.seq_len \(32\) exceeds the learned"):
@@ -729,3 +733,121 @@ def test_a_budgeted_run_killed_and_resumed_equals_the_same_steps_given_up_front(
     assert run_in_process(config, reference, f"--train.max_steps={chosen}") == 0
     assert max(losses(killed)) == chosen == json.loads((killed / "config.json").read_text())["train"]["max_steps"]
     assert_close(losses(killed), losses(reference), 1e-6, steps=range(1, chosen + 1))
+
+
+# ---------------------------------------------------------------- one writer, signals, full disks
+
+
+def test_a_second_training_into_one_run_directory_is_refused_at_once(dataset, tmp_path, capsys):
+    """Two train.py into one out_dir: the second exits 2 naming the first's pid; the first's outputs are those of a
+    run alone (a second, identical run into another directory, at the same time)."""
+    config = config_file(tmp_path, dataset, train={"max_steps": 12})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first, alone = (
+        subprocess.Popen(
+            [*command(1), "--config", str(config), f"--train.out_dir={tmp_path / name}"],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for name in ("run", "alone")
+    )
+    lock = tmp_path / ".run.lock"
+    deadline = time.monotonic() + 120
+    while not (lock.is_file() and lock.read_text()) and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert run_in_process(config, tmp_path / "run") == 2
+    assert first.poll() is None, "the first run ended before the second tried: the test proves nothing"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"is in use by another process (pid {first.pid}, lock file {lock})" in err, err
+    assert first.wait(timeout=300) == 0 and alone.wait(timeout=300) == 0, first.stderr.read() + alone.stderr.read()
+    for name in ("model.safetensors", "config.json"):
+        saved = (tmp_path / "run" / name).read_bytes()
+        assert saved == (tmp_path / "alone" / name).read_bytes().replace(b"alone", b"run"), name
+    assert losses(tmp_path / "run") == losses(tmp_path / "alone")
+    assert [p.name for p in checkpoints(tmp_path / "run")] == ["step_000008", "step_000012"]
+    assert not lock.exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_training_with_one_line_naming_where_resume_continues(dataset, tmp_path, signum):
+    config = config_file(tmp_path, dataset, train={"max_steps": 100000}, checkpoint={"interval": 2})
+    process = subprocess.Popen(
+        [*command(1), "--config", str(config), f"--train.out_dir={tmp_path / 'run'}"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.monotonic() + 120
+    while not checkpoints(tmp_path / "run") and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signum)
+    err = process.communicate(timeout=120)[1]
+    assert process.returncode == 128 + signum, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and err.rstrip("\n").endswith(errors[0]) and "Traceback" not in err, err
+    latest = checkpoints(tmp_path / "run")[-1]
+    assert errors[0] == f"error: interrupted; --resume continues from step {int(latest.name[5:])} ({latest})"
+    assert not list((tmp_path / "run" / "train_state").glob(".*.tmp"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB tmpfs (root only; CI mounts it), unmounted afterwards."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()}): needs root")
+    yield disk
+    subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+def checkpoint_weights(path: Path, like: dict) -> dict:
+    """The model weights of a train_state checkpoint, as tensors shaped like `like`."""
+    state = {"model": {k: torch.empty_like(v) for k, v in like.items()}}
+    with checkpoint.single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state["model"]
+
+
+@pytest.mark.parametrize("checked_first", [True, False], ids=["checked-first", "found-full"])
+def test_a_full_disk_ends_the_run_in_one_line_with_checkpoint_and_model_consistent(
+    dataset, small_disk, monkeypatch, capsys, checked_first
+):
+    """Checkpoints every step into 2 MB: a save runs out of space (found by the free-space check before writing, or,
+    with that check off, by the write itself). One error line naming the path, no temporary file left, and the
+    model export is the latest checkpoint's weights."""
+    if not checked_first:
+        monkeypatch.setattr(checkpoint, "check_free_space", lambda *args, **kwargs: None)
+    config = config_file(small_disk.parent, dataset, train={"max_steps": 20}, checkpoint={"interval": 1, "keep": 2})
+    run = small_disk / "run"
+    assert run_in_process(config, run) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    expected = "not enough disk space" if checked_first else "No space left on device"
+    assert err.startswith("error: cannot write ") and str(run) in err and expected in err and "bytes free" in err, err
+    assert not [p for p in small_disk.rglob("*") if ".tmp" in p.name]
+    latest = checkpoints(run)[-1]
+    model, _ = load_model(run)
+    weights = checkpoint_weights(latest, model.state_dict())
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert losses(run)  # metrics.jsonl up to the failure
+
+
+def test_a_full_disk_during_to_hf_leaves_nothing(make_tiny_run, small_disk, monkeypatch, capsys):
+    import convert
+
+    run_dir, _ = make_tiny_run(steps=1)
+    (small_disk / "filler").write_bytes(b"\0" * (1900 * 1024))
+    for checked_first in (True, False):
+        if not checked_first:
+            monkeypatch.setattr("cli.check_free_space", lambda *args, **kwargs: None)
+        assert run_command(convert.main, ["to-hf", str(run_dir), str(small_disk / "hf")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"cannot write {small_disk / 'hf'}" in err and "bytes free" in err, err
+        assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
