@@ -58,8 +58,8 @@ document; a corpus of a single document is cut at a line break instead). The tok
 on at most 32 MB of the first block's training text. The output directory gets shards
 train-NNNNN.bin / val-NNNNN.bin of --shard-tokens tokens with their .docs.npy document offsets,
 tokenizer.model and meta.json. Until it is complete it is written to .NAME.partial beside it: an
-interrupted run, run again, resumes there. A rerun with the same inputs reuses a complete output,
---force rebuilds it.
+interrupted run, run again, resumes there (delete it to start over). A rerun with the same inputs
+reuses a complete output, --force rebuilds it.
 """
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-ENCODE_PIECE_CHARS = 1 << 13  # documents are encoded in pieces cut after a newline: faster than whole documents
+ENCODE_PIECE_CHARS = 1 << 10  # documents are encoded in pieces cut after a newline: ~25% faster than 8k pieces
 
 
 def shard_name(split: str, index: int) -> str:
