@@ -48,7 +48,8 @@ def run_measured(command: list[str], env: dict, what: str, kill_when=None) -> di
             log.seek(0)
             lines = log.read().strip().splitlines()
             raise UserError(f"{what} failed: {lines[-1] if lines else f'exit status {process.returncode}'}")
-    return {"seconds": seconds, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9, "killed": killed}
+    cpu = usage.ru_utime + usage.ru_stime
+    return {"seconds": seconds, "cpu_seconds": cpu, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9, "killed": killed}
 
 
 def write_smoke_corpus(folder: Path) -> Path:
@@ -93,6 +94,7 @@ def outputs(folder: Path) -> dict:
         "source": meta["source"],
         "corpus_bytes": sum(s["bytes"] for s in meta["splits"].values()),
         "tokens": sum(s["tokens"] for s in meta["splits"].values()),
+        "val_share_of_bytes": meta["splits"]["val"]["bytes"] / sum(s["bytes"] for s in meta["splits"].values()),
         "shard_bytes": sum(p.stat().st_size for p in files if p.suffix == ".bin"),
         "disk_bytes": sum(p.stat().st_size for p in files),
         "files": sorted((p.name, p.stat().st_size) for p in files),
@@ -125,6 +127,7 @@ def prepare_runs(cli, source: str, vocab: int, tmp: Path, env: dict) -> list[dic
                 **run,
                 **found,
                 "megabytes_per_second": found["corpus_bytes"] / 1e6 / run["seconds"],
+                "megabytes_per_cpu_second": found["corpus_bytes"] / 1e6 / run["cpu_seconds"],
                 "tokens_per_second": found["tokens"] / run["seconds"],
                 "disk_bytes_per_token": found["disk_bytes"] / found["tokens"],
                 "load_average_1min_after": os.getloadavg()[0],
@@ -206,7 +209,8 @@ def main(argv: list[str]) -> int:
             "runs": runs,
             "note": "seconds: the whole `data/prepare.py --force` command (startup, reading, tokenizer training, "
             "encoding, writing) with the corpus already fetched; peak_rss_gb: the kernel's ru_maxrss of that "
-            "process; disk_bytes_per_token: every file of the output over all its tokens",
+            "process; cpu_seconds: its user + system time (less disturbed by other work on the machine than the wall "
+            "time); disk_bytes_per_token: every file of the output over all its tokens",
         },
     )
     return 0
