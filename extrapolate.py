@@ -200,10 +200,10 @@ def find_data_dir(config: dict, override: str | None) -> Path:
     else:
         configured = (config.get("data") or {}).get("dir")
         if not configured:
-            raise UserError("config.json names no data.dir; pass --data DIR (a prepared dataset with val.bin)")
+            raise UserError("config.json names no data.dir; pass --data DIR (a prepared dataset with a val split)")
         candidates = [Path(configured), Path(__file__).resolve().parent / configured]
     for path in candidates:
-        if (path / "val.bin").is_file() and (path / "meta.json").is_file():
+        if any(path.glob("val*.bin")) and (path / "meta.json").is_file():
             return path
     raise UserError(f"{candidates[0]} is not a prepared dataset with a val split; pass --data DIR")
 

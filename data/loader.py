@@ -1,4 +1,4 @@
-"""Read a prepared dataset (meta.json, <split>.bin, <split>.docs.npy) as batches of token ids."""
+"""Read a prepared dataset (meta.json, its token shards and their document offsets) as batches of token ids."""
 
 import json
 from pathlib import Path
@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from cli import UserError
+from data.shards import docs_name, split_shards
 
 SPLITS = ("train", "val")
 
@@ -27,31 +28,79 @@ def _check_split(split: str) -> None:
         raise UserError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
 
 
-def open_tokens(data_dir, split) -> np.memmap:
-    """The split's token ids as a read-only memmap (nothing is loaded into memory up front); UserError unless the
-    shard holds exactly the tokens meta.json counts."""
+class ShardedTokens:
+    """A split stored in several shards, read as one sequence: len(), slices (copied) and integer indexing."""
+
+    def __init__(self, shards: list[np.memmap]):
+        self.shards = shards
+        self.starts = np.cumsum([0] + [len(shard) for shard in shards])
+        self.dtype = shards[0].dtype
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index):
+        if isinstance(index, slice) and index.step in (None, 1):
+            start, stop, _ = index.indices(len(self))
+            first = int(np.searchsorted(self.starts, start, side="right")) - 1
+            parts = []
+            while start < stop:
+                shard = self.shards[first]
+                take = min(stop, int(self.starts[first + 1])) - start
+                offset = start - int(self.starts[first])
+                parts.append(shard[offset : offset + take])
+                start, first = start + take, first + 1
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
+        positions = np.asarray(index)
+        if positions.dtype.kind not in "iu":
+            raise TypeError(f"ShardedTokens takes slices and integer positions, not {index!r}")
+        positions = np.where(positions < 0, positions + len(self), positions)
+        which = np.searchsorted(self.starts, positions, side="right") - 1
+        out = np.empty(positions.shape, dtype=self.dtype)
+        for shard in np.unique(which):
+            mask = which == shard
+            out[mask] = self.shards[shard][positions[mask] - self.starts[shard]]
+        return out[()] if out.ndim == 0 else out
+
+    def __array__(self, dtype=None, copy=None):
+        return np.concatenate(self.shards).astype(dtype or self.dtype, copy=False)
+
+
+def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
+    """The split's token ids as a read-only memmap, or a ShardedTokens over the memmaps of its shards (nothing is
+    loaded into memory up front); UserError unless each shard holds exactly the tokens meta.json counts."""
     _check_split(split)
     meta = load_meta(data_dir)
-    path = Path(data_dir) / f"{split}.bin"
     try:
-        dtype, tokens = np.dtype(meta["dtype"]), int(meta["splits"][split]["tokens"])
+        dtype, shards = np.dtype(meta["dtype"]), split_shards(meta, split)
+        sizes = [(shard["file"], int(shard["tokens"])) for shard in shards]
     except (KeyError, TypeError, ValueError) as exc:
-        problem = f"lacks the {split} split's dtype or size ({exc})"
+        problem = f"lacks the {split} split's dtype or shards ({exc})"
         raise UserError(f"{data_dir}/meta.json {problem}; prepare the dataset again with --force") from None
-    size = path.stat().st_size if path.is_file() else 0
-    expected = tokens * dtype.itemsize
-    if size != expected or not tokens:
-        raise UserError(
-            f"{path} holds {size:,} bytes but meta.json counts {tokens:,} {dtype.name} tokens ({expected:,} bytes): "
-            "the shard is truncated, missing or from another dataset; prepare it again with --force"
-        )
-    return np.memmap(path, dtype=dtype, mode="r")
+    memmaps = []
+    for name, tokens in sizes:
+        path = Path(data_dir) / name
+        size = path.stat().st_size if path.is_file() else 0
+        expected = tokens * dtype.itemsize
+        if size != expected or not tokens:
+            raise UserError(
+                f"{path} holds {size:,} bytes but meta.json counts {tokens:,} {dtype.name} tokens ({expected:,} "
+                "bytes): the shard is truncated, missing or from another dataset; prepare it again with --force"
+            )
+        memmaps.append(np.memmap(path, dtype=dtype, mode="r"))
+    if not memmaps:
+        raise UserError(f"{data_dir}: the {split} split has no tokens; prepare it again with --force")
+    return memmaps[0] if len(memmaps) == 1 else ShardedTokens(memmaps)
 
 
 def doc_offsets(data_dir, split) -> np.ndarray:
     """Start offset (the BOS position) of each document in the split: int64, ascending, first = 0."""
     _check_split(split)
-    return np.load(Path(data_dir) / f"{split}.docs.npy").astype(np.int64, copy=False)
+    offsets, start = [], 0
+    for shard in split_shards(load_meta(data_dir), split):
+        offsets.append(np.load(Path(data_dir) / docs_name(shard["file"])).astype(np.int64, copy=False) + start)
+        start += int(shard["tokens"])
+    return np.concatenate(offsets)
 
 
 def _to_device(

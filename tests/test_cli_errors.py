@@ -78,8 +78,8 @@ def ws(make_tiny_run, tmp_path_factory):
     meta["tokenizer_sha256"] = hashlib.sha256(small_tokenizer()).hexdigest()
     (ws / "other_tokenizer_data" / "meta.json").write_text(json.dumps(meta))
 
-    shutil.copytree(ws / "data", ws / "truncated_data")  # val.bin one token short
-    val = ws / "truncated_data" / "val.bin"
+    shutil.copytree(ws / "data", ws / "truncated_data")  # the val shard one token short
+    val = ws / "truncated_data" / "val-00000.bin"
     val.write_bytes(val.read_bytes()[:-2])
 
     shutil.copytree(ws / "data", ws / "data_with_text")  # a prepared dataset holding a text the command reads

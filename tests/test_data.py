@@ -1,9 +1,11 @@
 """Tests for data/prepare.py and data/loader.py on small generated corpora."""
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ import torch
 
 from cli import UserError
 from config import build_config
+from data import prepare as prepare_module
 from data.loader import (
     RandomBatches,
     copy_vocabulary,
@@ -25,7 +28,7 @@ from data.loader import (
     open_tokens,
     plant_copies,
 )
-from data.prepare import prepare, split_documents
+from data.prepare import prepare, split_documents, tokenizer_sample
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SYLLABLES = "ka ri to ne su ma lo pe da vi qu ex an or él ça ñu öl ß 東 京 語 本".split()
@@ -107,10 +110,10 @@ def test_shards_hold_every_document_once_with_bos_and_eos(corpus):
     assert sorted(p.name for p in data_dir.iterdir()) == [
         "meta.json",
         "tokenizer.model",
-        "train.bin",
-        "train.docs.npy",
-        "val.bin",
-        "val.docs.npy",
+        "train-00000.bin",
+        "train-00000.docs.npy",
+        "val-00000.bin",
+        "val-00000.docs.npy",
     ]
 
 
@@ -163,13 +166,13 @@ def test_a_truncated_shard_is_refused_when_opened(corpus, tmp_path, cut):
     data_dir, _ = corpus
     copy = tmp_path / "data"
     shutil.copytree(data_dir, copy)
-    (copy / "val.bin").write_bytes((copy / "val.bin").read_bytes()[:-cut])
+    (copy / "val-00000.bin").write_bytes((copy / "val-00000.bin").read_bytes()[:-cut])
     for open_split in (
         lambda: RandomBatches(copy, "val", batch_size=1, seq_len=8),
         lambda: next(eval_batches(copy, "val", 1, 8)),
         lambda: document_windows(copy, "val", 8, 1),
     ):
-        with pytest.raises(UserError, match="val.bin holds .* but meta.json counts .* truncated"):
+        with pytest.raises(UserError, match="val-00000.bin holds .* but meta.json counts .* truncated"):
             open_split()
     assert len(open_tokens(copy, "train")) == load_meta(copy)["splits"]["train"]["tokens"]
 
@@ -316,11 +319,11 @@ def test_rerun_reuses_the_output_and_force_rebuilds_it(corpus, tmp_path, capsys)
     write_corpus(tmp_path / "texts", docs=10)
     out = tmp_path / "out"
     prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=out)
-    meta_before, stamp = load_meta(out), (out / "train.bin").stat().st_mtime_ns
+    meta_before, stamp = load_meta(out), (out / "train-00000.bin").stat().st_mtime_ns
     capsys.readouterr()
     prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=out)
     assert "already prepared" in capsys.readouterr().out
-    assert (out / "train.bin").stat().st_mtime_ns == stamp
+    assert (out / "train-00000.bin").stat().st_mtime_ns == stamp
     prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=out, force=True)
     assert capsys.readouterr().out.startswith("wrote")
     assert load_meta(out)["tokenizer_sha256"] == meta_before["tokenizer_sha256"]  # training is deterministic
@@ -460,3 +463,186 @@ def test_default_shakespeare_preparation(tmp_path):
     assert val["bytes"] >= 0.05 * (train["bytes"] + val["bytes"])
     assert 2.0 < meta["bytes_per_token"] < 4.5 and meta["vocab_size"] == 4096
     assert document_windows(out, "val", 2049, 4).shape == (4, 2049)
+
+
+# ---------------------------------------------------------------- streaming, shards, resuming
+
+# Computed with the code before sharding (commit 7e96eaa) on the `corpus` fixture: the tokens, document offsets and
+# batches of a one-shard dataset must stay exactly these.
+BEFORE_SHARDS = {
+    "tokens": {"train": "df0d618fb51c4db1", "val": "a41214385f630eea"},
+    "offsets": {"train": "c17a12e489874ad4", "val": "a586c546206ed611"},
+    "random": ["5ddbdb9fbe03281f", "5b867a284f51d3c5", "a5870f698fd02b03"],
+    "copies": ["fdb62397cf132da6", "72147f41d1a873f9", "4c0e7bfd460ad817"],
+    "eval": "2d48c1f26b3a3925",
+    "document_windows": "0ef31a19125bd153",
+}
+
+
+def digest(*arrays) -> str:
+    hasher = hashlib.sha256()
+    for array in arrays:
+        hasher.update(np.ascontiguousarray(np.asarray(array, dtype=np.int64)).tobytes())
+    return hasher.hexdigest()[:16]
+
+
+def loader_digests(data_dir) -> dict:
+    random_batches = RandomBatches(data_dir, "train", batch_size=4, seq_len=32, seed=7)
+    copies = RandomBatches(data_dir, "train", 8, 32, seed=5, copy_fraction=0.25, copy_span=4, copy_repeats=2)
+    return {
+        "tokens": {split: digest(open_tokens(data_dir, split)) for split in ("train", "val")},
+        "offsets": {split: digest(doc_offsets(data_dir, split)) for split in ("train", "val")},
+        "random": [digest(*random_batches.next_batch()) for _ in range(3)],
+        "copies": [digest(*copies.next_batch()) for _ in range(3)],
+        "eval": digest(*[t for batch in eval_batches(data_dir, "val", 5, 16) for t in batch]),
+        "document_windows": digest(document_windows(data_dir, "train", 64, 20, seed=3)),
+    }
+
+
+def test_a_one_shard_dataset_reads_exactly_as_before_sharding(corpus):
+    data_dir, _ = corpus
+    assert loader_digests(data_dir) == BEFORE_SHARDS
+
+
+def test_a_format_2_dataset_still_loads_and_asks_for_force(corpus, tmp_path):
+    data_dir, _ = corpus
+    old = tmp_path / "old"
+    shutil.copytree(data_dir, old)
+    meta = load_meta(old)
+    for split in ("train", "val"):
+        (old / f"{split}-00000.bin").rename(old / f"{split}.bin")
+        (old / f"{split}-00000.docs.npy").rename(old / f"{split}.docs.npy")
+        del meta["splits"][split]["shards"]
+    meta["format"] = meta["inputs"]["format"] = 2
+    (old / "meta.json").write_text(json.dumps(meta))
+    assert loader_digests(old) == BEFORE_SHARDS
+    with pytest.raises(UserError, match="format 2, not 3 .* --force"):
+        prepare(str(data_dir.parent / "texts"), vocab_size=400, out_dir=old)
+
+
+@pytest.fixture()
+def small_blocks(monkeypatch):
+    """Blocks of ~6 kB and a tokenizer sample of ~30 kB, so that a small corpus streams through many blocks."""
+    monkeypatch.setattr(prepare_module, "BLOCK_BYTES", 6_000)
+    monkeypatch.setattr(prepare_module, "TOKENIZER_SAMPLE_BYTES", 30_000)
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_streamed_shards_are_the_same_for_any_number_of_workers(tmp_path, small_blocks):
+    documents = write_corpus(tmp_path / "texts", docs=40, seed=3)
+    outputs = [
+        prepare(str(tmp_path / "texts"), 400, tmp_path / f"out{n}", shard_tokens=700, workers=n, command=["test"])
+        for n in (1, 2)
+    ]
+    assert files_of(outputs[0]) == files_of(outputs[1])
+    meta = load_meta(outputs[0])
+    train = meta["splits"]["train"]
+    assert len(train["shards"]) > 10 and all(s["tokens"] == 700 for s in train["shards"][:-1])
+    assert sum(s["tokens"] for s in train["shards"]) == train["tokens"] == len(open_tokens(outputs[0], "train"))
+    assert meta["inputs"]["block_bytes"] == 6_000 and meta["vocab_size"] == 400
+    texts = split_texts(outputs[0], "train") + split_texts(outputs[0], "val")
+    assert sorted(texts) == sorted(documents)  # whole documents across shard boundaries, none lost
+    val_docs = meta["splits"]["val"]["docs"]
+    assert 2 <= val_docs < 40 and meta["splits"]["val"]["bytes"] >= 0.03 * sum(len(d.encode()) for d in documents)
+    one_shard = prepare(str(tmp_path / "texts"), 400, tmp_path / "one", shard_tokens=10**9, command=["test"])
+    for split in ("train", "val"):  # the shard size only cuts the same token stream differently
+        assert np.array_equal(np.asarray(open_tokens(one_shard, split)), np.asarray(open_tokens(outputs[0], split)))
+        assert np.array_equal(doc_offsets(one_shard, split), doc_offsets(outputs[0], split))
+
+
+KILLED_RUN = """
+import os, signal, sys
+from data import prepare
+from data.shards import ShardWriter
+prepare.BLOCK_BYTES, prepare.TOKENIZER_SAMPLE_BYTES = 6_000, 30_000
+write, calls = ShardWriter.write, []
+def write_then_die(self, *args):
+    write(self, *args)
+    calls.append(1)
+    if len(calls) == 2 * 6 + 1:  # block 6's train tokens are written, its progress not yet committed
+        os.kill(os.getpid(), signal.SIGKILL)
+ShardWriter.write = write_then_die
+prepare.prepare(sys.argv[1], 400, sys.argv[2], shard_tokens=700, command=["test"])
+"""
+
+
+def test_a_killed_preparation_resumes_and_ends_byte_identical(tmp_path, small_blocks, monkeypatch):
+    write_corpus(tmp_path / "texts", docs=40, seed=3)
+    out = tmp_path / "out"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, str(tmp_path / "texts"), str(out)], cwd=REPO_ROOT, capture_output=True
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    partial = tmp_path / ".out.partial"
+    assert not out.exists() and partial.is_dir()  # an interrupted run never looks complete
+    progress = json.loads((partial / "progress" / "progress.json").read_text())
+    assert progress["blocks"] == 6
+    finished = progress["splits"]["train"]["tokens"] // 700
+    assert finished >= 2
+    stamps = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in partial.glob("train-*.bin")}
+    assert len(stamps) > finished  # tokens past the last commit were written, and must be cut back
+
+    encoded = []
+    encode = prepare_module.encode_documents
+    monkeypatch.setattr(
+        prepare_module, "encode_documents", lambda tok, texts, *a: encoded.append(len(texts)) or encode(tok, texts, *a)
+    )
+    prepare(str(tmp_path / "texts"), 400, out, shard_tokens=700, command=["test"])
+    assert sum(encoded) < 40  # the committed blocks were not encoded again
+    for index in range(finished):
+        name = f"train-{index:05d}.bin"
+        assert (out / name).stat().st_ino == stamps[name][0] and (out / name).stat().st_mtime_ns == stamps[name][1]
+    whole = prepare(str(tmp_path / "texts"), 400, tmp_path / "whole", shard_tokens=700, command=["test"])
+    assert files_of(out) == files_of(whole)
+    assert not partial.exists()
+
+
+def test_random_windows_span_all_shards_in_proportion_and_resume(corpus, tmp_path):
+    data_dir, _ = corpus
+    sharded = prepare(str(data_dir.parent / "texts"), 400, tmp_path / "sharded", shard_tokens=4000)
+    shards = load_meta(sharded)["splits"]["train"]["shards"]
+    assert len(shards) == 8
+    # the same token stream in eight shards: the same batches, windows crossing shard boundaries included
+    assert loader_digests(sharded) == BEFORE_SHARDS
+    tokens = np.asarray(open_tokens(sharded, "train"), dtype=np.int64)
+    loader = RandomBatches(sharded, "train", batch_size=64, seq_len=32, seed=1)
+    counts = np.zeros(len(shards))
+    for _ in range(40):
+        x, _ = loader.next_batch()
+        for row in x.numpy():
+            start = next(i for i in np.flatnonzero(tokens == row[0]) if np.array_equal(tokens[i : i + 32], row))
+            counts[min(start // 4000, len(shards) - 1)] += 1
+    expected = np.array([s["tokens"] for s in shards], dtype=float)
+    expected *= counts.sum() / expected.sum()
+    assert (counts > 0).all() and np.abs(counts - expected).max() < 0.25 * expected.max()
+    state = json.loads(json.dumps(loader.state_dict()))
+    want = [loader.next_batch() for _ in range(3)]
+    resumed = RandomBatches(sharded, "train", batch_size=64, seq_len=32, seed=99)
+    resumed.load_state_dict(state)
+    assert all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for a, b in zip(want, (resumed.next_batch() for _ in range(3)))
+    )
+
+
+def test_preparation_refuses_to_start_without_the_disk_space(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "texts", docs=10)
+    monkeypatch.setattr(
+        prepare_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 1000)
+    )
+    with pytest.raises(UserError, match="the shards need about .* GB are free"):
+        prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_tokenizer_sample_is_capped_seeded_and_in_corpus_order():
+    texts = [f"{i:03d} " + "x" * 96 + "\n" for i in range(100)]  # 101 bytes each
+    assert tokenizer_sample(texts, 20_000, seed=0) == texts
+    sample = tokenizer_sample(texts, 1_000, seed=0)
+    assert sum(len(t) for t in sample) == 1_000 and sample == tokenizer_sample(texts, 1_000, seed=0)
+    assert sample != tokenizer_sample(texts, 1_000, seed=1) and sample != texts[:10]
+    whole = [t for t in sample if t in texts]
+    assert whole == sorted(whole) and len(whole) == 9

@@ -1,0 +1,167 @@
+"""Token shards on disk: encoding documents on all cores, writing fixed-size resumable shards, listing them."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+ENCODE_PIECE_CHARS = 1 << 10  # documents are encoded in pieces cut after a newline: ~25% faster than 8k pieces
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:05d}.bin"
+
+
+def docs_name(shard_file: str) -> str:
+    """The document offsets beside a shard: train-00000.bin -> train-00000.docs.npy, train.bin -> train.docs.npy."""
+    return str(Path(shard_file).with_suffix(".docs.npy"))
+
+
+def split_shards(meta: dict, split: str) -> list[dict]:
+    """[{"file", "tokens"}, ...] of a split in order; a format-2 dataset is one shard, <split>.bin."""
+    info = meta["splits"][split]
+    return info["shards"] if "shards" in info else [{"file": f"{split}.bin", "tokens": info["tokens"]}]
+
+
+def cuts_after_newlines(tokenizer) -> bool:
+    """Whether cutting a text after a newline changes no id: no piece holds a newline (so none spans one) and the
+    tokenizer adds nothing at the start of a text."""
+    pieces = (tokenizer.id_to_piece(i) for i in range(tokenizer.get_piece_size()))
+    no_newline_piece = not any("\n" in piece for piece in pieces)
+    return no_newline_piece and tokenizer.encode("a\nb") == tokenizer.encode("a\n") + tokenizer.encode("b")
+
+
+def pieces_of(text: str, cut_at_newlines: bool):
+    """The text in pieces of about ENCODE_PIECE_CHARS characters, each cut just after a newline (a longer line stays
+    whole), or whole if not cut_at_newlines."""
+    if not cut_at_newlines:
+        yield text
+        return
+    start = 0
+    while start < len(text):
+        end = len(text)
+        if end - start > ENCODE_PIECE_CHARS:
+            end = text.rfind("\n", start, start + ENCODE_PIECE_CHARS) + 1 or text.find("\n", start) + 1 or end
+        yield text[start:end]
+        start = end
+
+
+def encode_documents(tokenizer, texts: list[str], threads: int, cut_at_newlines: bool):
+    """(ids, lengths): BOS + ids + EOS of each text, concatenated (int32), and each one's length. sentencepiece
+    encodes the batch on `threads` threads without the GIL; the ids do not depend on the number of threads.
+
+    The EOS teaches the model to end a text, so that generation can stop."""
+    pieces, counts = [], []
+    for text in texts:
+        before = len(pieces)
+        pieces.extend(pieces_of(text, cut_at_newlines))
+        counts.append(len(pieces) - before)
+    encoded = tokenizer.encode(pieces, num_threads=threads, return_type="numpy") if pieces else []
+    bos = np.array([tokenizer.bos_id()], dtype=np.int32)
+    eos = np.array([tokenizer.eos_id()] if tokenizer.eos_id() >= 0 else [], dtype=np.int32)
+    parts, lengths, first = [], [], 0
+    for count in counts:
+        parts += [bos, *encoded[first : first + count], eos]
+        lengths.append(len(bos) + len(eos) + sum(len(ids) for ids in encoded[first : first + count]))
+        first += count
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    return ids, np.array(lengths, dtype=np.int64)
+
+
+class ShardWriter:
+    """Appends a split's documents to shard files <split>-NNNNN.bin of exactly shard_tokens tokens (the last one
+    fewer; documents run on across shards), and each document's start, relative to its shard, to a raw int64 file in
+    progress/. state() is what a run resumed from it needs: the files are cut back to it, so that whatever was
+    written after it is written again, identically."""
+
+    def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int, state: dict | None = None):
+        self.folder, self.split, self.dtype, self.shard_tokens = Path(folder), split, np.dtype(dtype), shard_tokens
+        state = state or {"tokens": 0, "bytes": 0, "shard_docs": []}
+        self.tokens, self.bytes, self.shard_docs = state["tokens"], state["bytes"], list(state["shard_docs"])
+        self.file, self.file_index = None, None
+        (self.folder / "progress").mkdir(exist_ok=True)
+        self._cut_back()
+
+    def _raw_docs(self, index: int) -> Path:
+        return self.folder / "progress" / f"{self.split}-{index:05d}.docs"
+
+    def _cut_back(self):
+        """Make the files hold exactly this state: later shards removed, the open one truncated."""
+        open_index, open_tokens = divmod(self.tokens, self.shard_tokens)
+        for path in [*self.folder.glob(f"{self.split}-*.bin"), *self.folder.glob(f"progress/{self.split}-*.docs")]:
+            index = int(path.name[len(self.split) + 1 :].split(".")[0])
+            if index > open_index or index == open_index and not open_tokens:
+                path.unlink()
+        for index in range(open_index):
+            path = self.folder / shard_name(self.split, index)
+            if not path.is_file() or path.stat().st_size != self.shard_tokens * self.dtype.itemsize:
+                raise OSError(f"{path}: a finished shard is missing or has the wrong size; cannot resume")
+        if open_tokens:
+            self._raw_docs(open_index).touch()
+            for path, size in (
+                (self.folder / shard_name(self.split, open_index), open_tokens * self.dtype.itemsize),
+                (self._raw_docs(open_index), self.shard_docs[open_index] * 8),
+            ):
+                if not path.is_file() or path.stat().st_size < size:
+                    raise OSError(f"{path}: shorter than the progress recorded; cannot resume")
+                os.truncate(path, size)
+
+    def write(self, ids: np.ndarray, lengths: np.ndarray, text_bytes: int):
+        """Append documents: ids as encode_documents returns them, lengths the tokens of each."""
+        starts = self.tokens + np.cumsum(lengths) - lengths
+        shard_of = starts // self.shard_tokens
+        for index in np.unique(shard_of):
+            local = starts[shard_of == index] - index * self.shard_tokens
+            self.shard_docs += [0] * (index + 1 - len(self.shard_docs))
+            self.shard_docs[index] += len(local)
+            with open(self._raw_docs(index), "ab") as file:
+                local.astype(np.int64).tofile(file)
+        ids, written = ids.astype(self.dtype, copy=False), 0
+        while written < len(ids):
+            index, used = divmod(self.tokens, self.shard_tokens)
+            chunk = ids[written : written + self.shard_tokens - used]
+            if self.file_index != index:
+                self.close()
+                self.file, self.file_index = open(self.folder / shard_name(self.split, index), "ab"), index
+            chunk.tofile(self.file)
+            self.tokens, written = self.tokens + len(chunk), written + len(chunk)
+            if self.tokens % self.shard_tokens == 0:
+                self.close()  # a finished shard is on disk for good
+        self.shard_docs += [0] * (-(-self.tokens // self.shard_tokens) - len(self.shard_docs))
+        self.bytes += text_bytes
+
+    def close(self):
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            self.file, self.file_index = None, None
+
+    def state(self) -> dict:
+        if self.file is not None:
+            self.file.flush()
+        return {"tokens": self.tokens, "bytes": self.bytes, "shard_docs": self.shard_docs}
+
+    @property
+    def shards_done(self) -> int:
+        return self.tokens // self.shard_tokens
+
+    def finish(self) -> dict:
+        """Close the last shard, save each shard's document offsets as .docs.npy; the split's manifest entry."""
+        self.close()
+        shards = []
+        for index in range(-(-self.tokens // self.shard_tokens)):
+            name = shard_name(self.split, index)
+            raw = self._raw_docs(index)
+            offsets = np.fromfile(raw, dtype=np.int64) if raw.is_file() else np.zeros(0, dtype=np.int64)
+            np.save(self.folder / docs_name(name), offsets)
+            tokens = min(self.shard_tokens, self.tokens - index * self.shard_tokens)
+            shards.append({"file": name, "tokens": tokens, "docs": self.shard_docs[index]})
+        docs = sum(self.shard_docs)
+        return {
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "docs": docs,
+            "bytes_per_token": self.bytes / self.tokens if self.tokens else 0.0,
+            "shards": shards,
+        }
