@@ -1,5 +1,5 @@
 """The optimizers and the learning-rate schedule: AdamW, or Muon for the blocks' matrices beside AdamW; linear
-warmup, then cosine decay, over max_steps or as many steps as fit train.max_minutes."""
+warmup, then cosine decay."""
 
 import math
 
@@ -63,13 +63,3 @@ def lr_at(step: int, cfg: Config) -> float:
         return o.lr * (step + 1) / o.warmup_steps
     progress = (step - o.warmup_steps) / max(total - o.warmup_steps, 1)
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def steps_in_budget(seconds_left: float, done: int, step_s: float, eval_s: float, save_s: float, cfg: Config) -> int:
-    """The run's length when `done` steps are behind it and `seconds_left` remain of train.max_minutes: each further
-    step costs step_s, every eval.interval steps an evaluation (eval_s) and every checkpoint.interval a save (save_s),
-    and the last step both. Never fewer than `done`."""
-    per_step = step_s
-    for interval, seconds in ((cfg.eval.interval, eval_s), (cfg.checkpoint.interval, save_s)):
-        per_step += seconds / interval if interval else 0.0
-    return done + max(0, math.floor((seconds_left - eval_s - save_s) / per_step))

@@ -6,7 +6,6 @@ import gc
 import math
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from budget import BudgetProbe
 from checkpoint import (
     check_tokenizer,
     checkpoints,
@@ -40,13 +40,12 @@ from data.prepare import prepare
 from device import check_compiler, keep_freed_memory, peak_flops, pick_device, pick_dtype
 from metrics import RunLog, Throughput, flops_per_token, memory_gb
 from model import Transformer
-from optim import build_optimizer, lr_at, steps_in_budget
+from optim import build_optimizer, lr_at
 
 REPO_ROOT = Path(__file__).resolve().parent
 # Devices whose tensors neither gloo nor nccl can hold, even in a group of one (Apple's MPS): one process trains there
 # without a group, so without FSDP2 and its mixed precision
 UNGROUPED = ("mps",)
-PROBE_STEPS = 10  # a train.max_minutes run times its first steps (within the warmup) to size itself
 
 
 class Dist:
@@ -303,50 +302,6 @@ def init_from_weights(cfg: Config) -> dict | None:
     if cfg.model.rope_original_max_seq_len is None and cfg.model.max_seq_len > original:
         cfg.model = dataclasses.replace(cfg.model, rope_original_max_seq_len=original)
     return source.state_dict()
-
-
-class BudgetProbe:
-    """Sizes a train.max_minutes run from its first steps. These are warmup steps, whose learning rate does not
-    depend on max_steps, so the run is the same as one given the chosen max_steps from the start."""
-
-    def __init__(self, cfg: Config, started: float):
-        self.cfg, self.started, self.ends = cfg, started, []
-        self.steps = min(PROBE_STEPS, cfg.optim.warmup_steps)
-
-    def step_done(self) -> bool:
-        """Note a finished step; True once the probe has timed all of its steps."""
-        self.ends.append(time.perf_counter())
-        return len(self.ends) == self.steps
-
-    def eval_seconds(self, model, data_dir: Path, dist: Dist) -> float:
-        """One evaluation's seconds, from the fastest of 3 validation batches (the first may compile)."""
-        e, times = self.cfg.eval, []
-        with torch.no_grad():
-            for x, y in eval_batches(data_dir, "val", e.batch_size, self.cfg.train.seq_len, min(3, e.batches)):
-                begin = time.perf_counter()
-                model(x.to(dist.device), y.to(dist.device)).item()
-                times.append(time.perf_counter() - begin)
-        return min(times) * math.ceil(e.batches / dist.world_size)
-
-    def max_steps(self, model, data_dir: Path, dist: Dist) -> tuple[int, str]:
-        """The run's length and a line saying how it was chosen (the same on every rank)."""
-        t = self.cfg.train
-        # the first two steps warm caches up (and compile); the rest give a median step time
-        step_s = statistics.median(b - a for a, b in zip(self.ends[1:], self.ends[2:]))
-        eval_s = self.eval_seconds(model, data_dir, dist)
-        # every input averaged over ranks, so that every rank chooses the same step count
-        step_s, eval_s, elapsed = (
-            dist.mean(torch.tensor(x, device=dist.device)) for x in (step_s, eval_s, time.perf_counter() - self.started)
-        )
-        # a checkpoint writes ~4 copies of the fp32 weights (model, two AdamW moments, the export): an estimate
-        save_s = 0.5 + 16 * sum(p.numel() for p in model.parameters()) / 200e6
-        sample_s = 3.0 + 0.01 * t.sample_tokens if t.sample_tokens else 0.0  # generate.py's start and decode
-        left = t.max_minutes * 60 - elapsed - sample_s
-        steps = steps_in_budget(left, self.steps, step_s, eval_s, save_s, self.cfg)
-        return steps, (
-            f"budget {t.max_minutes:g} min: {step_s:.3f} s a step over steps 3-{self.steps}, an evaluation "
-            f"{eval_s:.1f} s, so {steps} steps (train.max_steps, recorded for --resume)"
-        )
 
 
 def train(cfg: Config, resume: bool, dist: Dist, started: float):

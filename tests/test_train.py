@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+import budget
 import checkpoint
 import metrics
 import optim
@@ -671,8 +672,8 @@ def test_init_from_extends_the_context_starting_from_the_source_weights(dataset,
 def test_steps_in_budget_counts_steps_evaluations_and_saves():
     cfg = build_config({"eval": {"interval": 10}, "checkpoint": {"interval": 0}}, [])
     # 100 s left after 5 steps: the last evaluation (4 s) first, then 0.5 s a step + 4 s every 10 steps = 0.9 s a step
-    assert optim.steps_in_budget(100.0, 5, 0.5, 4.0, 2.0, cfg) == 5 + int((100 - 4 - 2) / 0.9)
-    assert optim.steps_in_budget(-3.0, 5, 0.5, 4.0, 2.0, cfg) == 5  # over budget already: stop after the probe
+    assert budget.steps_in_budget(100.0, 5, 0.5, 4.0, 2.0, cfg) == 5 + int((100 - 4 - 2) / 0.9)
+    assert budget.steps_in_budget(-3.0, 5, 0.5, 4.0, 2.0, cfg) == 5  # over budget already: stop after the probe
 
 
 @pytest.mark.parametrize(
@@ -698,8 +699,8 @@ def test_a_step_count_on_the_command_line_turns_off_the_files_budget():
 # train.py on a fake clock that advances 0.1 s whenever it is read: the probe then sizes the run the same way on any
 # machine, however loaded
 ON_A_FAKE_CLOCK = (
-    "import itertools, sys, types, train; from cli import run_command; ticks = itertools.count(); "
-    "train.time = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.1); "
+    "import itertools, sys, types, budget, train; from cli import run_command; ticks = itertools.count(); "
+    "train.time = budget.time = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.1); "
     "sys.exit(run_command(train.main, sys.argv[1:]))"
 )
 
