@@ -141,6 +141,7 @@ def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread, opt
     """Inductor with freezing: the KV caches and RoPE tables must stay inputs (folded constants would go stale),
     and one graph must serve every position and cache length; with either CPU class's options."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     model = make_model(n_layers=1, max_seq_len=16, rope_scaling="linear", rope_factor=4.0)
     reference = copy_of(model)
     step = compile_step(DecodeStep(model), options)
