@@ -12,7 +12,7 @@ import extrapolate
 from checkpoint import load_run
 from cli import ArgumentParser, UserError, run_command
 from device import check_compiler, pick_device, pick_dtype
-from inference import QUANTIZATIONS, DecodeStep, compile_step, int8_dtype, quantize
+from inference import QUANTIZATIONS, DecodeStep, compiled_unless_slower, int8_dtype, quantize, tune_threads
 from model import ROPE_SCALINGS, Transformer
 
 
@@ -234,8 +234,12 @@ def sample_command(args) -> int:
         print(f"warning: sinusoidal positions past {model.args.max_seq_len} were never trained", file=sys.stderr)
     # dynamic NTK re-runs the prefix as it grows (decode_steps), and the fused step is LLaMA's: else the model decodes
     step = DecodeStep(model) if model.is_llama() and not model.args.length_dependent else None
+    notes = [tune_threads(model, step)] if step is not None else []
     if step is not None and args.compile:
-        step = compile_step(step)
+        step, note = compiled_unless_slower(model, step)
+        notes.append(note)
+    for note in filter(None, notes):
+        print(note, file=sys.stderr)
     streams = [TextStream(tokenizer, prompts[0])] if len(prompts) == 1 else None
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
     pieces = tokenizer.get_piece_size()

@@ -1,7 +1,10 @@
 """Inference-only speed-ups built from a trained Transformer at load time: weight-only int8 (`quantize`) and a lean
 one-token decode step (`DecodeStep`: fused projections, a real-valued RoPE table, torch.compile-able)."""
 
+import copy
 import os
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -14,8 +17,10 @@ from model import ModelArgs, Transformer, rope_frequencies
 QUANTIZATIONS = ("none", "int8")
 REPO_ROOT = Path(__file__).resolve().parent
 # Inductor options for the decode step, measured on a 2-core Xeon (bench/decode.py): freezing folds the weights into
-# the compiled code and cpp_wrapper removes the Python wrapper around its kernels.
+# the compiled code and cpp_wrapper removes the Python wrapper around its kernels. Where the compiled step is slower
+# than eager (seen on a busy AVX2-only CPU), pick_step keeps eager.
 COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+ISA_FLAGS = (("amx", "amx_tile"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2"))
 
 
 class Int8Linear(nn.Module):
@@ -41,6 +46,20 @@ class Int8Linear(nn.Module):
             out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scale)
             return out.view(*x.shape[:-1], -1)
         return F.linear(x, self.weight.to(x.dtype)) * self.scale
+
+
+def isa_class(flags: set[str]) -> str:
+    """The vector ISA class of a CPU with these /proc/cpuinfo flags: amx, avx512_bf16, avx512, avx2 or other."""
+    return next((isa for isa, flag in ISA_FLAGS if flag in flags), "other")
+
+
+def cpu_isa() -> str:
+    """This machine's isa_class ("other" where /proc/cpuinfo has no flags line)."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "other"
+    return isa_class(set(line.partition(":")[2].split()))
 
 
 def int8_dtype(device: torch.device) -> torch.dtype:
@@ -122,10 +141,12 @@ class DecodeStep(nn.Module):
     """`model(tokens, start_pos=pos)` for one token per row, tokens (B, 1), built for speed at batch 1: wq/wk/wv
     and w1/w3 fused, RoPE from a table computed once, reading and writing the model's KV cache (set up by the
     caller). Logits (B, 1, vocab), equal to the model's within float rounding. Shares the model's weights; built
-    for model.args as they are (RoPE scaling included)."""
+    for model.args as they are (RoPE scaling included). threads: torch's thread count while it runs (None: as set;
+    a compiled step keeps the count it was compiled with)."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, threads: int | None = None):
         super().__init__()
+        self.threads = threads
         if model.args.length_dependent:
             raise ValueError("dynamic NTK rescales every cached position as the sequence grows: no fused decode step")
         if not model.is_llama():
@@ -141,8 +162,14 @@ class DecodeStep(nn.Module):
             with torch.inference_mode(False):  # as at construction: an inference tensor would be a new input kind
                 self.cos, self.sin = rope_table(self.args, 2 * start_pos)
         caches = [(attention.cache.k, attention.cache.v) for attention in self.attentions]
-        # Tables and caches go in as arguments: torch.compile's freezing would fold module tensors into constants.
-        return self.step(tokens, start_pos, self.cos[start_pos], self.sin[start_pos], caches)
+        threads = torch.get_num_threads()
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # ~0.3 µs a change
+        try:
+            # Tables and caches go in as arguments: torch.compile's freezing would fold module tensors into constants.
+            return self.step(tokens, start_pos, self.cos[start_pos], self.sin[start_pos], caches)
+        finally:
+            torch.set_num_threads(threads)
 
     def step(self, tokens, pos, cos, sin, caches):
         x = self.tok_embeddings(tokens[:, 0])
@@ -158,3 +185,63 @@ def compile_step(step: DecodeStep) -> DecodeStep:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
     step.step = torch.compile(step.step, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
     return step
+
+
+@torch.inference_mode()
+def step_seconds(model: Transformer, steps: dict, calls: int = 16, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of one batch-1 decode step through each of `steps` ({name: step of model}), timed interleaved
+    after a warm-up call (where a compiled step compiles), on a cache of model's set up here and reset after."""
+    model.setup_cache(1, calls + 1)
+    device = model.tok_embeddings.weight.device
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    times = {name: [] for name in steps}
+    try:
+        for step in steps.values():
+            step(token, start_pos=0)
+        for _ in range(repeats):
+            for name, step in steps.items():
+                start = time.perf_counter()
+                for pos in range(calls):
+                    step(token, start_pos=pos)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times[name].append((time.perf_counter() - start) / calls)
+    finally:
+        model.reset_cache()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def pick_step(model: Transformer, eager: DecodeStep, compiled: DecodeStep) -> tuple[DecodeStep, str | None]:
+    """The compiled step, or the eager one where a short interleaved timing (step_seconds) finds the compiled one
+    slower on this machine, with a one-line note saying so (else None)."""
+    seconds = step_seconds(model, {"eager": eager, "compiled": compiled})
+    if seconds["compiled"] <= seconds["eager"]:
+        return compiled, None
+    return eager, (
+        f"--compile: the compiled decode step ran slower than eager here ({seconds['compiled'] * 1e3:.2f} vs "
+        f"{seconds['eager'] * 1e3:.2f} ms a token, {cpu_isa()} CPU): decoding eager"
+    )
+
+
+def compiled_unless_slower(model: Transformer, step: DecodeStep) -> tuple[DecodeStep, str | None]:
+    """pick_step between `step` (eager) and compile_step of a copy of it (the same weights and threads)."""
+    return pick_step(model, step, compile_step(copy.copy(step)))
+
+
+def tune_threads(model: Transformer, step: DecodeStep) -> str | None:
+    """Set step.threads to 1 where a short interleaved timing finds one thread faster than torch's count (a batch-1
+    step is ~100 small kernels: on a busy 2-core CPU every parallel region waits for a descheduled thread); a
+    one-line note when it does, else None."""
+    threads = torch.get_num_threads()
+    if threads == 1 or model.tok_embeddings.weight.device.type != "cpu":
+        return None
+    one = copy.copy(step)
+    one.threads = 1
+    seconds = step_seconds(model, {"all": step, "one": one})
+    if seconds["one"] >= seconds["all"]:
+        return None
+    step.threads = 1
+    return (
+        f"decoding on 1 thread: {seconds['one'] * 1e3:.2f} ms a token against {seconds['all'] * 1e3:.2f} on "
+        f"{threads} here"
+    )

@@ -1,9 +1,12 @@
 """inference.py: the fused decode step (eager and compiled) and int8 weights compute what the plain model does."""
 
+import time
+
 import pytest
 import torch
 
 import generate
+import inference
 from inference import DecodeStep, Int8Linear, compile_step, fuse, quantize, rope_table
 from model import ModelArgs, Transformer, apply_rotary, rope_rotations
 
@@ -135,6 +138,7 @@ def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
     """Inductor with freezing: the KV caches and RoPE tables must stay inputs (folded constants would go stale),
     and one graph must serve every position and cache length."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     model = make_model(n_layers=1, max_seq_len=16, rope_scaling="linear", rope_factor=4.0)
     reference = copy_of(model)
     step = compile_step(DecodeStep(model))
@@ -143,3 +147,54 @@ def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
         expected = generate.generate(reference, prompts, new, temperature=0)
         assert generate.generate(model, prompts, new, temperature=0, step=step) == expected
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize(
+    "flags, isa",
+    [
+        ({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "amx"),
+        ({"avx2", "avx512f", "avx512_bf16"}, "avx512_bf16"),
+        ({"avx2", "avx512f"}, "avx512"),
+        ({"sse4_2", "fma", "avx2"}, "avx2"),
+        ({"neon"}, "other"),
+    ],
+)
+def test_isa_class(flags, isa):
+    assert inference.isa_class(flags) == isa
+    assert inference.cpu_isa() in ("amx", "avx512_bf16", "avx512", "avx2", "other")
+
+
+def slowed(step, seconds):
+    return lambda tokens, start_pos: (time.sleep(seconds), step(tokens, start_pos=start_pos))[1]
+
+
+def test_pick_step_keeps_the_faster_step_and_says_when_it_is_eager(one_thread):
+    model = make_model()
+    step = DecodeStep(model)
+    chosen, note = inference.pick_step(model, step, slowed(step, 0.002))
+    assert chosen is step and note.startswith("--compile: the compiled decode step ran slower than eager")
+    fast = DecodeStep(model)
+    assert inference.pick_step(model, slowed(step, 0.002), fast) == (fast, None)
+    assert all(attention.cache is None for attention in step.attentions)  # the timing's cache is gone
+
+
+def test_step_threads_hold_while_it_runs_and_are_restored(one_thread):
+    model = make_model()
+    step = DecodeStep(model, threads=2)
+    seen = []
+    step.layers[0].register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    tokens = torch.randint(0, 97, (2, 12))
+    reference = copy_of(model)
+    expected = step_logits(reference, reference, tokens, 5)
+    torch.testing.assert_close(step_logits(model, step, tokens, 5), expected, atol=1e-5, rtol=0)
+    assert set(seen) == {2} and torch.get_num_threads() == 1
+    assert inference.tune_threads(model, DecodeStep(model)) is None  # on one thread there is nothing to choose
+
+
+def test_compiled_unless_slower_decodes_like_the_model(one_thread):
+    torch._dynamo.reset()
+    model = make_model(n_layers=1)
+    expected = generate.generate(copy_of(model), PROMPTS[:1], 12, temperature=0)
+    step, note = inference.compiled_unless_slower(model, DecodeStep(model))
+    assert note is None or note.startswith("--compile:")
+    assert generate.generate(model, PROMPTS[:1], 12, temperature=0, step=step) == expected
