@@ -3,12 +3,10 @@
 import math
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from config import Config
-from data.loader import eval_batches
 
 PROBE_STEPS = 10  # a train.max_minutes run times its first steps (within the warmup) to size itself
 
@@ -36,22 +34,22 @@ class BudgetProbe:
         self.ends.append(time.perf_counter())
         return len(self.ends) == self.steps
 
-    def eval_seconds(self, model, data_dir: Path, dist) -> float:
-        """One evaluation's seconds, from the fastest of 3 validation batches (the first may compile)."""
+    def eval_seconds(self, model, batches: list, dist) -> float:
+        """One evaluation's seconds, from the fastest of `batches` (a few validation batches; the first may compile)."""
         e, times = self.cfg.eval, []
         with torch.no_grad():
-            for x, y in eval_batches(data_dir, "val", e.batch_size, self.cfg.train.seq_len, min(3, e.batches)):
+            for x, y in batches:
                 begin = time.perf_counter()
                 model(x.to(dist.device), y.to(dist.device)).item()
                 times.append(time.perf_counter() - begin)
         return min(times) * math.ceil(e.batches / dist.world_size)
 
-    def max_steps(self, model, data_dir: Path, dist) -> tuple[int, str]:
+    def max_steps(self, model, batches: list, dist) -> tuple[int, str]:
         """The run's length and a line saying how it was chosen (the same on every rank)."""
         t = self.cfg.train
         # the first two steps warm caches up (and compile); the rest give a median step time
         step_s = statistics.median(b - a for a, b in zip(self.ends[1:], self.ends[2:]))
-        eval_s = self.eval_seconds(model, data_dir, dist)
+        eval_s = self.eval_seconds(model, batches, dist)
         # every input averaged over ranks, so that every rank chooses the same step count
         step_s, eval_s, elapsed = (
             dist.mean(torch.tensor(x, device=dist.device)) for x in (step_s, eval_s, time.perf_counter() - self.started)

@@ -25,6 +25,12 @@ class DataConfig:
     copy_fraction: float = 0.0
     copy_span: int = 8  # tokens in the span
     copy_repeats: int = 4  # copies of it in the window
+    # text: the dataset in `dir`; retrieval: the synthetic key-value recall task of data/retrieval.py, generated from
+    # train.seed (no dataset, no tokenizer), validated by its accuracy on fixed rows
+    task: str = "text"
+    retrieval_keys: int = 64  # the keys' alphabet (token ids 1..keys)
+    retrieval_values: int = 64  # the values' alphabet (the next ids); model.vocab_size must hold 1 + keys + values
+    retrieval_pairs: int = 8  # key-value pairs per row, each key queried from later in the row
 
     def copy_options(self) -> dict:
         """The copy-data keyword arguments of RandomBatches."""
@@ -118,6 +124,9 @@ POSITIVE = {
     "data.vocab_size",
     "data.copy_span",
     "data.copy_repeats",
+    "data.retrieval_keys",
+    "data.retrieval_values",
+    "data.retrieval_pairs",
     "train.max_steps",
     "train.max_minutes",
     "train.batch_size",
@@ -146,6 +155,7 @@ NOT_NEGATIVE = {
 }
 BELOW_ONE = {"data.copy_fraction", "optim.beta1", "optim.beta2", "optim.muon_momentum"}  # and not negative
 CHOICES = {
+    "data.task": ("text", "retrieval"),
     "train.device": ("auto", "cpu", "cuda", "mps"),
     "train.dtype": ("auto", "float32", "bfloat16"),
     "optim.name": ("adamw", "muon"),
@@ -305,6 +315,28 @@ def check_config(cfg: Config, world_size: int) -> None:
             "lower train.seq_len or raise model.max_seq_len"
         )
     check_training_options(cfg)
+    if cfg.data.task == "retrieval":
+        check_retrieval(cfg)
+
+
+def check_retrieval(cfg: Config) -> None:
+    """Refuse a retrieval task the model's vocabulary or the row cannot hold, and a sample it has no tokenizer for."""
+    d = cfg.data
+    needed = 1 + d.retrieval_keys + d.retrieval_values
+    if cfg.model.vocab_size < needed:
+        raise UserError(
+            f"model.vocab_size ({cfg.model.vocab_size}) cannot hold the retrieval task's 1 + {d.retrieval_keys} keys "
+            f"+ {d.retrieval_values} values; set --model.vocab_size={needed}"
+        )
+    if d.retrieval_pairs > d.retrieval_keys:
+        raise UserError(f"data.retrieval_pairs ({d.retrieval_pairs}) exceeds data.retrieval_keys: keys are distinct")
+    if 4 * d.retrieval_pairs > cfg.train.seq_len + 1:
+        raise UserError(
+            f"train.seq_len ({cfg.train.seq_len}) cannot hold {d.retrieval_pairs} retrieval pairs and their queries; "
+            f"lower data.retrieval_pairs or raise train.seq_len to {4 * d.retrieval_pairs}"
+        )
+    if cfg.train.sample_tokens:
+        raise UserError("data.task retrieval has no tokenizer to sample with; set train.sample_tokens = 0")
 
 
 def check_training_options(cfg: Config) -> None:

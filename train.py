@@ -37,6 +37,8 @@ from cli import Interrupted, UserError, check_type, check_writable, exclusive, r
 from config import Config, check_config, parse_cli
 from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
 from data.prepare import prepare
+from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
+from data.retrieval import eval_batches as retrieval_batches
 from device import check_compiler, keep_freed_memory, peak_flops, pick_device, pick_dtype
 from metrics import RunLog, Throughput, flops_per_token, memory_gb
 from model import Transformer
@@ -196,6 +198,36 @@ def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist) -> dict
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)), "val_bpb": bits_per_byte}
 
 
+@dataclasses.dataclass
+class DataSource:
+    loader: object  # next_batch(), state_dict(), load_state_dict()
+    validate: object  # model -> {"val_loss": ..., ...}
+    probe_batches: list  # a few validation (x, y) batches, which a budget probe times
+    tokenizer: Path | None  # the tokenizer saved with the model (None: the task has none)
+    line: str  # what the data is
+
+
+def data_source(cfg: Config, dist: Dist) -> DataSource:
+    """The training batches and validation of data.task: a prepared dataset, or the synthetic retrieval task."""
+    t, d, e = cfg.train, cfg.data, cfg.eval
+    if d.task == "retrieval":
+        task = RetrievalTask(d.retrieval_keys, d.retrieval_values, d.retrieval_pairs)
+        batches = retrieval_batches(task, e.batches, e.batch_size, t.seq_len)
+        loader = RetrievalBatches(task, t.batch_size, t.seq_len, seed=t.seed)
+        line = f"data: retrieval task ({task.pairs} pairs of {task.keys} keys and {task.values} values)"
+        return DataSource(loader, lambda model: retrieval_metrics(model, batches, dist.device), batches[:3], None, line)
+    data_dir, meta = prepare_data(cfg, dist)
+    check_sample_fits(cfg, data_dir)
+    loader = RandomBatches(data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **d.copy_options())
+    probe = list(eval_batches(data_dir, "val", e.batch_size, t.seq_len, min(3, e.batches)))
+    line = f"data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens)"
+    validate = lambda model: evaluate(model, cfg, data_dir, meta, dist)  # noqa: E731
+    return DataSource(loader, validate, probe, data_dir / "tokenizer.model", line)
+
+
+VALIDATION_FORMATS = {"val_ppl": "perplexity {:.2f}", "val_bpb": "{:.4f} bits/byte", "val_acc": "accuracy {:.1%}"}
+
+
 def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:
     """Randomized positions (Ruoss et al. 2023), (batch, seq_len) int64: each row a sorted random subset of seq_len
     distinct positions from [0, k·seq_len), drawn from torch's global generator (seeded, and checkpointed)."""
@@ -310,15 +342,14 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     run_dir = Path(t.out_dir)
     init = init_from_weights(cfg)  # before resume_point, which checks the model it may adjust
     start = resume_point(run_dir, cfg.model, resume, cfg.to_dict())
-    data_dir, meta = prepare_data(cfg, dist)
-    check_sample_fits(cfg, data_dir)
-    if start is not None:
-        check_tokenizer(start, data_dir / "tokenizer.model")
+    data = data_source(cfg, dist)
+    if start is not None and data.tokenizer is not None:
+        check_tokenizer(start, data.tokenizer)
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
     # Every rank draws the same global batch and keeps its rows, so the data never depends on the world size.
-    loader = RandomBatches(data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **cfg.data.copy_options())
+    loader = data.loader
     rows = slice(dist.rank * t.batch_size // dist.world_size, (dist.rank + 1) * t.batch_size // dist.world_size)
     model, optimizer, sizes = build_model(cfg, dist, None if start else init)  # a resumed run loads its checkpoint
     step = 0 if start is None else load_checkpoint(start, model, optimizer, loader, dist)
@@ -328,10 +359,7 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     elif t.max_minutes:
         t.max_steps = recorded_max_steps(start)
     log = RunLog(cfg, run_dir, step, None if probe else t.max_steps, dist.main)
-    log.say(
-        f"model: {sizes}; data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens); "
-        f"device {dist.device}" + (f"; resuming at step {step}" if start else "")
-    )
+    log.say(f"model: {sizes}; {data.line}; device {dist.device}" + (f"; resuming at step {step}" if start else ""))
     peak = peak_flops(dist.device, t.peak_tflops)
     peak = peak * dist.world_size if peak else None
     clock = Throughput(t.batch_size * t.seq_len, flops_per_token(model, t.seq_len), peak, dist.device)
@@ -351,7 +379,7 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
         log.bar.update()
         if probe is not None and probe.step_done():
             with clock.paused():
-                t.max_steps, line = probe.max_steps(model, data_dir, dist)
+                t.max_steps, line = probe.max_steps(model, data.probe_batches, dist)
             probe = None
             log.sized(step, t.max_steps, line)
         if due(step, t.log_interval, t.max_steps):
@@ -369,16 +397,14 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
         if evaluating or saving:
             with clock.paused():
                 if evaluating:
-                    result = evaluate(model, cfg, data_dir, meta, dist)
+                    result = data.validate(model)
                     log.record({"step": step, **result})
                     if not math.isfinite(result["val_loss"]):
                         raise stopped(f"the validation loss is {result['val_loss']} at step {step}", run_dir)
-                    log.say(
-                        f"step {step}: val loss {result['val_loss']:.4f}, perplexity {result['val_ppl']:.2f}, "
-                        f"{result['val_bpb']:.4f} bits/byte"
-                    )
+                    parts = [f.format(result[k]) for k, f in VALIDATION_FORMATS.items() if k in result]
+                    log.say(f"step {step}: val loss {result['val_loss']:.4f}, " + ", ".join(parts))
                 if saving:
-                    tokenizer = data_dir / "tokenizer.model"
+                    tokenizer = data.tokenizer
                     export_config = {k: v for k, v in cfg.to_dict().items() if k != "model"}  # beside the model's
                     save_checkpoint(run_dir, step, model, optimizer, loader, dist, export_config, tokenizer, keep)
                     log.say(f"step {step}: saved checkpoint {checkpoints(run_dir)[-1]}")
@@ -434,10 +460,11 @@ def main(argv: list[str]) -> int:
         finally:
             dist.close()
     if dist.main:
+        files = ", tokenizer.model" if cfg.data.task == "text" else ""
         if cfg.train.sample_tokens:
             print_sample(cfg, dist.device)
         print(
-            f"done: the model is in {run_dir} (model.safetensors, config.json, tokenizer.model); metrics in "
+            f"done: the model is in {run_dir} (model.safetensors, config.json{files}); metrics in "
             f"{run_dir / 'metrics.jsonl'}; resumable state in {run_dir / 'train_state'}"
         )
     return 0
