@@ -329,15 +329,16 @@ def test_a_swallowed_interrupt_still_ends_in_one_error_line(capsys):
     assert err == "error: interrupted\n", err
 
 
-def test_compile_without_a_compiler_is_refused_before_work(ws, monkeypatch, capsys):
+def test_compile_without_a_compiler_is_refused_before_work(ws, capsys):
     import torch._inductor.config as inductor
 
-    monkeypatch.setattr(inductor.cpp, "cxx", (None, "/no/such/g++"))
-    argv = [*train_args("--train.compile=true")]
-    assert run_command(train.main, [arg.replace("{ws}", str(ws)) for arg in argv]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--compile needs a working C++ compiler" in err, err
-    assert not (ws / "new").exists()
-    args = generate.parser().parse_args(["--checkpoint", str(ws / "run"), "--compile"])
-    with pytest.raises(UserError, match="--compile needs a working C\\+\\+ compiler"):
-        generate.sample_command(args)
+    # inductor's own patch: a monkeypatched config entry reads as "does not exist" once restored
+    with inductor.patch({"cpp.cxx": (None, "/no/such/g++")}):
+        argv = [*train_args("--train.compile=true")]
+        assert run_command(train.main, [arg.replace("{ws}", str(ws)) for arg in argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--compile needs a working C++ compiler" in err, err
+        assert not (ws / "new").exists()
+        args = generate.parser().parse_args(["--checkpoint", str(ws / "run"), "--compile"])
+        with pytest.raises(UserError, match="--compile needs a working C\\+\\+ compiler"):
+            generate.sample_command(args)
