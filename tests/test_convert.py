@@ -4,10 +4,7 @@ round trip), the GGUF export checked in llama.cpp, and the `to-hf` / `from-hf` /
 import dataclasses
 import itertools
 import json
-import os
 import shutil
-import subprocess
-import sys
 from contextlib import closing
 
 import pytest
@@ -184,17 +181,12 @@ def test_from_hf_refuses_what_it_cannot_read(run_dir, tmp_path, capsys):
         (["to-gguf", "{run}", "{out}", "--type", "q4_0"], "invalid choice"),
     ],
 )
-def test_command_errors_are_one_line(run_dir, tmp_path, argv, message):
+def test_command_errors_are_one_line(run_dir, tmp_path, capsys, argv, message):
+    # in this process (test_cli_errors.test_as_scripts_too runs convert.py itself)
     argv = [a.format(run=run_dir, missing=tmp_path / "missing", out=tmp_path / "out") for a in argv]
-    result = subprocess.run(
-        [sys.executable, "convert.py", *argv],
-        capture_output=True,
-        text=True,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-        cwd=os.path.dirname(convert.__file__),
-    )
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.startswith("error:") and message in result.stderr and result.stderr.count("\n") == 1
+    assert run_command(convert.main, argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error:") and message in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 

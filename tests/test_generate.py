@@ -2,10 +2,7 @@
 the KV cache; the sampling command line (streaming, errors)."""
 
 import io
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -234,17 +231,12 @@ def test_sampling_past_the_context_is_the_position_encodings_to_allow(run_dir, t
         (["--checkpoint", "{run}", "--rope-scaling", "linear", "--rope-factor", "0.5"], "--rope-factor"),
     ],
 )
-def test_command_errors_are_one_line(run_dir, tmp_path, argv, message):
+def test_command_errors_are_one_line(run_dir, tmp_path, capsys, argv, message):
+    # in this process (test_cli_errors.test_as_scripts_too runs generate.py itself)
     argv = [a.format(run=run_dir, missing=tmp_path / "missing") for a in argv]
-    result = subprocess.run(
-        [sys.executable, "generate.py", *argv],
-        capture_output=True,
-        text=True,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-        cwd=os.path.dirname(generate.__file__),
-    )
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.startswith("error:") and message in result.stderr and result.stderr.count("\n") == 1
+    assert run_command(generate.main, argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error:") and message in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize(
