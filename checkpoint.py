@@ -264,8 +264,9 @@ def write_train_state(tmp: Path, step: int, model, optimizer, loader, dist, conf
     extra = {"step": step, "loader": loader.state_dict(), "rng": rng_state(dist.device)}
     (tmp / f"rank{dist.rank}.json").write_text(json.dumps(extra))
     if dist.main:
-        meta = {"step": step, "world_size": dist.world_size, "model": model.args.to_dict(), "train": config["train"]}
-        meta["settings"] = {key: setting(config, key) for key in EXACT_KEYS}
+        meta = {"step": step, "world_size": dist.world_size, "model": model.args.to_dict()}
+        # what a resume must keep, and the run's length (which a train.max_minutes budget chose)
+        meta["settings"] = {key: setting(config, key) for key in (*EXACT_KEYS, "train.max_steps")}
         if tokenizer is not None:
             meta["tokenizer_sha256"] = sha256(tokenizer)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -413,7 +414,7 @@ def read_meta(checkpoint: Path) -> dict:
 
 def recorded_max_steps(checkpoint: Path) -> int:
     """The step count a train.max_minutes run chose, as its checkpoint records it."""
-    steps = (read_meta(checkpoint).get("train") or {}).get("max_steps")
+    steps = (read_meta(checkpoint).get("settings") or {}).get("train.max_steps")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise UserError(f"{checkpoint} records no step count for train.max_minutes; resume with --train.max_steps=N")
     return steps
