@@ -1,5 +1,6 @@
-"""Length extrapolation: switching a model's RoPE scaling, and how perplexity and a copy probe hold up past the
-training context, for each scaling method and each of several runs (the `python generate.py extrapolate` command)."""
+"""Length extrapolation: switching a model's RoPE scaling, and how perplexity and a copy probe (runs trained on text)
+or retrieval accuracy (runs trained on the retrieval task) hold up past the training context, for each scaling
+method and each of several runs (the `python generate.py extrapolate` command)."""
 
 import hashlib
 import json
@@ -12,11 +13,21 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import load_run
+from checkpoint import load_model, load_run
 from cli import ArgumentParser, UserError, atomic_output, check_writable
 from data.loader import copy_vocabulary, document_windows, load_meta
+from data.retrieval import RetrievalTask, eval_batches
 from device import pick_device, pick_dtype
-from extrapolation_report import BINS_PER_OCTAVE, DEFAULT_METHODS, MIN_BIN, effective_line, markdown_report, plot_report
+from extrapolation_report import (
+    BINS_PER_OCTAVE,
+    DEFAULT_METHODS,
+    MIN_BIN,
+    effective_line,
+    markdown_report,
+    plot_report,
+    retrieval_markdown,
+    retrieval_plot,
+)
 from model import ROPE_SCALINGS, Transformer
 
 
@@ -191,7 +202,113 @@ def evaluate_run(model, run: dict, text, probe_text, spans, lengths, distances, 
     return result
 
 
-# ---------------------------------------------------------------- the report
+# ---------------------------------------------------------------- retrieval (runs trained on data.task = "retrieval")
+
+RETRIEVAL_MULTIPLES = (1, 2, 4, 8, 16)  # the default lengths, × the training context
+KEEPS = 0.5  # the effective context keeps at least this fraction of the in-context accuracy
+
+
+def retrieval_task(config: dict) -> RetrievalTask:
+    """The retrieval task a run was trained on, from its config.json's data section."""
+    data = config.get("data") or {}
+    defaults = RetrievalTask(64, 64, 8)  # config.py's defaults, for a config.json that leaves a key out
+    return RetrievalTask(
+        data.get("retrieval_keys", defaults.keys),
+        data.get("retrieval_values", defaults.values),
+        data.get("retrieval_pairs", defaults.pairs),
+    )
+
+
+def retrieval_distances(context: int, longest: int, pairs: int) -> list[int]:
+    """Key-to-query distances, read in rows of the longest length: a quarter and half of the training context, and
+    for each doubling of it up to the longest length the farthest that fits (even, at least 2·pairs)."""
+    lengths = [context * 2**k for k in range(int(math.log2(longest / context)) + 1)] + [longest]
+    wanted = {context // 4, context // 2} | {n - 2 * pairs for n in lengths}
+    return sorted({d - d % 2 for d in wanted if 2 * pairs <= d - d % 2 <= longest - 2 * pairs})
+
+
+def retrieval_scores(model: Transformer, batches, device) -> np.ndarray:
+    """Per row of the (x, y) batches: the fraction of its queries whose value is the argmax of the logits."""
+    scores = []
+    for x, y in batches:
+        logits, y = model(x.to(device)), y.to(device)
+        mask = y != -100
+        hits = (logits.argmax(-1) == y) & mask
+        scores.append((hits.sum(1) / mask.sum(1)).float())
+    return torch.cat(scores).cpu().numpy()
+
+
+def retrieval_effective(accuracy: dict, train_len: int) -> dict:
+    """The longest tested length up to which every tested length keeps >= KEEPS of the in-context accuracy (at the
+    training length); n/a (a learned table's end) stops it."""
+    reference = accuracy[str(train_len)]["mean"]
+    tokens = train_len
+    for length in sorted(int(n) for n in accuracy if int(n) > train_len):
+        cell = accuracy[str(length)]
+        if cell is None or cell["mean"] < KEEPS * reference:
+            break
+        tokens = length
+    return {"tokens": tokens, "in_context": reference}
+
+
+def evaluate_retrieval(model: Transformer, run: dict, rows: dict, device, bar) -> dict:
+    """Retrieval accuracy of one run by length and by key-query distance, for each of its methods, on the shared
+    evaluation rows ({"length": {n: batches}, "distance": {d: batches}}, the latter in rows of the longest length)."""
+    longest = max(rows["length"])
+    result = {"accuracy": {}, "by_distance": {}, "effective_context": {}}
+    for method in run["methods"]:
+        cells = {}
+        for kind, key_length in (("length", lambda n: n), ("distance", lambda d: longest)):
+            cells[kind] = {}
+            for key, batches in rows[kind].items():
+                cells[kind][str(key)] = None
+                if fits(model, key_length(key)):
+                    model.args = model.args.stretched(method, key_length(key))
+                    cells[kind][str(key)] = spread(retrieval_scores(model, batches, device))
+                bar.update(sum(len(x) for x, _ in batches))
+        result["accuracy"][method], result["by_distance"][method] = cells["length"], cells["distance"]
+        result["effective_context"][method] = retrieval_effective(cells["length"], run["train_context"])
+    return result
+
+
+def retrieval_study(loaded: list, args, argv: list[str], device) -> dict:
+    """The retrieval report of runs trained on one retrieval task: the same seeded rows for every run and method."""
+    tasks = {(task.keys, task.values, task.pairs) for task in (retrieval_task(run["config"]) for _, run in loaded)}
+    if len(tasks) > 1:
+        raise UserError("--checkpoint: the runs were trained on different retrieval tasks (keys, values or pairs)")
+    task = retrieval_task(loaded[0][1]["config"])
+    context = min(run["train_context"] for _, run in loaded)
+    lengths = parse_list(args.lengths, "--lengths", int) if args.lengths else [context * k for k in RETRIEVAL_MULTIPLES]
+    lengths = sorted(set(lengths) | {run["train_context"] for _, run in loaded})
+    if min(lengths) < task.min_length():
+        raise UserError(f"--lengths must all be at least {task.min_length()} (a row with every key and its query)")
+    distances = retrieval_distances(context, max(lengths), task.pairs)
+    count, size = max(1, args.retrieval_rows // 64), min(64, args.retrieval_rows)
+    rows = {
+        "length": {n: eval_batches(task, count, size, n, seed=args.seed + 1) for n in lengths},
+        "distance": {d: eval_batches(task, count, size, max(lengths), d, seed=args.seed + 2) for d in distances},
+    }
+    start = time.perf_counter()
+    work = sum(len(run["methods"]) for _, run in loaded) * count * size * (len(lengths) + len(distances))
+    with torch.inference_mode(), tqdm(total=work, desc="retrieval", unit="row") as bar:
+        for model, run in loaded:
+            run.update(evaluate_retrieval(model, run, rows, device, bar))
+    return {
+        "kind": "retrieval",
+        "command": ["python", "generate.py", "extrapolate", *argv],
+        "task": {"keys": task.keys, "values": task.values, "pairs": task.pairs, "chance": 1 / task.values},
+        "lengths": lengths,
+        "distances": distances,
+        "rows": count * size,
+        "keeps": KEEPS,
+        "seed": args.seed,
+        "device": device.type,
+        "seconds": round(time.perf_counter() - start, 1),
+        "runs": [{k: v for k, v in run.items() if k != "config"} for _, run in loaded],
+    }
+
+
+# ---------------------------------------------------------------- the command
 
 
 def find_data_dir(config: dict, override: str | None) -> Path:
@@ -265,17 +382,42 @@ def parser() -> ArgumentParser:
     parser.add_argument("--probe-span", type=int, default=16, help="random tokens in each probe span (default 16)")
     parser.add_argument("--data", help="prepared dataset (default: the first run's data.dir)")
     parser.add_argument("--seed", type=int, default=0, help="which windows and probe spans (default 0)")
+    parser.add_argument(
+        "--retrieval-rows",
+        type=int,
+        default=256,
+        help="retrieval runs: evaluation rows per length and per distance (default 256)",
+    )
     parser.add_argument("--out", help="output directory (default CHECKPOINT/extrapolation; required with several runs)")
     return parser
+
+
+def trained_task(name: str) -> str:
+    """data.task in a run directory's config.json ("text" where it names none or cannot be read: loading says why)."""
+    try:
+        return (json.loads((Path(name) / "config.json").read_text()).get("data") or {}).get("task", "text")
+    except (OSError, ValueError, AttributeError):
+        return "text"
 
 
 def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> list[tuple[Transformer, dict]]:
     """(model, run description) for each run directory, all sharing one tokenizer; UserError otherwise, or where
     a RoPE scaling method is named for a model without RoPE."""
-    runs, tokenizers = [], {}
+    runs, tokenizers, tasks = [], {}, {}
     for name in names:
-        model, config, _ = load_run(name, device, dtype)
-        tokenizers.setdefault(hashlib.sha256((Path(name) / "tokenizer.model").read_bytes()).hexdigest(), name)
+        tasks.setdefault(trained_task(name), name)
+    if len(tasks) > 1:
+        raise UserError(
+            f"{' and '.join(tasks.values())} were trained on different tasks (data.task {' and '.join(tasks)}); "
+            "compare runs of one task together"
+        )
+    for name in names:
+        if "retrieval" in tasks:  # the retrieval task has no tokenizer
+            model, config = load_model(name, device)
+            model = model.to(dtype).eval()
+        else:
+            model, config, _ = load_run(name, device, dtype)
+            tokenizers.setdefault(hashlib.sha256((Path(name) / "tokenizer.model").read_bytes()).hexdigest(), name)
         if len(tokenizers) > 1:
             first, other = tokenizers.values()
             raise UserError(
@@ -291,6 +433,7 @@ def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> lis
             )
         run = {
             "name": name,
+            "task": trained_task(name),
             "position": position,
             "train_context": int((config.get("train") or {}).get("seq_len") or model.args.original_seq_len),
             "original_context": model.args.original_seq_len,  # what RoPE scaling stretches from
@@ -300,6 +443,51 @@ def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> lis
         }
         runs.append((model, run))
     return runs
+
+
+def text_study(loaded: list, args, argv: list[str], device, out_dir: Path) -> dict:
+    """The perplexity, copy-probe and loss-by-position report of runs trained on text, on the same windows."""
+    runs = [run for _, run in loaded]
+    contexts = [run["train_context"] for run in runs]
+    lengths = parse_list(args.lengths, "--lengths", int) if args.lengths else [min(contexts) * k for k in (1, 2, 4, 8)]
+    lengths = sorted(set(lengths) | set(contexts))
+    score_tokens = min(64, min(contexts) // 2)
+    if min(lengths) <= score_tokens:
+        raise UserError(f"--lengths must all exceed {score_tokens} (the scored tokens)")
+    data_dir = find_data_dir(runs[0]["config"], args.data)
+    check_same_tokenizer(Path(runs[0]["name"]), data_dir)
+    check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
+    text = document_windows(data_dir, "val", max(lengths), args.num_windows, seed=args.seed)
+    probe_text = document_windows(data_dir, "val", max(lengths), args.probes, seed=args.seed + 1)
+    if text.max() >= min(model.args.vocab_size for model, _ in loaded):
+        raise UserError(f"{data_dir} holds token ids beyond the model's vocabulary; it was made with another tokenizer")
+    spans = probe_spans(load_meta(data_dir), args.probes, args.probe_span, args.seed)
+    distances = probe_distances(min(contexts), lengths, args.probe_span)
+    edges = position_bins(max(lengths))
+    start = time.perf_counter()
+    work = sum(len(run["methods"]) * (len(lengths) * len(text) + len(distances) * len(spans)) for run in runs)
+    with torch.inference_mode(), tqdm(total=work, desc="extrapolation", unit="sequence") as bar:
+        for model, run in loaded:
+            run.update(
+                evaluate_run(
+                    model, run, text, probe_text, spans, lengths, distances, args.protocol, score_tokens, device, bar
+                )
+            )
+    return {
+        "command": ["python", "generate.py", "extrapolate", *argv],
+        "data": str(data_dir),
+        "lengths": lengths,
+        "protocol": args.protocol,
+        "num_windows": args.num_windows,
+        "score_tokens": score_tokens,
+        "probe": {"span": args.probe_span, "count": args.probes, "distances": distances},
+        "per_position_edges": edges.tolist(),
+        "per_position_tokens": (np.diff(edges) * args.num_windows).tolist(),
+        "seed": args.seed,
+        "device": device.type,
+        "seconds": round(time.perf_counter() - start, 1),
+        "runs": [{k: v for k, v in run.items() if k != "config"} for run in runs],
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -321,51 +509,18 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--probe-span must be >= 2, not {args.probe_span}")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, not {args.seed}")
+    if args.retrieval_rows < 1:
+        raise UserError(f"--retrieval-rows must be >= 1, not {args.retrieval_rows}")
     device = pick_device(args.device)
     loaded = load_runs(names, methods, device, pick_dtype(args.dtype, device))
-    runs = [run for _, run in loaded]
-    contexts = [run["train_context"] for run in runs]
-    lengths = parse_list(args.lengths, "--lengths", int) if args.lengths else [min(contexts) * k for k in (1, 2, 4, 8)]
-    lengths = sorted(set(lengths) | set(contexts))
-    score_tokens = min(64, min(contexts) // 2)
-    if min(lengths) <= score_tokens:
-        raise UserError(f"--lengths must all exceed {score_tokens} (the scored tokens)")
-    data_dir = find_data_dir(runs[0]["config"], args.data)
-    check_same_tokenizer(Path(names[0]), data_dir)
     out_dir = Path(args.out) if args.out else Path(names[0]) / "extrapolation"
-    check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
-    text = document_windows(data_dir, "val", max(lengths), args.num_windows, seed=args.seed)
-    probe_text = document_windows(data_dir, "val", max(lengths), args.probes, seed=args.seed + 1)
-    if text.max() >= min(model.args.vocab_size for model, _ in loaded):
-        raise UserError(f"{data_dir} holds token ids beyond the model's vocabulary; it was made with another tokenizer")
-    spans = probe_spans(load_meta(data_dir), args.probes, args.probe_span, args.seed)
-    distances = probe_distances(min(contexts), lengths, args.probe_span)
-    edges = position_bins(max(lengths))
-    start = time.perf_counter()
-    work = sum(len(run["methods"]) * (len(lengths) * len(text) + len(distances) * len(spans)) for run in runs)
-    with torch.inference_mode(), tqdm(total=work, desc="extrapolation", unit="sequence") as bar:
-        for model, run in loaded:
-            run.update(
-                evaluate_run(
-                    model, run, text, probe_text, spans, lengths, distances, args.protocol, score_tokens, device, bar
-                )
-            )
-    report = {
-        "command": ["python", "generate.py", "extrapolate", *argv],
-        "data": str(data_dir),
-        "lengths": lengths,
-        "protocol": args.protocol,
-        "num_windows": args.num_windows,
-        "score_tokens": score_tokens,
-        "probe": {"span": args.probe_span, "count": args.probes, "distances": distances},
-        "per_position_edges": edges.tolist(),
-        "per_position_tokens": (np.diff(edges) * args.num_windows).tolist(),
-        "seed": args.seed,
-        "device": device.type,
-        "seconds": round(time.perf_counter() - start, 1),
-        "runs": [{k: v for k, v in run.items() if k != "config"} for run in runs],
-    }
-    markdown = markdown_report(report)
+    if loaded[0][1]["task"] == "retrieval":
+        check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
+        report = retrieval_study(loaded, args, argv, device)
+        markdown, plot = retrieval_markdown(report), retrieval_plot
+    else:
+        report = text_study(loaded, args, argv, device, out_dir)
+        markdown, plot = markdown_report(report), plot_report
     out_dir.mkdir(parents=True, exist_ok=True)
     # all three or none: each is renamed into place only once every one has been written
     with (
@@ -375,7 +530,7 @@ def main(argv: list[str]) -> int:
     ):
         json_path.write_text(json.dumps(report, indent=1) + "\n")
         md_path.write_text(markdown)
-        plot_report(report, png_path)
+        plot(report, png_path)
     print(markdown)
     print(effective_line(report))
     print(f"wrote {out_dir}/extrapolation.json, .md and .png ({report['seconds']} s)")

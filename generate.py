@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 import extrapolate
+import study
 from checkpoint import load_run
 from cli import ArgumentParser, UserError, run_command
 from device import check_compiler, pick_device, pick_dtype
@@ -318,6 +319,8 @@ def parser() -> ArgumentParser:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["extrapolate"]:
         return extrapolate.main(argv[1:])
+    if argv[:1] == ["study"]:
+        return study.main(argv[1:])
     return sample_command(parser().parse_args(argv))
 
 

@@ -1,0 +1,156 @@
+"""The retrieval study: every position encoding trained on the synthetic retrieval task (configs/retrieval.toml) and
+compared past the training context, side by side (`python generate.py study`)."""
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+import extrapolate
+from cli import ArgumentParser, UserError, atomic_output, check_writable
+from extrapolation_report import side_by_side_plot, table
+
+REPO_ROOT = Path(__file__).resolve().parent
+CONFIG = "configs/retrieval.toml"
+FINE_TUNE = 4  # the YaRN run: the RoPE run fine-tuned at this multiple of its context
+
+# (run name, what it is, train.py overrides): the RoPE run comes first, the fine-tune starts from it
+RUNS = [
+    ("rope", "RoPE", []),
+    ("alibi", "ALiBi", ["--model.position=alibi"]),
+    ("nope", "NoPE", ["--model.position=nope"]),
+    ("sinusoidal", "sinusoidal", ["--model.position=sinusoidal"]),
+    ("learned", "learned", ["--model.position=learned"]),
+    ("rope-random", "RoPE + random positions (16×)", ["--train.random_positions=16"]),
+    ("rope-logn", "RoPE + log-n attention", ["--model.logn_attention=true"]),
+    ("rope-yarn", f"RoPE fine-tuned at {FINE_TUNE}× with YaRN", None),  # overrides: fine_tune()
+]
+# --quick: a few steps of a smaller model, fewer evaluation rows: the whole pipeline in a test's time
+QUICK = ["--model.dim=32", "--train.max_steps=150", "--eval.interval=0", "--train.log_interval=50"]
+QUICK_ROWS, FULL_ROWS = 64, 256
+
+
+def fine_tune(out: Path, context: int, quick: bool) -> list[str]:
+    """The overrides of the YaRN fine-tune: the RoPE run's weights at FINE_TUNE × its context."""
+    length = FINE_TUNE * context
+    steps = 30 if quick else 150
+    return [
+        f"--train.init_from={out / 'rope'}",
+        f"--train.seq_len={length}",
+        f"--model.max_seq_len={length}",
+        "--model.rope_scaling=yarn",
+        f"--model.rope_factor={FINE_TUNE}",
+        f"--train.batch_size={16 if quick else 32}",
+        f"--train.max_steps={steps}",
+        f"--optim.warmup_steps={steps // 10}",
+    ]
+
+
+def train_run(name: str, overrides: list[str], out: Path) -> dict:
+    """Train one run with `python train.py` (its output in OUT/logs/NAME.log): wall and CPU seconds, and its last
+    validation accuracy (metrics.jsonl); UserError naming the log's last line when training fails."""
+    log = out / "logs" / f"{name}.log"
+    command = [sys.executable, "train.py", "--config", CONFIG, f"--train.out_dir={out / name}", *overrides]
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    with open(log, "w") as stream:
+        status = subprocess.run(command, cwd=REPO_ROOT, stdout=stream, stderr=subprocess.STDOUT).returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if status != 0:
+        lines = log.read_text().strip().splitlines() or ["(no output)"]
+        raise UserError(f"training {name} failed (exit {status}): {lines[-1]} (see {log})")
+    metrics = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [m["val_acc"] for m in metrics if "val_acc" in m]
+    return {
+        "command": ["python", "train.py", *command[2:]],
+        "wall_s": round(time.perf_counter() - start, 1),
+        "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
+        "steps": max((m["step"] for m in metrics if "step" in m), default=0),
+        "val_acc": accuracy[-1] if accuracy else None,
+    }
+
+
+def parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="python generate.py study",
+        description="The retrieval study: RoPE, ALiBi, NoPE, sinusoidal and learned positions, RoPE with random "
+        "positions, with log-n attention and fine-tuned with YaRN, trained on the synthetic retrieval task "
+        f"({CONFIG}) and compared at 1-16× their context.",
+    )
+    parser.add_argument("--out", default="out/retrieval-study", help="output directory (default out/retrieval-study)")
+    parser.add_argument("--quick", action="store_true", help="a few steps of a smaller model: a smoke test")
+    parser.add_argument("--runs", help=f"comma-separated subset of {','.join(name for name, _, _ in RUNS)}")
+    parser.add_argument("--beside", help="a text study's extrapolation.json: plot its perplexity beside retrieval")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda if available, else cpu)")
+    return parser
+
+
+def chosen_runs(text: str | None) -> list[tuple]:
+    if text is None:
+        return RUNS
+    names = extrapolate.parse_list(text, "--runs")
+    unknown = sorted(set(names) - {name for name, _, _ in RUNS})
+    if unknown:
+        raise UserError(f"--runs: unknown {', '.join(unknown)} (choose from {', '.join(n for n, _, _ in RUNS)})")
+    if "rope-yarn" in names and "rope" not in names:
+        raise UserError("--runs: rope-yarn is fine-tuned from rope; name rope too")
+    return [run for run in RUNS if run[0] in names]
+
+
+def summary(runs: list[tuple], trained: dict, report: dict, out: Path, seconds: float) -> str:
+    """The study's Markdown: what each run is and cost, then the comparison."""
+    rows = [
+        [f"`{name}`", what, str(t["steps"]), f"{t['val_acc']:.1%}" if t["val_acc"] is not None else "-"]
+        + [f"{t['wall_s']:.0f}", f"{t['cpu_s'] / 60:.1f}"]
+        for (name, what, _), t in ((run, trained[run[0]]) for run in runs)
+    ]
+    header = ["run", "what", "steps", "val accuracy", "train wall s", "train CPU min"]
+    lines = [
+        f"# The retrieval study ({seconds / 60:.1f} min)",
+        "",
+        f"Each run: `python train.py --config {CONFIG}` with its overrides (study.json has the commands).",
+        "",
+        *table(header, rows),
+        "",
+        (out / "compare" / "extrapolation.md").read_text().replace("# ", "## ", 1),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """The `study` command; argv is what follows `python generate.py study`."""
+    args = parser().parse_args(argv)
+    runs, out = chosen_runs(args.runs), Path(args.out)
+    beside = json.loads(Path(args.beside).read_text()) if args.beside else None
+    check_writable(out / "study.json")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    started, trained = time.perf_counter(), {}
+    device = [f"--train.device={args.device}"] if args.device else []
+    with tqdm(runs, desc="retrieval study", unit="run") as bar:
+        for name, _, overrides in bar:
+            bar.set_postfix_str(f"training {name}")
+            if overrides is None:
+                overrides = fine_tune(out, trained_context(out / "rope"), args.quick)
+            trained[name] = train_run(name, (QUICK if args.quick else []) + overrides + device, out)
+    compare = ["--checkpoint", ",".join(str(out / name) for name, _, _ in runs), "--out", str(out / "compare")]
+    compare += ["--retrieval-rows", str(QUICK_ROWS if args.quick else FULL_ROWS)]
+    compare += ["--device", args.device] if args.device else []
+    extrapolate.main(compare)
+    report = json.loads((out / "compare" / "extrapolation.json").read_text())
+    seconds = time.perf_counter() - started
+    with atomic_output(out / "study.json") as json_path, atomic_output(out / "study.md") as md_path:
+        json_path.write_text(json.dumps({"quick": args.quick, "seconds": round(seconds, 1), "runs": trained}) + "\n")
+        md_path.write_text(summary(runs, trained, report, out, seconds))
+    if beside is not None:
+        with atomic_output(out / "study.png") as png_path:
+            side_by_side_plot(beside, report, png_path)
+    figure = f", {out}/study.png" if beside is not None else ""
+    print(f"wrote {out}/study.md, study.json{figure}, the runs in {out}/NAME and the comparison in {out}/compare")
+    return 0
+
+
+def trained_context(run_dir: Path) -> int:
+    return json.loads((run_dir / "config.json").read_text())["train"]["seq_len"]
