@@ -240,8 +240,10 @@ def retrieval_scores(model: Transformer, batches, device) -> np.ndarray:
 
 def retrieval_effective(accuracy: dict, train_len: int) -> dict:
     """The longest tested length up to which every tested length keeps >= KEEPS of the in-context accuracy (at the
-    training length); n/a (a learned table's end) stops it."""
+    training length); n/a (a learned table's end) stops it. None where the run retrieves under KEEPS in context."""
     reference = accuracy[str(train_len)]["mean"]
+    if reference < KEEPS:
+        return {"tokens": None, "in_context": reference}
     tokens = train_len
     for length in sorted(int(n) for n in accuracy if int(n) > train_len):
         cell = accuracy[str(length)]

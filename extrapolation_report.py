@@ -121,7 +121,7 @@ def effective_table(report: dict, with_basis: bool) -> list[str]:
         effective = run["effective_context"][m]
         rows.append(
             label(run, m)
-            + [str(run["train_context"]), str(effective["tokens"])]
+            + [str(run["train_context"]), str(effective["tokens"] or "none")]
             + ([effective["basis"]] if with_basis else [])
         )
     return table(first + ["training context", "effective context"] + (["basis"] if with_basis else []), rows)
@@ -167,7 +167,8 @@ def retrieval_markdown(report: dict) -> str:
                 ),
                 "",
                 f"Effective context from retrieval: the longest tested length up to which every tested length keeps at "
-                f"least {report['keeps']:.0%} of the run's accuracy at its training length:",
+                f"least {report['keeps']:.0%} of the run's accuracy at its training length (none where that accuracy "
+                f"is under {report['keeps']:.0%}):",
                 "",
                 *effective_table(report, with_basis=False),
             ]
@@ -180,7 +181,7 @@ def effective_line(report: dict) -> str:
     """The effective contexts, in one line per run."""
     return "\n".join(
         f"effective context of {run['name']} (trained at {run['train_context']}): "
-        + ", ".join(f"{m} {run['effective_context'][m]['tokens']}" for m in run["methods"])
+        + ", ".join(f"{m} {run['effective_context'][m]['tokens'] or 'none'}" for m in run["methods"])
         for run in report["runs"]
     )
 

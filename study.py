@@ -31,7 +31,7 @@ RUNS = [
 ]
 # --quick: a few steps of a smaller model, fewer evaluation rows: the whole pipeline in a test's time
 QUICK = ["--model.dim=32", "--train.max_steps=150", "--eval.interval=0", "--train.log_interval=50"]
-QUICK_ROWS, FULL_ROWS = 64, 256
+QUICK_ROWS, FULL_ROWS = 64, 128
 
 
 def fine_tune(out: Path, context: int, quick: bool) -> list[str]:
