@@ -248,17 +248,16 @@ def method_style(method: str) -> dict:
     return dict(marker="os^Dvx<>ph"[index % 10], color=colors[index % len(colors)], label=method)
 
 
-def accuracy_panel(ax, run: dict, key: str, xs: list[int], chance: float, mark: int | None, title: str):
-    """One run's accuracy (report key "accuracy" or "by_distance") against xs, a line per method; chance dotted,
-    the training context dashed."""
+def accuracy_panel(ax, run: dict, key: str, xs: list[int], chance: float, mark: float, title: str, scale: int = 1):
+    """One run's accuracy (report key "accuracy" or "by_distance") against xs / scale, a line per method; chance
+    dotted, the training context (at mark) dashed."""
     for method in run["methods"]:
         points = [(x, run[key][method][str(x)]) for x in xs]
-        points = [(x, cell["mean"]) for x, cell in points if cell is not None]
+        points = [(x / scale, cell["mean"]) for x, cell in points if cell is not None]
         if points:
             ax.plot(*zip(*points), linestyle="-", **method_style(method))
     ax.axhline(chance, color="gray", linestyle=":", linewidth=1)
-    if mark is not None:
-        ax.axvline(mark, color="black", linestyle="--", linewidth=1)
+    ax.axvline(mark, color="black", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set(ylim=(-0.02, 1.02), title=title)
     ax.grid(alpha=0.3)
@@ -268,17 +267,17 @@ def run_title(run: dict) -> str:
     return Path(run["name"]).name or run["name"]
 
 
-def save_figure(fig, axes, path: Path):
-    """Tight layout and one legend of every method shown, beneath the panels."""
+def save_figure(fig, axes, path: Path, note: str = ""):
+    """Tight layout, then one legend of every method shown beneath the panels, the note as its title."""
+    import matplotlib.pyplot as plt
+
     handles = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), frameon=False)
+    fig.tight_layout(rect=(0, 0.1 if note else 0.06, 1, 1))
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), title=note or None)
     fig.savefig(path, format="png", dpi=80)
-    import matplotlib.pyplot as plt
-
     plt.close(fig)
 
 
@@ -303,23 +302,27 @@ def retrieval_plot(report: dict, path: Path):
         accuracy_panel(bottom, run, "by_distance", report["distances"], chance, context, "by key-query distance")
         top.set_xlabel("row length (tokens)", fontsize="small")
         bottom.set_xlabel(f"distance in rows of {max(report['lengths'])}", fontsize="small")
+        for ax, xs in ((top, report["lengths"]), (bottom, report["distances"])):
+            ax.set_xlim(min(xs) / 1.3, max(xs) * 1.3)
     for row in grid:
         row[0].set_ylabel("retrieval accuracy")
     save_figure(fig, [ax for ax in grid.flat if ax.get_visible()], path)
 
 
 def ratio_panel(ax, run: dict, lengths: list[int], title: str):
-    """One text run's perplexity ratio to its training length against the length, a line per method."""
+    """One text run's perplexity ratio to its training length against the length in multiples of the context it
+    was first trained at, a line per method."""
+    base = run["original_context"]
     for method in run["methods"]:
         points = [(n, run["perplexity"][method][str(n)]) for n in lengths]
-        points = [(n, cell["ratio"]) for n, cell in points if cell is not None]
+        points = [(n / base, cell["ratio"]) for n, cell in points if cell is not None]
         if points:
             ax.plot(*zip(*points), linestyle="-", **method_style(method))
     ax.axhline(1, color="gray", linestyle=":", linewidth=1)
-    ax.axvline(run["train_context"], color="black", linestyle="--", linewidth=1)
+    ax.axvline(run["train_context"] / base, color="black", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set(ylim=(0.8, 30), title=title)
+    ax.set(ylim=(0.6, 30), title=title)
     ax.grid(alpha=0.3)
 
 
@@ -340,20 +343,29 @@ def side_by_side_plot(text_report: dict, retrieval_report: dict, path: Path, col
     fig, grid = plt.subplots(rows, 2 * columns, figsize=(3.0 * 2 * columns, 2.9 * rows), squeeze=False)
     for ax in grid.flat[2 * len(names) :]:
         ax.set_visible(False)
-    chance = retrieval_report["task"]["chance"]
+    chance, times = retrieval_report["task"]["chance"], matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}×")
     for index, name in enumerate(names):
         left, right = grid[index // columns, 2 * (index % columns)], grid[index // columns, 2 * (index % columns) + 1]
         if name in text:
             ratio_panel(left, text[name], text_report["lengths"], f"{name}: perplexity ratio")
-            left.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}×"))
+            left.yaxis.set_major_formatter(times)
         else:
             left.text(0.5, 0.5, "not in the\nperplexity study", ha="center", va="center", transform=left.transAxes)
             left.set(xticks=[], yticks=[], title=f"{name}: perplexity ratio")
         if name in retrieval:
             run = retrieval[name]
-            lengths = retrieval_report["lengths"]
-            accuracy_panel(right, run, "accuracy", lengths, chance, run["train_context"], f"{name}: retrieval")
+            base, title = run["original_context"], f"{name}: retrieval"
+            mark = run["train_context"] / base
+            accuracy_panel(right, run, "accuracy", retrieval_report["lengths"], chance, mark, title, base)
         else:
             right.text(0.5, 0.5, "not in the\nretrieval study", ha="center", va="center", transform=right.transAxes)
             right.set(xticks=[], yticks=[], title=f"{name}: retrieval")
+        for ax in (left, right):
+            if ax.get_xscale() == "log":
+                ax.set_xlim(0.7, 23)
+                ax.xaxis.set_major_formatter(times)
+    fig.supxlabel(
+        "length in multiples of the training context (of the base run for a fine-tune); dashed: the "
+        "run's training context; dotted: chance (retrieval) or the in-context perplexity"
+    )
     save_figure(fig, [ax for ax in grid.flat if ax.get_visible()], path)

@@ -2,10 +2,11 @@
 compared past the training context, side by side (`python generate.py study`)."""
 
 import json
-import resource
+import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from tqdm import tqdm
@@ -51,26 +52,48 @@ def fine_tune(out: Path, context: int, quick: bool) -> list[str]:
 
 
 def train_run(name: str, overrides: list[str], out: Path) -> dict:
-    """Train one run with `python train.py` (its output in OUT/logs/NAME.log): wall and CPU seconds, and its last
-    validation accuracy (metrics.jsonl); UserError naming the log's last line when training fails."""
+    """Train one run with `python train.py` on one thread (its output in OUT/logs/NAME.log): wall and CPU seconds,
+    and its last validation accuracy (metrics.jsonl); UserError naming the log's last line when training fails."""
     log = out / "logs" / f"{name}.log"
     command = [sys.executable, "train.py", "--config", CONFIG, f"--train.out_dir={out / name}", *overrides]
-    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    start = time.perf_counter()
+    # one thread a run, runs side by side: tiny models gain nothing from a second thread, and lose much to a busy one
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "w") as stream:
-        status = subprocess.run(command, cwd=REPO_ROOT, stdout=stream, stderr=subprocess.STDOUT).returncode
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if status != 0:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=stream, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
         lines = log.read_text().strip().splitlines() or ["(no output)"]
-        raise UserError(f"training {name} failed (exit {status}): {lines[-1]} (see {log})")
+        raise UserError(f"training {name} failed (exit {process.returncode}): {lines[-1]} (see {log})")
     metrics = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     accuracy = [m["val_acc"] for m in metrics if "val_acc" in m]
     return {
         "command": ["python", "train.py", *command[2:]],
         "wall_s": round(time.perf_counter() - start, 1),
-        "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
         "steps": max((m["step"] for m in metrics if "step" in m), default=0),
         "val_acc": accuracy[-1] if accuracy else None,
     }
+
+
+def train_all(runs: list[tuple], out: Path, quick: bool, jobs: int, device: list[str]) -> dict:
+    """Train the runs, `jobs` at a time (the fine-tune once the RoPE run is done): {name: train_run's numbers}."""
+    futures = {}
+
+    def one(name: str, overrides: list[str] | None) -> dict:
+        if overrides is None:
+            futures["rope"].result()  # submitted first, so running or done by now: no deadlock
+            overrides = fine_tune(out, trained_context(out / "rope"), quick)
+        return train_run(name, (QUICK if quick else []) + overrides + device, out)
+
+    with ThreadPoolExecutor(jobs) as pool, tqdm(total=len(runs), desc="retrieval study", unit="run") as bar:
+        for name, _, overrides in runs:
+            futures[name] = pool.submit(one, name, overrides)
+        for future in as_completed(futures.values()):
+            future.result()  # the first failure ends the study (the pool finishes the runs under way)
+            bar.update()
+    return {name: future.result() for name, future in futures.items()}
 
 
 def parser() -> ArgumentParser:
@@ -85,6 +108,9 @@ def parser() -> ArgumentParser:
     parser.add_argument("--runs", help=f"comma-separated subset of {','.join(name for name, _, _ in RUNS)}")
     parser.add_argument("--beside", help="a text study's extrapolation.json: plot its perplexity beside retrieval")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="runs trained side by side, one CPU thread each (default 2)"
+    )
     return parser
 
 
@@ -124,17 +150,14 @@ def main(argv: list[str]) -> int:
     """The `study` command; argv is what follows `python generate.py study`."""
     args = parser().parse_args(argv)
     runs, out = chosen_runs(args.runs), Path(args.out)
+    if args.jobs < 1:
+        raise UserError(f"--jobs must be >= 1, not {args.jobs}")
     beside = json.loads(Path(args.beside).read_text()) if args.beside else None
     check_writable(out / "study.json")
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    started, trained = time.perf_counter(), {}
+    started = time.perf_counter()
     device = [f"--train.device={args.device}"] if args.device else []
-    with tqdm(runs, desc="retrieval study", unit="run") as bar:
-        for name, _, overrides in bar:
-            bar.set_postfix_str(f"training {name}")
-            if overrides is None:
-                overrides = fine_tune(out, trained_context(out / "rope"), args.quick)
-            trained[name] = train_run(name, (QUICK if args.quick else []) + overrides + device, out)
+    trained = train_all(runs, out, args.quick, args.jobs, device)
     compare = ["--checkpoint", ",".join(str(out / name) for name, _, _ in runs), "--out", str(out / "compare")]
     compare += ["--retrieval-rows", str(QUICK_ROWS if args.quick else FULL_ROWS)]
     compare += ["--device", args.device] if args.device else []
