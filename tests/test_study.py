@@ -21,9 +21,11 @@ def test_retrieval_distances_reach_every_doubling_in_rows_of_the_longest_length(
 
 
 def test_retrieval_effective_context_keeps_half_the_in_context_accuracy():
-    cells = {"32": {"mean": 0.9}, "64": {"mean": 0.6}, "128": {"mean": 0.46}, "256": {"mean": 0.5}}
+    cells = {"32": {"mean": 0.9}, "64": {"mean": 0.46}, "128": {"mean": 0.44}, "256": {"mean": 0.5}}
     assert extrapolate.retrieval_effective(cells, 32) == {"tokens": 64, "in_context": 0.9}  # the first miss ends it
     assert extrapolate.retrieval_effective({"32": {"mean": 0.9}, "64": None}, 32)["tokens"] == 32  # a table's end
+    # a run that does not retrieve in context has no effective context
+    assert extrapolate.retrieval_effective({"32": {"mean": 0.3}, "64": {"mean": 0.3}}, 32)["tokens"] is None
 
 
 def recall(tokens: torch.Tensor) -> torch.Tensor:
@@ -54,7 +56,7 @@ def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys):
     assert report["lengths"] == [32, 64, 128, 256, 512] and report["task"]["chance"] == 1 / 64
     assert runs["rope"]["methods"] == ["none", "linear", "ntk", "dynamic", "yarn"]
     in_context = runs["rope"]["accuracy"]["none"]["32"]["mean"]
-    assert in_context > 8 * report["task"]["chance"], in_context  # well above chance (and the 1/pairs plateau)
+    assert in_context > 0.5, in_context  # chance is 1/64; guessing among the row's 4 values gives 1/4
     assert runs["learned"]["accuracy"]["none"]["64"] is None and runs["learned"]["by_distance"]["none"]["8"] is None
     assert runs["rope-yarn"]["train_context"] == 128 and runs["rope-yarn"]["original_context"] == 32
     for run in runs.values():
