@@ -125,9 +125,9 @@ def add_compile(parser: ArgumentParser, what: str, default: bool | None = False)
     )
 
 
-def add_seed(parser: ArgumentParser, what: str, default: int | None = 0):
-    """--seed N."""
-    said = "random" if default is None else default
+def add_seed(parser: ArgumentParser, what: str, default: int | None = 0, unset: str = "random"):
+    """--seed N; `unset` says what no seed means."""
+    said = unset if default is None else default
     parser.add_argument("--seed", type=positive(int, zero=True), default=default, help=f"{what} (default {said})")
 
 
