@@ -188,7 +188,8 @@ def interrupt_handlers(received: list):
             previous_hook(info)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
@@ -365,7 +366,8 @@ def check_type(name: str, value, annotation):
     """value, of the type `annotation` (int, float, str, bool, or one of those | None; an int passes as a float);
     UserError naming `name` otherwise (a bool is not an int, a string is not a bool)."""
     options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    base, optional = next(t for t in options if t is not type(None)), type(None) in options
+    base = next(t for t in options if t is not type(None))
+    optional = type(None) in options
     if value is None and optional:
         return None
     if base is float and isinstance(value, int) and not isinstance(value, bool):

@@ -465,7 +465,8 @@ def parser() -> ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    source, out = (args.hf_dir if args.command == "from-hf" else args.run), args.out
+    source = args.hf_dir if args.command == "from-hf" else args.run
+    out = args.out
     directory = args.command != "to-gguf"
     check_writable(out, inputs=[source], directory=directory)
     if out.exists() and (not directory or any(out.iterdir())) and not args.force:
