@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import extrapolate
-from cli import ArgumentParser, UserError, atomic_output, check_writable
+from cli import ArgumentParser, UserError, add_device, add_out, atomic_output, check_writable, comma_list, positive
 from extrapolation_report import side_by_side_plot, table
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -97,31 +97,28 @@ def train_all(runs: list[tuple], out: Path, quick: bool, jobs: int, device: list
     return {name: future.result() for name, future in futures.items()}
 
 
-def parser() -> ArgumentParser:
-    parser = ArgumentParser(
-        prog="python generate.py study",
-        description="The retrieval study: RoPE, ALiBi, NoPE, sinusoidal and learned positions, RoPE with random "
-        "positions, with log-n attention and fine-tuned with YaRN, trained on the synthetic retrieval task "
-        f"({CONFIG}) and compared at 1-16× their context.",
+def add_arguments(parser: ArgumentParser):
+    """The flags of `python generate.py study` (generate.py builds the parser; main() here builds its own)."""
+    parser.description = (
+        "The retrieval study: RoPE, ALiBi, NoPE, sinusoidal and learned positions, RoPE with random positions, with "
+        f"log-n attention and fine-tuned with YaRN, trained on the synthetic retrieval task ({CONFIG}) and compared "
+        "at 1-16× their context."
     )
-    parser.add_argument("--out", default="out/retrieval-study", help="output directory (default out/retrieval-study)")
+    add_out(parser, "output directory (default out/retrieval-study)", default=Path("out/retrieval-study"))
     parser.add_argument("--quick", action="store_true", help="450 steps a run, fewer evaluation rows: a smoke test")
-    parser.add_argument("--runs", help=f"comma-separated subset of {','.join(name for name, _, _ in RUNS)}")
-    parser.add_argument("--beside", help="a text study's extrapolation.json: plot its perplexity beside retrieval")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda if available, else cpu)")
+    parser.add_argument("--runs", type=comma_list(choices=[name for name, _, _ in RUNS]), help="a subset of the runs")
     parser.add_argument(
-        "--jobs", type=int, default=2, help="runs trained side by side, one CPU thread each (default 2)"
+        "--beside", type=Path, help="a text study's extrapolation.json: its perplexity beside retrieval"
     )
-    return parser
+    parser.add_argument(
+        "--jobs", type=positive(), default=2, help="runs trained side by side, one thread each (default 2)"
+    )
+    add_device(parser)
 
 
-def chosen_runs(text: str | None) -> list[tuple]:
-    if text is None:
+def chosen_runs(names: list[str] | None) -> list[tuple]:
+    if names is None:
         return RUNS
-    names = extrapolate.parse_list(text, "--runs")
-    unknown = sorted(set(names) - {name for name, _, _ in RUNS})
-    if unknown:
-        raise UserError(f"--runs: unknown {', '.join(unknown)} (choose from {', '.join(n for n, _, _ in RUNS)})")
     if "rope-yarn" in names and "rope" not in names:
         raise UserError("--runs: rope-yarn is fine-tuned from rope; name rope too")
     return [run for run in RUNS if run[0] in names]
@@ -147,22 +144,20 @@ def summary(runs: list[tuple], trained: dict, report: dict, out: Path, seconds: 
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    """The `study` command; argv is what follows `python generate.py study`."""
-    args = parser().parse_args(argv)
+def run(args) -> int:
+    """The `study` command, on parsed flags (add_arguments)."""
     runs, out = chosen_runs(args.runs), Path(args.out)
-    if args.jobs < 1:
-        raise UserError(f"--jobs must be >= 1, not {args.jobs}")
-    beside = json.loads(Path(args.beside).read_text()) if args.beside else None
+    beside = json.loads(args.beside.read_text()) if args.beside else None
     check_writable(out / "study.json")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    device = [f"--train.device={args.device}"] if args.device else []
-    trained = train_all(runs, out, args.quick, args.jobs, device)
-    compare = ["--checkpoint", ",".join(str(out / name) for name, _, _ in runs), "--out", str(out / "compare")]
+    trained = train_all(runs, out, args.quick, args.jobs, ["--device", args.device, "--dtype", args.dtype])
+    compare = ["--run", ",".join(str(out / name) for name, _, _ in runs), "--out", str(out / "compare")]
     compare += ["--retrieval-rows", str(QUICK_ROWS if args.quick else FULL_ROWS)]
-    compare += ["--device", args.device] if args.device else []
-    extrapolate.main(compare)
+    compare += ["--device", args.device, "--dtype", args.dtype]
+    flags = ArgumentParser(prog="python generate.py extrapolate")
+    extrapolate.add_arguments(flags)
+    extrapolate.run(flags.parse_args(compare), ["extrapolate", *compare])
     report = json.loads((out / "compare" / "extrapolation.json").read_text())
     seconds = time.perf_counter() - started
     with atomic_output(out / "study.json") as json_path, atomic_output(out / "study.md") as md_path:
@@ -174,6 +169,13 @@ def main(argv: list[str]) -> int:
     figure = f", {out}/study.png" if beside is not None else ""
     print(f"wrote {out}/study.md, study.json{figure}, the runs in {out}/NAME and the comparison in {out}/compare")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    """The `study` command on its own argv (what follows `python generate.py study`)."""
+    parser = ArgumentParser(prog="python generate.py study")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 def trained_context(run_dir: Path) -> int:

@@ -19,7 +19,7 @@ from checkpoint import read_tokenizer
 from cli import UserError, run_command
 from convert import write_gguf
 from device import cpu_has_bf16
-from generate import generate
+from generate import Sampling, generate
 from inference import DecodeStep, compile_step, cpu_isa, int8_dtype, quantize
 from model import ModelArgs
 
@@ -225,7 +225,9 @@ def main(argv: list[str]) -> int:
         "hf_generate": lambda n: hf_greedy(hf, prompt, n),
         "ours_no_cache": lambda n: greedy_without_cache(ours, prompt, n),
         **{
-            name: lambda n, model=model, step=step: generate(model, prompt.tolist(), n, temperature=0, step=step)[0]
+            name: lambda n, model=model, step=step: generate(
+                model, prompt.tolist(), Sampling(n, temperature=0), step=step
+            )[0]
             for name, (model, step) in decoders.items()
         },
     }

@@ -25,7 +25,18 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import data` work
     sys.path.insert(0, str(REPO_ROOT))
 
-from cli import ArgumentParser, UserError, atomic_output, check_writable, exclusive, remove, replace, run_command  # noqa: E402
+from cli import (  # noqa: E402
+    ArgumentParser,
+    UserError,
+    add_out,
+    atomic_output,
+    check_writable,
+    exclusive,
+    positive,
+    remove,
+    replace,
+    run_command,
+)
 from data.shards import ShardWriter, cuts_after_newlines, encode_documents  # noqa: E402
 
 FORMAT_VERSION = 3  # 2: EOS at the end of each document; 3: fixed-size shards listed in meta.json
@@ -718,16 +729,18 @@ def parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--source", default="shakespeare", help="shakespeare (default), PATH or hf:NAME[:CONFIG]")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary to train (default 4096)")
-    parser.add_argument("--out", help="output directory (default data/<source name> in the repository)")
+    parser.add_argument(
+        "--vocab-size", type=positive(), default=4096, help="tokenizer vocabulary to train (default 4096)"
+    )
+    add_out(parser, "the dataset directory written (default data/<source name> in the repository)")
     parser.add_argument("--tokenizer", help="use this existing sentencepiece tokenizer.model instead of training one")
     parser.add_argument("--force", action="store_true", help="rebuild even if the output exists")
     parser.add_argument("--text-field", default="text", help="record field with the text (.jsonl/.json/.parquet/hf:)")
-    parser.add_argument("--max-docs", type=int, help="stop after this many documents")
+    parser.add_argument("--max-docs", type=positive(), help="stop after this many documents")
     parser.add_argument(
         "--shard-tokens", type=parse_size, default=SHARD_TOKENS, help="tokens per shard file (default 100M)"
     )
-    parser.add_argument("--workers", type=int, help="threads encoding the text (default: all cores)")
+    parser.add_argument("--workers", type=positive(), help="threads encoding the text (default: all cores)")
     parser.add_argument(
         "--max-bytes",
         type=parse_size,

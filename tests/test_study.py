@@ -84,6 +84,6 @@ def test_runs_of_different_tasks_are_not_compared(tmp_path, capsys):
     for name, task in (("a", "retrieval"), ("b", "text")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({"data": {"task": task}}))
-    argv = ["extrapolate", "--checkpoint", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--out", str(tmp_path / "c")]
+    argv = ["extrapolate", "--run", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--out", str(tmp_path / "c")]
     assert run_command(generate.main, argv) == 2
     assert "trained on different tasks" in capsys.readouterr().err and not (tmp_path / "c").exists()
