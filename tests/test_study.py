@@ -71,7 +71,7 @@ def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "argv, message",
-    [(["--runs", "rope,t5"], "--runs: unknown t5"), (["--runs", "rope-yarn"], "rope-yarn is fine-tuned from rope")],
+    [(["--runs", "rope,t5"], "--runs: unknown 't5'"), (["--runs", "rope-yarn"], "rope-yarn is fine-tuned from rope")],
 )
 def test_bad_study_arguments_are_one_line(tmp_path, capsys, argv, message):
     assert run_command(study.main, [*argv, "--out", str(tmp_path / "s")]) == 2
