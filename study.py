@@ -78,17 +78,18 @@ def train_run(name: str, overrides: list[str], out: Path) -> dict:
     }
 
 
-def train_all(runs: list[tuple], out: Path, quick: bool, jobs: int, device: list[str]) -> dict:
-    """Train the runs, `jobs` at a time (the fine-tune once the RoPE run is done): {name: train_run's numbers}."""
+def train_all(runs: list[tuple], out: Path, args, device: list[str]) -> dict:
+    """Train the runs, args.jobs at a time (the fine-tune once the RoPE run is done): {name: train_run's numbers}."""
     futures = {}
+    common = (QUICK if args.quick else []) + ([f"--train.max_steps={args.steps}"] if args.steps else [])
 
     def one(name: str, overrides: list[str] | None) -> dict:
         if overrides is None:
             futures["rope"].result()  # submitted first, so running or done by now: no deadlock
-            overrides = fine_tune(out, trained_context(out / "rope"), quick)
-        return train_run(name, (QUICK if quick else []) + overrides + device, out)
+            overrides = fine_tune(out, trained_context(out / "rope"), args.quick)
+        return train_run(name, common + overrides + device, out)
 
-    with ThreadPoolExecutor(jobs) as pool, tqdm(total=len(runs), desc="retrieval study", unit="run") as bar:
+    with ThreadPoolExecutor(args.jobs) as pool, tqdm(total=len(runs), desc="retrieval study", unit="run") as bar:
         for name, _, overrides in runs:
             futures[name] = pool.submit(one, name, overrides)
         for future in as_completed(futures.values()):
@@ -151,7 +152,7 @@ def run(args) -> int:
     check_writable(out / "study.json")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    trained = train_all(runs, out, args.quick, args.jobs, ["--device", args.device, "--dtype", args.dtype])
+    trained = train_all(runs, out, args, ["--device", args.device, "--dtype", args.dtype])
     compare = ["--run", ",".join(str(out / name) for name, _, _ in runs), "--out", str(out / "compare")]
     compare += ["--retrieval-rows", str(QUICK_ROWS if args.quick else FULL_ROWS)]
     compare += ["--device", args.device, "--dtype", args.dtype]
