@@ -111,6 +111,7 @@ def add_arguments(parser: ArgumentParser):
     parser.add_argument(
         "--beside", type=Path, help="a text study's extrapolation.json: its perplexity beside retrieval"
     )
+    parser.add_argument("--steps", type=positive(), help="training steps of each base run (default: the config's)")
     parser.add_argument(
         "--jobs", type=positive(), default=2, help="runs trained side by side, one thread each (default 2)"
     )
