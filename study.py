@@ -107,7 +107,8 @@ def add_arguments(parser: ArgumentParser):
     )
     add_out(parser, "output directory (default out/retrieval-study)", default=Path("out/retrieval-study"))
     parser.add_argument("--quick", action="store_true", help="400 steps a run, fewer evaluation rows: a smoke test")
-    parser.add_argument("--runs", type=comma_list(choices=[name for name, _, _ in RUNS]), help="a subset of the runs")
+    names = [name for name, _, _ in RUNS]
+    parser.add_argument("--runs", type=comma_list(choices=names), help="a subset of: " + ",".join(names))
     parser.add_argument(
         "--beside", type=Path, help="a text study's extrapolation.json: its perplexity beside retrieval"
     )
