@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 import extrapolate
@@ -160,7 +161,14 @@ def run(args) -> int:
     compare += ["--device", args.device, "--dtype", args.dtype]
     flags = ArgumentParser(prog="python generate.py extrapolate")
     extrapolate.add_arguments(flags)
-    extrapolate.run(flags.parse_args(compare), ["extrapolate", *compare])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(
+        1
+    )  # as in training: a tiny model gains little from a second thread, and loses much to a busy one
+    try:
+        extrapolate.run(flags.parse_args(compare), ["extrapolate", *compare])
+    finally:
+        torch.set_num_threads(threads)
     report = json.loads((out / "compare" / "extrapolation.json").read_text())
     seconds = time.perf_counter() - started
     with atomic_output(out / "study.json") as json_path, atomic_output(out / "study.md") as md_path:
