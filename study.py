@@ -162,9 +162,7 @@ def run(args) -> int:
     flags = ArgumentParser(prog="python generate.py extrapolate")
     extrapolate.add_arguments(flags)
     threads = torch.get_num_threads()
-    torch.set_num_threads(
-        1
-    )  # as in training: a tiny model gains little from a second thread, and loses much to a busy one
+    torch.set_num_threads(1)  # as in training: a tiny model gains little from 2 threads, and loses much to a busy CPU
     try:
         extrapolate.run(flags.parse_args(compare), ["extrapolate", *compare])
     finally:
