@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 
-from cli import ArgumentParser, UserError, add_device, add_out, atomic_output, check_writable, positive  # noqa: E402
+from cli import ArgumentParser, UserError, add_device, add_out, atomic_output, check_writable, comma_list, positive  # noqa: E402
 from convert import hf_config, to_hf_state_dict  # noqa: E402
 from device import cpu_has_bf16, peak_flops, pick_device, pick_dtype  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
@@ -37,6 +37,16 @@ def parser(description: str, script: str, models: bool = True) -> ArgumentParser
     add_out(p, f"JSON output path (default bench/results/{script}.json)", default=RESULTS_DIR / f"{script}.json")
     p.set_defaults(benchmark=script)
     return p
+
+
+def add_configs(p: ArgumentParser, default: str):
+    """--config NAME,...: the model configs to measure, comma-separated."""
+    p.add_argument(
+        "--config",
+        type=comma_list(),
+        default=default,
+        help=f"comma-separated: small, base, configs/NAME.toml names (default {default})",
+    )
 
 
 def parse(p: ArgumentParser, argv: list[str]):

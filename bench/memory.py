@@ -11,7 +11,7 @@ import common
 import torch
 from tqdm import tqdm
 
-from cli import UserError, comma_list, positive, run_command
+from cli import UserError, positive, run_command
 
 DEFAULT_SHAPES = {"small": (16, 256), "base": (4, 512)}  # (batch, seq_len): base at B=4, T=512 fits 24 GB easily
 MIB = 2**20
@@ -97,12 +97,7 @@ def run_case(config: str, who: str, batch: int, seq_len: int, cli) -> dict:
 
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__, "memory")
-    p.add_argument(
-        "--config",
-        type=comma_list(),
-        default="small,base",
-        help="comma-separated: small, base, configs/NAME.toml names (default small,base)",
-    )
+    common.add_configs(p, "small,base")
     p.add_argument("--batch-size", type=positive(), help="sequences per step (default: small 16, base 4, else 8)")
     p.add_argument("--seq-len", type=positive(), help="tokens per sequence (default: small 256, base 512)")
     p.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)  # internal: measure in this process

@@ -81,12 +81,7 @@ def parse_args(argv: list[str]):
         type=positive(float),
         help="the device's peak for MFU (default: a measured matmul in the run's dtype on CPU, a table of GPUs)",
     )
-    p.add_argument(
-        "--config",
-        type=comma_list(),
-        default="small,default",
-        help="comma-separated: small, base, configs/NAME.toml names (default small,default)",
-    )
+    common.add_configs(p, "small,default")
     p.add_argument("--batch-size", type=positive(), help="sequences per step (default 16)")
     p.add_argument("--seq-len", type=positive(), help="tokens per sequence (default: the config's max_seq_len)")
     p.add_argument(
