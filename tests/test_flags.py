@@ -60,8 +60,9 @@ def command_helps() -> dict[str, dict[str, set[str]]]:
 
 
 def readme_table() -> tuple[list[str], list[list[str]]]:
-    lines = (REPO / "README.md").read_text().split("### One set of flags", 1)[1].splitlines()
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
+    section = (REPO / "README.md").read_text().split("### One set of flags", 1)[1]
+    table = section[section.index("\n| ") :].split("\n\n", 1)[0]  # the first table after the heading
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()]
     return rows[0], [row for row in rows[1:] if not row[0].startswith("---")]
 
 
