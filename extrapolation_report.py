@@ -268,15 +268,17 @@ def run_title(run: dict) -> str:
 
 
 def save_figure(fig, axes, path: Path, note: str = ""):
-    """Tight layout, then one legend of every method shown beneath the panels, the note as its title."""
+    """Tight layout, one legend of every method shown beneath the panels, and the note above them."""
     import matplotlib.pyplot as plt
 
     handles = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
-    fig.tight_layout(rect=(0, 0.1 if note else 0.06, 1, 1))
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), title=note or None)
+    if note:
+        fig.suptitle(note, fontsize="medium")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles))
     fig.savefig(path, format="png", dpi=80)
     plt.close(fig)
 
@@ -364,8 +366,8 @@ def side_by_side_plot(text_report: dict, retrieval_report: dict, path: Path, col
             if ax.get_xscale() == "log":
                 ax.set_xlim(0.7, 23)
                 ax.xaxis.set_major_formatter(times)
-    fig.supxlabel(
-        "length in multiples of the training context (of the base run for a fine-tune); dashed: the "
-        "run's training context; dotted: chance (retrieval) or the in-context perplexity"
+    note = (
+        "x: length in multiples of the training context (of the base run for a fine-tune); dashed: the run's "
+        "training context; dotted: chance (retrieval) or the in-context perplexity"
     )
-    save_figure(fig, [ax for ax in grid.flat if ax.get_visible()], path)
+    save_figure(fig, [ax for ax in grid.flat if ax.get_visible()], path, note)
