@@ -187,6 +187,8 @@ def effective_line(report: dict) -> str:
 
 
 def plot_report(report: dict, path: Path):
+    """Small multiples: a row of panels per run (perplexity by length, loss by position, copy probe by distance), a
+    line per method, the training context dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,48 +197,40 @@ def plot_report(report: dict, path: Path):
 
     runs, lengths = report["runs"], report["lengths"]
     distances, span = report["probe"]["distances"], report["probe"]["span"]
-    several = len(runs) > 1
-    fig, (ppl_ax, pos_ax, probe_ax) = plt.subplots(1, 3, figsize=(17, 5))
-    marks, lines = "os^Dvx<>ph", ["-", "--", "-.", ":"]
-    styles = {method: marks[i % len(marks)] + lines[i % len(lines)] for i, method in enumerate(ROPE_SCALINGS)}
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     edges = np.asarray(report["per_position_edges"])
     centers = np.sqrt((edges[:-1] + 1) * edges[1:])  # index i predicts the token at position i+1
-    for index, run in enumerate(runs):
-        for number, method in enumerate(run["methods"]):
-            style = styles[method]
-            color = colors[(index if several else number) % len(colors)]
-            name = f"{run['name']}: {method}" if several else method
+    fig, grid = plt.subplots(len(runs), 3, figsize=(14, 3.4 * len(runs) + 0.8), squeeze=False)
+    for (ppl_ax, pos_ax, probe_ax), run in zip(grid, runs):
+        for method in run["methods"]:
+            style = method_style(method)
             cells = [(n, run["perplexity"][method][str(n)]) for n in lengths]
             cells = [(n, c["perplexity"]) for n, c in cells if c is not None]
-            ppl_ax.plot(*zip(*cells), style, color=color, label=name)
+            ppl_ax.plot(*zip(*cells), **style)
             if method in run["per_position"]:
-                pos_ax.plot(centers, run["per_position"][method]["loss_mean"], style[1:], color=color, label=name)
+                pos_ax.plot(centers, run["per_position"][method]["loss_mean"], color=style["color"], label=method)
             reads = [(d, run["probe"][method][str(d)]) for d in distances]
             reads = [(d, c["accuracy"]["mean"]) for d, c in reads if c is not None]
             if reads:
-                probe_ax.plot(*zip(*reads), style, color=color, label=name)
-        run_color = colors[index % len(colors)] if several else "gray"
-        for ax, at in ((ppl_ax, run["train_context"]), (pos_ax, run["train_context"])):
-            ax.axvline(at, color=run_color, linestyle="--", linewidth=1)
-        probe_ax.axvline(run["train_context"] - span, color=run_color, linestyle="--", linewidth=1)
-    ppl_ax.set(yscale="log", xlabel="context length (tokens)", ylabel="perplexity")
-    ppl_ax.set_title(f"perplexity ({report['protocol']}); dashed: training context")
-    pos_ax.set(xlabel="position in the window", ylabel="loss (nats)", title=f"loss by position, {max(lengths)} tokens")
-    probe_ax.set(xlabel="distance to the repeat (tokens)", ylabel="top-1 accuracy on the repeat", ylim=(-0.02, 1.02))
-    probe_ax.set_title(f"copy probe: {span} random tokens, repeated")
-    for ax in (ppl_ax, pos_ax, probe_ax):
-        ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-    # ticks at 1, 1.5, 2, 3, 5, 7 per decade, labelled 90, 100, 150 rather than 9×10^1
-    ppl_ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
-    ppl_ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-    ppl_ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    fig.tight_layout()
-    # beside the panels, not over the first: a comparison of several runs has a line per run and method
-    fig.legend(*ppl_ax.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
-    fig.savefig(path, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
+                probe_ax.plot(*zip(*reads), **style)
+        for ax, at in (
+            (ppl_ax, run["train_context"]),
+            (pos_ax, run["train_context"]),
+            (probe_ax, run["train_context"] - span),
+        ):
+            ax.axvline(at, color="black", linestyle="--", linewidth=1)
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+        name = f"{run_title(run)}: " if len(runs) > 1 else ""
+        ppl_ax.set(yscale="log", ylabel="perplexity", title=f"{name}perplexity ({report['protocol']})")
+        pos_ax.set(ylabel="loss (nats)", title=f"{name}loss by position, {max(lengths)} tokens")
+        probe_ax.set(ylabel="top-1 on the repeat", ylim=(-0.02, 1.02), title=f"{name}copy probe, {span} tokens")
+        # ticks at 1, 1.5, 2, 3, 5, 7 per decade, labelled 90, 100, 150 rather than 9×10^1
+        ppl_ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+        ppl_ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        ppl_ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    for ax, label in zip(grid[-1], ("context length (tokens)", "position in the window", "distance to the repeat")):
+        ax.set_xlabel(label)
+    save_figure(fig, list(grid.flat), path, "dashed: the training context (for the probe, the farthest repeat in it)")
 
 
 def method_style(method: str) -> dict:
@@ -277,7 +271,8 @@ def save_figure(fig, axes, path: Path, note: str = ""):
             handles.setdefault(label, handle)
     if note:
         fig.suptitle(note, fontsize="medium")
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    height = fig.get_figheight()  # inches: the legend takes 0.5 below the panels, the note 0.35 above
+    fig.tight_layout(rect=(0, 0.5 / height, 1, 1 - (0.35 / height if note else 0)))
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles))
     fig.savefig(path, format="png", dpi=80)
     plt.close(fig)
