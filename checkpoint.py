@@ -98,7 +98,7 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
         check_type("tokenizer_sha256", config.get("tokenizer_sha256"), str | None)
         state = load_file(run_dir / "model.safetensors", device=str(device))
     except UserError as e:
-        raise UserError(f"{run_dir}/config.json: {e}") from None
+        raise UserError(f"{run_dir}/config.json is corrupt: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError, SafetensorError) as e:
         raise UserError(f"{run_dir}: unreadable checkpoint ({type(e).__name__}: {e})") from None
     bad = non_finite(state.items())
@@ -154,6 +154,13 @@ def read_tokenizer(path: Path) -> spm.SentencePieceProcessor:
 
 def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
     """A Transformer of args holding state's tensors as they are (dtype, device), without a random init."""
+    layers = len({key.split(".")[1] for key in state if key.startswith("layers.")})
+    rows, columns = state["tok_embeddings.weight"].shape if "tok_embeddings.weight" in state else (None, None)
+    for key, found in (("n_layers", layers), ("vocab_size", rows), ("dim", columns)):
+        if found not in (None, getattr(args, key)):  # before the model is built: a corrupt size could take minutes
+            raise UserError(
+                f"weights do not match config.json: model.{key} is {getattr(args, key)} there, {found} in the weights"
+            )
     if args.tie_embeddings:
         state = {**state, "output.weight": state["tok_embeddings.weight"]}
     with torch.device("meta"):

@@ -93,6 +93,16 @@ def ws(make_tiny_run, tmp_path_factory):
     edit_json(ws, "hf", "hf_string_tie", "config.json", lambda c: c.update(tie_word_embeddings="false"))
     edit_json(ws, "hf", "hf_null_eps", "config.json", lambda c: c.update(rms_norm_eps=None))
     edit_json(ws, "trained", "string_step_trained", "train_state/step_000002/meta.json", lambda m: m.update(step="2"))
+    for name, key, value in [  # sizes no model has: once "out of memory", a traceback or a hang
+        ("huge_context_run", "max_seq_len", 10**12),
+        ("zero_context_run", "max_seq_len", 0),
+        ("huge_dim_run", "dim", 10**12),
+        ("many_layers_run", "n_layers", 10**8),
+        ("more_layers_run", "n_layers", 1000),
+    ]:
+        edit_json(ws, "run", name, "config.json", lambda c, key=key, value=value: c["model"].update({key: value}))
+    meta = "train_state/step_000002/meta.json"
+    edit_json(ws, "trained", "huge_context_trained", meta, lambda m: m["model"].update(max_seq_len=10**12))
     return ws
 
 
@@ -144,7 +154,9 @@ CASES = [
     ("train", train_args("--checkpoint.interval=-1"), "--checkpoint.interval must be zero or more"),
     ("train", train_args("--model.multiple_of=0"), "--model.multiple_of must be positive"),
     ("train", train_args("--model.rope_theta=-1"), "--model.rope_theta must be positive"),
-    ("train", train_args("--model.vocab_size=100000000000"), "out of memory"),
+    ("train", train_args("--model.vocab_size=100000000000"), "[model] vocab_size must be at most 4,194,304"),
+    ("train", train_args("--model.vocab_size=4000000", "--model.dim=65536"), "out of memory"),
+    ("train", train_args("--train.out_dir={ws}/huge_context_trained", "--resume"), "model.max_seq_len must be at most"),
     ("train", train_args("--no_such.key=1"), "unknown config key no_such.key"),
     ("train", train_args("--config", "{ws}/missing.toml"), "cannot read config"),
     ("train", train_args("--resume"), "nothing to resume"),
@@ -178,7 +190,12 @@ CASES = [
     ("generate", ["--checkpoint", "{ws}/run/model.safetensors"], "pass the run directory"),
     ("generate", ["--checkpoint", "{ws}/hf"], "python convert.py from-hf"),
     ("generate", ["--checkpoint", "{ws}/nan_run"], "NaN or infinite weights"),
-    ("generate", ["--checkpoint", "{ws}/mismatch_run"], "[320, 32] in the weights, [320, 64] by the config"),
+    ("generate", ["--checkpoint", "{ws}/mismatch_run"], "model.dim is 64 there, 32 in the weights"),
+    ("generate", ["--checkpoint", "{ws}/huge_context_run"], "config.json is corrupt: model.max_seq_len must be at"),
+    ("generate", ["--checkpoint", "{ws}/zero_context_run"], "corrupt: model.max_seq_len must be positive, not 0"),
+    ("generate", ["--checkpoint", "{ws}/huge_dim_run"], "config.json is corrupt: model.dim must be at most 65,536"),
+    ("generate", ["--checkpoint", "{ws}/many_layers_run"], "config.json is corrupt: model.n_layers must be at most"),
+    ("generate", ["--checkpoint", "{ws}/more_layers_run"], "model.n_layers is 1000 there, 2 in the weights"),
     ("generate", ["--checkpoint", "{ws}/small_tokenizer_run"], "not the tokenizer the model was saved with"),
     ("generate", ["--checkpoint", "{ws}/run", "--temperature", "nan"], "temperature must be a finite number"),
     ("generate", ["--checkpoint", "{ws}/run", "--rope-scaling", "ntk", "--rope-factor", "0"], "--rope-factor"),
@@ -203,6 +220,7 @@ CASES = [
         "truncated",
     ),
     ("generate", ["extrapolate", "--checkpoint", "{ws}/nan_run"], "NaN or infinite weights"),
+    ("generate", ["extrapolate", "--checkpoint", "{ws}/huge_context_run"], "corrupt: model.max_seq_len must be at"),
     ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--device", "mps"], "MPS (Apple's GPU) is not available"),
     # convert.py
     ("convert", ["to-hf", "{ws}/run", "{ws}/run", "--force"], "overlaps the input"),
@@ -212,6 +230,7 @@ CASES = [
     ("convert", ["to-hf", "{ws}/run", "{ws}/file/hf"], "is a file, not a directory"),
     ("convert", ["to-hf", "{ws}/run", "/proc/picollama-hf"], "cannot write"),
     ("convert", ["to-hf", "{ws}/nan_run", "{ws}/out"], "NaN or infinite weights"),
+    ("convert", ["to-gguf", "{ws}/huge_dim_run", "{ws}/out.gguf"], "config.json is corrupt: model.dim must be at"),
     ("convert", ["from-hf", "{ws}/run", "{ws}/out"], "not a Hugging Face Llama config"),
     ("convert", ["from-hf", "{ws}/hf", "{ws}/hf", "--force"], "overlaps the input"),
     ("convert", ["from-hf", "{ws}/hf_string_tie", "{ws}/out"], "tie_word_embeddings must be bool, not str 'false'"),
