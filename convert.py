@@ -2,6 +2,7 @@
 from-hf / to-gguf command line."""
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -40,6 +41,12 @@ GGUF_LAYER_KEYS = {
     "ffn_norm": "ffn_norm",
 }
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+# What --force may replace, beside an empty directory: a GGUF file (its magic), or a directory holding
+# model.safetensors and config.json and nothing picollama does not write there (a run's train_state/, metrics.jsonl
+# and extrapolation/; an export's tokenizer files; what an interrupted save left): never a user's own files.
+OWN_NAMES = {"model.safetensors", "config.json", "tokenizer.model", "tokenizer_config.json", "metrics.jsonl"}
+OWN_NAMES |= {"train_state", "extrapolation"}
+LEFTOVER = re.compile(r"\..+\.(tmp|old)-\d+")
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -217,8 +224,31 @@ def from_hf_state_dict(state_dict: dict, config) -> Transformer:
 # ---------------------------------------------------------------- command line
 
 
+def check_replaceable(out: Path):
+    """UserError unless `out` is absent, empty or something convert.py wrote (OWN_NAMES), so that --force never
+    deletes what picollama did not write."""
+    if out.is_file():
+        with open(out, "rb") as file:
+            magic = file.read(4)
+        if magic not in (b"", b"GGUF"):
+            raise UserError(
+                f"not replacing {out}: it is not a GGUF file, so picollama did not write it (--force replaces only "
+                "a GGUF file); choose another output"
+            )
+        return
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = [name for name in names if name not in OWN_NAMES and not LEFTOVER.fullmatch(name)]
+    if names and (foreign or not {"model.safetensors", "config.json"} <= set(names)):
+        held = f"holds {foreign[0]}" if foreign else "holds no model.safetensors and config.json"
+        raise UserError(
+            f"not replacing {out}: it {held}, so picollama did not write it (--force replaces only a run or export "
+            f"directory: model.safetensors, config.json and only files picollama writes); choose another output"
+        )
+
+
 def export_hf(run_dir: Path, hf_dir: Path):
     """Write run_dir as a Hugging Face Llama directory (config.json, model.safetensors, tokenizer)."""
+    check_replaceable(hf_dir)
     model, _ = load_model(run_dir)
     check_llama(model.args)
     tokenizer_path = run_dir / "tokenizer.model"
@@ -274,6 +304,7 @@ def gguf_rope(args: ModelArgs) -> tuple[float, torch.Tensor | None]:
 
 def export_gguf(run_dir: Path, out: Path, type_: str):
     """Write run_dir as a llama.cpp GGUF file (see write_gguf)."""
+    check_replaceable(out)
     model, _ = load_model(run_dir)
     check_llama(model.args, "llama.cpp's llama")
     tokenizer_path = run_dir / "tokenizer.model"
@@ -393,6 +424,7 @@ def read_hf_weights(hf_dir: Path) -> dict:
 
 def import_hf(hf_dir: Path, run_dir: Path):
     """Write a Hugging Face Llama directory (sentencepiece tokenizer.model, safetensors) as a run directory."""
+    check_replaceable(run_dir)
     try:
         config = json.loads((hf_dir / "config.json").read_text())
     except FileNotFoundError:

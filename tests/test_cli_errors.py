@@ -85,6 +85,9 @@ def ws(make_tiny_run, tmp_path_factory):
     shutil.copytree(ws / "data", ws / "data_with_text")  # a prepared dataset holding a text the command reads
     (ws / "data_with_text" / "notes.txt").write_text("a few words to tokenize, read from inside the output\n" * 40)
 
+    (ws / "home" / "Documents").mkdir(parents=True)  # a folder picollama did not write: --force leaves it alone
+    (ws / "home" / "Documents" / "thesis.txt").write_text("years of work\n")
+    (ws / "home" / ".bashrc").write_text("export EDITOR=vi\n")
     make_device(ws / "null")  # an output that is not a file (never /dev/null itself: old code replaced it)
     (ws / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))  # not UTF-8
     edit_json(ws, "run", "bool_as_string_run", "config.json", lambda c: c["model"].update(tie_embeddings="yes"))
@@ -236,6 +239,10 @@ CASES = [
     ("convert", ["from-hf", "{ws}/hf_string_tie", "{ws}/out"], "tie_word_embeddings must be bool, not str 'false'"),
     ("convert", ["from-hf", "{ws}/hf_null_eps", "{ws}/out"], "rms_norm_eps must be float, not NoneType"),
     ("convert", ["to-gguf", "{ws}/run", "{ws}/null", "--force"], "null: it is a"),
+    ("convert", ["to-hf", "{ws}/run", "{ws}/home", "--force"], "not replacing {ws}/home: it holds .bashrc, so pico"),
+    ("convert", ["from-hf", "{ws}/hf", "{ws}/home", "--force"], "so picollama did not write it"),
+    ("convert", ["from-hf", "{ws}/hf", "{ws}/home/Documents", "--force"], "holds thesis.txt"),
+    ("convert", ["to-gguf", "{ws}/run", "{ws}/file", "--force"], "file: it is not a GGUF file, so picollama did not"),
     ("convert", ["to-hf", "{ws}/run", "{ws}/null", "--force"], "null: it is a"),
     # data/prepare.py
     ("prepare", ["--source", "{ws}/missing", "--out", "{ws}/out"], "no such file or directory"),
@@ -264,7 +271,7 @@ def test_a_wrong_command_is_one_line_and_changes_nothing(ws, one_thread, capsys,
     err = capsys.readouterr().err
     assert status == 2, err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    assert message in err, err
+    assert message.replace("{ws}", str(ws)) in err, err
     assert snapshot(ws) == before
 
 
@@ -317,6 +324,23 @@ def test_outputs_that_are_not_files_are_refused_and_left_alone(ws, tmp_path, cap
                 tmp.write_text("never renamed over it")
     assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode) and not (tmp_path / "device").is_file()
     assert (tmp_path / "loop").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["device", "fifo", "loop"]
+
+
+def test_force_replaces_what_picollama_wrote(ws, tmp_path, capsys):
+    """--force replaces an export, a run with its training state, a GGUF file, and what an interrupted save left."""
+    shutil.copytree(ws / "trained", tmp_path / "trained")
+    shutil.copytree(ws / "hf", tmp_path / "hf")
+    (tmp_path / "hf" / ".model.safetensors.tmp-4242").write_bytes(b"half a save")
+    for argv in (
+        ["from-hf", str(ws / "hf"), str(tmp_path / "trained"), "--force"],
+        ["to-hf", str(ws / "run"), str(tmp_path / "hf"), "--force"],
+        ["to-gguf", str(ws / "run"), str(tmp_path / "m.gguf")],
+        ["to-gguf", str(ws / "run"), str(tmp_path / "m.gguf"), "--force"],
+    ):
+        assert run_command(convert.main, argv) == 0, capsys.readouterr().err
+    imported = sorted(p.name for p in (tmp_path / "trained").iterdir())
+    assert imported == ["config.json", "model.safetensors", "tokenizer.model"]
+    assert not (tmp_path / "hf" / ".model.safetensors.tmp-4242").exists()
 
 
 def test_a_second_prepare_into_one_out_waits_for_none(ws, tmp_path, capsys):
