@@ -41,6 +41,10 @@ GGUF_LAYER_KEYS = {
     "ffn_norm": "ffn_norm",
 }
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+# ModelArgs key -> the LlamaConfig key it is read from
+HF_KEYS = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads", vocab_size="vocab_size")
+HF_KEYS |= dict(n_kv_heads="num_key_value_heads", max_seq_len="max_position_embeddings", rope_factor="factor")
+HF_KEYS |= dict(ffn_hidden_dim="intermediate_size", norm_eps="rms_norm_eps", rope_theta="rope_theta")
 # What --force may replace, beside an empty directory: a GGUF file (its magic), or a directory holding
 # model.safetensors and config.json and nothing picollama does not write there (a run's train_state/, metrics.jsonl
 # and extrapolation/; an export's tokenizer files; what an interrupted save left): never a user's own files.
@@ -432,17 +436,25 @@ def import_hf(hf_dir: Path, run_dir: Path):
     except json.JSONDecodeError as e:
         raise UserError(f"{hf_dir}/config.json: not JSON ({e})") from None
     try:
-        model_args_from_hf(config)  # fails early on an architecture we do not implement
+        args = model_args_from_hf(config)  # fails early on an architecture we do not implement
     except UserError as e:  # a value of the wrong type
         raise UserError(f"{hf_dir}/{e}") from None
     except (KeyError, TypeError, AttributeError) as e:
         raise UserError(f"{hf_dir}/config.json is not a Hugging Face Llama config ({type(e).__name__}: {e})") from None
+    except ValueError as e:  # what picollama does not run, in ModelArgs' words: name the key as the file does
+        theirs = HF_KEYS.get(str(e).split()[0])
+        raise UserError(f"{hf_dir}/config.json: {e}" + (f" ({theirs} there)" if theirs else "")) from None
     tokenizer_path = hf_dir / "tokenizer.model"
     if not tokenizer_path.is_file():
         raise UserError(
             f"{hf_dir} has no sentencepiece tokenizer.model (tokenizer.json-only tokenizers are not supported)"
         )
-    read_tokenizer(tokenizer_path)
+    pieces = read_tokenizer(tokenizer_path).get_piece_size()
+    if pieces > args.vocab_size:  # generate could not decode what the model never embeds: refused before writing
+        raise UserError(
+            f"{hf_dir}: tokenizer.model has {pieces} pieces but config.json vocab_size is {args.vocab_size}: not "
+            "this model's tokenizer; copy the one it was trained with"
+        )
     weights = read_hf_weights(hf_dir)
     try:
         model = from_hf_state_dict(weights, config)
