@@ -223,6 +223,8 @@ def sample_command(args) -> int:
     model, _, tokenizer = load_run(args.checkpoint, device, torch.float32)
     model = quantize(model, args.quantize).to(dtype)
     prompts = [encode_prompt(tokenizer, text) for text in texts for _ in range(args.num_samples)]
+    if not all(prompts):  # e.g. an imported model whose tokenizer has no BOS to start from
+        raise UserError(f"{args.checkpoint}: its tokenizer has no BOS token to begin an empty prompt; give --prompt")
     total = max(map(len, prompts)) + args.max_new_tokens
     if args.rope_scaling is not None:
         try:

@@ -104,9 +104,21 @@ def ws(make_tiny_run, tmp_path_factory):
         ("more_layers_run", "n_layers", 1000),
     ]:
         edit_json(ws, "run", name, "config.json", lambda c, key=key, value=value: c["model"].update({key: value}))
+    edit_json(ws, "run", "no_bos_run", "config.json", lambda c: c.pop("tokenizer_sha256"))
+    (ws / "no_bos_run" / "tokenizer.model").write_bytes(without_bos((ws / "run" / "tokenizer.model").read_bytes()))
     meta = "train_state/step_000002/meta.json"
     edit_json(ws, "trained", "huge_context_trained", meta, lambda m: m["model"].update(max_seq_len=10**12))
     return ws
+
+
+def without_bos(model_proto: bytes) -> bytes:
+    """The sentencepiece model with no BOS token (its piece kept as an ordinary one), as some imported models have."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    model = sentencepiece_model_pb2.ModelProto.FromString(model_proto)
+    model.trainer_spec.bos_id = -1
+    model.pieces[1].type = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+    return model.SerializeToString()
 
 
 def make_device(path: Path):
@@ -198,6 +210,7 @@ CASES = [
     ("generate", ["--checkpoint", "{ws}/zero_context_run"], "corrupt: model.max_seq_len must be positive, not 0"),
     ("generate", ["--checkpoint", "{ws}/huge_dim_run"], "config.json is corrupt: model.dim must be at most 65,536"),
     ("generate", ["--checkpoint", "{ws}/many_layers_run"], "config.json is corrupt: model.n_layers must be at most"),
+    ("generate", ["--checkpoint", "{ws}/no_bos_run"], "no_bos_run: its tokenizer has no BOS token to begin an empty"),
     ("generate", ["--checkpoint", "{ws}/more_layers_run"], "model.n_layers is 1000 there, 2 in the weights"),
     ("generate", ["--checkpoint", "{ws}/small_tokenizer_run"], "not the tokenizer the model was saved with"),
     ("generate", ["--checkpoint", "{ws}/run", "--temperature", "nan"], "temperature must be a finite number"),
