@@ -4,6 +4,7 @@
 import argparse
 import errno
 import fcntl
+import math
 import os
 import shutil
 import signal
@@ -22,10 +23,112 @@ class UserError(ValueError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are UserErrors, so that run_command prints them as one `error:` line."""
+    """argparse whose usage errors are UserErrors, so that run_command prints them as one `error:` line, and whose
+    flags come from the vocabulary below, shared by every command."""
 
     def error(self, message):
         raise UserError(f"{message} (see --help)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        missing = [flag for dest, flag in getattr(self, "needed", ()) if getattr(namespace, dest, None) is None]
+        if missing:  # checked here, not by argparse, so that a flag's old spelling can supply it
+            self.error(f"the following arguments are required: {', '.join(missing)}")
+        return namespace, rest
+
+
+# ---- the command-line vocabulary: each shared flag is defined once here (README: "One set of flags")
+
+
+def positive(kind=int, zero: bool = False):
+    """An argparse type: a finite number of `kind` above 0 (or at least 0, with zero=True)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            raise ValueError(text)
+        return value
+
+    parse.__name__ = f"{'non-negative' if zero else 'positive'} {kind.__name__}"
+    return parse
+
+
+def comma_list(item=str, choices=None):
+    """An argparse type: a non-empty comma-separated list, each item through `item` and, given `choices`, one of
+    them."""
+
+    def parse(text: str) -> list:
+        values = []
+        for part in filter(None, (part.strip() for part in text.split(","))):
+            try:
+                values.append(item(part))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{part!r} is not a {item.__name__} (in {text!r})") from None
+            if choices is not None and values[-1] not in choices:
+                raise argparse.ArgumentTypeError(f"unknown {part!r} (choose from {', '.join(choices)})")
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return values
+
+    return parse
+
+
+class Renamed(argparse.Action):
+    """A flag's old spelling, kept for one release: it works, with a one-line note."""
+
+    def __init__(self, *args, new: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"note: {option_string} is now {self.new}; the old spelling goes in the next release", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_run(parser: ArgumentParser, several: bool = False, required: bool = True):
+    """--run DIR: the run directory a command reads (several, comma-separated, where `several`)."""
+    kind = comma_list(Path) if several else Path
+    what = "run directories, comma-separated" if several else "the run directory"
+    parser.add_argument("--run", type=kind, metavar="DIR", help=f"{what} (model.safetensors, config.json, ...)")
+    parser.add_argument("--checkpoint", dest="run", type=kind, action=Renamed, new="--run", help=argparse.SUPPRESS)
+    if required:
+        parser.needed = [*getattr(parser, "needed", ()), ("run", "--run")]
+
+
+def add_out(parser: ArgumentParser, what: str, **kwargs):
+    """--out PATH: what the command writes."""
+    parser.add_argument("--out", type=Path, metavar="PATH", help=what, **kwargs)
+
+
+def add_device(parser: ArgumentParser, default: str | None = "auto"):
+    """--device and --dtype, "auto" by default (None: the config's, in train.py)."""
+    said = f"default {default}" if default else "default: the config's, else auto"
+    parser.add_argument(
+        "--device", default=default, help=f"auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps ({said})"
+    )
+    parser.add_argument(
+        "--dtype",
+        default=default,
+        help=f"auto (bfloat16 where the device computes it natively, else float32), float32, bfloat16 or float16 "
+        f"({said})",
+    )
+
+
+def add_compile(parser: ArgumentParser, what: str, default: bool | None = False):
+    """--compile / --no-compile (None: the config's, in train.py)."""
+    said = "the config's, else off" if default is None else "on" if default else "off"
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=default,
+        help=f"torch.compile {what} (default {said}; ~10-70 s the first time)",
+    )
+
+
+def add_seed(parser: ArgumentParser, what: str, default: int | None = 0, unset: str = "random"):
+    """--seed N; `unset` says what no seed means."""
+    said = unset if default is None else default
+    parser.add_argument("--seed", type=positive(int, zero=True), default=default, help=f"{what} (default {said})")
 
 
 def one_line(e: BaseException) -> str:
@@ -85,7 +188,8 @@ def interrupt_handlers(received: list):
             previous_hook(info)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
@@ -269,7 +373,8 @@ def check_type(name: str, value, annotation):
     """value, of the type `annotation` (int, float, str, bool, or one of those | None; an int passes as a float);
     UserError naming `name` otherwise (a bool is not an int, a string is not a bool)."""
     options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    base, optional = next(t for t in options if t is not type(None)), type(None) in options
+    base = next(t for t in options if t is not type(None))
+    optional = type(None) in options
     if value is None and optional:
         return None
     if base is float and isinstance(value, int) and not isinstance(value, bool):

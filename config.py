@@ -9,7 +9,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from cli import ArgumentParser, UserError, check_type
+from cli import ArgumentParser, UserError, add_compile, add_device, add_out, add_seed, check_type
 from model import ModelArgs
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
@@ -279,19 +279,40 @@ def split_overrides(rest: list[str]) -> list[tuple[str, str]]:
     return overrides
 
 
+SHORTHANDS = {
+    "out": "train.out_dir",
+    "device": "train.device",
+    "dtype": "train.dtype",
+    "compile": "train.compile",
+    "seed": "train.seed",
+}
+
+
 def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, bool]:
-    """The Config of `[--config F.toml] [--section.key=value ...] [--resume]`, and whether to resume."""
+    """The Config of `[--config F.toml] [--out DIR --device D --dtype T --compile --seed N] [--section.key=value
+    ...] [--resume]`, and whether to resume. The shorthands are the flags other commands share (cli.py): they set
+    the train keys of SHORTHANDS."""
     parser = ArgumentParser(
-        prog="train.py",
+        prog="python train.py",
         description=description,
         epilog="Any config key can be overridden as --section.key=value (sections: "
         + ", ".join(section_types())
         + "), e.g. --train.max_steps=200 --model.dim=128.",
     )
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a TOML config (default configs/default.toml)")
-    parser.add_argument("--resume", action="store_true", help="continue the latest checkpoint in train.out_dir")
+    parser.add_argument("--resume", action="store_true", help="continue the latest checkpoint in the run directory")
+    add_out(parser, "the run directory written (train.out_dir)")
+    add_device(parser, default=None)  # None: the config's value stands
+    add_compile(parser, "each block (train.compile)", default=None)
+    add_seed(parser, "the run's seed (train.seed)", default=None, unset="the config's")
     args, rest = parser.parse_known_args(argv)
     overrides = split_overrides(rest)
+    for flag, key in SHORTHANDS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            if key in dict(overrides):
+                raise UserError(f"--{flag} and --{key} set the same key; give one")
+            overrides.append((key, str(value)))
     try:
         raw = tomllib.loads(Path(args.config).read_text(encoding="utf-8"))
     except OSError as e:

@@ -1,6 +1,7 @@
 """Hugging Face Llama export and import, and GGUF export for llama.cpp: weight and config mapping, and the to-hf /
 from-hf / to-gguf command line."""
 
+import argparse
 import json
 import re
 import shutil
@@ -13,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from checkpoint import load_model, model_bytes, model_from_state_dict, read_tokenizer, save_model
-from cli import ArgumentParser, UserError, atomic_output, check_type, check_writable, run_command
+from cli import ArgumentParser, UserError, add_out, add_run, atomic_output, check_type, check_writable, run_command
 from model import ModelArgs, Transformer, rope_frequencies
 
 # picollama name -> Hugging Face name, per layer
@@ -464,23 +465,52 @@ def import_hf(hf_dir: Path, run_dir: Path):
         save_model(model, tmp, {"converted_from": {"hf_dir": str(hf_dir), "config": config}}, tokenizer=tokenizer_path)
 
 
-def main(argv: list[str]) -> int:
+class OldPaths(argparse.Action):
+    """The old spelling `convert.py COMMAND IN OUT`, kept for one release: IN and OUT fill the flags, with a note."""
+
+    def __init__(self, *args, source: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.source = source
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not values:
+            return
+        flag = "--" + self.source.replace("_", "-")
+        if len(values) != 2:
+            parser.error(f"give {flag} and --out")
+        print(
+            f"note: convert.py's positional IN OUT is now {flag} IN --out OUT; it goes in the next release",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.source, values[0])
+        namespace.out = values[1]
+
+
+def parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python convert.py", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     to_hf = commands.add_parser("to-hf", help="export a run directory for transformers.AutoModelForCausalLM")
-    to_hf.add_argument("run_dir", type=Path)
-    to_hf.add_argument("out", type=Path, metavar="hf_dir")
+    add_run(to_hf)
+    add_out(to_hf, "the Hugging Face directory written")
     from_hf = commands.add_parser("from-hf", help="import a Hugging Face Llama directory as a run directory")
-    from_hf.add_argument("hf_dir", type=Path)
-    from_hf.add_argument("out", type=Path, metavar="run_dir")
+    from_hf.add_argument("--hf-dir", type=Path, metavar="DIR", help="the Hugging Face Llama directory read")
+    from_hf.needed = [("hf_dir", "--hf-dir")]
+    add_out(from_hf, "the run directory written")
     to_gguf = commands.add_parser("to-gguf", help="export a run directory as one GGUF file for llama.cpp")
-    to_gguf.add_argument("run_dir", type=Path)
-    to_gguf.add_argument("out", type=Path, metavar="out.gguf")
+    add_run(to_gguf)
+    add_out(to_gguf, "the .gguf file written")
     to_gguf.add_argument("--type", choices=GGUF_TYPES, default="f32", help="weight type (default f32)")
-    for sub in (to_hf, from_hf, to_gguf):
+    for sub, source in ((to_hf, "run"), (from_hf, "hf_dir"), (to_gguf, "run")):
+        sub.needed.append(("out", "--out"))
         sub.add_argument("--force", action="store_true", help="replace an existing (non-empty) output")
-    args = parser.parse_args(argv)
-    source, out = (args.hf_dir if args.command == "from-hf" else args.run_dir), args.out
+        sub.add_argument("paths", nargs="*", type=Path, action=OldPaths, source=source, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    source = args.hf_dir if args.command == "from-hf" else args.run
+    out = args.out
     directory = args.command != "to-gguf"
     check_writable(out, inputs=[source], directory=directory)
     if out.exists() and (not directory or any(out.iterdir())) and not args.force:

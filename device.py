@@ -92,15 +92,11 @@ def keep_freed_memory():
 
 
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """The named dtype, else bfloat16 on a GPU that supports it (float16 otherwise) and float32 on CPU; "auto" is
-    bfloat16 where the device computes it natively (a GPU, or a CPU with cpu_has_bf16()) and float32 elsewhere."""
-    if name == "auto":
+    """The named dtype; "auto" (or None) is bfloat16 where the device computes it natively (a GPU that supports it,
+    or a CPU with cpu_has_bf16()) and float32 elsewhere."""
+    if name in (None, "auto"):
         native = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_has_bf16()
         return torch.bfloat16 if native else torch.float32
-    if name is None:
-        if device.type != "cuda":
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if name not in DTYPES:
         raise UserError(f"dtype {name!r}: choose float32, bfloat16 or float16")
     return DTYPES[name]

@@ -13,7 +13,18 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import load_run
-from cli import ArgumentParser, UserError, atomic_output, check_writable
+from cli import (
+    ArgumentParser,
+    UserError,
+    add_device,
+    add_out,
+    add_run,
+    add_seed,
+    atomic_output,
+    check_writable,
+    comma_list,
+    positive,
+)
 from data.loader import copy_vocabulary, document_windows, load_meta
 from device import pick_device, pick_dtype
 from extrapolation_report import BINS_PER_OCTAVE, DEFAULT_METHODS, MIN_BIN, effective_line, markdown_report, plot_report
@@ -216,41 +227,21 @@ def check_same_tokenizer(checkpoint: Path, data_dir: Path):
         raise UserError(f"{data_dir} was tokenized with another tokenizer than {checkpoint}/tokenizer.model")
 
 
-def parse_list(text: str, flag: str, convert=str) -> list:
-    """The comma-separated items of a flag's value, each through convert; UserError naming a bad item."""
-    values = []
-    for item in filter(None, (item.strip() for item in text.split(","))):
-        try:
-            values.append(convert(item))
-        except ValueError:
-            raise UserError(
-                f"{flag}: {item!r} is not a valid {convert.__name__} (expected a comma-separated list, got {text!r})"
-            ) from None
-    if not values:
-        raise UserError(f"{flag} is empty")
-    return values
-
-
-def add_run_arguments(parser: ArgumentParser, several: bool = False):
-    """The options that choose a run directory (or several, comma-separated) and how to load it (here and in
-    generate.py's sampling command)."""
-    what = "run directory (model.safetensors, config.json, tokenizer.model)"
-    parser.add_argument("--checkpoint", required=True, help=what + (", or several, comma-separated" if several else ""))
-    parser.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on a GPU, float32 on CPU)")
-
-
-def parser() -> ArgumentParser:
-    parser = ArgumentParser(
-        prog="python generate.py extrapolate",
-        description="How perplexity and a copy probe hold up past the training context, for each RoPE scaling "
-        "method, on one run or side by side on several (--checkpoint a,b,c --out DIR).",
+def add_arguments(parser: ArgumentParser):
+    """The flags of `python generate.py extrapolate` (generate.py builds the parser)."""
+    parser.description = (
+        "How perplexity and a copy probe hold up past the training context, for each RoPE scaling method, on one "
+        "run or side by side on several (--run a,b,c --out DIR)."
     )
-    add_run_arguments(parser, several=True)
-    parser.add_argument("--lengths", help="comma-separated context lengths (default: 1,2,4,8 × the training context)")
+    add_run(parser, several=True)
+    add_device(parser)
+    parser.add_argument(
+        "--lengths", type=comma_list(positive()), help="context lengths (default: 1,2,4,8 × the training context)"
+    )
     parser.add_argument(
         "--methods",
-        help="comma-separated RoPE scaling methods (default: none,linear,ntk,dynamic,yarn for RoPE runs, none for "
+        type=comma_list(choices=ROPE_SCALINGS),
+        help="RoPE scaling methods, comma-separated (default: none,linear,ntk,dynamic,yarn for RoPE runs, none for "
         "other position encodings)",
     )
     parser.add_argument(
@@ -260,13 +251,12 @@ def parser() -> ArgumentParser:
         help="fixed-target (default): the same last tokens scored with each context length; "
         "sliding: every token, through windows moving by half their length",
     )
-    parser.add_argument("--num-windows", type=int, default=8, help="validation windows (default 8)")
-    parser.add_argument("--probes", type=int, default=16, help="copy-probe spans per distance (default 16)")
+    parser.add_argument("--num-windows", type=positive(), default=8, help="validation windows (default 8)")
+    parser.add_argument("--probes", type=positive(), default=16, help="copy-probe spans per distance (default 16)")
     parser.add_argument("--probe-span", type=int, default=16, help="random tokens in each probe span (default 16)")
     parser.add_argument("--data", help="prepared dataset (default: the first run's data.dir)")
-    parser.add_argument("--seed", type=int, default=0, help="which windows and probe spans (default 0)")
-    parser.add_argument("--out", help="output directory (default CHECKPOINT/extrapolation; required with several runs)")
-    return parser
+    add_seed(parser, "which windows and probe spans")
+    add_out(parser, "output directory (default RUN/extrapolation; required with several runs)")
 
 
 def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> list[tuple[Transformer, dict]]:
@@ -302,30 +292,21 @@ def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> lis
     return runs
 
 
-def main(argv: list[str]) -> int:
-    """The `extrapolate` command; argv is what follows `python generate.py extrapolate`."""
-    args = parser().parse_args(argv)
-    names = [name.rstrip("/") or name for name in parse_list(args.checkpoint, "--checkpoint")]
-    if len({Path(name).resolve() for name in names}) < len(names):
-        raise UserError(f"--checkpoint names a run twice: {args.checkpoint}")
+def run(args, argv: list[str]) -> int:
+    """The `extrapolate` command, on generate.py's parsed flags; argv: generate.py's, for the report."""
+    names = [str(path) for path in args.run]
+    if len({path.resolve() for path in args.run}) < len(names):
+        raise UserError(f"--run names a run twice: {','.join(names)}")
     if len(names) > 1 and args.out is None:
         raise UserError("--out is required with several runs: the directory the comparison is written to")
-    methods = parse_list(args.methods, "--methods") if args.methods else None
-    unknown = [m for m in methods or () if m not in ROPE_SCALINGS]
-    if unknown:
-        raise UserError(f"--methods: unknown {', '.join(unknown)} (choose from {', '.join(ROPE_SCALINGS)})")
-    for flag, value, least in (("--num-windows", args.num_windows, 1), ("--probes", args.probes, 1)):
-        if value < least:
-            raise UserError(f"{flag} must be >= {least}, not {value}")
+    methods = args.methods
     if args.probe_span < 2:
         raise UserError(f"--probe-span must be >= 2, not {args.probe_span}")
-    if args.seed < 0:
-        raise UserError(f"--seed must be >= 0, not {args.seed}")
     device = pick_device(args.device)
     loaded = load_runs(names, methods, device, pick_dtype(args.dtype, device))
     runs = [run for _, run in loaded]
     contexts = [run["train_context"] for run in runs]
-    lengths = parse_list(args.lengths, "--lengths", int) if args.lengths else [min(contexts) * k for k in (1, 2, 4, 8)]
+    lengths = args.lengths or [min(contexts) * k for k in (1, 2, 4, 8)]
     lengths = sorted(set(lengths) | set(contexts))
     score_tokens = min(64, min(contexts) // 2)
     if min(lengths) <= score_tokens:
@@ -351,7 +332,7 @@ def main(argv: list[str]) -> int:
                 )
             )
     report = {
-        "command": ["python", "generate.py", "extrapolate", *argv],
+        "command": ["python", "generate.py", *argv],
         "data": str(data_dir),
         "lengths": lengths,
         "protocol": args.protocol,

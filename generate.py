@@ -1,18 +1,19 @@
-"""Sample from a picollama run directory: batched, KV-cached, streaming (`python generate.py extrapolate` measures
-RoPE length extrapolation; see extrapolate.py)."""
+"""Sample from a picollama run directory: batched, KV-cached, streaming (`python generate.py extrapolate` runs the
+length-extrapolation study of extrapolate.py)."""
 
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import extrapolate
 from checkpoint import load_run
-from cli import ArgumentParser, UserError, run_command
+from cli import ArgumentParser, UserError, add_compile, add_device, add_run, add_seed, positive, run_command
 from device import check_compiler, pick_device, pick_dtype
-from inference import QUANTIZATIONS, DecodeStep, compiled_unless_slower, int8_dtype, quantize, tune_threads
+from inference import QUANTIZATIONS, DecodeStep, compiled_unless_slower, quantize, tune_threads
 from model import ROPE_SCALINGS, Transformer
 
 
@@ -54,15 +55,25 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
-def check_sampling(max_new_tokens, temperature, top_k, top_p):
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, not {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, not {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], not {top_p}")
+@dataclass(frozen=True)
+class Sampling:
+    """How generate() chooses new tokens, checked once on creation (its messages name the command-line flags)."""
+
+    max_new_tokens: int = 200
+    temperature: float = 0.8  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None  # None: torch's global generator
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise UserError(f"--max-new-tokens must be >= 0, not {self.max_new_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UserError(f"--temperature must be a finite number >= 0, not {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"--top-k must be >= 1, not {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p must be in (0, 1], not {self.top_p}")
 
 
 def check_length(args, total: int):
@@ -79,17 +90,13 @@ def check_length(args, total: int):
 def generate(
     model: Transformer,
     prompts: list[list[int]],
-    max_new_tokens: int,
-    temperature: float = 0.8,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    sampling: Sampling = Sampling(),
     eos_id: int | None = None,
-    seed: int | None = None,
     on_token=None,
     step=None,
     vocab_limit: int | None = None,
 ) -> list[list[int]]:
-    """New tokens for each prompt (at most max_new_tokens; stops after EOS, which is not included).
+    """New tokens for each prompt (at most sampling.max_new_tokens; stops after EOS, which is not included).
 
     Prompts of different lengths share one batch: all rows advance one position per step from the shortest
     prompt's end, a row feeding its own prompt token while still inside its prompt, so greedy output per row is
@@ -98,55 +105,58 @@ def generate(
     vocab_limit: choose only ids below it (a tokenizer with fewer pieces than the model has embeddings cannot
     decode the others).
     """
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
     if any(not 0 <= t < model.args.vocab_size for p in prompts for t in p):
         raise ValueError(f"prompt token ids must lie in 0..{model.args.vocab_size - 1}")
     lengths = [len(p) for p in prompts]
-    total = max(lengths) + max_new_tokens
-    check_length(model.args, total)
-    if max_new_tokens == 0:
+    new = sampling.max_new_tokens
+    check_length(model.args, max(lengths) + new)
+    if new == 0:
         return [[] for _ in prompts]
-    device = model.tok_embeddings.weight.device
-    tokens = torch.zeros(len(prompts), total, dtype=torch.long, device=device)
+    tokens = torch.zeros(len(prompts), max(lengths) + new, dtype=torch.long, device=model.tok_embeddings.weight.device)
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-    prompt_len = torch.tensor(lengths, device=device)
-    end = prompt_len + max_new_tokens  # each row's own stop position (exclusive)
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
-    model.setup_cache(len(prompts), total)
+    model.setup_cache(*tokens.shape)
     try:
-        for pos, logits in decode_steps(model, tokens, min(lengths), step):
-            if vocab_limit is not None:
-                logits[:, vocab_limit:] = float("-inf")
-            chosen = sample(logits, temperature, top_k, top_p, generator)
-            new = (pos >= prompt_len) & (pos < end) & ~done  # rows choosing a new token at this position
-            tokens[:, pos] = torch.where(new, chosen, tokens[:, pos])
-            emit = new
-            if eos_id is not None:
-                done |= new & (chosen == eos_id)
-                emit = new & (chosen != eos_id)
-            if on_token is None and eos_id is None:
-                continue  # nothing to look at on the host: no sync
-            finished = (done | (pos + 1 >= end)).all()
-            host = torch.cat([chosen, emit.long(), finished.long()[None]]).tolist()  # the step's one sync
-            if on_token is not None:
-                for row, token in enumerate(host[: len(prompts)]):
-                    if host[len(prompts) + row]:
-                        on_token(row, token)
-            if host[-1]:
-                break
+        fill(model, tokens, lengths, sampling, eos_id, on_token, step, vocab_limit)
     finally:
         model.reset_cache()
-    out = []
-    for row, length in enumerate(lengths):
-        new_tokens = tokens[row, length : length + max_new_tokens].tolist()
-        if eos_id is not None and eos_id in new_tokens:
-            new_tokens = new_tokens[: new_tokens.index(eos_id)]
-        out.append(new_tokens)
-    return out
+    rows = [tokens[row, length : length + new].tolist() for row, length in enumerate(lengths)]
+    return [row[: row.index(eos_id)] if eos_id in row else row for row in rows]
+
+
+def fill(model, tokens, lengths, sampling: Sampling, eos_id, on_token, step, vocab_limit):
+    """Write each row's new tokens into `tokens` (B, prompt + new), the prompts already in place (generate())."""
+    device = tokens.device
+    prompt_len = torch.tensor(lengths, device=device)
+    end = prompt_len + sampling.max_new_tokens  # each row's own stop position (exclusive)
+    done = torch.zeros(len(lengths), dtype=torch.bool, device=device)
+    generator = torch.Generator(device).manual_seed(sampling.seed) if sampling.seed is not None else None
+    for pos, logits in decode_steps(model, tokens, min(lengths), step):
+        if vocab_limit is not None:
+            logits[:, vocab_limit:] = float("-inf")
+        chosen = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)
+        # Every row samples at every position, but a row still inside its prompt keeps its prompt token there:
+        # that is what lets prompts of different lengths share one batch.
+        new = (pos >= prompt_len) & (pos < end) & ~done
+        tokens[:, pos] = torch.where(new, chosen, tokens[:, pos])
+        emit = new
+        if eos_id is not None:
+            done |= new & (chosen == eos_id)
+            emit = new & (chosen != eos_id)
+        if on_token is None and eos_id is None:
+            continue  # nothing to look at on the host, so no sync: the GPU runs ahead
+        # One device-to-host copy a step carries everything the host needs: the tokens, which rows emit, and
+        # whether every row is done. Separate .item() calls would each stall the GPU.
+        finished = (done | (pos + 1 >= end)).all()
+        host = torch.cat([chosen, emit.long(), finished.long()[None]]).tolist()
+        if on_token is not None:
+            for row, token in enumerate(host[: len(lengths)]):
+                if host[len(lengths) + row]:
+                    on_token(row, token)
+        if host[-1]:
+            break
 
 
 # ---------------------------------------------------------------- sampling command
@@ -157,7 +167,10 @@ class TextStream:
     incomplete UTF-8 character (a trailing U+FFFD) until its next bytes come."""
 
     def __init__(self, tokenizer, prompt: list[int], out=None):
-        self.tokenizer, self.ids, self.printed, self.out = tokenizer, list(prompt), 0, out or sys.stdout
+        self.tokenizer = tokenizer
+        self.ids = list(prompt)
+        self.printed = 0  # characters of the decoded text written so far
+        self.out = out or sys.stdout
         self.flush_new(final=False)
 
     def add(self, token: int):
@@ -207,25 +220,15 @@ def check_rope_flags(args):
         raise UserError(f"--rope-factor must be a finite number >= 1, not {args.rope_factor}")
 
 
-def sample_command(args) -> int:
-    if args.num_samples < 1:
-        raise UserError(f"--num-samples must be >= 1, not {args.num_samples}")
-    try:
-        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-    except ValueError as e:
-        raise UserError(str(e).replace("max_new_tokens", "--max-new-tokens").replace("top_", "--top-")) from None
-    check_rope_flags(args)
-    texts = read_prompts(args)
-    device = pick_device(args.device)
-    if args.compile:
-        check_compiler()
-    dtype = int8_dtype(device) if args.quantize == "int8" and args.dtype is None else pick_dtype(args.dtype, device)
-    model, _, tokenizer = load_run(args.checkpoint, device, torch.float32)
-    model = quantize(model, args.quantize).to(dtype)
-    prompts = [encode_prompt(tokenizer, text) for text in texts for _ in range(args.num_samples)]
-    if not all(prompts):  # e.g. an imported model whose tokenizer has no BOS to start from
-        raise UserError(f"{args.checkpoint}: its tokenizer has no BOS token to begin an empty prompt; give --prompt")
-    total = max(map(len, prompts)) + args.max_new_tokens
+def load_model(args, device: torch.device) -> tuple[Transformer, object, torch.dtype]:
+    """The run's model (quantized and cast as the flags say), its tokenizer, and the activation dtype."""
+    dtype = pick_dtype(args.dtype, device)
+    model, _, tokenizer = load_run(args.run, device, torch.float32)
+    return quantize(model, args.quantize).to(dtype), tokenizer, dtype
+
+
+def fit_length(model: Transformer, args, total: int):
+    """Give the model the --rope-scaling asked for `total` tokens, then check it can run them (ModelArgs' policy)."""
     if args.rope_scaling is not None:
         try:
             model.args = model.args.stretched(args.rope_scaling, total, args.rope_factor)
@@ -234,41 +237,68 @@ def sample_command(args) -> int:
     check_length(model.args, total)
     if model.args.position == "sinusoidal" and total > model.args.max_seq_len:
         print(f"warning: sinusoidal positions past {model.args.max_seq_len} were never trained", file=sys.stderr)
-    # dynamic NTK re-runs the prefix as it grows (decode_steps), and the fused step is LLaMA's: else the model decodes
-    step = DecodeStep(model) if model.is_llama() and not model.args.length_dependent else None
-    notes = [tune_threads(model, step)] if step is not None else []
-    if step is not None and args.compile:
+
+
+def fast_step(model: Transformer, compile: bool) -> DecodeStep | None:
+    """The fused one-token step on its fastest thread count (and compiled unless that measures slower), or None
+    where the model itself decodes: dynamic NTK re-runs the prefix as it grows, and the fused step is LLaMA's."""
+    if not model.is_llama() or model.args.length_dependent:
+        return None
+    step = DecodeStep(model)
+    notes = [tune_threads(model, step)]
+    if compile:
         step, note = compiled_unless_slower(model, step)
         notes.append(note)
     for note in filter(None, notes):
         print(note, file=sys.stderr)
-    streams = [TextStream(tokenizer, prompts[0])] if len(prompts) == 1 else None
+    return step
+
+
+def print_samples(model, tokenizer, prompts: list[list[int]], sampling: Sampling, step) -> list[list[int]]:
+    """Generate and print: one row streams its text as it comes, several are printed when all are done."""
+    stream = TextStream(tokenizer, prompts[0]) if len(prompts) == 1 else None
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
     pieces = tokenizer.get_piece_size()
-    start = time.perf_counter()
     outputs = generate(
         model,
         prompts,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        args.top_p,
+        sampling,
         eos,
-        args.seed,
-        on_token=(lambda row, token: streams[row].add(token)) if streams else None,
+        on_token=(lambda row, token: stream.add(token)) if stream else None,
         step=step,
         vocab_limit=pieces if pieces < model.args.vocab_size else None,
     )
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    if streams:
-        streams[0].flush_new(final=True)
+    if stream:
+        stream.flush_new(final=True)
         print()
     else:
         for i, (prompt, new) in enumerate(zip(prompts, outputs, strict=True)):
             print(f"--- sample {i + 1}/{len(prompts)} ---")
             print(tokenizer.decode(prompt + new))
+    return outputs
+
+
+def sample_command(args) -> int:
+    """`python generate.py --run DIR [...]`."""
+    if args.run is None:
+        raise UserError("the following arguments are required: --run (see --help)")
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    check_rope_flags(args)
+    texts = read_prompts(args)
+    device = pick_device(args.device)
+    if args.compile:
+        check_compiler()
+    model, tokenizer, dtype = load_model(args, device)
+    prompts = [encode_prompt(tokenizer, text) for text in texts for _ in range(args.num_samples)]
+    if not all(prompts):  # e.g. an imported model whose tokenizer has no BOS to start from
+        raise UserError(f"{args.run}: its tokenizer has no BOS token to begin an empty prompt; give --prompt")
+    fit_length(model, args, max(map(len, prompts)) + sampling.max_new_tokens)
+    step = fast_step(model, args.compile)
+    start = time.perf_counter()
+    outputs = print_samples(model, tokenizer, prompts, sampling, step)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
     new_tokens = sum(map(len, outputs))
     print(
         f"{sum(map(len, prompts))} prompt tokens, {new_tokens} new tokens in {seconds:.2f} s: "
@@ -281,19 +311,20 @@ def sample_command(args) -> int:
 
 
 def parser() -> ArgumentParser:
+    """Sampling flags at the top level; the study's commands as subcommands."""
     parser = ArgumentParser(
         prog="python generate.py",
-        description="Sample from a run directory (see also: python generate.py extrapolate --help).",
+        description="Sample from a run directory; `extrapolate` measures how far its positions stretch.",
     )
-    extrapolate.add_run_arguments(parser)
+    add_run(parser, required=False)  # required for sampling only: sample_command checks
     parser.add_argument("--prompt", help="the text to continue (default: empty, i.e. only BOS)")
     parser.add_argument("--prompt-file", help="a UTF-8 file with one prompt per line (blank lines skipped)")
-    parser.add_argument("--num-samples", type=int, default=1, help="samples per prompt (default 1)")
-    parser.add_argument("--max-new-tokens", type=int, default=200, help="default 200")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    parser.add_argument("--num-samples", type=positive(), default=1, help="samples per prompt (default 1)")
+    parser.add_argument("--max-new-tokens", type=int, default=Sampling.max_new_tokens, help="default 200")
+    parser.add_argument("--temperature", type=float, default=Sampling.temperature, help="0 = greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
     parser.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set holding this probability")
-    parser.add_argument("--seed", type=int, help="for reproducible samples")
+    add_seed(parser, "for reproducible samples", default=None)
     parser.add_argument(
         "--rope-scaling",
         choices=ROPE_SCALINGS,
@@ -304,23 +335,26 @@ def parser() -> ArgumentParser:
         type=float,
         help="its factor, >= 1 (default: just enough for prompt + new tokens; 1 for dynamic)",
     )
-    parser.add_argument(
-        "--compile", action="store_true", help="torch.compile the one-token decode step (~10-40 s on first use)"
-    )
+    add_device(parser)
+    add_compile(parser, "the one-token decode step")
     parser.add_argument(
         "--quantize",
         choices=QUANTIZATIONS,
         default="none",
-        help="int8: weight-only int8 with per-channel scales, bfloat16 activations where the CPU has bf16 "
-        "(default none; bfloat16 weights: --dtype bfloat16)",
+        help="int8: weight-only int8 with per-channel scales (default none; bfloat16 weights: --dtype bfloat16)",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    extrapolate.add_arguments(
+        commands.add_parser("extrapolate", help="perplexity and retrieval past the training context, per method")
     )
     return parser
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["extrapolate"]:
-        return extrapolate.main(argv[1:])
-    return sample_command(parser().parse_args(argv))
+    args = parser().parse_args(argv)
+    if args.command == "extrapolate":
+        return extrapolate.run(args, argv)
+    return sample_command(args)
 
 
 if __name__ == "__main__":

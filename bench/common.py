@@ -18,29 +18,35 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 
-from cli import ArgumentParser, UserError, atomic_output, check_writable  # noqa: E402
+from cli import ArgumentParser, UserError, add_device, add_out, atomic_output, check_writable, comma_list, positive  # noqa: E402
 from convert import hf_config, to_hf_state_dict  # noqa: E402
 from device import cpu_has_bf16, peak_flops, pick_device, pick_dtype  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
+SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)  # model_args("smoke"): --smoke's model
 
 
 def parser(description: str, script: str, models: bool = True) -> ArgumentParser:
     """The flags every bench script takes; models=True adds the device/threads ones of the model benchmarks."""
     p = ArgumentParser(description=description)
     if models:
-        p.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
-        p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+        add_device(p)
+        p.add_argument("--threads", type=positive(), help="torch CPU threads (default: torch's choice)")
     p.add_argument("--smoke", action="store_true", help="a tiny, seconds-long run to check the script works")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=RESULTS_DIR / f"{script}.json",
-        help=f"JSON output path (default bench/results/{script}.json)",
-    )
+    add_out(p, f"JSON output path (default bench/results/{script}.json)", default=RESULTS_DIR / f"{script}.json")
     p.set_defaults(benchmark=script)
     return p
+
+
+def add_configs(p: ArgumentParser, default: str):
+    """--config NAME,...: the model configs to measure, comma-separated."""
+    p.add_argument(
+        "--config",
+        type=comma_list(),
+        default=default,
+        help=f"comma-separated: small, base, configs/NAME.toml names (default {default})",
+    )
 
 
 def parse(p: ArgumentParser, argv: list[str]):
@@ -51,21 +57,30 @@ def parse(p: ArgumentParser, argv: list[str]):
 
 
 def setup(args) -> tuple[torch.device, torch.dtype]:
-    """Device and dtype (fp32 on CPU, bf16 on GPU) for the parsed flags; UserError if unusable."""
-    device = pick_device(args.device)
-    if device.type not in ("cpu", "cuda"):
-        raise UserError(f"device {args.device!r} is not supported (use cpu or cuda)")
+    """Device and dtype of the parsed flags (auto: cuda, else cpu; bf16 where the device computes it natively, else
+    fp32); UserError if unusable."""
+    device = bench_device(args.device)
     if args.threads is not None:
-        if args.threads < 1:
-            raise UserError("--threads must be positive")
         torch.set_num_threads(args.threads)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    return device, pick_dtype(None, device)
+    return device, pick_dtype(args.dtype, device)
+
+
+def bench_device(name: str) -> torch.device:
+    """The --device of a bench script: as pick_device, but auto never picks mps, which bench/ does not measure."""
+    device = pick_device(name)
+    if device.type == "mps" and name == "auto":
+        return torch.device("cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"device {name!r} is not supported by bench/: use cpu or cuda")
+    return device
 
 
 def model_args(name: str) -> ModelArgs:
-    """ModelArgs of configs/NAME.toml or of a .toml path (its [model] section)."""
+    """ModelArgs of configs/NAME.toml or of a .toml path (its [model] section); "smoke": the tiny SMOKE model."""
+    if name == "smoke":
+        return ModelArgs(**SMOKE)
     path = Path(name) if name.endswith(".toml") else REPO_ROOT / "configs" / f"{name}.toml"
     if not path.is_file():
         raise UserError(f"no config {name!r}: no {path}")
@@ -196,7 +211,7 @@ def write_results(args, payload: dict) -> Path:
     payload = {
         "benchmark": args.benchmark,
         "command": " ".join([f"bench/{args.benchmark}.py", *sys.argv[1:]]),
-        "machine": machine_info(getattr(args, "device", "cpu")),
+        "machine": machine_info(bench_device(getattr(args, "device", "cpu"))),
         **payload,
     }
     with atomic_output(args.out) as tmp:

@@ -15,7 +15,7 @@ from pathlib import Path
 import common
 from tqdm import tqdm
 
-from cli import UserError, run_command
+from cli import UserError, positive, run_command
 
 SMOKE_WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbo crates".split()
 
@@ -160,10 +160,10 @@ def resume_check(command: list[str], whole: Path, out: Path, env: dict, found: d
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__, "data", models=False)
     p.add_argument("--source", default="shakespeare", help="what data/prepare.py reads (default shakespeare)")
-    p.add_argument("--corpus-gb", type=float, help="build (once) and prepare a local corpus of this many GB")
+    p.add_argument("--corpus-gb", type=positive(float), help="build (once) and prepare a local corpus of this many GB")
     p.add_argument("--corpus-dir", type=Path, default=Path(tempfile.gettempdir()), help="where --corpus-gb builds")
     p.add_argument("--max-bytes", nargs="*", help="prepare only this much of the source, one run per size (e.g. 250M)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary (default 4096)")
+    p.add_argument("--vocab-size", type=positive(), default=4096, help="tokenizer vocabulary (default 4096)")
     p.add_argument("--prepare-script", default="data/prepare.py", help="the prepare.py to run (e.g. an older one)")
     p.add_argument("--resume-check", action="store_true", help="also SIGKILL a run halfway and resume it")
     p.add_argument(

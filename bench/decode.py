@@ -16,14 +16,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import read_tokenizer
-from cli import UserError, run_command
+from cli import UserError, add_compile, comma_list, positive, run_command
 from convert import write_gguf
 from device import cpu_has_bf16
-from generate import generate
+from generate import Sampling, generate
 from inference import DecodeStep, compile_step, cpu_isa, int8_dtype, quantize
 from model import ModelArgs
 
-SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
 LLAMA_CPP_TYPES = ("f32", "bf16", "q8_0")
 
 
@@ -185,14 +184,32 @@ def warm_up(run, new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def main(argv: list[str]) -> int:
+@dataclasses.dataclass
+class Measured:
+    """What main measures, step by step."""
+
+    seconds: dict  # method -> median seconds of the whole greedy run
+    outputs: dict  # method -> its greedy tokens
+    steps: dict  # timed decoder -> {position: median seconds of one decode step}
+    bounds: dict  # decode_bounds()
+    compile_seconds: dict  # compiled decoder -> seconds of its warm-up (the compilation)
+    why_not: str | None = None  # why llama.cpp was skipped
+
+
+def parse_args(argv: list[str]):
+    """The flags, with --smoke's tiny model and short runs filled in."""
     p = common.parser(__doc__, "decode")
-    p.add_argument("--no-compile", action="store_true", help="skip the compiled decoders (each compiles ~10-40 s)")
+    add_compile(p, "our fused decode steps too (the *_compiled decoders, each ~10-40 s)", default=True)
     p.add_argument("--config", default="small", help="small, base or a configs/NAME.toml name (default small)")
-    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
-    p.add_argument("--new-tokens", type=int, default=512, help="tokens to generate (default 512)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each method (default 3)")
-    p.add_argument("--positions", default="16,1024", help="positions to time the one-token step at (default 16,1024)")
+    p.add_argument("--prompt-len", type=positive(), default=16, help="prompt tokens (default 16)")
+    p.add_argument("--new-tokens", type=positive(), default=512, help="tokens to generate (default 512)")
+    p.add_argument("--repeats", type=positive(), default=3, help="interleaved runs of each method (default 3)")
+    p.add_argument(
+        "--positions",
+        type=comma_list(positive()),
+        default="16,1024",
+        help="positions to time the one-token step at, comma-separated (default 16,1024)",
+    )
     p.add_argument(
         "--tokenizer",
         type=Path,
@@ -200,86 +217,129 @@ def main(argv: list[str]) -> int:
         help="the sentencepiece vocabulary of the GGUF files for llama.cpp (default: data/shakespeare's)",
     )
     cli = common.parse(p, argv)
-    device, dtype = common.setup(cli)
-    try:
-        positions = [int(x) for x in cli.positions.split(",")]
-    except ValueError:
-        raise UserError(f"--positions must be comma-separated integers, not {cli.positions!r}") from None
     if cli.smoke:
-        margs, cli.new_tokens, cli.repeats, positions = ModelArgs(**SMOKE), 8, 1, [4, 64]
-    else:
-        margs = common.model_args(cli.config)
-    if min(cli.prompt_len, cli.new_tokens, cli.repeats, *positions) < 1:
-        raise UserError("--prompt-len, --new-tokens, --repeats and --positions must be positive")
+        cli.config, cli.new_tokens, cli.repeats, cli.positions, cli.compile = "smoke", 8, 1, [4, 64], False
+    return cli
+
+
+def build(cli, device, dtype) -> tuple:
+    """Our model (its context raised to fit the run), a random prompt, our decoders {name: (model, step)}, and every
+    method to time {name: run(n) -> n greedy tokens}: HF's generate, ours without a cache, and our decoders."""
+    margs = common.model_args(cli.config)
     # RoPE is computed for any position: raise the context so the prompt, the new tokens and the positions all fit
-    context = max(margs.max_seq_len, cli.prompt_len + cli.new_tokens, max(positions) + 2)
-    margs = dataclasses.replace(margs, max_seq_len=context)
-    ours = common.build_ours(margs, device, dtype).eval()
+    context = max(margs.max_seq_len, cli.prompt_len + cli.new_tokens, max(cli.positions) + 2)
+    ours = common.build_ours(dataclasses.replace(margs, max_seq_len=context), device, dtype).eval()
     hf = common.build_hf(ours).eval()
     prompt = torch.randint(0, margs.vocab_size, (1, cli.prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
     # every compiled variant is a graph of the one DecodeStep.step code object, and dynamo caps those at 8
     torch._dynamo.config.recompile_limit = 64
-    decoders = variants(ours, device, compiled=not cli.smoke and not cli.no_compile)
+    decoders = variants(ours, device, compiled=cli.compile)
+
+    def ours_greedy(model, step):
+        return lambda n: generate(model, prompt.tolist(), Sampling(n, temperature=0), step=step)[0]
+
     methods = {
         "hf_generate": lambda n: hf_greedy(hf, prompt, n),
         "ours_no_cache": lambda n: greedy_without_cache(ours, prompt, n),
-        **{
-            name: lambda n, model=model, step=step: generate(model, prompt.tolist(), n, temperature=0, step=step)[0]
-            for name, (model, step) in decoders.items()
-        },
+        **{name: ours_greedy(model, step) for name, (model, step) in decoders.items()},
     }
-    compile_seconds = {name: warm_up(run, cli.new_tokens) for name, run in methods.items() if "compiled" in name}
-    outputs = {}
+    return ours, prompt, decoders, methods
 
-    def record(name, methods):
+
+def recording(methods: dict, outputs: dict, n: int) -> dict:
+    """Each method as a call generating n tokens that keeps them in outputs[name]: what interleaved_medians times."""
+
+    def record(name):
         def run():
-            outputs[name] = methods[name](cli.new_tokens)
+            outputs[name] = methods[name](n)
 
         return run
 
+    return {name: record(name) for name in methods}
+
+
+def time_ours(cli, ours, decoders: dict, methods: dict, device) -> Measured:
+    """Compile (warm up) the compiled decoders, then time the whole greedy runs of every method interleaved, the
+    one-token step of a few decoders at each position, and the bounds."""
+    compile_seconds = {name: warm_up(run, cli.new_tokens) for name, run in methods.items() if "compiled" in name}
+    outputs = {}
     calls = 4 if cli.smoke else 32
     timed = ("ours_model_step", "ours_fused_eager", "ours_compiled", "ours_compiled_1thread", "ours_int8_compiled")
     timed_steps = [name for name in timed if name in decoders]
     total = cli.repeats + len(timed_steps) * (2 * cli.repeats + 1) + 2 * cli.repeats + 1
     with tqdm(total=total, desc="decode runs", disable=None) as progress:
-        seconds = common.interleaved_medians(
-            {name: record(name, methods) for name in methods}, device, 0, cli.repeats, progress
-        )
+        runs = recording(methods, outputs, cli.new_tokens)
+        seconds = common.interleaved_medians(runs, device, 0, cli.repeats, progress)
         steps = {
-            name: step_seconds(*decoders[name], positions, device, calls, 2 * cli.repeats, progress)
+            name: step_seconds(*decoders[name], cli.positions, device, calls, 2 * cli.repeats, progress)
             for name in timed_steps
         }
         bounds = decode_bounds(ours, device, 2 * cli.repeats, progress)
-    # llama.cpp last and on its own: its idle worker threads keep polling for work between calls, which slowed the
-    # torch decoders run between them by up to 40% here.
+    return Measured(seconds, outputs, steps, bounds, compile_seconds)
+
+
+def time_llama_cpp(cli, ours, prompt: torch.Tensor, device, measured: Measured):
+    """Add llama.cpp's greedy runs (f32, bf16, q8_0 GGUF exports of our model) to `measured`, or why it was skipped.
+    Last and on its own: its idle worker threads keep polling for work between calls, which slowed the torch
+    decoders run between them by up to 40% here."""
+    if cli.smoke:
+        measured.why_not = "not in --smoke"
+        return
     with tempfile.TemporaryDirectory() as folder:
-        llama_cpp, why_not = (
-            ({}, "not in --smoke")
-            if cli.smoke
-            else llama_cpp_decoders(ours, cli.tokenizer, cli.prompt_len + cli.new_tokens, Path(folder))
-        )
-        theirs = {name: lambda n, d=decoder: d.greedy(prompt[0].tolist(), n) for name, decoder in llama_cpp.items()}
-        for run in theirs.values():
-            warm_up(run, cli.new_tokens)
-        seconds |= common.interleaved_medians({name: record(name, theirs) for name in theirs}, device, 0, cli.repeats)
-        for decoder in llama_cpp.values():
-            decoder.close()
-    n = cli.new_tokens
-    agree = {
-        other: sum(a == b for a, b in zip(outputs["ours_model_step"], tokens, strict=False))
-        for other, tokens in outputs.items()
-    }
+        context = cli.prompt_len + cli.new_tokens
+        llama_cpp, measured.why_not = llama_cpp_decoders(ours, cli.tokenizer, context, Path(folder))
+        try:
+            theirs = {name: lambda n, d=decoder: d.greedy(prompt[0].tolist(), n) for name, decoder in llama_cpp.items()}
+            for run in theirs.values():
+                warm_up(run, cli.new_tokens)
+            runs = recording(theirs, measured.outputs, cli.new_tokens)
+            measured.seconds |= common.interleaved_medians(runs, device, 0, cli.repeats)
+        finally:
+            for decoder in llama_cpp.values():
+                decoder.close()
+
+
+def agreement(measured: Measured, n: int, dtype) -> dict[str, int]:
+    """How many greedy tokens of each method agree with the plain model step's; UserError if an fp32 one differs."""
+    reference = measured.outputs["ours_model_step"]
+    agree = {name: sum(a == b for a, b in zip(reference, t, strict=False)) for name, t in measured.outputs.items()}
     exact = ["ours_no_cache", "ours_fused_eager", "ours_compiled"]  # fp32 throughout: the same tokens
     if dtype == torch.float32 and any(agree[name] != n for name in exact if name in agree):
         raise UserError(f"fp32 decoders disagree with the plain model's greedy tokens: {agree}")
-    rows = [[name, n / s, s, seconds["hf_generate"] / s, agree[name]] for name, s in seconds.items()]
+    return agree
+
+
+def ratios_of(measured: Measured, n: int, positions: list[int]) -> dict[str, float]:
+    """The headline ratios: our fastest fp32 and int8 decoders against HF, the read bound and llama.cpp; the plain
+    step against no cache; each timed step's growth from the first position to the last."""
+    seconds, steps, bounds = measured.seconds, measured.steps, measured.bounds
+    first, last = positions[0], positions[-1]
+    fp32 = [k for k in seconds if k.startswith(("ours_fused_eager", "ours_compiled"))]
+    best_fp32 = min(fp32, key=seconds.get)
+    best_int8 = min((k for k in seconds if k.startswith("ours_int8")), key=seconds.get)
+    return {
+        f"{best_fp32}_over_hf": seconds["hf_generate"] / seconds[best_fp32],
+        f"{best_int8}_over_hf": seconds["hf_generate"] / seconds[best_int8],
+        f"{best_fp32}_over_stream_bound": bounds["stream_read_bound_seconds"] * n / seconds[best_fp32],
+        "model_step_over_no_cache": seconds["ours_no_cache"] / seconds["ours_model_step"],
+        **{f"{name}_step_{last}_over_{first}": s[last] / s[first] for name, s in steps.items()},
+        **{f"{best_fp32}_over_{k}": seconds[k] / seconds[best_fp32] for k in ("llama_cpp_f32",) if k in seconds},
+        **{f"{best_int8}_over_{k}": seconds[k] / seconds[best_int8] for k in ("llama_cpp_q8_0",) if k in seconds},
+    }
+
+
+def report(cli, margs: ModelArgs, measured: Measured, agree: dict, ratios: dict):
+    """Print the runs, the steps by position, the bounds and the ratios."""
+    seconds, steps, bounds, n = measured.seconds, measured.steps, measured.bounds, cli.new_tokens
     print(
-        f"batch 1, {cli.prompt_len}-token prompt, {n} greedy new tokens, "
-        f"{margs.dim}-dim {margs.n_layers}-layer model, context raised to {context}, {cpu_isa()} CPU"
-        + (f"; llama.cpp skipped: {why_not}" if why_not else "")
+        f"batch 1, {cli.prompt_len}-token prompt, {n} greedy new tokens, {margs.dim}-dim {margs.n_layers}-layer "
+        f"model, context raised to {margs.max_seq_len}, {cpu_isa()} CPU"
+        + (f"; llama.cpp skipped: {measured.why_not}" if measured.why_not else "")
     )
+    rows = [[name, n / s, s, seconds["hf_generate"] / s, agree[name]] for name, s in seconds.items()]
     common.print_table(["method", "tok/s", "seconds", "vs HF", "same tokens"], rows)
+    positions = cli.positions
     first, last = positions[0], positions[-1]
     common.print_table(
         ["decode step (ms)", *(f"position {p}" for p in positions), f"{last} / {first}"],
@@ -296,39 +356,43 @@ def main(argv: list[str]) -> int:
         f"{bounds['weight_bytes'] / 1e6:.1f} MB of fp32 weights per token: read at "
         f"{bounds['matvec_bytes_per_s'] / 1e9:.1f} GB/s by the matrix-vector products, "
         f"{bounds['stream_read_bytes_per_s'] / 1e9:.1f} GB/s by a plain streaming read"
-        + "".join(f"; {name} compiled in {s:.1f} s" for name, s in compile_seconds.items())
+        + "".join(f"; {name} compiled in {s:.1f} s" for name, s in measured.compile_seconds.items())
     )
-    fp32 = [k for k in seconds if k.startswith(("ours_fused_eager", "ours_compiled"))]
-    best_fp32 = min(fp32, key=seconds.get)
-    best_int8 = min((k for k in seconds if k.startswith("ours_int8")), key=seconds.get)
-    ratios = {
-        f"{best_fp32}_over_hf": seconds["hf_generate"] / seconds[best_fp32],
-        f"{best_int8}_over_hf": seconds["hf_generate"] / seconds[best_int8],
-        f"{best_fp32}_over_stream_bound": bounds["stream_read_bound_seconds"] * n / seconds[best_fp32],
-        "model_step_over_no_cache": seconds["ours_no_cache"] / seconds["ours_model_step"],
-        **{f"{name}_step_{last}_over_{first}": s[last] / s[first] for name, s in steps.items()},
-        **{f"{best_fp32}_over_{k}": seconds[k] / seconds[best_fp32] for k in ("llama_cpp_f32",) if k in seconds},
-        **{f"{best_int8}_over_{k}": seconds[k] / seconds[best_int8] for k in ("llama_cpp_q8_0",) if k in seconds},
-    }
     print("  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+
+
+def write(cli, margs: ModelArgs, dtype, measured: Measured, agree: dict, ratios: dict):
+    n = cli.new_tokens
     common.write_results(
         cli,
         {
-            "config": "smoke" if cli.smoke else cli.config,
+            "config": cli.config,
             "cpu_isa": cpu_isa(),
             "model_args": margs.to_dict(),
             "prompt_len": cli.prompt_len,
             "new_tokens": n,
             "dtype": str(dtype).removeprefix("torch."),
-            "methods": {name: {"seconds": s, "tokens_per_second": n / s} for name, s in seconds.items()},
-            "compile_seconds": compile_seconds,
-            "llama_cpp_skipped": why_not,
+            "methods": {name: {"seconds": s, "tokens_per_second": n / s} for name, s in measured.seconds.items()},
+            "compile_seconds": measured.compile_seconds,
+            "llama_cpp_skipped": measured.why_not,
             "greedy_tokens_agreeing_with_ours_model_step": agree,
-            "step_seconds_by_position": {name: {str(p): t for p, t in s.items()} for name, s in steps.items()},
-            "bounds": bounds,
+            "step_seconds_by_position": {name: {str(p): t for p, t in s.items()} for name, s in measured.steps.items()},
+            "bounds": measured.bounds,
             "ratios": ratios,
         },
     )
+
+
+def main(argv: list[str]) -> int:
+    cli = parse_args(argv)
+    device, dtype = common.setup(cli)
+    ours, prompt, decoders, methods = build(cli, device, dtype)
+    measured = time_ours(cli, ours, decoders, methods, device)
+    time_llama_cpp(cli, ours, prompt, device, measured)
+    agree = agreement(measured, cli.new_tokens, dtype)
+    ratios = ratios_of(measured, cli.new_tokens, cli.positions)
+    report(cli, ours.args, measured, agree, ratios)
+    write(cli, ours.args, dtype, measured, agree, ratios)
     return 0
 
 

@@ -11,11 +11,9 @@ import common
 import torch
 from tqdm import tqdm
 
-from cli import UserError, run_command
-from model import ModelArgs
+from cli import UserError, positive, run_command
 
 DEFAULT_SHAPES = {"small": (16, 256), "base": (4, 512)}  # (batch, seq_len): base at B=4, T=512 fits 24 GB easily
-SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
 MIB = 2**20
 
 
@@ -37,7 +35,8 @@ def reset_cpu_peak() -> bool:
 
 def measure_child(cli, device, dtype) -> dict:
     """In this (fresh) process: the model's resident/allocated bytes, then the extra peak of two training steps."""
-    margs = ModelArgs(**SMOKE) if cli.config == "smoke" else common.model_args(cli.config)
+    (name,) = cli.config
+    margs = common.model_args(name)
     ours = common.build_ours(margs, device, dtype).train()
     model = ours
     if cli.child == "hf":
@@ -85,6 +84,8 @@ def run_case(config: str, who: str, batch: int, seq_len: int, cli) -> dict:
         str(seq_len),
         "--device",
         cli.device,
+        "--dtype",
+        cli.dtype,
     ]
     if cli.threads:
         command += ["--threads", str(cli.threads)]
@@ -96,23 +97,20 @@ def run_case(config: str, who: str, batch: int, seq_len: int, cli) -> dict:
 
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__, "memory")
-    p.add_argument("--config", default="small,base", help="comma-separated: small, base, configs/NAME.toml names")
-    p.add_argument("--batch-size", type=int, help="sequences per step (default: small 16, base 4, else 8)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: small 256, base 512)")
+    common.add_configs(p, "small,base")
+    p.add_argument("--batch-size", type=positive(), help="sequences per step (default: small 16, base 4, else 8)")
+    p.add_argument("--seq-len", type=positive(), help="tokens per sequence (default: small 256, base 512)")
     p.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)  # internal: measure in this process
     cli = common.parse(p, argv)
     device, dtype = common.setup(cli)
     if cli.child:
         print(json.dumps(measure_child(cli, device, dtype)))
         return 0
-    names = ["smoke"] if cli.smoke else [n.strip() for n in cli.config.split(",") if n.strip()]
     cases = []
-    for name in names:
-        margs = ModelArgs(**SMOKE) if name == "smoke" else common.model_args(name)
+    for name in ["smoke"] if cli.smoke else cli.config:
+        margs = common.model_args(name)
         batch, seq_len = (2, 32) if name == "smoke" else DEFAULT_SHAPES.get(name, (8, margs.max_seq_len))
         cases.append((name, cli.batch_size or batch, cli.seq_len or seq_len))
-    if min(min(b, t) for _, b, t in cases) < 1:
-        raise UserError("--batch-size and --seq-len must be positive")
     results = []
     for name, batch, seq_len in tqdm(cases, desc="memory cases (fresh processes)", disable=None):
         measured = {who: run_case(name, who, batch, seq_len, cli) for who in ("ours", "hf")}

@@ -10,12 +10,11 @@ import torch
 from tqdm import tqdm
 
 from checkpoint import load_model
-from cli import UserError, run_command
+from cli import UserError, add_run, positive, run_command
 from data.loader import eval_batches, load_meta
 from inference import int8_dtype, quantize
-from model import ModelArgs, Transformer
+from model import Transformer
 
-SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
 PRECISIONS = {"fp32": (torch.float32, "none"), "bf16": (torch.bfloat16, "none"), "int8": (None, "int8")}
 
 
@@ -31,20 +30,21 @@ def mean_loss(model: Transformer, batches: list) -> float:
 
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__, "quantize")
-    p.add_argument("--checkpoint", type=Path, help="a trained run directory (required but in --smoke)")
-    p.add_argument("--seq-len", type=int, help="window length (default: the run's train.seq_len)")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per forward (default 16)")
+    add_run(p, required=False)  # required but in --smoke: checked below
+    p.add_argument("--seq-len", type=positive(), help="window length (default: the run's train.seq_len)")
+    p.add_argument("--batch-size", type=positive(), default=16, help="windows per forward (default 16)")
     cli = common.parse(p, argv)
     device, _ = common.setup(cli)
     if cli.smoke:
         torch.manual_seed(0)
-        original, bytes_per_token, seq_len = Transformer(ModelArgs(**SMOKE)), None, 32
-        tokens = torch.randint(0, SMOKE["vocab_size"], (4, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        original, bytes_per_token, seq_len = Transformer(common.model_args("smoke")), None, 32
+        vocab = original.args.vocab_size
+        tokens = torch.randint(0, vocab, (4, seq_len + 1), generator=torch.Generator().manual_seed(0))
         batches, where = [(tokens[:, :-1], tokens[:, 1:])], "random tokens"
     else:
-        if cli.checkpoint is None:
-            raise UserError("--checkpoint RUN_DIR is required (a trained run)")
-        original, config = load_model(cli.checkpoint, device)
+        if cli.run is None:
+            raise UserError("--run RUN_DIR is required (a trained run)")
+        original, config = load_model(cli.run, device)
         data_dir = Path(config.get("data", {}).get("dir", "data/shakespeare"))
         data_dir = data_dir if data_dir.is_absolute() else common.REPO_ROOT / data_dir
         bytes_per_token = load_meta(data_dir)["bytes_per_token"]
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
     common.write_results(
         cli,
         {
-            "checkpoint": None if cli.smoke else str(cli.checkpoint),
+            "checkpoint": None if cli.smoke else str(cli.run),
             "model_args": original.args.to_dict(),
             "seq_len": seq_len,
             "target_tokens": targets,

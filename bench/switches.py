@@ -13,7 +13,7 @@ import common
 import torch
 from tqdm import tqdm
 
-from cli import UserError, run_command
+from cli import comma_list, positive, run_command
 from config import parse_cli
 from model import Transformer
 
@@ -91,21 +91,24 @@ def run_switch(config: str, overrides: list[str], seed: int, budget: float, tmp:
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__, "switches", models=False)
     p.add_argument("--config", default="configs/default.toml", help="the config every switch starts from")
-    p.add_argument("--budget", type=float, default=90.0, help="training seconds per run (default 90)")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    p.add_argument("--only", help="comma-separated switch names (default: all)")
+    p.add_argument("--budget", type=positive(float), default=90.0, help="training seconds per run (default 90)")
+    p.add_argument(
+        "--seeds",
+        type=comma_list(positive(zero=True)),
+        default="0",
+        help="train.seed of each run, comma-separated (default 0)",
+    )
+    p.add_argument(
+        "--only",
+        type=comma_list(choices=[*SWITCHES, *OPTIMIZERS]),
+        help="comma-separated switch names (default: all, and the optimizer the config does not use)",
+    )
     args = common.parse(p, argv)
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        raise UserError(f"--seeds {args.seeds!r}: expected comma-separated integers") from None
+    seeds = args.seeds
     cfg, _ = parse_cli(["--config", args.config])
     other = next(name for name in OPTIMIZERS if name != cfg.optim.name)
-    switches = {**SWITCHES, other: [f"--optim.name={other}"]}
-    names = list(switches) if args.only is None else [n.strip() for n in args.only.split(",")]
-    unknown = [n for n in names if n not in switches]
-    if unknown:
-        raise UserError(f"--only: unknown switch {unknown[0]!r} (choose from {', '.join(switches)})")
+    switches = {**SWITCHES, **{name: [f"--optim.name={name}"] for name in OPTIMIZERS}}
+    names = [*SWITCHES, other] if args.only is None else args.only
     budget = 3.0 if args.smoke else args.budget
     results = {}
     with (

@@ -9,12 +9,11 @@ import common
 import torch
 from tqdm import tqdm
 
-from cli import UserError, run_command
+from cli import UserError, add_compile, comma_list, positive, run_command
 from device import keep_freed_memory
 from metrics import flops_per_token
-from model import ModelArgs
 
-SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
+PRECISIONS = ("float32", "bfloat16")  # bfloat16: both models under torch.autocast to bf16, fp32 weights
 
 
 def train_step(model, optimizer, loss_fn, autocast):
@@ -73,51 +72,52 @@ def bench_config(name, margs, batch, seq_len, device, dtype, precision, cli, pro
     return result
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]):
+    """The flags, with --smoke's short runs filled in."""
     p = common.parser(__doc__, "train")
-    p.add_argument("--compile", action="store_true", help="torch.compile both models (for GPU runs)")
+    add_compile(p, "both models (for GPU runs)")
     p.add_argument(
         "--peak-tflops",
-        type=float,
+        type=positive(float),
         help="the device's peak for MFU (default: a measured matmul in the run's dtype on CPU, a table of GPUs)",
     )
-    p.add_argument("--config", default="small,default", help="comma-separated: small, base, configs/NAME.toml names")
-    p.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's max_seq_len)")
+    common.add_configs(p, "small,default")
+    p.add_argument("--batch-size", type=positive(), help="sequences per step (default 16)")
+    p.add_argument("--seq-len", type=positive(), help="tokens per sequence (default: the config's max_seq_len)")
     p.add_argument(
         "--precisions",
-        default="float32,bfloat16",
+        type=comma_list(choices=PRECISIONS),
+        default=",".join(PRECISIONS),
         help="comma-separated: float32, bfloat16 (= autocast to bf16 for both models); default both",
     )
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each model first (default 2)")
-    p.add_argument("--steps", type=int, default=7, help="timed steps of each model, interleaved (default 7)")
+    p.add_argument(
+        "--warmup", type=positive(zero=True), default=2, help="untimed steps of each model first (default 2)"
+    )
+    p.add_argument("--steps", type=positive(), default=7, help="timed steps of each model, interleaved (default 7)")
     cli = common.parse(p, argv)
-    device, dtype = common.setup(cli)
-    keep_freed_memory()  # as train.py does, for both models
-    if min(cli.batch_size or 1, cli.seq_len or 1, cli.steps, cli.warmup + 1) < 1:
-        raise UserError("--batch-size, --seq-len and --steps must be positive, --warmup not negative")
     if cli.smoke:
-        cases, cli.warmup, cli.steps = [("smoke", ModelArgs(**SMOKE), 2, 32)], 1, 2
-    else:
-        cases = []
-        for name in (n.strip() for n in cli.config.split(",") if n.strip()):
-            try:
-                margs = common.model_args(name)
-            except UserError as e:
-                if name != "default":
-                    raise
-                print(f"skipping default: {e}")  # configs/default.toml is written by the training engineer
-                continue
-            cases.append((name, margs, cli.batch_size or 16, cli.seq_len or margs.max_seq_len))
-    precisions = [name.strip() for name in cli.precisions.split(",") if name.strip()]
-    if not precisions or set(precisions) - {"float32", "bfloat16"}:
-        raise UserError(f"--precisions must list float32 and/or bfloat16, not {cli.precisions!r}")
-    results = []
-    total = len(cases) * len(precisions) * (cli.warmup + cli.steps)
-    with tqdm(total=total, desc="train steps (ours+hf)", disable=None) as progress:
-        for case in cases:
-            for precision in precisions:
-                results.append(bench_config(*case, device, dtype, precision, cli, progress))
+        cli.warmup, cli.steps = 1, 2
+    return cli
+
+
+def cases(cli) -> list[tuple]:
+    """(config name, ModelArgs, batch size, sequence length) of each --config (or of --smoke's tiny model)."""
+    if cli.smoke:
+        return [("smoke", common.model_args("smoke"), 2, 32)]
+    found = []
+    for name in cli.config:
+        try:
+            margs = common.model_args(name)
+        except UserError as e:
+            if name != "default":
+                raise
+            print(f"skipping default: {e}")  # configs/default.toml is written by the training engineer
+            continue
+        found.append((name, margs, cli.batch_size or 16, cli.seq_len or margs.max_seq_len))
+    return found
+
+
+def report(results: list[dict]):
     rows = [
         [
             r["config"],
@@ -133,6 +133,20 @@ def main(argv: list[str]) -> int:
     ]
     headers = ["config", "precision", "params (M)", "batch", "ours tok/s", "HF tok/s", "ours/HF", "ours MFU"]
     common.print_table(headers, rows)
+
+
+def main(argv: list[str]) -> int:
+    cli = parse_args(argv)
+    device, dtype = common.setup(cli)
+    keep_freed_memory()  # as train.py does, for both models
+    todo = cases(cli)
+    results = []
+    total = len(todo) * len(cli.precisions) * (cli.warmup + cli.steps)
+    with tqdm(total=total, desc="train steps (ours+hf)", disable=None) as progress:
+        for case in todo:
+            for precision in cli.precisions:
+                results.append(bench_config(*case, device, dtype, precision, cli, progress))
+    report(results)
     common.write_results(cli, {"results": results})
     return 0
 

@@ -28,10 +28,12 @@ if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import d
 from cli import (  # noqa: E402
     ArgumentParser,
     UserError,
+    add_out,
     atomic_output,
     check_writable,
     exclusive,
     file_kind,
+    positive,
     remove,
     replace,
     run_command,
@@ -741,16 +743,18 @@ def parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--source", default="shakespeare", help="shakespeare (default), PATH or hf:NAME[:CONFIG]")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary to train (default 4096)")
-    parser.add_argument("--out", help="output directory (default data/<source name> in the repository)")
+    parser.add_argument(
+        "--vocab-size", type=positive(), default=4096, help="tokenizer vocabulary to train (default 4096)"
+    )
+    add_out(parser, "the dataset directory written (default data/<source name> in the repository)")
     parser.add_argument("--tokenizer", help="use this existing sentencepiece tokenizer.model instead of training one")
     parser.add_argument("--force", action="store_true", help="rebuild even if the output exists")
     parser.add_argument("--text-field", default="text", help="record field with the text (.jsonl/.json/.parquet/hf:)")
-    parser.add_argument("--max-docs", type=int, help="stop after this many documents")
+    parser.add_argument("--max-docs", type=positive(), help="stop after this many documents")
     parser.add_argument(
         "--shard-tokens", type=parse_size, default=SHARD_TOKENS, help="tokens per shard file (default 100M)"
     )
-    parser.add_argument("--workers", type=int, help="threads encoding the text (default: all cores)")
+    parser.add_argument("--workers", type=positive(), help="threads encoding the text (default: all cores)")
     parser.add_argument(
         "--max-bytes",
         type=parse_size,

@@ -57,8 +57,11 @@ def test_smoke_run_writes_results(script, tmp_path):
     [
         ("train", ["--config", "no-such-config"], "no config 'no-such-config'"),
         ("data", ["--source", "/no/such/corpus.txt"], "data/prepare.py failed"),
-        ("quantize", [], "--checkpoint RUN_DIR is required"),
-        ("quantize", ["--checkpoint", "/no/such/run"], "not a picollama run directory"),
+        ("quantize", [], "--run RUN_DIR is required"),
+        ("quantize", ["--run", "/no/such/run"], "not a picollama run directory"),
+        ("decode", ["--positions", "16,0"], "argument --positions: '0' is not a positive int"),
+        ("train", ["--precisions", "float32,float16"], "unknown 'float16' (choose from float32, bfloat16)"),
+        ("memory", ["--dtype", "float8"], "dtype 'float8'"),
     ],
 )
 def test_bad_input_is_one_error_line(script, args, message, tmp_path):

@@ -201,62 +201,70 @@ CASES = [
     ("train", train_args("--train.sample_tokens=40"), "train.sample_tokens (40) and the prompt (1 tokens): 41 tok"),
     ("train", train_args("--train.sample_tokens=20", "--train.sample_prompt=" + "a b c d " * 8), "and the prompt ("),
     # generate.py
-    ("generate", ["--checkpoint", "{ws}/missing"], "not a picollama run directory"),
-    ("generate", ["--checkpoint", "{ws}/run/model.safetensors"], "pass the run directory"),
-    ("generate", ["--checkpoint", "{ws}/hf"], "python convert.py from-hf"),
-    ("generate", ["--checkpoint", "{ws}/nan_run"], "NaN or infinite weights"),
-    ("generate", ["--checkpoint", "{ws}/mismatch_run"], "model.dim is 64 there, 32 in the weights"),
-    ("generate", ["--checkpoint", "{ws}/huge_context_run"], "config.json is corrupt: model.max_seq_len must be at"),
-    ("generate", ["--checkpoint", "{ws}/zero_context_run"], "corrupt: model.max_seq_len must be positive, not 0"),
-    ("generate", ["--checkpoint", "{ws}/huge_dim_run"], "config.json is corrupt: model.dim must be at most 65,536"),
-    ("generate", ["--checkpoint", "{ws}/many_layers_run"], "config.json is corrupt: model.n_layers must be at most"),
-    ("generate", ["--checkpoint", "{ws}/no_bos_run"], "no_bos_run: its tokenizer has no BOS token to begin an empty"),
-    ("generate", ["--checkpoint", "{ws}/more_layers_run"], "model.n_layers is 1000 there, 2 in the weights"),
-    ("generate", ["--checkpoint", "{ws}/small_tokenizer_run"], "not the tokenizer the model was saved with"),
-    ("generate", ["--checkpoint", "{ws}/run", "--temperature", "nan"], "temperature must be a finite number"),
-    ("generate", ["--checkpoint", "{ws}/run", "--rope-scaling", "ntk", "--rope-factor", "0"], "--rope-factor"),
-    ("generate", ["--checkpoint", "{ws}/run", "--rope-scaling", "yarn", "--rope-factor", "inf"], "--rope-factor"),
-    ("generate", ["--checkpoint", "{ws}/run", "--rope-scaling", "none", "--rope-factor", "4"], "--rope-factor"),
-    ("generate", ["--checkpoint", "{ws}/run", "--prompt-file", "{ws}/missing.txt"], "--prompt-file"),
-    ("generate", ["--checkpoint", "{ws}/run", "--top-k", "0"], "--top-k"),
-    ("generate", ["--checkpoint", "{ws}/run", "--prompt-file", "{ws}/latin1.txt"], "is not UTF-8 text (byte 3)"),
-    ("generate", ["--checkpoint", "{ws}/run", "--device", "mps"], "MPS (Apple's GPU) is not available"),
-    ("generate", ["--checkpoint", "{ws}/run", "--device", "meta"], "picollama runs on cpu, cuda"),
-    ("generate", ["--checkpoint", "{ws}/bool_as_string_run"], "model.tie_embeddings must be bool, not str 'yes'"),
-    ("generate", ["--checkpoint", "{ws}/null_dim_run"], "model.dim must be int, not NoneType None"),
+    ("generate", ["--run", "{ws}/missing"], "not a picollama run directory"),
+    ("generate", ["--run", "{ws}/run/model.safetensors"], "pass the run directory"),
+    ("generate", ["--run", "{ws}/hf"], "python convert.py from-hf"),
+    ("generate", ["--run", "{ws}/nan_run"], "NaN or infinite weights"),
+    ("generate", ["--run", "{ws}/mismatch_run"], "model.dim is 64 there, 32 in the weights"),
+    ("generate", ["--run", "{ws}/huge_context_run"], "config.json is corrupt: model.max_seq_len must be at most"),
+    ("generate", ["--run", "{ws}/zero_context_run"], "corrupt: model.max_seq_len must be positive, not 0"),
+    ("generate", ["--run", "{ws}/huge_dim_run"], "config.json is corrupt: model.dim must be at most 65,536"),
+    ("generate", ["--run", "{ws}/many_layers_run"], "config.json is corrupt: model.n_layers must be at most"),
+    ("generate", ["--run", "{ws}/more_layers_run"], "model.n_layers is 1000 there, 2 in the weights"),
+    ("generate", ["--run", "{ws}/no_bos_run"], "no_bos_run: its tokenizer has no BOS token to begin an empty"),
+    ("generate", ["--run", "{ws}/small_tokenizer_run"], "not the tokenizer the model was saved with"),
+    ("generate", ["--run", "{ws}/run", "--temperature", "nan"], "temperature must be a finite number"),
+    ("generate", ["--run", "{ws}/run", "--rope-scaling", "ntk", "--rope-factor", "0"], "--rope-factor"),
+    ("generate", ["--run", "{ws}/run", "--rope-scaling", "yarn", "--rope-factor", "inf"], "--rope-factor"),
+    ("generate", ["--run", "{ws}/run", "--rope-scaling", "none", "--rope-factor", "4"], "--rope-factor"),
+    ("generate", ["--run", "{ws}/run", "--prompt-file", "{ws}/missing.txt"], "--prompt-file"),
+    ("generate", ["--run", "{ws}/run", "--top-k", "0"], "--top-k"),
+    ("generate", ["--run", "{ws}/run", "--prompt-file", "{ws}/latin1.txt"], "is not UTF-8 text (byte 3)"),
+    ("generate", ["--run", "{ws}/run", "--device", "mps"], "MPS (Apple's GPU) is not available"),
+    ("generate", ["--run", "{ws}/run", "--device", "meta"], "picollama runs on cpu, cuda"),
+    ("generate", ["--run", "{ws}/bool_as_string_run"], "model.tie_embeddings must be bool, not str 'yes'"),
+    ("generate", ["--run", "{ws}/null_dim_run"], "model.dim must be int, not NoneType None"),
     # generate.py extrapolate
-    ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--out", "{ws}/file"], "is a file, not a directory"),
-    ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--out", "/proc/picollama"], "cannot write"),
-    ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--lengths", "100,abc"], "'abc' is not a valid int"),
-    ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--seed", "-1"], "--seed must be >= 0"),
-    ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--data", "{ws}/other_tokenizer_data"], "tokenizer"),
+    ("generate", ["extrapolate", "--run", "{ws}/run", "--out", "{ws}/file"], "is a file, not a directory"),
+    ("generate", ["extrapolate", "--run", "{ws}/run", "--out", "/proc/picollama"], "cannot write"),
+    ("generate", ["extrapolate", "--run", "{ws}/run", "--lengths", "100,abc"], "'abc' is not a positive int"),
+    ("generate", ["extrapolate", "--run", "{ws}/run", "--seed", "-1"], "--seed: invalid non-negative int value: '-1'"),
+    ("generate", ["extrapolate", "--run", "{ws}/run", "--data", "{ws}/other_tokenizer_data"], "tokenizer"),
     (
         "generate",
-        ["extrapolate", "--checkpoint", "{ws}/run", "--data", "{ws}/truncated_data", "--out", "{ws}/report"],
+        ["extrapolate", "--run", "{ws}/run", "--data", "{ws}/truncated_data", "--out", "{ws}/report"],
         "truncated",
     ),
-    ("generate", ["extrapolate", "--checkpoint", "{ws}/nan_run"], "NaN or infinite weights"),
-    ("generate", ["extrapolate", "--checkpoint", "{ws}/huge_context_run"], "corrupt: model.max_seq_len must be at"),
-    ("generate", ["extrapolate", "--checkpoint", "{ws}/run", "--device", "mps"], "MPS (Apple's GPU) is not available"),
+    ("generate", ["extrapolate", "--run", "{ws}/nan_run"], "NaN or infinite weights"),
+    ("generate", ["extrapolate", "--run", "{ws}/huge_context_run"], "corrupt: model.max_seq_len must be at"),
+    ("generate", ["extrapolate", "--run", "{ws}/run", "--device", "mps"], "MPS (Apple's GPU) is not available"),
     # convert.py
-    ("convert", ["to-hf", "{ws}/run", "{ws}/run", "--force"], "overlaps the input"),
-    ("convert", ["to-hf", "{ws}/run", "{ws}", "--force"], "overlaps the input"),
-    ("convert", ["to-hf", "{ws}/run", "{ws}/run/hf", "--force"], "overlaps the input"),
-    ("convert", ["to-hf", "{ws}/run", "{ws}/hf"], "pass --force to replace it"),
-    ("convert", ["to-hf", "{ws}/run", "{ws}/file/hf"], "is a file, not a directory"),
-    ("convert", ["to-hf", "{ws}/run", "/proc/picollama-hf"], "cannot write"),
-    ("convert", ["to-hf", "{ws}/nan_run", "{ws}/out"], "NaN or infinite weights"),
-    ("convert", ["to-gguf", "{ws}/huge_dim_run", "{ws}/out.gguf"], "config.json is corrupt: model.dim must be at"),
-    ("convert", ["from-hf", "{ws}/run", "{ws}/out"], "not a Hugging Face Llama config"),
-    ("convert", ["from-hf", "{ws}/hf", "{ws}/hf", "--force"], "overlaps the input"),
-    ("convert", ["from-hf", "{ws}/hf_string_tie", "{ws}/out"], "tie_word_embeddings must be bool, not str 'false'"),
-    ("convert", ["from-hf", "{ws}/hf_null_eps", "{ws}/out"], "rms_norm_eps must be float, not NoneType"),
-    ("convert", ["to-gguf", "{ws}/run", "{ws}/null", "--force"], "null: it is a"),
-    ("convert", ["to-hf", "{ws}/run", "{ws}/home", "--force"], "not replacing {ws}/home: it holds .bashrc, so pico"),
-    ("convert", ["from-hf", "{ws}/hf", "{ws}/home", "--force"], "so picollama did not write it"),
-    ("convert", ["from-hf", "{ws}/hf", "{ws}/home/Documents", "--force"], "holds thesis.txt"),
-    ("convert", ["to-gguf", "{ws}/run", "{ws}/file", "--force"], "file: it is not a GGUF file, so picollama did not"),
-    ("convert", ["to-hf", "{ws}/run", "{ws}/null", "--force"], "null: it is a"),
+    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/run", "--force"], "overlaps the input"),
+    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}", "--force"], "overlaps the input"),
+    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/run/hf", "--force"], "overlaps the input"),
+    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/hf"], "pass --force to replace it"),
+    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/file/hf"], "is a file, not a directory"),
+    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "/proc/picollama-hf"], "cannot write"),
+    ("convert", ["to-hf", "--run", "{ws}/nan_run", "--out", "{ws}/out"], "NaN or infinite weights"),
+    ("convert", ["to-gguf", "--run", "{ws}/huge_dim_run", "--out", "{ws}/o.gguf"], "config.json is corrupt: model.dim"),
+    ("convert", ["from-hf", "--hf-dir", "{ws}/run", "--out", "{ws}/out"], "not a Hugging Face Llama config"),
+    ("convert", ["from-hf", "--hf-dir", "{ws}/hf", "--out", "{ws}/hf", "--force"], "overlaps the input"),
+    (
+        "convert",
+        ["from-hf", "--hf-dir", "{ws}/hf_string_tie", "--out", "{ws}/out"],
+        "tie_word_embeddings must be bool, not str 'false'",
+    ),
+    (
+        "convert",
+        ["from-hf", "--hf-dir", "{ws}/hf_null_eps", "--out", "{ws}/out"],
+        "rms_norm_eps must be float, not NoneType",
+    ),
+    ("convert", ["to-gguf", "--run", "{ws}/run", "--out", "{ws}/null", "--force"], "null: it is a"),
+    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/null", "--force"], "null: it is a"),
+    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/home", "--force"], "not replacing {ws}/home: it holds"),
+    ("convert", ["from-hf", "--hf-dir", "{ws}/hf", "--out", "{ws}/home", "--force"], "so picollama did not write it"),
+    ("convert", ["from-hf", "--hf-dir", "{ws}/hf", "--out", "{ws}/home/Documents", "--force"], "holds thesis.txt"),
+    ("convert", ["to-gguf", "--run", "{ws}/run", "--out", "{ws}/file", "--force"], "file: it is not a GGUF file, so"),
     # data/prepare.py
     ("prepare", ["--source", "{ws}/missing", "--out", "{ws}/out"], "no such file or directory"),
     ("prepare", ["--source", "{ws}/corpus", "--out", "/proc/picollama-data"], "cannot write"),
@@ -293,8 +301,8 @@ def test_as_scripts_too(ws):
     scripts' own entry points."""
     commands = [
         ["train.py", *train_args("--train.out_dir=/proc/picollama-run")],
-        ["generate.py", "--checkpoint", "{ws}/hf"],
-        ["convert.py", "to-hf", "{ws}/run", "{ws}/run", "--force"],
+        ["generate.py", "--run", "{ws}/hf"],
+        ["convert.py", "to-hf", "--run", "{ws}/run", "--out", "{ws}/run", "--force"],
         ["data/prepare.py", "--source", "{ws}/corpus", "--out", "/proc/picollama-data"],
         ["bench/decode.py", "--positions", "16,abc", "--out", "{ws}/bench.json"],
     ]
@@ -328,7 +336,10 @@ def test_outputs_that_are_not_files_are_refused_and_left_alone(ws, tmp_path, cap
     make_device(tmp_path / "device")
     outputs = {tmp_path / "fifo": "a FIFO", tmp_path / "loop": "a symbolic link loop", tmp_path / "device": "it is a"}
     for path, kind in outputs.items():
-        for argv in (["to-gguf", str(ws / "run"), str(path), "--force"], ["to-hf", str(ws / "run"), str(path)]):
+        for argv in (
+            ["to-gguf", "--run", str(ws / "run"), "--out", str(path), "--force"],
+            ["to-hf", "--run", str(ws / "run"), "--out", str(path)],
+        ):
             assert run_command(convert.main, argv) == 2
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and f"cannot write {path}: " in err and kind in err, err
@@ -345,10 +356,10 @@ def test_force_replaces_what_picollama_wrote(ws, tmp_path, capsys):
     shutil.copytree(ws / "hf", tmp_path / "hf")
     (tmp_path / "hf" / ".model.safetensors.tmp-4242").write_bytes(b"half a save")
     for argv in (
-        ["from-hf", str(ws / "hf"), str(tmp_path / "trained"), "--force"],
-        ["to-hf", str(ws / "run"), str(tmp_path / "hf"), "--force"],
-        ["to-gguf", str(ws / "run"), str(tmp_path / "m.gguf")],
-        ["to-gguf", str(ws / "run"), str(tmp_path / "m.gguf"), "--force"],
+        ["from-hf", "--hf-dir", str(ws / "hf"), "--out", str(tmp_path / "trained"), "--force"],
+        ["to-hf", "--run", str(ws / "run"), "--out", str(tmp_path / "hf"), "--force"],
+        ["to-gguf", "--run", str(ws / "run"), "--out", str(tmp_path / "m.gguf")],
+        ["to-gguf", "--run", str(ws / "run"), "--out", str(tmp_path / "m.gguf"), "--force"],
     ):
         assert run_command(convert.main, argv) == 0, capsys.readouterr().err
     imported = sorted(p.name for p in (tmp_path / "trained").iterdir())
@@ -395,6 +406,6 @@ def test_compile_without_a_compiler_is_refused_before_work(ws, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--compile needs a working C++ compiler" in err, err
         assert not (ws / "new").exists()
-        args = generate.parser().parse_args(["--checkpoint", str(ws / "run"), "--compile"])
+        args = generate.parser().parse_args(["--run", str(ws / "run"), "--compile"])
         with pytest.raises(UserError, match="--compile needs a working C\\+\\+ compiler"):
             generate.sample_command(args)

@@ -14,7 +14,7 @@ import convert
 from checkpoint import load_model, load_run, save_model
 from cli import run_command
 from convert import from_hf_state_dict, hf_config, to_hf_state_dict
-from generate import encode_prompt, generate
+from generate import Sampling, encode_prompt, generate
 from model import ModelArgs, Transformer
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32, multiple_of=16)
@@ -81,7 +81,7 @@ def run_dir(make_tiny_run, one_thread):
 
 def test_to_hf_loads_in_transformers_with_the_same_logits(run_dir, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    assert run_command(convert.main, ["to-hf", str(run_dir), str(tmp_path / "hf")]) == 0
+    assert run_command(convert.main, ["to-hf", "--run", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'hf'}"
     ours, _ = load_model(run_dir)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -97,9 +97,9 @@ def test_to_hf_loads_in_transformers_with_the_same_logits(run_dir, tmp_path, cap
     for text in ["ab cd ef.", "  two spaces\nand a line", "Héllo ✓ 123"]:
         assert tokenizer(text).input_ids == [sp.bos_id(), *sp.encode(text)]
     # the output is not overwritten without --force
-    assert run_command(convert.main, ["to-hf", str(run_dir), str(tmp_path / "hf")]) == 2
+    assert run_command(convert.main, ["to-hf", "--run", str(run_dir), "--out", str(tmp_path / "hf")]) == 2
     assert "--force" in capsys.readouterr().err
-    assert run_command(convert.main, ["to-hf", str(run_dir), str(tmp_path / "hf"), "--force"]) == 0
+    assert run_command(convert.main, ["to-hf", "--run", str(run_dir), "--out", str(tmp_path / "hf"), "--force"]) == 0
 
 
 def test_an_output_overlapping_the_input_is_refused_even_with_force(run_dir, tmp_path, capsys):
@@ -107,10 +107,10 @@ def test_an_output_overlapping_the_input_is_refused_even_with_force(run_dir, tmp
     shutil.copytree(run_dir, run)
     before = sorted(p.name for p in run.iterdir())
     for out in (run, run / "hf", tmp_path):  # the run itself, inside it, and a folder holding it
-        assert run_command(convert.main, ["to-hf", str(run), str(out), "--force"]) == 2
+        assert run_command(convert.main, ["to-hf", "--run", str(run), "--out", str(out), "--force"]) == 2
         assert "overlaps the input" in capsys.readouterr().err
         assert sorted(p.name for p in run.iterdir()) == before
-    assert run_command(convert.main, ["from-hf", str(run), str(run), "--force"]) == 2
+    assert run_command(convert.main, ["from-hf", "--hf-dir", str(run), "--out", str(run), "--force"]) == 2
     assert "overlaps the input" in capsys.readouterr().err
     assert load_model(run)[0].args.vocab_size == 320
 
@@ -149,7 +149,7 @@ def test_from_hf_gives_the_same_logits(run_dir, tmp_path, shard, tied):
     theirs = random_hf_llama(tmp_path / "hf", shard=shard, tie_word_embeddings=tied)
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == shard
     shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
-    assert run_command(convert.main, ["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
     ours, config = load_model(tmp_path / "run")
     assert ours.args.rope_scaling == "llama3" and ours.args.n_kv_heads == 2 and "converted_from" in config
     assert ours.args.tie_embeddings == tied
@@ -161,14 +161,14 @@ def test_from_hf_gives_the_same_logits(run_dir, tmp_path, shard, tied):
 
 def test_from_hf_refuses_what_it_cannot_read(run_dir, tmp_path, capsys):
     random_hf_llama(tmp_path / "hf")
-    assert run_command(convert.main, ["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
+    assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
     assert "no sentencepiece tokenizer.model" in capsys.readouterr().err
     shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(
         json.dumps(config | {"model_type": "mistral", "architectures": ["MistralForCausalLM"]})
     )
-    assert run_command(convert.main, ["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
+    assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
     assert "not a Llama model" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing half-written
 
@@ -181,10 +181,10 @@ def test_a_from_hf_import_is_a_run_generate_loads(run_dir, tmp_path, overrides, 
     """What from-hf writes, generate reads: tied embeddings, no RoPE scaling, half-precision weights."""
     random_hf_llama(tmp_path / "hf", dtype=dtype, **overrides)
     shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
-    assert run_command(convert.main, ["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
     model, _, tokenizer = load_run(tmp_path / "run", "cpu", torch.float32)  # what generate.py loads
     prompt = encode_prompt(tokenizer, "the cat")
-    assert len(generate(model, [prompt], max_new_tokens=4, temperature=0.0)[0]) == 4
+    assert len(generate(model, [prompt], Sampling(4, temperature=0))[0]) == 4
 
 
 @pytest.mark.parametrize(
@@ -200,7 +200,7 @@ def test_from_hf_refuses_what_generate_could_not_load(run_dir, tmp_path, capsys,
     random_hf_llama(tmp_path / "hf", **overrides)
     shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
     capsys.readouterr()  # transformers' progress bars
-    assert run_command(convert.main, ["from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
+    assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "run").exists()
@@ -209,11 +209,11 @@ def test_from_hf_refuses_what_generate_could_not_load(run_dir, tmp_path, capsys,
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["to-hf", "{missing}", "{out}"], "not a picollama run directory"),
-        (["from-hf", "{run}", "{out}"], "not a Hugging Face Llama config"),
+        (["to-hf", "--run", "{missing}", "--out", "{out}"], "not a picollama run directory"),
+        (["from-hf", "--hf-dir", "{run}", "--out", "{out}"], "not a Hugging Face Llama config"),
         (["sideways", "{run}", "{out}"], "invalid choice"),
-        (["to-gguf", "{missing}", "{out}"], "not a picollama run directory"),
-        (["to-gguf", "{run}", "{out}", "--type", "q4_0"], "invalid choice"),
+        (["to-gguf", "--run", "{missing}", "--out", "{out}"], "not a picollama run directory"),
+        (["to-gguf", "--run", "{run}", "--out", "{out}", "--type", "q4_0"], "invalid choice"),
     ],
 )
 def test_command_errors_are_one_line(run_dir, tmp_path, capsys, argv, message):
@@ -262,14 +262,19 @@ def gguf_files(run_dir, tmp_path_factory, llama_cpp):
     """run_dir exported as f32, f16 and q8_0 GGUF files (for llama.cpp to read)."""
     out = tmp_path_factory.mktemp("gguf")
     for kind in convert.GGUF_TYPES:
-        assert run_command(convert.main, ["to-gguf", str(run_dir), str(out / f"{kind}.gguf"), "--type", kind]) == 0
+        assert (
+            run_command(
+                convert.main, ["to-gguf", "--run", str(run_dir), "--out", str(out / f"{kind}.gguf"), "--type", kind]
+            )
+            == 0
+        )
     return {kind: out / f"{kind}.gguf" for kind in convert.GGUF_TYPES}
 
 
 def test_gguf_continues_like_generate_in_llama_cpp(run_dir, gguf_files, llama_cpp):
     model, _, tokenizer = load_run(run_dir, "cpu", torch.float32)
     prompt = encode_prompt(tokenizer, "ab cd")
-    ours = generate(model, [prompt], 24, temperature=0)[0]
+    ours = generate(model, [prompt], Sampling(24, temperature=0))[0]
     with closing(llama_cpp.Llama(str(gguf_files["f32"]), n_ctx=32, n_threads=1, verbose=False)) as llm:
         assert list(itertools.islice(llm.generate(prompt, temp=0.0), 24)) == ours
         for text in ["ab cd ef.", "  two spaces\nand a line", "Héllo ✓ 123"]:  # the tokenizer round-trips
@@ -305,7 +310,9 @@ def test_gguf_carries_rope_scaling(run_dir, tmp_path, scaling, llama_cpp):
     scaled = Transformer(dataclasses.replace(args, **scaling)).eval()
     scaled.load_state_dict(plain.state_dict())
     save_model(scaled, tmp_path / "run", tokenizer=run_dir / "tokenizer.model")
-    assert run_command(convert.main, ["to-gguf", str(tmp_path / "run"), str(tmp_path / "m.gguf")]) == 0
+    assert (
+        run_command(convert.main, ["to-gguf", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "m.gguf")]) == 0
+    )
     tokens = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, unscaled = scaled(tokens[None])[0], plain(tokens[None])[0]
@@ -319,10 +326,10 @@ def test_gguf_refuses_dynamic_ntk_and_an_existing_file(run_dir, tmp_path, capsys
     config = json.loads((run / "config.json").read_text())
     config["model"] |= {"rope_scaling": "dynamic", "rope_factor": 2.0}
     (run / "config.json").write_text(json.dumps(config))
-    assert run_command(convert.main, ["to-gguf", str(run), str(tmp_path / "m.gguf")]) == 2
+    assert run_command(convert.main, ["to-gguf", "--run", str(run), "--out", str(tmp_path / "m.gguf")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: RoPE scaling 'dynamic'") and err.count("\n") == 1
     assert not list(tmp_path.glob("*.gguf*"))  # nothing half-written
     (tmp_path / "m.gguf").write_text("keep")
-    assert run_command(convert.main, ["to-gguf", str(run_dir), str(tmp_path / "m.gguf")]) == 2
+    assert run_command(convert.main, ["to-gguf", "--run", str(run_dir), "--out", str(tmp_path / "m.gguf")]) == 2
     assert "--force" in capsys.readouterr().err and (tmp_path / "m.gguf").read_text() == "keep"

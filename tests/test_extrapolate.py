@@ -27,7 +27,7 @@ def tiny_run(make_tiny_run, one_thread):
 
 
 def extrapolate_argv(run_dir, *more):
-    return ["extrapolate", "--checkpoint", str(run_dir), "--probe-span", str(SPAN), "--probes", "4", *more]
+    return ["extrapolate", "--run", str(run_dir), "--probe-span", str(SPAN), "--probes", "4", *more]
 
 
 def test_extrapolation_writes_report(tiny_run, capsys):
@@ -229,19 +229,19 @@ def test_bad_extrapolation_input_is_one_line(tiny_run, tmp_path, capsys):
     (tmp_path / "data" / "meta.json").write_text(json.dumps(meta | {"tokenizer_sha256": "0" * 64}))
     for argv, message in [
         (["--data", str(tmp_path / "data")], "another tokenizer"),
-        (["--methods", "none,rope9"], "unknown rope9"),
-        (["--lengths", "32,abc"], "comma-separated"),
-        (["--lengths", "32,abc"], "'abc' is not a valid int"),
+        (["--methods", "none,rope9"], "unknown 'rope9' (choose from none, linear"),
+        (["--lengths", "32,abc"], "--lengths: 'abc' is not a positive int (in '32,abc')"),
+        (["--lengths", ","], "expected a comma-separated list"),
         (["--lengths", "32,100000"], "no val document"),
         (["--data", str(run_dir)], "not a prepared dataset"),
-        (["--probes", "0"], "--probes must be >= 1"),
+        (["--probes", "0"], "--probes: invalid positive int value: '0'"),
         (["--probe-span", "1"], "--probe-span must be >= 2"),
     ]:
-        assert run_command(generate.main, ["extrapolate", "--checkpoint", str(run_dir), *argv]) == 2
+        assert run_command(generate.main, ["extrapolate", "--run", str(run_dir), *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and "\n" not in err
     for checkpoints, message in [(f"{run_dir},{run_dir}/", "names a run twice"), (f"{run_dir},{data_dir}", "--out")]:
-        assert run_command(generate.main, ["extrapolate", "--checkpoint", checkpoints]) == 2
+        assert run_command(generate.main, ["extrapolate", "--run", checkpoints]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and "\n" not in err
 
@@ -250,7 +250,7 @@ def test_unwritable_out_fails_before_the_evaluation(tiny_run, tmp_path, capsys, 
     run_dir, _ = tiny_run
     monkeypatch.setattr(extrapolate, "evaluate_run", lambda *a, **k: pytest.fail("evaluated"))
     (tmp_path / "file").write_text("not a directory")
-    argv = ["extrapolate", "--checkpoint", str(run_dir), "--out", str(tmp_path / "file")]
+    argv = ["extrapolate", "--run", str(run_dir), "--out", str(tmp_path / "file")]
     assert run_command(generate.main, argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot write") and "a file" in err and err.count("\n") == 1

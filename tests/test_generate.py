@@ -11,7 +11,7 @@ import generate
 from checkpoint import load_model, model_from_state_dict, save_model
 from cli import run_command
 from data.prepare import train_tokenizer
-from generate import TextStream, decode_steps, sample
+from generate import Sampling, TextStream, decode_steps, sample
 from model import ModelArgs, Transformer
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16)
@@ -32,12 +32,12 @@ def make_model(std=None, **overrides) -> Transformer:
 
 def test_seeded_sampling_is_reproducible():
     model = make_model()
-    first = generate.generate(model, PROMPTS, 12, temperature=1.0, top_k=20, top_p=0.9, seed=3)
-    assert first == generate.generate(model, PROMPTS, 12, temperature=1.0, top_k=20, top_p=0.9, seed=3)
-    assert first != generate.generate(model, PROMPTS, 12, temperature=1.0, top_k=20, top_p=0.9, seed=4)
+    first = generate.generate(model, PROMPTS, Sampling(12, temperature=1.0, top_k=20, top_p=0.9, seed=3))
+    assert first == generate.generate(model, PROMPTS, Sampling(12, temperature=1.0, top_k=20, top_p=0.9, seed=3))
+    assert first != generate.generate(model, PROMPTS, Sampling(12, temperature=1.0, top_k=20, top_p=0.9, seed=4))
     assert [len(row) for row in first] == [12, 12, 12]
-    greedy = generate.generate(model, PROMPTS, 12, temperature=0)
-    assert generate.generate(model, PROMPTS, 12, temperature=1.0, top_k=1, seed=5) == greedy
+    greedy = generate.generate(model, PROMPTS, Sampling(12, temperature=0))
+    assert generate.generate(model, PROMPTS, Sampling(12, temperature=1.0, top_k=1, seed=5)) == greedy
 
 
 def test_top_k_and_top_p_restrict_the_support():
@@ -55,19 +55,19 @@ def test_top_k_and_top_p_restrict_the_support():
 @pytest.mark.parametrize("rope", ["none", "dynamic"])
 def test_batch_of_different_lengths_equals_one_by_one(rope):
     model = make_model(rope_scaling=rope, max_seq_len=16 if rope == "dynamic" else 32)  # dynamic: past its context
-    batch = generate.generate(model, PROMPTS, 20, temperature=0)
-    alone = [generate.generate(model, [prompt], 20, temperature=0)[0] for prompt in PROMPTS]
+    batch = generate.generate(model, PROMPTS, Sampling(20, temperature=0))
+    alone = [generate.generate(model, [prompt], Sampling(20, temperature=0))[0] for prompt in PROMPTS]
     assert batch == alone and all(len(row) == 20 for row in batch)
 
 
 def test_eos_stops_each_row_and_is_not_returned():
     model = make_model()
-    free = generate.generate(model, PROMPTS, 16, temperature=0)
+    free = generate.generate(model, PROMPTS, Sampling(16, temperature=0))
     # an EOS that row 0 produces at step i > 0 for the first time
     i, eos = next((i, t) for i, t in enumerate(free[0]) if i > 0 and t not in free[0][:i])
     streamed = [[] for _ in PROMPTS]
     out = generate.generate(
-        model, PROMPTS, 16, temperature=0, eos_id=eos, on_token=lambda row, token: streamed[row].append(token)
+        model, PROMPTS, Sampling(16, temperature=0), eos_id=eos, on_token=lambda row, token: streamed[row].append(token)
     )
     expected = [row[: row.index(eos)] if eos in row else row for row in free]
     assert out == expected == streamed and len(out[0]) == i
@@ -76,9 +76,9 @@ def test_eos_stops_each_row_and_is_not_returned():
 def test_too_long_needs_rope_scaling():
     model = make_model()
     with pytest.raises(ValueError, match="--rope-scaling"):
-        generate.generate(model, [[1] * 10], 30)
+        generate.generate(model, [[1] * 10], Sampling(30))
     model.args = model.args.stretched("linear", 64, factor=2.0)
-    assert len(generate.generate(model, [[1] * 10], 30, temperature=0)[0]) == 30
+    assert len(generate.generate(model, [[1] * 10], Sampling(30, temperature=0))[0]) == 30
 
 
 def test_dynamic_ntk_with_cache_is_exact():
@@ -114,9 +114,9 @@ def test_ids_beyond_the_tokenizer_are_never_chosen():
     model = make_model()
     with torch.no_grad():
         model.output.weight[60:] *= 50  # the ids a 60-piece tokenizer could not decode dominate the logits
-    assert max(t for row in generate.generate(model, PROMPTS, 12, temperature=0) for t in row) >= 60
+    assert max(t for row in generate.generate(model, PROMPTS, Sampling(12, temperature=0)) for t in row) >= 60
     for temperature in (0, 1.0):
-        rows = generate.generate(model, PROMPTS, 12, temperature=temperature, seed=0, vocab_limit=60)
+        rows = generate.generate(model, PROMPTS, Sampling(12, temperature=temperature, seed=0), vocab_limit=60)
         assert all(len(row) == 12 and max(row) < 60 for row in rows)
 
 
@@ -137,10 +137,7 @@ def run_dir(make_tiny_run, one_thread):
 
 def test_command_streams_and_summarises(run_dir, capsys):
     assert (
-        generate.main(
-            ["--checkpoint", str(run_dir), "--prompt", "ab cd", "--max-new-tokens", "20", "--temperature", "0"]
-        )
-        == 0
+        generate.main(["--run", str(run_dir), "--prompt", "ab cd", "--max-new-tokens", "20", "--temperature", "0"]) == 0
     )
     out, err = capsys.readouterr()
     assert out.startswith("ab cd") and len(out) > len("ab cd\n")
@@ -150,7 +147,7 @@ def test_command_streams_and_summarises(run_dir, capsys):
 def test_command_batches_a_prompt_file(run_dir, tmp_path, capsys):
     (tmp_path / "prompts.txt").write_text("ab\n\nab cd ef gh\nx\n")
     argv = [
-        "--checkpoint",
+        "--run",
         str(run_dir),
         "--prompt-file",
         str(tmp_path / "prompts.txt"),
@@ -166,10 +163,7 @@ def test_command_batches_a_prompt_file(run_dir, tmp_path, capsys):
     assert len(samples) == 6 and samples[-1].startswith("6/6")
     texts = [s.split("---\n", 1)[1].rstrip("\n") for s in samples]
     assert texts[0] == texts[1] and texts[2].startswith("ab cd ef gh")
-    assert (
-        generate.main(["--checkpoint", str(run_dir), "--prompt", "ab", "--max-new-tokens", "8", "--temperature", "0"])
-        == 0
-    )
+    assert generate.main(["--run", str(run_dir), "--prompt", "ab", "--max-new-tokens", "8", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == texts[0]  # greedy in a batch = alone
 
 
@@ -181,20 +175,20 @@ def test_a_tokenizer_with_fewer_pieces_than_the_model(run_dir, tmp_path, capsys)
         state[name] = torch.cat([state[name], 50 * state[name][:80]])  # ids 320..399, louder copies of 0..79
     wide = model_from_state_dict(ModelArgs(**config["model"] | {"vocab_size": 400}), state)
     save_model(wide, tmp_path / "wide", tokenizer=run_dir / "tokenizer.model")
-    argv = ["--checkpoint", str(tmp_path / "wide"), "--prompt", "ab", "--max-new-tokens", "10", "--temperature", "0"]
+    argv = ["--run", str(tmp_path / "wide"), "--prompt", "ab", "--max-new-tokens", "10", "--temperature", "0"]
     assert run_command(generate.main, argv) == 0
     out, err = capsys.readouterr()
     assert out.startswith("ab") and len(out.strip()) > len("ab") and "10 new tokens" in err, (out, err)
     # another, smaller tokenizer in place of the run's own: refused
     shutil.copytree(run_dir, tmp_path / "swapped")
     (tmp_path / "swapped" / "tokenizer.model").write_bytes(train_tokenizer(["a smaller tokenizer\n"] * 20, 280, 0))
-    assert run_command(generate.main, ["--checkpoint", str(tmp_path / "swapped")]) == 2
+    assert run_command(generate.main, ["--run", str(tmp_path / "swapped")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "not the tokenizer the model was saved with" in err, err
 
 
 def test_command_context_limit_names_rope_scaling(run_dir, capsys):
-    argv = ["--checkpoint", str(run_dir), "--max-new-tokens", "40", "--temperature", "0"]
+    argv = ["--run", str(run_dir), "--max-new-tokens", "40", "--temperature", "0"]
     assert run_command(generate.main, argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "--rope-scaling" in err and err.count("\n") == 1
@@ -209,7 +203,7 @@ def test_sampling_past_the_context_is_the_position_encodings_to_allow(run_dir, t
     torch.manual_seed(0)
     args = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=320, max_seq_len=32, position=position)
     run = save_model(Transformer(args).eval(), tmp_path / position, tokenizer=run_dir / "tokenizer.model")
-    argv = ["--checkpoint", str(run), "--prompt", "ab", "--max-new-tokens", "128", "--temperature", "0"]
+    argv = ["--run", str(run), "--prompt", "ab", "--max-new-tokens", "128", "--temperature", "0"]
     status = run_command(generate.main, argv)
     out, err = capsys.readouterr()
     if position == "learned":
@@ -225,10 +219,10 @@ def test_sampling_past_the_context_is_the_position_encodings_to_allow(run_dir, t
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--checkpoint", "{missing}"], "not a picollama run directory"),
-        (["--checkpoint", "{run}", "--temperature", "-1"], "temperature"),
-        (["--checkpoint", "{run}", "--rope-scaling", "rope9"], "invalid choice"),
-        (["--checkpoint", "{run}", "--rope-scaling", "linear", "--rope-factor", "0.5"], "--rope-factor"),
+        (["--run", "{missing}"], "not a picollama run directory"),
+        (["--run", "{run}", "--temperature", "-1"], "temperature"),
+        (["--run", "{run}", "--rope-scaling", "rope9"], "invalid choice"),
+        (["--run", "{run}", "--rope-scaling", "linear", "--rope-factor", "0.5"], "--rope-factor"),
     ],
 )
 def test_command_errors_are_one_line(run_dir, tmp_path, capsys, argv, message):
@@ -251,7 +245,7 @@ def test_command_errors_are_one_line(run_dir, tmp_path, capsys, argv, message):
     ],
 )
 def test_command_refuses_a_bad_rope_factor(run_dir, capsys, rope):
-    argv = ["--checkpoint", str(run_dir), "--max-new-tokens", "4", "--temperature", "0", *rope]
+    argv = ["--run", str(run_dir), "--max-new-tokens", "4", "--temperature", "0", *rope]
     assert run_command(generate.main, argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("error: --rope-factor") and err.count("\n") == 1

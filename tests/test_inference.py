@@ -7,6 +7,7 @@ import torch
 
 import generate
 import inference
+from generate import Sampling
 from inference import DecodeStep, Int8Linear, compile_step, fuse, quantize, rope_table
 from model import ModelArgs, Transformer, apply_rotary, rope_rotations
 
@@ -85,8 +86,8 @@ def test_dynamic_ntk_is_refused():
 
 def test_generate_with_the_fused_step_gives_the_same_tokens():
     model = make_model()
-    expected = generate.generate(copy_of(model), PROMPTS, 20, temperature=0)
-    assert generate.generate(model, PROMPTS, 20, temperature=0, step=DecodeStep(model)) == expected
+    expected = generate.generate(copy_of(model), PROMPTS, Sampling(20, temperature=0))
+    assert generate.generate(model, PROMPTS, Sampling(20, temperature=0), step=DecodeStep(model)) == expected
 
 
 def test_int8_weights_round_per_output_row():
@@ -144,8 +145,8 @@ def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
     step = compile_step(DecodeStep(model))
     # cache lengths 17, 42 (the RoPE table grows), 16: not 16 first, which dynamo would tie to the head size
     for prompts, new in (([[1, 5, 6, 7]], 13), ([[1, 9]], 40), ([[1, 2, 3]], 13)):
-        expected = generate.generate(reference, prompts, new, temperature=0)
-        assert generate.generate(model, prompts, new, temperature=0, step=step) == expected
+        expected = generate.generate(reference, prompts, Sampling(new, temperature=0))
+        assert generate.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
@@ -194,7 +195,7 @@ def test_step_threads_hold_while_it_runs_and_are_restored(one_thread):
 def test_compiled_unless_slower_decodes_like_the_model(one_thread):
     torch._dynamo.reset()
     model = make_model(n_layers=1)
-    expected = generate.generate(copy_of(model), PROMPTS[:1], 12, temperature=0)
+    expected = generate.generate(copy_of(model), PROMPTS[:1], Sampling(12, temperature=0))
     step, note = inference.compiled_unless_slower(model, DecodeStep(model))
     assert note is None or note.startswith("--compile:")
-    assert generate.generate(model, PROMPTS[:1], 12, temperature=0, step=step) == expected
+    assert generate.generate(model, PROMPTS[:1], Sampling(12, temperature=0), step=step) == expected

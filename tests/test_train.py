@@ -848,7 +848,7 @@ def test_a_full_disk_during_to_hf_leaves_nothing(make_tiny_run, small_disk, monk
     for checked_first in (True, False):
         if not checked_first:
             monkeypatch.setattr("cli.check_free_space", lambda *args, **kwargs: None)
-        assert run_command(convert.main, ["to-hf", str(run_dir), str(small_disk / "hf")]) == 2
+        assert run_command(convert.main, ["to-hf", "--run", str(run_dir), "--out", str(small_disk / "hf")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"cannot write {small_disk / 'hf'}" in err and "bytes free" in err, err
         assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]

@@ -417,7 +417,7 @@ def test_hf_export_refuses_what_llama_cannot_express(name):
 def test_every_exporter_refuses_every_non_llama_switch_in_one_line(name, command, tmp_path, capsys):
     run = save_model(make_model(**VARIANTS[name]), tmp_path / "run", {})
     out = tmp_path / ("hf" if command == "to-hf" else "m.gguf")
-    assert run_command(convert.main, [command, str(run), str(out)]) == 2
+    assert run_command(convert.main, [command, "--run", str(run), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     key = next(k for k in SWITCHES if k in VARIANTS[name])
     assert err.startswith("error: ") and f"has no model.{key} = " in err and err.count("\n") == 1
@@ -426,7 +426,7 @@ def test_every_exporter_refuses_every_non_llama_switch_in_one_line(name, command
 
 def test_hf_export_command_names_the_switch(tmp_path, capsys):
     run = save_model(make_model(qk_norm=True), tmp_path / "run", {})
-    assert run_command(convert.main, ["to-hf", str(run), str(tmp_path / "hf")]) == 2
+    assert run_command(convert.main, ["to-hf", "--run", str(run), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "model.qk_norm = True" in err and err.count("\n") == 1
     assert not (tmp_path / "hf").exists()

@@ -1,0 +1,117 @@
+"""The README's table of shared flags is what each command's --help says; old spellings still work, with a note."""
+
+import contextlib
+import importlib.util
+import io
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import convert
+import generate
+import train
+from cli import run_command
+from data import prepare
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = ("data", "decode", "memory", "quantize", "switches", "train")
+
+
+def help_text(main, argv: list[str]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return out.getvalue()
+
+
+def options(text: str) -> set[str]:
+    """The flags an argparse --help lists in its options section (`--a, --b` lines and `--a VALUE` lines)."""
+    listed = set()
+    for line in text.split("options:", 1)[1].splitlines():
+        match = re.match(r"\s{2}((?:-{1,2}[\w-]+(?: \S+)?(?:, )?)+)", line)
+        if match:
+            listed |= set(re.findall(r"(?<![\w-])--[\w-]+", match[1]))
+    return listed
+
+
+def bench_main(name: str):
+    sys.path.insert(0, str(REPO / "bench"))  # the scripts import their `common` module
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return module.main
+
+
+def command_helps() -> dict[str, dict[str, set[str]]]:
+    """README column -> {part (subcommand or script) -> the flags its --help lists}."""
+    return {
+        "`train.py`": {"train": options(help_text(train.main, []))},
+        "`generate.py`": {"sample": options(help_text(generate.main, []))},
+        "`generate.py extrapolate`": {"extrapolate": options(help_text(generate.main, ["extrapolate"]))},
+        "`convert.py`": {c: options(help_text(convert.main, [c])) for c in ("to-hf", "from-hf", "to-gguf")},
+        "`data/prepare.py`": {"prepare": options(help_text(prepare.main, []))},
+        "`bench/*.py`": {name: options(help_text(bench_main(name), [])) for name in BENCH},
+    }
+
+
+def readme_table() -> tuple[list[str], list[list[str]]]:
+    section = (REPO / "README.md").read_text().split("### One set of flags", 1)[1]
+    table = section[section.index("\n| ") :].split("\n\n", 1)[0]  # the first table after the heading
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()]
+    return rows[0], [row for row in rows[1:] if not row[0].startswith("---")]
+
+
+def test_the_readme_flag_table_is_each_commands_help():
+    header, rows = readme_table()
+    helps = command_helps()
+    assert set(header[2:]) == set(helps)
+    for row in rows:
+        flags = re.findall(r"--[\w-]+", row[0])
+        assert flags, row
+        for column, cell in zip(header[2:], row[2:], strict=True):
+            parts = helps[column]
+            if cell.startswith("✓"):
+                having = set(parts)
+            elif cell == "—":
+                having = set()
+            else:
+                having = {name.strip() for name in cell.split(",")}
+                assert having <= set(parts), (column, cell)
+            for part, listed in parts.items():
+                for flag in flags:
+                    assert (flag in listed) == (part in having), f"{flag} in {column} {part}: README says {cell}"
+
+
+def test_device_and_dtype_default_to_auto_everywhere():
+    for argv in ([], ["extrapolate", "--run", "r"]):
+        args = generate.parser().parse_args(argv)
+        assert (args.device, args.dtype) == ("auto", "auto")
+    from config import parse_cli
+
+    cfg, _ = parse_cli([])
+    assert (cfg.train.device, cfg.train.dtype) == ("auto", "auto")
+
+
+def test_old_spellings_still_work_with_a_note(tmp_path, capsys):
+    args = generate.parser().parse_args(["--checkpoint", "some/run"])
+    assert args.run == Path("some/run") and "--checkpoint is now --run" in capsys.readouterr().err
+    args = generate.parser().parse_args(["extrapolate", "--checkpoint", "a,b"])
+    assert args.run == [Path("a"), Path("b")]
+    assert run_command(convert.main, ["to-hf", str(tmp_path / "missing"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "is now --run IN --out OUT" in err and "not a picollama run directory" in err
+
+
+def test_train_shorthands_set_their_config_keys(tmp_path):
+    from config import parse_cli
+
+    cfg, _ = parse_cli(["--out", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--compile", "--seed", "7"])
+    assert (cfg.train.out_dir, cfg.train.device, cfg.train.dtype) == (str(tmp_path), "cpu", "float32")
+    assert cfg.train.compile is True and cfg.train.seed == 7
+    default, _ = parse_cli([])
+    assert default.train.seed == 1337 and default.train.compile is False  # unset shorthands leave the config's values
