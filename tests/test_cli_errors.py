@@ -274,7 +274,7 @@ CASES = [
     ("prepare", ["--source", "{ws}/data_with_text/notes.txt", "--out", "{ws}/data_with_text", "--force"], "overlaps"),
     # bench/
     ("bench.train", ["--config", "no-such-config", "--out", "{ws}/bench.json"], "no config 'no-such-config'"),
-    ("bench.train", ["--threads", "0", "--out", "{ws}/bench.json"], "--threads must be positive"),
+    ("bench.train", ["--threads", "0", "--out", "{ws}/bench.json"], "--threads: invalid positive int value: '0'"),
     ("bench.decode", ["--positions", "16,abc", "--out", "{ws}/bench.json"], "--positions"),
     ("bench.memory", ["--smoke", "--out", "{ws}/file/bench.json"], "is a file, not a directory"),
     ("bench.data", ["--smoke", "--out", "/proc/picollama.json"], "cannot write"),
