@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 import torch
+import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from cli import UserError, atomic_output, check_free_space, check_type, remove, replace, write_failure
+from cli import UserError, atomic_output, check_free_space, check_type, one_line, remove, replace, write_failure
 from model import ModelArgs, Transformer
 
 
@@ -98,7 +99,7 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
         check_type("tokenizer_sha256", config.get("tokenizer_sha256"), str | None)
         state = load_file(run_dir / "model.safetensors", device=str(device))
     except UserError as e:
-        raise UserError(f"{run_dir}/config.json: {e}") from None
+        raise UserError(f"{run_dir}/config.json is corrupt: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError, SafetensorError) as e:
         raise UserError(f"{run_dir}: unreadable checkpoint ({type(e).__name__}: {e})") from None
     bad = non_finite(state.items())
@@ -154,6 +155,13 @@ def read_tokenizer(path: Path) -> spm.SentencePieceProcessor:
 
 def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
     """A Transformer of args holding state's tensors as they are (dtype, device), without a random init."""
+    layers = len({key.split(".")[1] for key in state if key.startswith("layers.")})
+    rows, columns = state["tok_embeddings.weight"].shape if "tok_embeddings.weight" in state else (None, None)
+    for key, found in (("n_layers", layers), ("vocab_size", rows), ("dim", columns)):
+        if found not in (None, getattr(args, key)):  # before the model is built: a corrupt size could take minutes
+            raise UserError(
+                f"weights do not match config.json: model.{key} is {getattr(args, key)} there, {found} in the weights"
+            )
     if args.tie_embeddings:
         state = {**state, "output.weight": state["tok_embeddings.weight"]}
     with torch.device("meta"):
@@ -229,27 +237,61 @@ def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: 
         check_free_space(run_dir, needed, f"checkpoint {final} and the model export")
         tmp.mkdir(parents=True)
     dist.barrier()
-    try:
-        write_train_state(tmp, step, model, optimizer, loader, dist, config, tokenizer)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        dist.barrier()
+
+    def export():
         if dist.main:
             exported = model_from_state_dict(model.args, {k: v.float() for k, v in full.items()})
             with model_files(exported, run_dir, config, tokenizer):
                 replace(tmp, final)
             for old in checkpoints(run_dir)[:-keep]:
                 remove(old)
+
+    try:
+        together(dist, lambda: write_train_state(tmp, step, model, optimizer, loader, dist, config, tokenizer), final)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        together(dist, export, final)
     except BaseException as e:
         if dist.main:
             remove(tmp)
-        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        cause = cause_of(e)
         if isinstance(cause, KeyboardInterrupt) and cause is not e:  # DCP wraps a Ctrl-C too
+            raise cause from None
+        if isinstance(cause, UserError):  # already one line (another rank's failure among them)
             raise cause from None
         failure = write_failure(final, cause, needed)
         if failure is not None:
             raise failure from None
         raise
     dist.barrier()
+
+
+def cause_of(e: BaseException) -> BaseException:
+    """The exception behind DCP's CheckpointException (the first failing rank's), else e."""
+    return next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+
+
+def together(dist, work, final: Path):
+    """work() on this rank, then the ranks agree: if it failed on any, every rank raises (the failing rank its own
+    exception, the others a UserError naming that rank and its one-line reason), so that no rank waits in a
+    collective for one that gave up (a disk full on rank 1 only), and rank 0, the one that prints, says why."""
+    try:
+        work()
+        failure = None
+    except Exception as e:
+        failure = e
+    if dist.world_size == 1:
+        if failure is not None:
+            raise failure
+        return
+    cause = failure and cause_of(failure)
+    message = cause and one_line(write_failure(final, cause) or cause)
+    messages = [None] * dist.world_size
+    torch_dist.all_gather_object(messages, message)
+    if failure is not None:
+        raise failure
+    rank, message = next(((r, m) for r, m in enumerate(messages) if m is not None), (None, None))
+    if message is not None:
+        raise UserError(f"rank {rank} failed to save: {message}")
 
 
 def write_train_state(tmp: Path, step: int, model, optimizer, loader, dist, config: dict, tokenizer):

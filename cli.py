@@ -275,16 +275,23 @@ FILE_KINDS = {
 }
 
 
-def check_output_kind(path):
-    """UserError unless path is absent, a regular file or a directory (a symbolic link is followed: to one of those
-    it is fine; into a loop, a device, a FIFO or a socket it is refused, and nothing is replaced)."""
+def file_kind(path) -> str | None:
+    """What `path` is when it exists but is neither a regular file nor a directory ("a FIFO", "a character device",
+    "a symbolic link loop", ...; links are followed); None otherwise (absent included)."""
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UserError(f"cannot write {path}: a symbolic link loop; choose another output") from None
-        return  # absent, a dangling link (replaced as a link), or a folder that is not one: check_writable says
-    kind = next((name for test, name in FILE_KINDS.items() if test(mode)), None)
+        return "a symbolic link loop" if e.errno == errno.ELOOP else None
+    return next((name for test, name in FILE_KINDS.items() if test(mode)), None)
+
+
+def check_output_kind(path):
+    """UserError unless path is absent, a regular file or a directory (a symbolic link is followed: to one of those
+    it is fine; into a loop, a device, a FIFO or a socket it is refused, and nothing is replaced). Absent includes a
+    dangling link (replaced as a link) and a folder that is not one (check_writable says)."""
+    kind = file_kind(path)
+    if kind == "a symbolic link loop":
+        raise UserError(f"cannot write {path}: a symbolic link loop; choose another output")
     if kind is not None:
         raise UserError(f"cannot write {path}: it is {kind}, not a regular file or directory; choose another output")
 

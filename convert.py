@@ -3,6 +3,7 @@ from-hf / to-gguf command line."""
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -41,6 +42,16 @@ GGUF_LAYER_KEYS = {
     "ffn_norm": "ffn_norm",
 }
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+# ModelArgs key -> the LlamaConfig key it is read from
+HF_KEYS = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads", vocab_size="vocab_size")
+HF_KEYS |= dict(n_kv_heads="num_key_value_heads", max_seq_len="max_position_embeddings", rope_factor="factor")
+HF_KEYS |= dict(ffn_hidden_dim="intermediate_size", norm_eps="rms_norm_eps", rope_theta="rope_theta")
+# What --force may replace, beside an empty directory: a GGUF file (its magic), or a directory holding
+# model.safetensors and config.json and nothing picollama does not write there (a run's train_state/, metrics.jsonl
+# and extrapolation/; an export's tokenizer files; what an interrupted save left): never a user's own files.
+OWN_NAMES = {"model.safetensors", "config.json", "tokenizer.model", "tokenizer_config.json", "metrics.jsonl"}
+OWN_NAMES |= {"train_state", "extrapolation"}
+LEFTOVER = re.compile(r"\..+\.(tmp|old)-\d+")
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -218,8 +229,31 @@ def from_hf_state_dict(state_dict: dict, config) -> Transformer:
 # ---------------------------------------------------------------- command line
 
 
+def check_replaceable(out: Path):
+    """UserError unless `out` is absent, empty or something convert.py wrote (OWN_NAMES), so that --force never
+    deletes what picollama did not write."""
+    if out.is_file():
+        with open(out, "rb") as file:
+            magic = file.read(4)
+        if magic not in (b"", b"GGUF"):
+            raise UserError(
+                f"not replacing {out}: it is not a GGUF file, so picollama did not write it (--force replaces only "
+                "a GGUF file); choose another output"
+            )
+        return
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = [name for name in names if name not in OWN_NAMES and not LEFTOVER.fullmatch(name)]
+    if names and (foreign or not {"model.safetensors", "config.json"} <= set(names)):
+        held = f"holds {foreign[0]}" if foreign else "holds no model.safetensors and config.json"
+        raise UserError(
+            f"not replacing {out}: it {held}, so picollama did not write it (--force replaces only a run or export "
+            f"directory: model.safetensors, config.json and only files picollama writes); choose another output"
+        )
+
+
 def export_hf(run_dir: Path, hf_dir: Path):
     """Write run_dir as a Hugging Face Llama directory (config.json, model.safetensors, tokenizer)."""
+    check_replaceable(hf_dir)
     model, _ = load_model(run_dir)
     check_llama(model.args)
     tokenizer_path = run_dir / "tokenizer.model"
@@ -275,6 +309,7 @@ def gguf_rope(args: ModelArgs) -> tuple[float, torch.Tensor | None]:
 
 def export_gguf(run_dir: Path, out: Path, type_: str):
     """Write run_dir as a llama.cpp GGUF file (see write_gguf)."""
+    check_replaceable(out)
     model, _ = load_model(run_dir)
     check_llama(model.args, "llama.cpp's llama")
     tokenizer_path = run_dir / "tokenizer.model"
@@ -394,6 +429,7 @@ def read_hf_weights(hf_dir: Path) -> dict:
 
 def import_hf(hf_dir: Path, run_dir: Path):
     """Write a Hugging Face Llama directory (sentencepiece tokenizer.model, safetensors) as a run directory."""
+    check_replaceable(run_dir)
     try:
         config = json.loads((hf_dir / "config.json").read_text())
     except FileNotFoundError:
@@ -401,17 +437,25 @@ def import_hf(hf_dir: Path, run_dir: Path):
     except json.JSONDecodeError as e:
         raise UserError(f"{hf_dir}/config.json: not JSON ({e})") from None
     try:
-        model_args_from_hf(config)  # fails early on an architecture we do not implement
+        args = model_args_from_hf(config)  # fails early on an architecture we do not implement
     except UserError as e:  # a value of the wrong type
         raise UserError(f"{hf_dir}/{e}") from None
     except (KeyError, TypeError, AttributeError) as e:
         raise UserError(f"{hf_dir}/config.json is not a Hugging Face Llama config ({type(e).__name__}: {e})") from None
+    except ValueError as e:  # what picollama does not run, in ModelArgs' words: name the key as the file does
+        theirs = HF_KEYS.get(str(e).split()[0])
+        raise UserError(f"{hf_dir}/config.json: {e}" + (f" ({theirs} there)" if theirs else "")) from None
     tokenizer_path = hf_dir / "tokenizer.model"
     if not tokenizer_path.is_file():
         raise UserError(
             f"{hf_dir} has no sentencepiece tokenizer.model (tokenizer.json-only tokenizers are not supported)"
         )
-    read_tokenizer(tokenizer_path)
+    pieces = read_tokenizer(tokenizer_path).get_piece_size()
+    if pieces > args.vocab_size:  # generate could not decode what the model never embeds: refused before writing
+        raise UserError(
+            f"{hf_dir}: tokenizer.model has {pieces} pieces but config.json vocab_size is {args.vocab_size}: not "
+            "this model's tokenizer; copy the one it was trained with"
+        )
     weights = read_hf_weights(hf_dir)
     try:
         model = from_hf_state_dict(weights, config)

@@ -291,6 +291,8 @@ def sample_command(args) -> int:
         check_compiler()
     model, tokenizer, dtype = load_model(args, device)
     prompts = [encode_prompt(tokenizer, text) for text in texts for _ in range(args.num_samples)]
+    if not all(prompts):  # e.g. an imported model whose tokenizer has no BOS to start from
+        raise UserError(f"{args.run}: its tokenizer has no BOS token to begin an empty prompt; give --prompt")
     fit_length(model, args, max(map(len, prompts)) + sampling.max_new_tokens)
     step = fast_step(model, args.compile)
     start = time.perf_counter()

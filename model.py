@@ -18,6 +18,10 @@ POSITIONS = ("rope", "alibi", "nope", "sinusoidal", "learned")
 # the ModelArgs keys that leave LLaMA's architecture when away from their defaults (what HF's Llama and GGUF lack)
 SWITCHES = ("norm", "norm_placement", "parallel_block", "activation", "qk_norm", "logit_softcap", "position")
 SWITCHES += ("rope_fraction", "nope_every", "logn_attention")
+# Far past any published model (the largest: dim 16384, 126 layers, 256k vocabulary, 10M context): a size beyond its
+# limit is a corrupt or mistyped config, refused naming the key before anything is allocated.
+SIZE_LIMITS = dict(dim=1 << 16, n_layers=1 << 10, n_heads=1 << 10, n_kv_heads=1 << 10, vocab_size=1 << 22)
+SIZE_LIMITS |= dict(max_seq_len=1 << 24, ffn_hidden_dim=1 << 20)
 
 
 @dataclass
@@ -55,8 +59,9 @@ class ModelArgs:
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if min(self.dim, self.n_layers, self.n_heads, self.n_kv_heads, self.vocab_size, self.max_seq_len) < 1:
-            raise ValueError("dim, n_layers, n_heads, n_kv_heads, vocab_size and max_seq_len must be positive")
+        for key, limit in SIZE_LIMITS.items():
+            if (value := getattr(self, key)) is not None and not 1 <= value <= limit:
+                raise ValueError(f"{key} must be {f'at most {limit:,}' if value > 0 else 'positive'}, not {value!r}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
@@ -151,7 +156,11 @@ class ModelArgs:
         if unknown:
             raise ValueError(f"unknown model argument(s): {', '.join(sorted(unknown))}")
         hints = typing.get_type_hints(cls)
-        return cls(**{key: check_type(f"model.{key}", value, hints[key]) for key, value in d.items()})
+        values = {key: check_type(f"model.{key}", value, hints[key]) for key, value in d.items()}
+        try:
+            return cls(**values)
+        except ValueError as e:  # a size or combination no model has: name it like a type error
+            raise UserError(f"model.{e}") from None
 
 
 class RMSNorm(nn.Module):

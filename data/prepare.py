@@ -32,6 +32,7 @@ from cli import (  # noqa: E402
     atomic_output,
     check_writable,
     exclusive,
+    file_kind,
     positive,
     remove,
     replace,
@@ -97,6 +98,7 @@ def builder_for(path: Path) -> str | None:
 def local_files(source: str) -> list[Path]:
     """The supported files named by a path, directory or glob, sorted; UserError if there are none."""
     path = Path(source).expanduser()
+    check_regular(path)
     if path.is_file():
         if builder_for(path) is None:
             raise UserError(f"{source}: unsupported file type (use {SUPPORTED})")
@@ -105,18 +107,30 @@ def local_files(source: str) -> list[Path]:
         files = [
             p
             for p in sorted(path.rglob("*"))
-            if p.is_file() and builder_for(p) and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            if builder_for(p) and not any(part.startswith(".") for part in p.relative_to(path).parts)
         ]
+        files = [p for p in files if p.is_file() or check_regular(p)]
         if not files:
             raise UserError(f"{source}: no {SUPPORTED} files in this directory")
         return files
     if not glob.has_magic(source):
         raise UserError(f"{source}: no such file or directory")
     files = [Path(p) for p in sorted(glob.glob(os.path.expanduser(source), recursive=True))]
-    files = [p for p in files if p.is_file() and builder_for(p)]
+    files = [p for p in files if builder_for(p) and (p.is_file() or check_regular(p))]
     if not files:
         raise UserError(f"{source}: no {SUPPORTED} files match this pattern")
     return files
+
+
+def check_regular(path: Path) -> None:
+    """UserError when a source path exists but is not a regular file or directory (a FIFO, a device, a socket, a
+    link loop): its size is needed and it is read twice, and a FIFO would block, so it is never opened."""
+    kind = file_kind(path)
+    if kind is not None:
+        raise UserError(
+            f"{path}: it is {kind}, not a regular file; --source reads regular files only (it needs their size and "
+            "reads them twice): save the text to a file first and pass that"
+        )
 
 
 def default_name(source: str) -> str:

@@ -85,6 +85,9 @@ def ws(make_tiny_run, tmp_path_factory):
     shutil.copytree(ws / "data", ws / "data_with_text")  # a prepared dataset holding a text the command reads
     (ws / "data_with_text" / "notes.txt").write_text("a few words to tokenize, read from inside the output\n" * 40)
 
+    (ws / "home" / "Documents").mkdir(parents=True)  # a folder picollama did not write: --force leaves it alone
+    (ws / "home" / "Documents" / "thesis.txt").write_text("years of work\n")
+    (ws / "home" / ".bashrc").write_text("export EDITOR=vi\n")
     make_device(ws / "null")  # an output that is not a file (never /dev/null itself: old code replaced it)
     (ws / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))  # not UTF-8
     edit_json(ws, "run", "bool_as_string_run", "config.json", lambda c: c["model"].update(tie_embeddings="yes"))
@@ -93,7 +96,29 @@ def ws(make_tiny_run, tmp_path_factory):
     edit_json(ws, "hf", "hf_string_tie", "config.json", lambda c: c.update(tie_word_embeddings="false"))
     edit_json(ws, "hf", "hf_null_eps", "config.json", lambda c: c.update(rms_norm_eps=None))
     edit_json(ws, "trained", "string_step_trained", "train_state/step_000002/meta.json", lambda m: m.update(step="2"))
+    for name, key, value in [  # sizes no model has: once "out of memory", a traceback or a hang
+        ("huge_context_run", "max_seq_len", 10**12),
+        ("zero_context_run", "max_seq_len", 0),
+        ("huge_dim_run", "dim", 10**12),
+        ("many_layers_run", "n_layers", 10**8),
+        ("more_layers_run", "n_layers", 1000),
+    ]:
+        edit_json(ws, "run", name, "config.json", lambda c, key=key, value=value: c["model"].update({key: value}))
+    edit_json(ws, "run", "no_bos_run", "config.json", lambda c: c.pop("tokenizer_sha256"))
+    (ws / "no_bos_run" / "tokenizer.model").write_bytes(without_bos((ws / "run" / "tokenizer.model").read_bytes()))
+    meta = "train_state/step_000002/meta.json"
+    edit_json(ws, "trained", "huge_context_trained", meta, lambda m: m["model"].update(max_seq_len=10**12))
     return ws
+
+
+def without_bos(model_proto: bytes) -> bytes:
+    """The sentencepiece model with no BOS token (its piece kept as an ordinary one), as some imported models have."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    model = sentencepiece_model_pb2.ModelProto.FromString(model_proto)
+    model.trainer_spec.bos_id = -1
+    model.pieces[1].type = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+    return model.SerializeToString()
 
 
 def make_device(path: Path):
@@ -144,7 +169,9 @@ CASES = [
     ("train", train_args("--checkpoint.interval=-1"), "--checkpoint.interval must be zero or more"),
     ("train", train_args("--model.multiple_of=0"), "--model.multiple_of must be positive"),
     ("train", train_args("--model.rope_theta=-1"), "--model.rope_theta must be positive"),
-    ("train", train_args("--model.vocab_size=100000000000"), "out of memory"),
+    ("train", train_args("--model.vocab_size=100000000000"), "[model] vocab_size must be at most 4,194,304"),
+    ("train", train_args("--model.vocab_size=4000000", "--model.dim=65536"), "out of memory"),
+    ("train", train_args("--train.out_dir={ws}/huge_context_trained", "--resume"), "model.max_seq_len must be at most"),
     ("train", train_args("--no_such.key=1"), "unknown config key no_such.key"),
     ("train", train_args("--config", "{ws}/missing.toml"), "cannot read config"),
     ("train", train_args("--resume"), "nothing to resume"),
@@ -178,7 +205,13 @@ CASES = [
     ("generate", ["--run", "{ws}/run/model.safetensors"], "pass the run directory"),
     ("generate", ["--run", "{ws}/hf"], "python convert.py from-hf"),
     ("generate", ["--run", "{ws}/nan_run"], "NaN or infinite weights"),
-    ("generate", ["--run", "{ws}/mismatch_run"], "[320, 32] in the weights, [320, 64] by the config"),
+    ("generate", ["--run", "{ws}/mismatch_run"], "model.dim is 64 there, 32 in the weights"),
+    ("generate", ["--run", "{ws}/huge_context_run"], "config.json is corrupt: model.max_seq_len must be at most"),
+    ("generate", ["--run", "{ws}/zero_context_run"], "corrupt: model.max_seq_len must be positive, not 0"),
+    ("generate", ["--run", "{ws}/huge_dim_run"], "config.json is corrupt: model.dim must be at most 65,536"),
+    ("generate", ["--run", "{ws}/many_layers_run"], "config.json is corrupt: model.n_layers must be at most"),
+    ("generate", ["--run", "{ws}/more_layers_run"], "model.n_layers is 1000 there, 2 in the weights"),
+    ("generate", ["--run", "{ws}/no_bos_run"], "no_bos_run: its tokenizer has no BOS token to begin an empty"),
     ("generate", ["--run", "{ws}/small_tokenizer_run"], "not the tokenizer the model was saved with"),
     ("generate", ["--run", "{ws}/run", "--temperature", "nan"], "temperature must be a finite number"),
     ("generate", ["--run", "{ws}/run", "--rope-scaling", "ntk", "--rope-factor", "0"], "--rope-factor"),
@@ -203,6 +236,7 @@ CASES = [
         "truncated",
     ),
     ("generate", ["extrapolate", "--run", "{ws}/nan_run"], "NaN or infinite weights"),
+    ("generate", ["extrapolate", "--run", "{ws}/huge_context_run"], "corrupt: model.max_seq_len must be at"),
     ("generate", ["extrapolate", "--run", "{ws}/run", "--device", "mps"], "MPS (Apple's GPU) is not available"),
     # convert.py
     ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/run", "--force"], "overlaps the input"),
@@ -212,6 +246,7 @@ CASES = [
     ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/file/hf"], "is a file, not a directory"),
     ("convert", ["to-hf", "--run", "{ws}/run", "--out", "/proc/picollama-hf"], "cannot write"),
     ("convert", ["to-hf", "--run", "{ws}/nan_run", "--out", "{ws}/out"], "NaN or infinite weights"),
+    ("convert", ["to-gguf", "--run", "{ws}/huge_dim_run", "--out", "{ws}/o.gguf"], "config.json is corrupt: model.dim"),
     ("convert", ["from-hf", "--hf-dir", "{ws}/run", "--out", "{ws}/out"], "not a Hugging Face Llama config"),
     ("convert", ["from-hf", "--hf-dir", "{ws}/hf", "--out", "{ws}/hf", "--force"], "overlaps the input"),
     (
@@ -226,6 +261,10 @@ CASES = [
     ),
     ("convert", ["to-gguf", "--run", "{ws}/run", "--out", "{ws}/null", "--force"], "null: it is a"),
     ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/null", "--force"], "null: it is a"),
+    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/home", "--force"], "not replacing {ws}/home: it holds"),
+    ("convert", ["from-hf", "--hf-dir", "{ws}/hf", "--out", "{ws}/home", "--force"], "so picollama did not write it"),
+    ("convert", ["from-hf", "--hf-dir", "{ws}/hf", "--out", "{ws}/home/Documents", "--force"], "holds thesis.txt"),
+    ("convert", ["to-gguf", "--run", "{ws}/run", "--out", "{ws}/file", "--force"], "file: it is not a GGUF file, so"),
     # data/prepare.py
     ("prepare", ["--source", "{ws}/missing", "--out", "{ws}/out"], "no such file or directory"),
     ("prepare", ["--source", "{ws}/corpus", "--out", "/proc/picollama-data"], "cannot write"),
@@ -235,7 +274,7 @@ CASES = [
     ("prepare", ["--source", "{ws}/data_with_text/notes.txt", "--out", "{ws}/data_with_text", "--force"], "overlaps"),
     # bench/
     ("bench.train", ["--config", "no-such-config", "--out", "{ws}/bench.json"], "no config 'no-such-config'"),
-    ("bench.train", ["--threads", "0", "--out", "{ws}/bench.json"], "--threads must be positive"),
+    ("bench.train", ["--threads", "0", "--out", "{ws}/bench.json"], "--threads: invalid positive int value: '0'"),
     ("bench.decode", ["--positions", "16,abc", "--out", "{ws}/bench.json"], "--positions"),
     ("bench.memory", ["--smoke", "--out", "{ws}/file/bench.json"], "is a file, not a directory"),
     ("bench.data", ["--smoke", "--out", "/proc/picollama.json"], "cannot write"),
@@ -253,7 +292,7 @@ def test_a_wrong_command_is_one_line_and_changes_nothing(ws, one_thread, capsys,
     err = capsys.readouterr().err
     assert status == 2, err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    assert message in err, err
+    assert message.replace("{ws}", str(ws)) in err, err
     assert snapshot(ws) == before
 
 
@@ -309,6 +348,23 @@ def test_outputs_that_are_not_files_are_refused_and_left_alone(ws, tmp_path, cap
                 tmp.write_text("never renamed over it")
     assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode) and not (tmp_path / "device").is_file()
     assert (tmp_path / "loop").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["device", "fifo", "loop"]
+
+
+def test_force_replaces_what_picollama_wrote(ws, tmp_path, capsys):
+    """--force replaces an export, a run with its training state, a GGUF file, and what an interrupted save left."""
+    shutil.copytree(ws / "trained", tmp_path / "trained")
+    shutil.copytree(ws / "hf", tmp_path / "hf")
+    (tmp_path / "hf" / ".model.safetensors.tmp-4242").write_bytes(b"half a save")
+    for argv in (
+        ["from-hf", "--hf-dir", str(ws / "hf"), "--out", str(tmp_path / "trained"), "--force"],
+        ["to-hf", "--run", str(ws / "run"), "--out", str(tmp_path / "hf"), "--force"],
+        ["to-gguf", "--run", str(ws / "run"), "--out", str(tmp_path / "m.gguf")],
+        ["to-gguf", "--run", str(ws / "run"), "--out", str(tmp_path / "m.gguf"), "--force"],
+    ):
+        assert run_command(convert.main, argv) == 0, capsys.readouterr().err
+    imported = sorted(p.name for p in (tmp_path / "trained").iterdir())
+    assert imported == ["config.json", "model.safetensors", "tokenizer.model"]
+    assert not (tmp_path / "hf" / ".model.safetensors.tmp-4242").exists()
 
 
 def test_a_second_prepare_into_one_out_waits_for_none(ws, tmp_path, capsys):

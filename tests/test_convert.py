@@ -115,29 +115,31 @@ def test_an_output_overlapping_the_input_is_refused_even_with_force(run_dir, tmp
     assert load_model(run)[0].args.vocab_size == 320
 
 
-def random_hf_llama(directory, shard=False, **overrides):
+def random_hf_llama(directory, shard=False, dtype=torch.float32, **overrides):
     """A random LlamaForCausalLM saved with save_pretrained (GQA, llama3 RoPE scaling), with a tokenizer.model."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 4.0,
-            "original_max_position_embeddings": 16,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-        },
-        **overrides,
+        **dict(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+            },
+        )
+        | overrides
     )
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config).eval().to(dtype)
     model.save_pretrained(directory, max_shard_size="100KB" if shard else "5GB")
     return model
 
@@ -169,6 +171,39 @@ def test_from_hf_refuses_what_it_cannot_read(run_dir, tmp_path, capsys):
     assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
     assert "not a Llama model" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    "overrides, dtype",
+    [({}, torch.float32), (dict(tie_word_embeddings=True, rope_scaling=None), torch.bfloat16), ({}, torch.float16)],
+)
+def test_a_from_hf_import_is_a_run_generate_loads(run_dir, tmp_path, overrides, dtype):
+    """What from-hf writes, generate reads: tied embeddings, no RoPE scaling, half-precision weights."""
+    random_hf_llama(tmp_path / "hf", dtype=dtype, **overrides)
+    shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
+    assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    model, _, tokenizer = load_run(tmp_path / "run", "cpu", torch.float32)  # what generate.py loads
+    prompt = encode_prompt(tokenizer, "the cat")
+    assert len(generate(model, [prompt], Sampling(4, temperature=0))[0]) == 4
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(vocab_size=300), "tokenizer.model has 320 pieces but config.json vocab_size is 300"),
+        (dict(max_position_embeddings=10**9), "max_seq_len must be at most 16,777,216, not 1000000000 (max_position_"),
+    ],
+)
+def test_from_hf_refuses_what_generate_could_not_load(run_dir, tmp_path, capsys, overrides, message):
+    """A 320-piece tokenizer for 300 embeddings, or a context no model has: once imported, then refused by
+    generate (or out of memory there)."""
+    random_hf_llama(tmp_path / "hf", **overrides)
+    shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
+    capsys.readouterr()  # transformers' progress bars
+    assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

@@ -386,6 +386,14 @@ def bad_input(tmp_path: Path, case: str) -> tuple[list[str], dict]:
         return ["--source", str(texts), "--tokenizer", str(tmp_path / "tokenizer.model")], {}
     if case == "bad option value":
         return ["--source", str(texts), "--max-bytes", "lots"], {}
+    if case == "fifo source":
+        os.mkfifo(tmp_path / "pipe.txt")  # opened, it would block until a writer comes
+        return ["--source", str(tmp_path / "pipe.txt")], {}
+    if case == "device source":
+        return ["--source", "/dev/zero"], {}
+    if case == "fifo in the source directory":
+        os.mkfifo(texts / "pipe.txt")
+        return ["--source", str(texts)], {}
     if case == "pip cannot fetch":
         env = {"PICOLLAMA_CACHE": str(tmp_path / "cache"), "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1"}
         return [], env
@@ -406,6 +414,9 @@ def bad_input(tmp_path: Path, case: str) -> tuple[list[str], dict]:
         "not a tokenizer",
         "bad option value",
         "pip cannot fetch",
+        "fifo source",
+        "device source",
+        "fifo in the source directory",
     ],
 )
 def test_cli_rejects_bad_input_in_one_line(tmp_path, case):
@@ -414,6 +425,8 @@ def test_cli_rejects_bad_input_in_one_line(tmp_path, case):
     result = run_cli(*args, "--out", str(out), env=env)
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("error: "), result.stderr
+    if case.startswith(("fifo", "device")):  # not "no such file": what it is, and what to do
+        assert "not a regular file" in result.stderr and "save the text to a file" in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()
 
 

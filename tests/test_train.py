@@ -852,3 +852,37 @@ def test_a_full_disk_during_to_hf_leaves_nothing(make_tiny_run, small_disk, monk
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"cannot write {small_disk / 'hf'}" in err and "bytes free" in err, err
         assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
+
+
+FULL_ON_RANK_1 = """
+import errno, os, pathlib
+if os.environ.get("RANK") == "1":  # rank 1's disk is full when it writes its part of the step-8 checkpoint
+    write_text = pathlib.Path.write_text
+    def full(self, *args, **kwargs):
+        if self.name == "rank1.json" and "step_000008" in str(self):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return write_text(self, *args, **kwargs)
+    pathlib.Path.write_text = full
+"""
+
+
+def test_a_full_disk_on_rank_1_ends_in_one_line_with_checkpoint_and_model_consistent(dataset, tmp_path):
+    """torchrun, 2 ranks on gloo: rank 1 (only) finds its disk full while writing its part of a checkpoint, after
+    DCP's collective write. Once rank 0 went on to the next collective and died of a "Connection closed by peer"
+    traceback; now every rank stops, rank 0 prints one line naming rank 1's failure, and the previous checkpoint
+    and the model export are left, consistent. (The full disk is simulated: a sitecustomize on rank 1.)"""
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(FULL_ON_RANK_1)
+    config = config_file(tmp_path, dataset)
+    run = tmp_path / "run"
+    result = run_subprocess(2, config, run, env={"PYTHONPATH": str(tmp_path / "inject"), "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    expected = f"error: rank 1 failed to save: cannot write {run / 'train_state' / 'step_000008'}: No space left on"
+    assert len(errors) == 1 and errors[0].startswith(expected), result.stderr
+    assert "[rank" not in result.stderr and "Connection closed" not in result.stderr, result.stderr  # a worker's trace
+    assert not [p for p in run.rglob("*") if ".tmp" in p.name]
+    assert [p.name for p in checkpoints(run)] == ["step_000004"]
+    model, _ = load_model(run)
+    weights = checkpoint_weights(run / "train_state" / "step_000004", model.state_dict())
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
