@@ -47,9 +47,9 @@ def test_retrieval_scores_read_every_query_of_each_row():
 
 
 def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys):
-    """RoPE, learned positions (n/a past their table) and the YaRN fine-tune from the RoPE run, side by side."""
+    """RoPE and the YaRN fine-tune from the RoPE run (train.init_from), side by side."""
     out = tmp_path / "study"
-    assert run_command(study.main, ["--quick", "--runs", "rope,learned,rope-yarn", "--out", str(out)]) == 0
+    assert run_command(study.main, ["--quick", "--runs", "rope,rope-yarn", "--out", str(out)]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"wrote {out}/study.md")
     report = json.loads((out / "compare" / "extrapolation.json").read_text())
     runs = {run["name"].rsplit("/", 1)[-1]: run for run in report["runs"]}
@@ -57,16 +57,15 @@ def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys):
     assert runs["rope"]["methods"] == ["none", "linear", "ntk", "dynamic", "yarn"]
     in_context = runs["rope"]["accuracy"]["none"]["32"]["mean"]
     assert in_context > 0.5, in_context  # chance is 1/64; guessing among the row's 4 values gives 1/4
-    assert runs["learned"]["accuracy"]["none"]["64"] is None and runs["learned"]["by_distance"]["none"]["8"] is None
     assert runs["rope-yarn"]["train_context"] == 128 and runs["rope-yarn"]["original_context"] == 32
     for run in runs.values():
         for method in run["methods"]:
             cells = [c for c in run["accuracy"][method].values() if c is not None]
             assert cells and all(0 <= c["mean"] <= 1 and c["n"] == study.QUICK_ROWS for c in cells)
     trained = json.loads((out / "study.json").read_text())["runs"]
-    assert set(trained) == {"rope", "learned", "rope-yarn"} and all(t["cpu_s"] > 0 for t in trained.values())
+    assert set(trained) == {"rope", "rope-yarn"} and all(t["cpu_s"] > 0 for t in trained.values())
     table = (out / "study.md").read_text()
-    assert "| `rope` | RoPE |" in table and "By key-query distance" in table and "n/a" in table
+    assert "| `rope` | RoPE |" in table and "By key-query distance" in table and "rope-yarn` | yarn |" in table
 
 
 @pytest.mark.parametrize(
