@@ -46,17 +46,26 @@ def pieces_of(text: str, cut_at_newlines: bool):
         start = end
 
 
-def encode_documents(tokenizer, texts: list[str], threads: int, cut_at_newlines: bool):
-    """(ids, lengths): BOS + ids + EOS of each text, concatenated (int32), and each one's length. sentencepiece
-    encodes the batch on `threads` threads without the GIL; the ids do not depend on the number of threads.
-
-    The EOS teaches the model to end a text, so that generation can stop."""
+def document_pieces(texts: list[str], cut_at_newlines: bool) -> tuple[list[str], list[int]]:
+    """The pieces of all the texts, in order, and how many each text has."""
     pieces, counts = [], []
     for text in texts:
         before = len(pieces)
         pieces.extend(pieces_of(text, cut_at_newlines))
         counts.append(len(pieces) - before)
-    encoded = tokenizer.encode(pieces, num_threads=threads, return_type="numpy") if pieces else []
+    return pieces, counts
+
+
+def encode_pieces(tokenizer, pieces: list[str], threads: int) -> list[np.ndarray]:
+    """The ids of each piece (int32), encoded by sentencepiece on `threads` threads without the GIL; they do not
+    depend on the number of threads."""
+    return tokenizer.encode(pieces, num_threads=threads, return_type="numpy") if pieces else []
+
+
+def join_documents(tokenizer, encoded: list[np.ndarray], counts: list[int]):
+    """(ids, lengths): BOS + ids + EOS of each text from its pieces' ids, concatenated (int32), and each one's length.
+
+    The EOS teaches the model to end a text, so that generation can stop."""
     bos = np.array([tokenizer.bos_id()], dtype=np.int32)
     eos = np.array([tokenizer.eos_id()] if tokenizer.eos_id() >= 0 else [], dtype=np.int32)
     parts, lengths, first = [], [], 0
@@ -107,7 +116,7 @@ class ShardWriter:
                 os.truncate(path, size)
 
     def write(self, ids: np.ndarray, lengths: np.ndarray, text_bytes: int):
-        """Append documents: ids as encode_documents returns them, lengths the tokens of each."""
+        """Append documents: ids as join_documents returns them, lengths the tokens of each."""
         starts = self.tokens + np.cumsum(lengths) - lengths
         shard_of = starts // self.shard_tokens
         for index in np.unique(shard_of):

@@ -599,9 +599,9 @@ def test_a_killed_preparation_resumes_and_ends_byte_identical(tmp_path, small_bl
     assert len(stamps) > finished  # tokens past the last commit were written, and must be cut back
 
     encoded = []
-    encode = prepare_module.encode_documents
+    pieces = prepare_module.document_pieces
     monkeypatch.setattr(
-        prepare_module, "encode_documents", lambda tok, texts, *a: encoded.append(len(texts)) or encode(tok, texts, *a)
+        prepare_module, "document_pieces", lambda texts, *a: encoded.append(len(texts)) or pieces(texts, *a)
     )
     prepare(str(tmp_path / "texts"), 400, out, shard_tokens=700, command=["test"])
     assert sum(encoded) < 40  # the committed blocks were not encoded again
