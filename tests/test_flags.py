@@ -53,6 +53,7 @@ def command_helps() -> dict[str, dict[str, set[str]]]:
         "`train.py`": {"train": options(help_text(train.main, []))},
         "`generate.py`": {"sample": options(help_text(generate.main, []))},
         "`generate.py extrapolate`": {"extrapolate": options(help_text(generate.main, ["extrapolate"]))},
+        "`generate.py study`": {"study": options(help_text(generate.main, ["study"]))},
         "`convert.py`": {c: options(help_text(convert.main, [c])) for c in ("to-hf", "from-hf", "to-gguf")},
         "`data/prepare.py`": {"prepare": options(help_text(prepare.main, []))},
         "`bench/*.py`": {name: options(help_text(bench_main(name), [])) for name in BENCH},
