@@ -1,7 +1,6 @@
 """Length extrapolation: switching a model's RoPE scaling, and how perplexity and a copy probe hold up past the
 training context, for each scaling method and each of several runs (the `python generate.py extrapolate` command)."""
 
-import hashlib
 import json
 import math
 import time
@@ -15,6 +14,7 @@ from tqdm import tqdm
 from checkpoint import load_run
 from cli import ArgumentParser, UserError, atomic_output, check_writable
 from data.loader import copy_vocabulary, document_windows, load_meta
+from data.tokenizer import same_tokenizer, tokenizer_sha256
 from device import pick_device, pick_dtype
 from extrapolation_report import BINS_PER_OCTAVE, DEFAULT_METHODS, MIN_BIN, effective_line, markdown_report, plot_report
 from model import ROPE_SCALINGS, Transformer
@@ -210,9 +210,7 @@ def find_data_dir(config: dict, override: str | None) -> Path:
 
 def check_same_tokenizer(checkpoint: Path, data_dir: Path):
     """UserError when the dataset was tokenized by another tokenizer than the checkpoint's."""
-    expected = load_meta(data_dir).get("tokenizer_sha256")
-    ours = hashlib.sha256((checkpoint / "tokenizer.model").read_bytes()).hexdigest()
-    if expected and expected != ours:
+    if not same_tokenizer(load_meta(data_dir).get("tokenizer_sha256"), checkpoint / "tokenizer.model"):
         raise UserError(f"{data_dir} was tokenized with another tokenizer than {checkpoint}/tokenizer.model")
 
 
@@ -275,7 +273,7 @@ def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> lis
     runs, tokenizers = [], {}
     for name in names:
         model, config, _ = load_run(name, device, dtype)
-        tokenizers.setdefault(hashlib.sha256((Path(name) / "tokenizer.model").read_bytes()).hexdigest(), name)
+        tokenizers.setdefault(tokenizer_sha256(Path(name) / "tokenizer.model"), name)
         if len(tokenizers) > 1:
             first, other = tokenizers.values()
             raise UserError(

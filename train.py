@@ -39,6 +39,7 @@ from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
 from data.prepare import prepare
 from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
 from data.retrieval import eval_batches as retrieval_batches
+from data.tokenizer import same_tokenizer, tokenizer_sha256
 from device import check_compiler, keep_freed_memory, peak_flops, pick_device, pick_dtype
 from metrics import RunLog, Throughput, flops_per_token, memory_gb
 from model import Transformer
@@ -327,8 +328,9 @@ def init_from_weights(cfg: Config) -> dict | None:
             f"train.init_from {source_dir} has model.{key} = {saved[key]!r}, this run {wanted[key]!r}; "
             f"only model.{', model.'.join(CONTEXT_KEYS)} may change"
         )
-    theirs, ours = Path(source_dir) / "tokenizer.model", Path(cfg.data.dir) / "tokenizer.model"
-    if theirs.is_file() and ours.is_file() and theirs.read_bytes() != ours.read_bytes():
+    theirs = Path(source_dir) / "tokenizer.model"
+    ours = Path(cfg.data.dir) / "tokenizer.model"
+    if theirs.is_file() and ours.is_file() and not same_tokenizer(tokenizer_sha256(theirs), ours):
         raise UserError(f"train.init_from {source_dir} has another tokenizer than {cfg.data.dir}")
     original = source.args.original_seq_len
     if cfg.model.rope_original_max_seq_len is None and cfg.model.max_seq_len > original:

@@ -29,6 +29,7 @@ from data.loader import (
     plant_copies,
 )
 from data.prepare import prepare, split_documents, tokenizer_sample
+from data.tokenizer import same_tokenizer, tokenizer_sha256
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SYLLABLES = "ka ri to ne su ma lo pe da vi qu ex an or él ça ñu öl ß 東 京 語 本".split()
@@ -124,6 +125,17 @@ def test_split_is_seeded_and_handles_a_single_document():
     assert first != split_documents(documents, 0.05, seed=1)
     train, val = split_documents(["line one\nline two\n" * 50], 0.05, seed=0)
     assert train[0] + val[0] == "line one\nline two\n" * 50 and train[0].endswith("\n") and val[0]
+
+
+def test_a_tokenizer_is_identified_by_the_sha256_its_dataset_records(corpus, tmp_path):
+    data_dir, _ = corpus
+    path = data_dir / "tokenizer.model"
+    recorded = load_meta(data_dir)["tokenizer_sha256"]
+    assert tokenizer_sha256(path) == tokenizer_sha256(str(path)) == tokenizer_sha256(path.read_bytes()) == recorded
+    assert recorded == hashlib.sha256(path.read_bytes()).hexdigest()
+    (tmp_path / "other.model").write_bytes(path.read_bytes() + b"\0")
+    assert same_tokenizer(recorded, path) and not same_tokenizer(recorded, tmp_path / "other.model")
+    assert same_tokenizer(None, tmp_path / "other.model")  # nothing recorded: nothing to hold it against
 
 
 def test_random_batches_are_seeded_rank_aware_and_resumable(corpus, tmp_path):
