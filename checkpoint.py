@@ -351,7 +351,8 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
     """The checkpoint to continue from, after checking it holds a model of `args`, that `config` (the run's settings
     as save_checkpoint gets them) keeps its EXACT_KEYS and has steps left to do; None for a fresh run, which is
     refused in a directory that holds a run."""
-    run_dir, found = Path(run_dir), checkpoints(run_dir)
+    run_dir = Path(run_dir)
+    found = checkpoints(run_dir)
     if not resume:
         held = [found[-1].name] if found else [name for name in RUN_FILES if (run_dir / name).exists()]
         if held:
