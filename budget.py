@@ -29,7 +29,9 @@ class BudgetProbe:
     depend on max_steps, so the run is the same as one given the chosen max_steps from the start."""
 
     def __init__(self, cfg: Config, started: float):
-        self.cfg, self.started, self.ends = cfg, started, []
+        self.cfg = cfg
+        self.started = started  # when the process began: the budget counts from there
+        self.ends = []  # when each probed step ended
         self.steps = min(PROBE_STEPS, cfg.optim.warmup_steps)
 
     def step_done(self) -> bool:
@@ -39,13 +41,13 @@ class BudgetProbe:
 
     def eval_seconds(self, model, batches: list, dist) -> float:
         """One evaluation's seconds, from the fastest of `batches` (a few validation batches; the first may compile)."""
-        e, times = self.cfg.eval, []
+        times = []
         with torch.no_grad():
             for x, y in batches:
                 begin = time.perf_counter()
                 model(x.to(dist.device), y.to(dist.device)).item()
                 times.append(time.perf_counter() - begin)
-        return min(times) * math.ceil(e.batches / dist.world_size)
+        return min(times) * math.ceil(self.cfg.eval.batches / dist.world_size)
 
     def max_steps(self, model, batches: list, dist) -> tuple[int, str]:
         """The run's length and a line saying how it was chosen (the same on every rank)."""

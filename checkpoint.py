@@ -1,7 +1,6 @@
 """Run directories (model.safetensors + config.json + tokenizer.model), what generate.py and convert.py read; and
 train.py's resumable state beside them, train_state/step_N (torch.distributed.checkpoint, any number of ranks)."""
 
-import hashlib
 import json
 import random
 import re
@@ -26,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from cli import UserError, atomic_output, check_free_space, check_type, one_line, remove, replace, write_failure
+from data.tokenizer import same_tokenizer, tokenizer_sha256
 from model import ModelArgs, Transformer
 
 
@@ -50,7 +50,7 @@ def model_files(model: Transformer, run_dir, config: dict | None = None, tokeniz
         raise UserError(f"not saving {run_dir}: {', '.join(bad[:3])} hold NaN or infinite values")
     if model.args.tie_embeddings:
         del state["output.weight"]  # the same tensor as tok_embeddings.weight
-    recorded = {"tokenizer_sha256": sha256(tokenizer)} if tokenizer is not None else {}
+    recorded = {"tokenizer_sha256": tokenizer_sha256(tokenizer)} if tokenizer is not None else {}
     text = json.dumps({"model": model.args.to_dict(), **(config or {}), **recorded}, indent=2)
     copy = tokenizer is not None and Path(tokenizer).resolve() != (run_dir / "tokenizer.model").resolve()
     needed = model_bytes(model) + len(text) + (Path(tokenizer).stat().st_size if copy else 0)
@@ -75,10 +75,6 @@ def model_bytes(model: Transformer) -> int:
 def non_finite(named_tensors) -> list[str]:
     """The names of the floating-point tensors among (name, tensor) pairs that hold a NaN or an infinity."""
     return [name for name, t in named_tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-
-
-def sha256(path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
@@ -132,7 +128,7 @@ def load_run(run_dir, device, dtype: torch.dtype) -> tuple[Transformer, dict, sp
     if not tokenizer_path.is_file():
         raise UserError(f"{run_dir} has no tokenizer.model; copy the dataset's tokenizer.model there")
     recorded = config.get("tokenizer_sha256")
-    if recorded and recorded != sha256(tokenizer_path):
+    if not same_tokenizer(recorded, tokenizer_path):
         raise UserError(
             f"{tokenizer_path} is not the tokenizer the model was saved with (config.json records sha256 "
             f"{recorded[:12]}); copy the dataset's tokenizer.model there"
@@ -310,7 +306,7 @@ def write_train_state(tmp: Path, step: int, model, optimizer, loader, dist, conf
         # what a resume must keep, and the run's length (which a train.max_minutes budget chose)
         meta["settings"] = {key: setting(config, key) for key in (*EXACT_KEYS, "train.max_steps")}
         if tokenizer is not None:
-            meta["tokenizer_sha256"] = sha256(tokenizer)
+            meta["tokenizer_sha256"] = tokenizer_sha256(tokenizer)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
@@ -397,7 +393,8 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
     """The checkpoint to continue from, after checking it holds a model of `args`, that `config` (the run's settings
     as save_checkpoint gets them) keeps its EXACT_KEYS and has steps left to do; None for a fresh run, which is
     refused in a directory that holds a run."""
-    run_dir, found = Path(run_dir), checkpoints(run_dir)
+    run_dir = Path(run_dir)
+    found = checkpoints(run_dir)
     if not resume:
         held = [found[-1].name] if found else [name for name in RUN_FILES if (run_dir / name).exists()]
         if held:
@@ -467,10 +464,12 @@ def check_tokenizer(checkpoint: Path, tokenizer: Path):
     records, or as the run's tokenizer.model says for checkpoints that record none."""
     meta = read_meta(checkpoint)
     run_tokenizer = checkpoint.parent.parent / "tokenizer.model"
-    expected = meta.get("tokenizer_sha256") or (sha256(run_tokenizer) if run_tokenizer.is_file() else None)
-    found = sha256(tokenizer)
-    if expected and expected != found:
+    expected = meta.get("tokenizer_sha256")
+    if not expected and run_tokenizer.is_file():
+        expected = tokenizer_sha256(run_tokenizer)
+    if not same_tokenizer(expected, tokenizer):
         raise UserError(
             f"cannot resume from {checkpoint}: it was trained with another tokenizer (sha256 {expected[:12]}) than "
-            f"{tokenizer} (sha256 {found[:12]}); resume with the dataset it was trained on, or start a new run"
+            f"{tokenizer} (sha256 {tokenizer_sha256(tokenizer)[:12]}); resume with the dataset it was trained on, or "
+            "start a new run"
         )

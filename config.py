@@ -324,7 +324,8 @@ def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, 
 
 def check_config(cfg: Config, world_size: int) -> None:
     """Refuse, before any work, configs whose batch or context does not fit (single keys are checked as read)."""
-    t, m = cfg.train, cfg.model
+    t = cfg.train
+    m = cfg.model
     if t.batch_size % (t.grad_accum * world_size):
         raise UserError(
             f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum × ranks "
@@ -363,16 +364,16 @@ def check_retrieval(cfg: Config) -> None:
 def check_training_options(cfg: Config) -> None:
     """Refuse random positions the model cannot use, an init_from run that would be overwritten, and a budget
     without the warmup steps its probe times."""
-    t, m = cfg.train, cfg.model
+    t = cfg.train
+    m = cfg.model
     if t.max_minutes and cfg.optim.warmup_steps < 4:
         raise UserError(
             f"train.max_minutes needs optim.warmup_steps of 4 or more (not {cfg.optim.warmup_steps}): it times the "
             "first warmup steps, whose learning rate does not depend on the run's length, to size the run"
         )
-    position = getattr(m, "position", "rope")  # model.position comes with the position-encoding switch
-    if t.random_positions and position == "nope":
+    if t.random_positions and m.position == "nope":
         raise UserError("train.random_positions needs a position encoding, and model.position nope has none")
-    if position == "learned" and t.random_positions * t.seq_len > m.max_seq_len:
+    if m.position == "learned" and t.random_positions * t.seq_len > m.max_seq_len:
         raise UserError(
             f"train.random_positions ({t.random_positions}) × train.seq_len ({t.seq_len}) exceeds the learned "
             f"position table model.max_seq_len ({m.max_seq_len}); raise model.max_seq_len or lower random_positions"

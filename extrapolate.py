@@ -2,7 +2,6 @@
 or retrieval accuracy (runs trained on the retrieval task) hold up past the training context, for each scaling
 method and each of several runs (the `python generate.py extrapolate` command)."""
 
-import hashlib
 import json
 import math
 import time
@@ -28,6 +27,7 @@ from cli import (
 )
 from data.loader import copy_vocabulary, document_windows, load_meta
 from data.retrieval import RetrievalTask, eval_batches
+from data.tokenizer import same_tokenizer, tokenizer_sha256
 from device import pick_device, pick_dtype
 from extrapolation_report import (
     BINS_PER_OCTAVE,
@@ -340,9 +340,7 @@ def find_data_dir(config: dict, override: str | None) -> Path:
 
 def check_same_tokenizer(checkpoint: Path, data_dir: Path):
     """UserError when the dataset was tokenized by another tokenizer than the checkpoint's."""
-    expected = load_meta(data_dir).get("tokenizer_sha256")
-    ours = hashlib.sha256((checkpoint / "tokenizer.model").read_bytes()).hexdigest()
-    if expected and expected != ours:
+    if not same_tokenizer(load_meta(data_dir).get("tokenizer_sha256"), checkpoint / "tokenizer.model"):
         raise UserError(f"{data_dir} was tokenized with another tokenizer than {checkpoint}/tokenizer.model")
 
 
@@ -412,7 +410,7 @@ def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> lis
             model = model.to(dtype).eval()
         else:
             model, config, _ = load_run(name, device, dtype)
-            tokenizers.setdefault(hashlib.sha256((Path(name) / "tokenizer.model").read_bytes()).hexdigest(), name)
+            tokenizers.setdefault(tokenizer_sha256(Path(name) / "tokenizer.model"), name)
         if len(tokenizers) > 1:
             first, other = tokenizers.values()
             raise UserError(

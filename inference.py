@@ -115,14 +115,21 @@ class FusedBlock(nn.Module):
 
     def __init__(self, block):
         super().__init__()
-        attention, ffn = block.attention, block.feed_forward
-        self.heads, self.kv_heads, self.head_dim = attention.n_heads, attention.n_kv_heads, attention.head_dim
-        self.wqkv, self.wo = fuse(attention.wq, attention.wk, attention.wv), attention.wo
-        self.w13, self.w2 = fuse(ffn.w1, ffn.w3), ffn.w2
-        self.attention_norm, self.ffn_norm = block.attention_norm, block.ffn_norm
+        attention = block.attention
+        self.heads = attention.n_heads
+        self.kv_heads = attention.n_kv_heads
+        self.head_dim = attention.head_dim
+        self.wqkv = fuse(attention.wq, attention.wk, attention.wv)
+        self.wo = attention.wo
+        self.w13 = fuse(block.feed_forward.w1, block.feed_forward.w3)
+        self.w2 = block.feed_forward.w2
+        self.attention_norm = block.attention_norm
+        self.ffn_norm = block.ffn_norm
 
     def forward(self, x, pos, cos, sin, k_cache, v_cache):
-        batch, heads, kv_heads = x.shape[0], self.heads, self.kv_heads
+        batch = x.shape[0]
+        heads = self.heads
+        kv_heads = self.kv_heads
         qkv = self.wqkv(self.attention_norm(x)).view(batch, heads + 2 * kv_heads, self.head_dim)
         qk, v = qkv.split((heads + kv_heads, kv_heads), 1)
         qk = qk.float()
@@ -152,7 +159,9 @@ class DecodeStep(nn.Module):
         if not model.is_llama():
             raise ValueError("the fused decode step is LLaMA's: a model with other switches decodes with its forward")
         self.attentions = [block.attention for block in model.layers]  # whose KV caches generation sets up
-        self.tok_embeddings, self.norm, self.output = model.tok_embeddings, model.norm, model.output
+        self.tok_embeddings = model.tok_embeddings
+        self.norm = model.norm
+        self.output = model.output
         self.layers = nn.ModuleList(FusedBlock(block) for block in model.layers)
         self.args = model.args
         self.cos, self.sin = rope_table(model.args, model.args.max_seq_len)

@@ -34,9 +34,17 @@ class Throughput:
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None, device: torch.device):
         """peak: the FLOP/s of all devices together, None if unknown."""
-        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak = peak
         self.device = device
-        self.steps, self.seconds, self.since = 0, 0.0, time.perf_counter()
+        self.restart(time.perf_counter())
+
+    def restart(self, now: float):
+        """Begin a new measurement at `now`: no steps counted, no training time."""
+        self.steps = 0
+        self.seconds = 0.0
+        self.since = now  # when the clock last started
 
     @contextmanager
     def paused(self):
@@ -50,7 +58,7 @@ class Throughput:
         """tokens_per_s (and mfu when the peak is known) of the steps since the last call."""
         now = time.perf_counter()
         tokens_per_s = self.tokens_per_step * self.steps / (self.seconds + now - self.since)
-        self.steps, self.seconds, self.since = 0, 0.0, now
+        self.restart(now)
         mfu = {"mfu": self.flops_per_token * tokens_per_s / self.peak} if self.peak else {}
         return {"tokens_per_s": tokens_per_s, **mfu}
 
@@ -68,7 +76,9 @@ class RunLog:
 
     def __init__(self, cfg: Config, run_dir: Path, step: int, total: int | None, main: bool):
         """total: the run's steps, None while a train.max_minutes probe has not sized it yet."""
-        self.main, self.path, self.wandb = main, run_dir / "metrics.jsonl", None
+        self.main = main
+        self.path = run_dir / "metrics.jsonl"
+        self.wandb = None
         self.start = time.perf_counter()
         self.bar = tqdm(total=total, initial=step, desc="training", unit="step", disable=not main or None)
         if not main:

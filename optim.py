@@ -51,14 +51,16 @@ def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Opt
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    o, fused = cfg.optim, device.type in ("cuda", "cpu")
+    o = cfg.optim
+    fused = device.type in ("cuda", "cpu")
     adamw = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
     return Optimizers([muon, adamw]) if muon else adamw
 
 
 def lr_at(step: int, cfg: Config) -> float:
     """Linear warmup over warmup_steps, then cosine decay to min_lr at max_steps (step counts from 0)."""
-    o, total = cfg.optim, cfg.train.max_steps
+    o = cfg.optim
+    total = cfg.train.max_steps
     if step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
     progress = (step - o.warmup_steps) / max(total - o.warmup_steps, 1)

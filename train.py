@@ -39,6 +39,7 @@ from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
 from data.prepare import prepare
 from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
 from data.retrieval import eval_batches as retrieval_batches
+from data.tokenizer import same_tokenizer, tokenizer_sha256
 from device import check_compiler, keep_freed_memory, peak_flops, pick_device, pick_dtype
 from metrics import RunLog, Throughput, flops_per_token, memory_gb
 from model import Transformer
@@ -209,7 +210,9 @@ class DataSource:
 
 def data_source(cfg: Config, dist: Dist) -> DataSource:
     """The training batches and validation of data.task: a prepared dataset, or the synthetic retrieval task."""
-    t, d, e = cfg.train, cfg.data, cfg.eval
+    t = cfg.train
+    d = cfg.data
+    e = cfg.eval
     if d.task == "retrieval":
         task = RetrievalTask(d.retrieval_keys, d.retrieval_values, d.retrieval_pairs)
         batches = retrieval_batches(task, e.batches, e.batch_size, t.seq_len)
@@ -327,13 +330,78 @@ def init_from_weights(cfg: Config) -> dict | None:
             f"train.init_from {source_dir} has model.{key} = {saved[key]!r}, this run {wanted[key]!r}; "
             f"only model.{', model.'.join(CONTEXT_KEYS)} may change"
         )
-    theirs, ours = Path(source_dir) / "tokenizer.model", Path(cfg.data.dir) / "tokenizer.model"
-    if theirs.is_file() and ours.is_file() and theirs.read_bytes() != ours.read_bytes():
+    theirs = Path(source_dir) / "tokenizer.model"
+    ours = Path(cfg.data.dir) / "tokenizer.model"
+    if theirs.is_file() and ours.is_file() and not same_tokenizer(tokenizer_sha256(theirs), ours):
         raise UserError(f"train.init_from {source_dir} has another tokenizer than {cfg.data.dir}")
     original = source.args.original_seq_len
     if cfg.model.rope_original_max_seq_len is None and cfg.model.max_seq_len > original:
         cfg.model = dataclasses.replace(cfg.model, rope_original_max_seq_len=original)
     return source.state_dict()
+
+
+def seed_everything(seed: int):
+    """Seed Python's, numpy's and torch's global generators (a resumed run then restores their states)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def budget_probe(cfg: Config, start: Path | None, started: float) -> BudgetProbe | None:
+    """For a train.max_minutes run, set train.max_steps: unbounded while a new run's probe (returned) times its first
+    steps, or the step count its checkpoint recorded when resuming. None when there is nothing to probe."""
+    t = cfg.train
+    if not t.max_minutes:
+        return None
+    if start is not None:
+        t.max_steps = recorded_max_steps(start)
+        return None
+    t.max_steps = sys.maxsize  # until the probe has sized the run
+    return BudgetProbe(cfg, started)
+
+
+def next_rows(loader, cfg: Config, rows: slice, device: torch.device):
+    """(x, y, positions): this rank's rows of the next global batch, and of its random positions (None when
+    train.random_positions is off), on the device."""
+    t = cfg.train
+    x, y = (batch[rows].to(device) for batch in loader.next_batch())
+    positions = None
+    if t.random_positions:  # drawn for the global batch, as the data is: the same on any number of ranks
+        positions = random_positions(t.batch_size, t.seq_len, t.random_positions)[rows].to(device)
+    return x, y, positions
+
+
+def log_step(log: RunLog, step: int, lr: float, losses: dict, grad_norm: torch.Tensor, clock: Throughput, dist):
+    """Record the step's losses (averaged over ranks), learning rate, gradient norm, speed and memory."""
+    entry = {
+        "step": step,
+        **{name: dist.mean(value) for name, value in losses.items()},
+        "lr": lr,
+        "grad_norm": grad_norm.item(),
+        **clock.rates(),
+        "mem_gb": memory_gb(dist.device),
+    }
+    log.record(entry)
+    log.bar.set_postfix(loss=f"{entry['loss']:.3f}", tok_s=f"{entry['tokens_per_s']:,.0f}", lr=f"{lr:.2e}")
+
+
+def validate(model, data: DataSource, log: RunLog, step: int, run_dir: Path):
+    """Evaluate, record and say the validation metrics; stop the run if the loss is not finite."""
+    result = data.validate(model)
+    log.record({"step": step, **result})
+    if not math.isfinite(result["val_loss"]):
+        raise stopped(f"the validation loss is {result['val_loss']} at step {step}", run_dir)
+    parts = [f.format(result[k]) for k, f in VALIDATION_FORMATS.items() if k in result]
+    log.say(f"step {step}: val loss {result['val_loss']:.4f}, " + ", ".join(parts))
+
+
+def save(model, optimizer, data: DataSource, cfg: Config, dist: Dist, log: RunLog, step: int):
+    """Save the resumable checkpoint and the run directory's model export, with the run's settings and tokenizer."""
+    run_dir = Path(cfg.train.out_dir)
+    settings = {k: v for k, v in cfg.to_dict().items() if k != "model"}  # the model's own go beside them
+    keep = cfg.checkpoint.keep
+    save_checkpoint(run_dir, step, model, optimizer, data.loader, dist, settings, data.tokenizer, keep)
+    log.say(f"step {step}: saved checkpoint {checkpoints(run_dir)[-1]}")
 
 
 def train(cfg: Config, resume: bool, dist: Dist, started: float):
@@ -345,69 +413,44 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     data = data_source(cfg, dist)
     if start is not None and data.tokenizer is not None:
         check_tokenizer(start, data.tokenizer)
-    random.seed(t.seed)
-    np.random.seed(t.seed)
-    torch.manual_seed(t.seed)
-    # Every rank draws the same global batch and keeps its rows, so the data never depends on the world size.
-    loader = data.loader
-    rows = slice(dist.rank * t.batch_size // dist.world_size, (dist.rank + 1) * t.batch_size // dist.world_size)
+    seed_everything(t.seed)
     model, optimizer, sizes = build_model(cfg, dist, None if start else init)  # a resumed run loads its checkpoint
-    step = 0 if start is None else load_checkpoint(start, model, optimizer, loader, dist)
-    probe = None
-    if t.max_minutes and start is None:
-        probe, t.max_steps = BudgetProbe(cfg, started), sys.maxsize  # until the probe has sized the run
-    elif t.max_minutes:
-        t.max_steps = recorded_max_steps(start)
+    step = 0 if start is None else load_checkpoint(start, model, optimizer, data.loader, dist)
+    probe = budget_probe(cfg, start, started)
     log = RunLog(cfg, run_dir, step, None if probe else t.max_steps, dist.main)
     log.say(f"model: {sizes}; {data.line}; device {dist.device}" + (f"; resuming at step {step}" if start else ""))
     peak = peak_flops(dist.device, t.peak_tflops)
     peak = peak * dist.world_size if peak else None
     clock = Throughput(t.batch_size * t.seq_len, flops_per_token(model, t.seq_len), peak, dist.device)
-    keep = cfg.checkpoint.keep
+    # Every rank draws the same global batch and keeps its rows, so the data never depends on the world size.
+    rows = slice(dist.rank * t.batch_size // dist.world_size, (dist.rank + 1) * t.batch_size // dist.world_size)
     while step < t.max_steps:
         lr = lr_at(step, cfg)
-        x, y = (batch[rows].to(dist.device) for batch in loader.next_batch())
-        positions = None
-        if t.random_positions:  # drawn for the global batch, as the data is: the same on any number of ranks
-            positions = random_positions(t.batch_size, t.seq_len, t.random_positions)[rows].to(dist.device)
+        x, y, positions = next_rows(data.loader, cfg, rows, dist.device)
         losses, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist, positions)
-        if not applied:
+        if not applied:  # a NaN or infinity: every rank skipped the update; stop, naming the last good checkpoint
             problem = f"the loss is {dist.mean(losses['loss'])} (gradient norm {grad_norm.item()}) at step {step + 1}"
             raise stopped(f"{problem}; training stopped before applying that update", run_dir)
         step += 1
         clock.steps += 1
         log.bar.update()
         if probe is not None and probe.step_done():
+            # A train.max_minutes run now knows its step time: it chooses its length, once, the same on every
+            # rank. The probe's evaluation is not training time.
             with clock.paused():
                 t.max_steps, line = probe.max_steps(model, data.probe_batches, dist)
             probe = None
             log.sized(step, t.max_steps, line)
         if due(step, t.log_interval, t.max_steps):
-            entry = {
-                "step": step,
-                **{name: dist.mean(value) for name, value in losses.items()},
-                "lr": lr,
-                "grad_norm": grad_norm.item(),
-                **clock.rates(),
-                "mem_gb": memory_gb(dist.device),
-            }
-            log.record(entry)
-            log.bar.set_postfix(loss=f"{entry['loss']:.3f}", tok_s=f"{entry['tokens_per_s']:,.0f}", lr=f"{lr:.2e}")
-        evaluating, saving = due(step, cfg.eval.interval, t.max_steps), due(step, cfg.checkpoint.interval, t.max_steps)
+            log_step(log, step, lr, losses, grad_norm, clock, dist)
+        evaluating = due(step, cfg.eval.interval, t.max_steps)
+        saving = due(step, cfg.checkpoint.interval, t.max_steps)
         if evaluating or saving:
-            with clock.paused():
+            with clock.paused():  # tokens/s and MFU count training time alone
                 if evaluating:
-                    result = data.validate(model)
-                    log.record({"step": step, **result})
-                    if not math.isfinite(result["val_loss"]):
-                        raise stopped(f"the validation loss is {result['val_loss']} at step {step}", run_dir)
-                    parts = [f.format(result[k]) for k, f in VALIDATION_FORMATS.items() if k in result]
-                    log.say(f"step {step}: val loss {result['val_loss']:.4f}, " + ", ".join(parts))
+                    validate(model, data, log, step, run_dir)
                 if saving:
-                    tokenizer = data.tokenizer
-                    export_config = {k: v for k, v in cfg.to_dict().items() if k != "model"}  # beside the model's
-                    save_checkpoint(run_dir, step, model, optimizer, loader, dist, export_config, tokenizer, keep)
-                    log.say(f"step {step}: saved checkpoint {checkpoints(run_dir)[-1]}")
+                    save(model, optimizer, data, cfg, dist, log, step)
     log.close()
 
 

@@ -49,7 +49,8 @@ class ShardedTokens:
                 take = min(stop, int(self.starts[first + 1])) - start
                 offset = start - int(self.starts[first])
                 parts.append(shard[offset : offset + take])
-                start, first = start + take, first + 1
+                start += take
+                first += 1
             return np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
         positions = np.asarray(index)
         if positions.dtype.kind not in "iu":
@@ -72,7 +73,8 @@ def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
     _check_split(split)
     meta = load_meta(data_dir)
     try:
-        dtype, shards = np.dtype(meta["dtype"]), split_shards(meta, split)
+        dtype = np.dtype(meta["dtype"])
+        shards = split_shards(meta, split)
         sizes = [(shard["file"], int(shard["tokens"])) for shard in shards]
     except (KeyError, TypeError, ValueError) as exc:
         problem = f"lacks the {split} split's dtype or shards ({exc})"
@@ -96,7 +98,8 @@ def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
 def doc_offsets(data_dir, split) -> np.ndarray:
     """Start offset (the BOS position) of each document in the split: int64, ascending, first = 0."""
     _check_split(split)
-    offsets, start = [], 0
+    offsets = []
+    start = 0
     for shard in split_shards(load_meta(data_dir), split):
         offsets.append(np.load(Path(data_dir) / docs_name(shard["file"])).astype(np.int64, copy=False) + start)
         start += int(shard["tokens"])
@@ -154,7 +157,8 @@ def plant_copies(windows: np.ndarray, rng: np.random.Generator, vocabulary: np.n
 
 
 class RandomBatches:
-    """Random windows of seq_len+1 tokens from a split; seeded, rank-aware, resumable.
+    """Random windows of seq_len+1 tokens from a split; seeded and resumable. Under torchrun every rank draws the
+    same global batch and keeps its own rows (train.py), so the data never depends on the number of ranks.
 
     With copy_fraction > 0, each window is, with that probability, given synthetic copy data (Bi-Induct-style
     forward-copy snippets, Sabry & Belz 2025, here planted inside real text): see plant_copies. Its unpredictable
@@ -168,15 +172,11 @@ class RandomBatches:
         batch_size,
         seq_len,
         seed=0,
-        rank=0,
-        world_size=1,
         device="cpu",
         copy_fraction=0.0,
         copy_span=16,
         copy_repeats=1,
     ):
-        if not 0 <= rank < world_size:
-            raise UserError(f"rank {rank} is outside world_size {world_size}")
         if not 0 <= copy_fraction < 1:
             raise UserError(f"copy_fraction must be at least 0 and below 1, not {copy_fraction}")
         if copy_span < 2 or copy_repeats < 1:
@@ -188,12 +188,14 @@ class RandomBatches:
             )
         self.tokens = open_tokens(data_dir, split)
         _check_fits(self.tokens, split, seq_len)
-        self.batch_size, self.seq_len, self.device = batch_size, seq_len, device
-        self.rank, self.world_size = rank, world_size
-        self.copy_fraction, self.copy_span, self.copy_repeats = copy_fraction, copy_span, copy_repeats
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.device = device
+        self.copy_fraction = copy_fraction
+        self.copy_span = copy_span
+        self.copy_repeats = copy_repeats
         self.vocabulary = copy_vocabulary(load_meta(data_dir)) if copy_fraction else None
-        # Each rank gets its own stream from the same seed, so ranks draw different windows.
-        self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, rank])))
+        self.rng = np.random.default_rng(seed)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y of shape (batch_size, seq_len), int64, on the device."""
@@ -210,14 +212,11 @@ class RandomBatches:
 
     def state_dict(self) -> dict:
         """Plain-Python state (JSON- and torch.save-able) that load_state_dict resumes from exactly."""
-        return {"rank": self.rank, "world_size": self.world_size, "rng": self.rng.bit_generator.state}
+        return {"task": "text", "rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
-        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
-            raise UserError(
-                f"loader state is for rank {state['rank']} of {state['world_size']}, "
-                f"not rank {self.rank} of {self.world_size}"
-            )
+        if state.get("task", "text") != "text":  # older states name no task (but a rank, always 0, and world size 1)
+            raise UserError("the checkpoint's loader state is not a text dataset's; resume with its data.task")
         self.rng.bit_generator.state = state["rng"]
 
 
@@ -250,7 +249,8 @@ def document_windows(data_dir, split, length, num_windows, seed=0) -> np.ndarray
             "use a shorter length or a corpus with longer documents"
         )
     # Every valid window start across the usable documents, numbered 0..total-1 in document order.
-    doc_starts, positions = starts[usable], lengths[usable] - length + 1
+    doc_starts = starts[usable]
+    positions = lengths[usable] - length + 1
     cumulative = np.cumsum(positions)
     total = int(cumulative[-1])
     rng = np.random.default_rng(seed)

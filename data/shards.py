@@ -68,7 +68,9 @@ def join_documents(tokenizer, encoded: list[np.ndarray], counts: list[int]):
     The EOS teaches the model to end a text, so that generation can stop."""
     bos = np.array([tokenizer.bos_id()], dtype=np.int32)
     eos = np.array([tokenizer.eos_id()] if tokenizer.eos_id() >= 0 else [], dtype=np.int32)
-    parts, lengths, first = [], [], 0
+    parts = []
+    lengths = []
+    first = 0
     for count in counts:
         parts += [bos, *encoded[first : first + count], eos]
         lengths.append(len(bos) + len(eos) + sum(len(ids) for ids in encoded[first : first + count]))
@@ -84,10 +86,16 @@ class ShardWriter:
     written after it is written again, identically."""
 
     def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int, state: dict | None = None):
-        self.folder, self.split, self.dtype, self.shard_tokens = Path(folder), split, np.dtype(dtype), shard_tokens
+        self.folder = Path(folder)
+        self.split = split
+        self.dtype = np.dtype(dtype)
+        self.shard_tokens = shard_tokens
         state = state or {"tokens": 0, "bytes": 0, "shard_docs": []}
-        self.tokens, self.bytes, self.shard_docs = state["tokens"], state["bytes"], list(state["shard_docs"])
-        self.file, self.file_index = None, None
+        self.tokens = state["tokens"]
+        self.bytes = state["bytes"]
+        self.shard_docs = list(state["shard_docs"])
+        self.file = None  # the open shard, and its index
+        self.file_index = None
         (self.folder / "progress").mkdir(exist_ok=True)
         self._cut_back()
 
@@ -125,15 +133,18 @@ class ShardWriter:
             self.shard_docs[index] += len(local)
             with open(self._raw_docs(index), "ab") as file:
                 local.astype(np.int64).tofile(file)
-        ids, written = ids.astype(self.dtype, copy=False), 0
+        ids = ids.astype(self.dtype, copy=False)
+        written = 0
         while written < len(ids):
             index, used = divmod(self.tokens, self.shard_tokens)
             chunk = ids[written : written + self.shard_tokens - used]
             if self.file_index != index:
                 self.close()
-                self.file, self.file_index = open(self.folder / shard_name(self.split, index), "ab"), index
+                self.file = open(self.folder / shard_name(self.split, index), "ab")
+                self.file_index = index
             chunk.tofile(self.file)
-            self.tokens, written = self.tokens + len(chunk), written + len(chunk)
+            self.tokens += len(chunk)
+            written += len(chunk)
             if self.tokens % self.shard_tokens == 0:
                 self.close()  # a finished shard is on disk for good
         self.shard_docs += [0] * (-(-self.tokens // self.shard_tokens) - len(self.shard_docs))
@@ -144,7 +155,8 @@ class ShardWriter:
             self.file.flush()
             os.fsync(self.file.fileno())
             self.file.close()
-            self.file, self.file_index = None, None
+            self.file = None
+            self.file_index = None
 
     def state(self) -> dict:
         if self.file is not None:

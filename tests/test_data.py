@@ -29,6 +29,7 @@ from data.loader import (
     plant_copies,
 )
 from data.prepare import prepare, split_documents, tokenizer_sample
+from data.tokenizer import same_tokenizer, tokenizer_sha256
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SYLLABLES = "ka ri to ne su ma lo pe da vi qu ex an or él ça ñu öl ß 東 京 語 本".split()
@@ -126,7 +127,18 @@ def test_split_is_seeded_and_handles_a_single_document():
     assert train[0] + val[0] == "line one\nline two\n" * 50 and train[0].endswith("\n") and val[0]
 
 
-def test_random_batches_are_seeded_rank_aware_and_resumable(corpus, tmp_path):
+def test_a_tokenizer_is_identified_by_the_sha256_its_dataset_records(corpus, tmp_path):
+    data_dir, _ = corpus
+    path = data_dir / "tokenizer.model"
+    recorded = load_meta(data_dir)["tokenizer_sha256"]
+    assert tokenizer_sha256(path) == tokenizer_sha256(str(path)) == tokenizer_sha256(path.read_bytes()) == recorded
+    assert recorded == hashlib.sha256(path.read_bytes()).hexdigest()
+    (tmp_path / "other.model").write_bytes(path.read_bytes() + b"\0")
+    assert same_tokenizer(recorded, path) and not same_tokenizer(recorded, tmp_path / "other.model")
+    assert same_tokenizer(None, tmp_path / "other.model")  # nothing recorded: nothing to hold it against
+
+
+def test_random_batches_are_seeded_and_resumable(corpus, tmp_path):
     data_dir, _ = corpus
     tokens = open_tokens(data_dir, "train")
     loader = RandomBatches(data_dir, "train", batch_size=4, seq_len=32, seed=7)
@@ -136,8 +148,14 @@ def test_random_batches_are_seeded_rank_aware_and_resumable(corpus, tmp_path):
     assert all(np.isin(row.numpy(), tokens).all() for row in x)
     again = RandomBatches(data_dir, "train", batch_size=4, seq_len=32, seed=7)
     assert torch.equal(again.next_batch()[0], x)
-    other_rank = RandomBatches(data_dir, "train", batch_size=4, seq_len=32, seed=7, rank=1, world_size=2)
-    assert not torch.equal(other_rank.next_batch()[0], x)
+    other_seed = RandomBatches(data_dir, "train", batch_size=4, seq_len=32, seed=8)
+    assert not torch.equal(other_seed.next_batch()[0], x)
+    # the stream the loader drew when it still took a rank (always 0): the same batches as before
+    legacy = np.random.Generator(np.random.PCG64(np.random.SeedSequence([7, 0])))
+    assert (
+        RandomBatches(data_dir, "train", batch_size=4, seq_len=32, seed=7).state_dict()["rng"]
+        == legacy.bit_generator.state
+    )
 
     state = json.loads(json.dumps(loader.state_dict()))
     torch.save(loader.state_dict(), tmp_path / "state.pt")
@@ -147,8 +165,10 @@ def test_random_batches_are_seeded_rank_aware_and_resumable(corpus, tmp_path):
         resumed.load_state_dict(restored_state)
         for want, got in zip(expected, (resumed.next_batch() for _ in range(3))):
             assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-    with pytest.raises(UserError, match="rank"):
-        other_rank.load_state_dict(state)
+    resumed.load_state_dict({"rank": 0, "world_size": 1, "rng": state["rng"]})  # saved when the loader took a rank
+    assert torch.equal(resumed.next_batch()[0], expected[0][0])
+    with pytest.raises(UserError, match="not a text dataset's"):
+        resumed.load_state_dict({"task": "retrieval", "rng": state["rng"]})
 
 
 def test_random_batches_refuse_a_window_longer_than_the_split(corpus):
