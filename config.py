@@ -263,7 +263,8 @@ def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
 
 def split_overrides(rest: list[str]) -> list[tuple[str, str]]:
     """(section.key, text) pairs from `--section.key=value` or `--section.key value` arguments."""
-    overrides, i = [], 0
+    overrides = []
+    i = 0
     while i < len(rest):
         match = re.fullmatch(r"--([A-Za-z_]\w*\.\w+)(?:=(.*))?", rest[i], re.S)
         if not match:

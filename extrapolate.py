@@ -62,12 +62,16 @@ def token_losses(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
 def sliding_losses(model: Transformer, tokens: torch.Tensor, context: int) -> torch.Tensor:
     """token_losses over (1, T) tokens seen through windows of `context` tokens moving by context/2: each token
     after the first window is scored with at least context/2 tokens before it."""
-    length, stride = tokens.shape[1], max(context // 2, 1)
-    pieces, start, scored = [], 0, 1  # scored: the next target position
+    length = tokens.shape[1]
+    stride = max(context // 2, 1)
+    pieces = []
+    start = 0
+    scored = 1  # scored: the next target position
     while scored < length:
         end = min(start + context, length)
         pieces.append(token_losses(model, tokens[:, start:end])[:, scored - start - 1 :])
-        scored, start = end, start + stride
+        scored = end
+        start += stride
     return torch.cat(pieces, dim=1)
 
 
@@ -108,7 +112,8 @@ def probe_scores(model: Transformer, sequences: np.ndarray, distance: int, devic
     """Per row of probe_sequences: top-1 accuracy on the repeat after its first token, and the loss drop in nats
     from the first occurrence to the repeat (over the same span-1 tokens of each)."""
     span = sequences.shape[1] - distance
-    accuracy, drop = [], []
+    accuracy = []
+    drop = []
     for tokens in row_blocks(sequences, sequences.shape[1], device):
         logits, losses = logits_and_losses(model, tokens)
         hits = logits[:, distance : distance + span - 1].argmax(-1) == tokens[:, distance + 1 :]
@@ -151,7 +156,8 @@ def effective_context(perplexity: dict, probe: dict, train_len: int, span: int) 
     use_probe = accuracy is not None and accuracy >= 0.2
     tokens = train_len
     for length in sorted(int(n) for n in perplexity if int(n) > train_len):
-        row, read = perplexity[str(length)], probe.get(str(length - span))
+        row = perplexity[str(length)]
+        read = probe.get(str(length - span))
         holds = row is not None and row["ratio"] <= 1.05
         if use_probe:
             holds = holds and read is not None and read["accuracy"]["mean"] >= accuracy - 0.10
@@ -170,10 +176,14 @@ def effective_context(perplexity: dict, probe: dict, train_len: int, span: int) 
 def evaluate_run(model, run: dict, text, probe_text, spans, lengths, distances, protocol, score_tokens, device, bar):
     """The perplexity, probe, loss-by-position and effective-context numbers of one run, for each of its methods.
     Lengths a learned-position model cannot reach are None ("n/a")."""
-    longest, span, edges = max(lengths), spans.shape[1], position_bins(max(lengths))
+    longest = max(lengths)
+    span = spans.shape[1]
+    edges = position_bins(max(lengths))
     result = {"perplexity": {}, "probe": {}, "per_position": {}, "effective_context": {}}
     for method in run["methods"]:
-        per_length, per_distance, per_position = {}, {}, []
+        per_length = {}
+        per_distance = {}
+        per_position = []
         for length in lengths:
             per_length[str(length)] = None
             if fits(model, length):
@@ -205,7 +215,8 @@ def evaluate_run(model, run: dict, text, probe_text, spans, lengths, distances, 
                 accuracy, drop = probe_scores(model, probe_sequences(probe_text, spans, distance), distance, device)
                 per_distance[str(distance)] = {"accuracy": spread(accuracy), "loss_drop": spread(drop)}
             bar.update(len(probe_text))
-        result["perplexity"][method], result["probe"][method] = per_length, per_distance
+        result["perplexity"][method] = per_length
+        result["probe"][method] = per_distance
         if per_position:
             by_bin = np.asarray(per_position)
             result["per_position"][method] = {"loss_mean": by_bin.mean(0).tolist(), "loss_std": by_bin.std(0).tolist()}
@@ -242,7 +253,8 @@ def retrieval_scores(model: Transformer, batches, device) -> np.ndarray:
     """Per row of the (x, y) batches: the fraction of its queries whose value is the argmax of the logits."""
     scores = []
     for x, y in batches:
-        logits, y = model(x.to(device)), y.to(device)
+        logits = model(x.to(device))
+        y = y.to(device)
         mask = y != -100
         hits = (logits.argmax(-1) == y) & mask
         scores.append((hits.sum(1) / mask.sum(1)).float())
@@ -296,7 +308,8 @@ def retrieval_study(loaded: list, args, argv: list[str], device) -> dict:
     if min(lengths) < task.min_length():
         raise UserError(f"--lengths must all be at least {task.min_length()} (a row with every key and its query)")
     distances = retrieval_distances(context, max(lengths), task.pairs)
-    count, size = max(1, args.retrieval_rows // 64), min(64, args.retrieval_rows)
+    count = max(1, args.retrieval_rows // 64)
+    size = min(64, args.retrieval_rows)
     rows = {
         "length": {n: eval_batches(task, count, size, n, seed=args.seed + 1) for n in lengths},
         "distance": {d: eval_batches(task, count, size, max(lengths), d, seed=args.seed + 2) for d in distances},
@@ -396,7 +409,9 @@ def trained_task(name: str) -> str:
 def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> list[tuple[Transformer, dict]]:
     """(model, run description) for each run directory, all sharing one tokenizer; UserError otherwise, or where
     a RoPE scaling method is named for a model without RoPE."""
-    runs, tokenizers, tasks = [], {}, {}
+    runs = []
+    tokenizers = {}
+    tasks = {}
     for name in names:
         tasks.setdefault(trained_task(name), name)
     if len(tasks) > 1:
@@ -499,10 +514,12 @@ def run(args, argv: list[str]) -> int:
     if loaded[0][1]["task"] == "retrieval":
         check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
         report = retrieval_study(loaded, args, argv, device)
-        markdown, plot = retrieval_markdown(report), retrieval_plot
+        markdown = retrieval_markdown(report)
+        plot = retrieval_plot
     else:
         report = text_study(loaded, args, argv, device, out_dir)
-        markdown, plot = markdown_report(report), plot_report
+        markdown = markdown_report(report)
+        plot = plot_report
     out_dir.mkdir(parents=True, exist_ok=True)
     # all three or none: each is renamed into place only once every one has been written
     with (

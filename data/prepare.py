@@ -54,6 +54,25 @@ BLOCK_BYTES = 32_000_000  # documents are split, encoded and committed in blocks
 # 32 MB tokenizer compressed held-out text only 0.8% better (0.9% at 16,384 pieces). So the tokenizer trains on at
 # most 8 MB, a seeded choice of the first block's training documents; Shakespeare (5.06 MB) fits whole.
 TOKENIZER_SAMPLE_BYTES = 8_000_000
+# sentencepiece's options: byte-fallback BPE on the text exactly as it is (no normalization, no added or removed
+# spaces), so that decode(encode(text)) == text for any UTF-8 text; digits split one by one
+TOKENIZER_RECIPE = {
+    "model_type": "bpe",
+    "byte_fallback": True,
+    "split_digits": True,
+    "normalization_rule_name": "identity",
+    "add_dummy_prefix": False,
+    "remove_extra_whitespaces": False,
+    "allow_whitespace_only_pieces": True,
+    "unk_id": 0,
+    "bos_id": 1,
+    "eos_id": 2,
+    "pad_id": -1,
+    "input_sentence_size": 2_000_000,
+    "shuffle_input_sentence": True,
+    "max_sentence_length": 4 * MAX_SENTENCE_CHARS,
+    "minloglevel": 2,
+}
 SHARD_TOKENS = 100_000_000
 
 EPILOG = """\
@@ -213,7 +232,8 @@ def shakespeare_files() -> list[Path]:
 
 def check_text_file(path: Path) -> None:
     """UserError unless the file is UTF-8 without NUL bytes (binary files fail one or the other)."""
-    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
     with open(path, "rb") as file:
         while True:
             block = file.read(1 << 24)
@@ -302,7 +322,8 @@ def iter_documents(streams, source: str, max_docs: int | None, max_bytes: int | 
                 raise UserError(f"{source}: a document contains NUL bytes, so it looks binary, not text")
             size = utf8_size(text)
             yield text, size
-            count, total = count + 1, total + size
+            count += 1
+            total += size
     except UserError:
         raise
     except Exception as exc:  # datasets raises many kinds of errors; the user needs one line
@@ -313,11 +334,17 @@ def iter_documents(streams, source: str, max_docs: int | None, max_bytes: int | 
 def iter_blocks(documents, block_bytes: int):
     """(index, texts, sizes, last) of consecutive documents holding at least block_bytes bytes (the last block may
     hold fewer): the unit that is split, encoded and committed together."""
-    texts, sizes, index, total = [], [], 0, 0
+    texts = []
+    sizes = []
+    index = 0
+    total = 0
     for text, size in documents:
         if total >= block_bytes:
             yield index, texts, sizes, False
-            texts, sizes, index, total = [], [], index + 1, 0
+            texts = []
+            sizes = []
+            index += 1
+            total = 0
         texts.append(text)
         sizes.append(size)
         total += size
@@ -342,7 +369,8 @@ def split_documents(documents: list[str], val_fraction: float, seed: int) -> tup
     sizes = [utf8_size(d) for d in documents]
     target = val_fraction * sum(sizes)
     order = np.random.default_rng(seed).permutation(len(documents))
-    val, val_bytes = [], 0
+    val = []
+    val_bytes = 0
     for i in order:  # in seeded order, take documents that keep val under twice the target
         if val_bytes >= target or len(val) == len(documents) - 1:
             break
@@ -396,7 +424,8 @@ def tokenizer_sample(texts: list[str], cap: int, seed: int) -> list[str]:
     sizes = [utf8_size(text) for text in texts]
     if sum(sizes) <= cap:
         return texts
-    chosen, total = {}, 0
+    chosen = {}
+    total = 0
     for i in np.random.default_rng(seed).permutation(len(texts)):
         if total >= cap:
             break
@@ -421,23 +450,9 @@ def train_tokenizer(documents: list[str], vocab_size: int, seed: int) -> bytes:
         spm.SentencePieceTrainer.train(
             sentence_iterator=training_sentences(documents),
             model_writer=model,
-            model_type="bpe",
             vocab_size=vocab_size,
-            byte_fallback=True,
-            split_digits=True,
-            normalization_rule_name="identity",
-            add_dummy_prefix=False,
-            remove_extra_whitespaces=False,
-            allow_whitespace_only_pieces=True,
-            unk_id=0,
-            bos_id=1,
-            eos_id=2,
-            pad_id=-1,
-            input_sentence_size=2_000_000,
-            shuffle_input_sentence=True,
-            max_sentence_length=4 * MAX_SENTENCE_CHARS,
             num_threads=cpu_count(),
-            minloglevel=2,
+            **TOKENIZER_RECIPE,
         )
     except RuntimeError as exc:
         message = str(exc)
@@ -543,7 +558,8 @@ def resumable(work: Path, inputs: dict) -> dict | None:
 
 def first_blocks(blocks, splitter: Splitter, sample_bytes: int) -> list[tuple]:
     """The first split blocks, enough of them to hold sample_bytes of text (at least one); UserError if none."""
-    head, total = [], 0
+    head = []
+    total = 0
     for index, texts, sizes, last in blocks:
         head.append((index, *splitter(index, texts, sizes, last), sum(sizes)))
         total += sum(sizes)
@@ -586,7 +602,8 @@ def encode_blocks(work: Path, blocks, progress: dict, tokenizer, writers: dict, 
     sentencepiece encodes one block after another in the background, without the GIL, while this thread cuts the
     next block into pieces and writes the one before, so that the cores keep encoding; blocks are written in order."""
     cut = cuts_after_newlines(tokenizer)
-    pool, pending = ThreadPoolExecutor(1, thread_name_prefix="encode"), None
+    pool = ThreadPoolExecutor(1, thread_name_prefix="encode")
+    pending = None
     try:
         for block in blocks:
             pieces, counts = document_pieces(block[1] + block[2], cut)
@@ -650,7 +667,8 @@ def build(out_dir: Path, work: Path, inputs: dict, model_proto: bytes | None, op
     streams, description, total = open_source(options["source"], options["text_field"], options["max_bytes"])
     documents = iter_documents(streams, options["source"], options["max_docs"], options["max_bytes"])
     blocks = iter_blocks(documents, BLOCK_BYTES)
-    progress, head = resumable(work, inputs), []
+    progress = resumable(work, inputs)
+    head = []
     if progress is None:
         splitter = Splitter()
         head = first_blocks(blocks, splitter, TOKENIZER_SAMPLE_BYTES if model_proto is None else 1)
@@ -701,6 +719,9 @@ def prepare(
     out_dir = Path(out_dir) if out_dir else REPO_ROOT / "data" / default_name(source)
     if source.startswith("hf:") and max_bytes is None:
         max_bytes = HF_DEFAULT_MAX_BYTES
+    for name, value in (("--max-docs", max_docs), ("--shard-tokens", shard_tokens), ("--workers", workers)):
+        if value is not None and value < 1:
+            raise UserError(f"{name} must be positive, got {value}")
     inputs = {
         "format": FORMAT_VERSION,
         **source_fingerprint(source),
@@ -712,21 +733,7 @@ def prepare(
         "block_bytes": BLOCK_BYTES,
         "shard_tokens": shard_tokens,
     }
-    model_proto = None
-    if tokenizer:
-        tokenizer_path = Path(tokenizer)
-        if not tokenizer_path.is_file():
-            raise UserError(f"{tokenizer}: no such tokenizer file")
-        model_proto = tokenizer_path.read_bytes()
-        load_tokenizer(model_proto, tokenizer)
-        inputs["tokenizer_sha256"] = tokenizer_sha256(model_proto)
-    elif vocab_size < 1:
-        raise UserError(f"--vocab-size must be positive, got {vocab_size}")
-    else:
-        inputs.update(vocab_size=vocab_size, tokenizer_sample_bytes=TOKENIZER_SAMPLE_BYTES)
-    for name, value in (("--max-docs", max_docs), ("--shard-tokens", shard_tokens), ("--workers", workers)):
-        if value is not None and value < 1:
-            raise UserError(f"{name} must be positive, got {value}")
+    model_proto = given_tokenizer(tokenizer, vocab_size, inputs)
     with exclusive(out_dir):  # one writer at a time, from the check of what is there to the rename
         if meta := existing_output(out_dir, inputs, force):
             print(f"already prepared (same inputs; --force rebuilds): {summary(out_dir, meta)}")
@@ -746,6 +753,22 @@ def prepare(
             meta = build(out_dir, partial_dir(out_dir), inputs, model_proto, options)
         print(f"wrote {summary(out_dir, meta)}")
     return out_dir
+
+
+def given_tokenizer(tokenizer, vocab_size: int, inputs: dict) -> bytes | None:
+    """The serialized --tokenizer (None: one is trained), with what identifies it recorded in `inputs`."""
+    if not tokenizer:
+        if vocab_size < 1:
+            raise UserError(f"--vocab-size must be positive, got {vocab_size}")
+        inputs.update(vocab_size=vocab_size, tokenizer_sample_bytes=TOKENIZER_SAMPLE_BYTES)
+        return None
+    tokenizer_path = Path(tokenizer)
+    if not tokenizer_path.is_file():
+        raise UserError(f"{tokenizer}: no such tokenizer file")
+    model_proto = tokenizer_path.read_bytes()
+    load_tokenizer(model_proto, tokenizer)
+    inputs["tokenizer_sha256"] = tokenizer_sha256(model_proto)
+    return model_proto
 
 
 def parse_size(text: str) -> int:
