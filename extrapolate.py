@@ -31,7 +31,6 @@ from data.tokenizer import same_tokenizer, tokenizer_sha256
 from device import pick_device, pick_dtype
 from extrapolation_report import (
     BINS_PER_OCTAVE,
-    DEFAULT_METHODS,
     MIN_BIN,
     effective_line,
     markdown_report,
@@ -374,7 +373,7 @@ def add_arguments(parser: ArgumentParser):
     parser.add_argument(
         "--methods",
         type=comma_list(choices=ROPE_SCALINGS),
-        help="RoPE scaling methods, comma-separated (default: none,linear,ntk,dynamic,yarn for RoPE runs, none for "
+        help="RoPE scaling methods, comma-separated (default: every one of model.ROPE_SCALINGS for RoPE runs, none for "
         "other position encodings)",
     )
     parser.add_argument(
@@ -445,7 +444,7 @@ def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> lis
             "position": position,
             "train_context": int((config.get("train") or {}).get("seq_len") or model.args.original_seq_len),
             "original_context": model.args.original_seq_len,  # what RoPE scaling stretches from
-            "methods": methods or (list(DEFAULT_METHODS) if position == "rope" else ["none"]),
+            "methods": methods or (list(ROPE_SCALINGS) if position == "rope" else ["none"]),
             "model": model.args.to_dict(),  # before the evaluation switches RoPE
             "config": config,
         }

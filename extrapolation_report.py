@@ -9,7 +9,6 @@ import numpy as np
 
 from model import ROPE_SCALINGS
 
-DEFAULT_METHODS = ("none", "linear", "ntk", "dynamic", "yarn")
 BINS_PER_OCTAVE, MIN_BIN = 3, 8  # of the loss-by-position curve
 
 
