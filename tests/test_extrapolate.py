@@ -16,6 +16,7 @@ import generate
 from checkpoint import load_run
 from cli import run_command
 from data.loader import load_meta
+from model import ROPE_SCALINGS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SPAN = 8  # the probe span in these tests: a quarter of the tiny runs' context
@@ -38,7 +39,7 @@ def test_extrapolation_writes_report(tiny_run, capsys):
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1].startswith(f"wrote {out_dir}") and printed[-2].startswith(f"effective context of {run_dir}")
     report = json.loads((out_dir / "extrapolation.json").read_text())
-    methods, lengths = ["none", "linear", "ntk", "dynamic", "yarn"], [32, 64, 128, 256]
+    methods, lengths = list(ROPE_SCALINGS), [32, 64, 128, 256]
     [run] = report["runs"]
     assert run["methods"] == methods and report["lengths"] == lengths
     assert run["train_context"] == 32 and run["position"] == "rope"  # the tiny run's context
