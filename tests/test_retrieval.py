@@ -151,13 +151,3 @@ def test_bad_retrieval_config_is_one_line(tmp_path, capsys, args, message):
     assert run(tmp_path, "bad", *args) == 2
     stderr = capsys.readouterr().err
     assert stderr.startswith("error: ") and message in stderr and stderr.count("\n") == 1, stderr
-
-
-def test_rope_learns_to_retrieve_in_context(tmp_path):
-    """The shipped recipe, shortened: a 2-layer RoPE model leaves the 1/pairs plateau (guessing among the row's
-    values) and retrieves, far above chance (1/64)."""
-    config = str(train.REPO_ROOT / "configs" / "retrieval.toml")
-    args = ["--config", config, f"--train.out_dir={tmp_path / 'rope'}", "--train.max_steps=500", "--eval.interval=0"]
-    assert run_command(train.main, args) == 0
-    (accuracy,) = logged(tmp_path / "rope", "val_acc").values()
-    assert accuracy > 0.8, accuracy

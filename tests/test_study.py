@@ -11,6 +11,7 @@ import generate
 import study
 from cli import run_command
 from data.retrieval import RetrievalTask, eval_batches
+from model import ROPE_SCALINGS
 
 TASK = RetrievalTask(keys=16, values=16, pairs=4)
 
@@ -54,7 +55,7 @@ def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys):
     report = json.loads((out / "compare" / "extrapolation.json").read_text())
     runs = {run["name"].rsplit("/", 1)[-1]: run for run in report["runs"]}
     assert report["lengths"] == [32, 64, 128, 256, 512] and report["task"]["chance"] == 1 / 64
-    assert runs["rope"]["methods"] == ["none", "linear", "ntk", "dynamic", "yarn"]
+    assert runs["rope"]["methods"] == list(ROPE_SCALINGS)
     in_context = runs["rope"]["accuracy"]["none"]["32"]["mean"]
     assert in_context > 0.5, in_context  # chance is 1/64; guessing among the row's 4 values gives 1/4
     assert runs["rope-yarn"]["train_context"] == 128 and runs["rope-yarn"]["original_context"] == 32
