@@ -65,6 +65,7 @@ def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys):
             assert cells and all(0 <= c["mean"] <= 1 and c["n"] == study.QUICK_ROWS for c in cells)
     trained = json.loads((out / "study.json").read_text())["runs"]
     assert set(trained) == {"rope", "rope-yarn"} and all(t["cpu_s"] > 0 for t in trained.values())
+    assert trained["rope"]["steps"] == 400  # --quick's steps win over the study's 1,500
     table = (out / "study.md").read_text()
     assert "| `rope` | RoPE |" in table and "By key-query distance" in table and "rope-yarn` | yarn |" in table
 
