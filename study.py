@@ -45,9 +45,11 @@ RUNS = [
 # constant lr (ALiBi 4 heads: 85-91% from step 1,000 to 1,400); RoPE still reads 100% (about 1.7 CPU-minutes a run)
 STUDY = ["--train.max_steps=1500", "--optim.min_lr=1e-4"]
 # --quick: just past the step where RoPE leaves the 1/pairs plateau (300-400 steps; 93% at 400 on a constant lr of
-# 1e-3), no validation on the way, fewer evaluation rows and fine-tuning steps: the whole pipeline in a test's time
+# 1e-3), no validation on the way, fewer evaluation rows, lengths to 4× and fewer fine-tuning steps: the whole
+# pipeline in a test's time
 QUICK = ["--train.max_steps=400", "--optim.min_lr=1e-3", "--eval.interval=0"]
 QUICK_ROWS, FULL_ROWS = 32, 128
+QUICK_MULTIPLES = (1, 2, 4)  # of the context, where the full study scores extrapolate's 1-16×
 
 
 def fine_tune(out: Path, context: int, quick: bool) -> list[str]:
@@ -120,7 +122,7 @@ def add_arguments(parser: ArgumentParser):
         "at 1-16× their context."
     )
     add_out(parser, "output directory (default out/retrieval-study)", default=Path("out/retrieval-study"))
-    parser.add_argument("--quick", action="store_true", help="400 steps a run, fewer evaluation rows: a smoke test")
+    parser.add_argument("--quick", action="store_true", help="400 steps a run, fewer rows, lengths to 4×: a smoke test")
     names = [name for name, _, _ in RUNS]
     parser.add_argument("--runs", type=comma_list(choices=names), help="a subset of: " + ",".join(names))
     parser.add_argument(
@@ -171,6 +173,9 @@ def run(args) -> int:
     trained = train_all(runs, out, args, ["--device", args.device, "--dtype", args.dtype])
     compare = ["--run", ",".join(str(out / name) for name, _, _ in runs), "--out", str(out / "compare")]
     compare += ["--retrieval-rows", str(QUICK_ROWS if args.quick else FULL_ROWS)]
+    if args.quick:
+        context = trained_context(out / runs[0][0])
+        compare += ["--lengths", ",".join(str(context * k) for k in QUICK_MULTIPLES)]
     compare += ["--device", args.device, "--dtype", args.dtype]
     flags = ArgumentParser(prog="python generate.py extrapolate")
     extrapolate.add_arguments(flags)
