@@ -1,7 +1,11 @@
-"""Shared test helpers: a tiny dataset with a briefly trained run directory, and one torch thread for tiny models."""
+"""Shared test helpers: a tiny dataset with a briefly trained run directory, one torch thread for tiny models, and
+bench scripts' mains in this process."""
 
 import importlib
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,3 +90,21 @@ def llama_cpp():
         if os.environ.get("CI"):
             pytest.fail("llama_cpp is not installed, and CI must run the llama.cpp checks: pip install -e '.[llama]'")
         pytest.skip("llama-cpp-python is not installed: pip install -e '.[llama]' runs the llama.cpp checks")
+
+
+@pytest.fixture
+def bench_main():
+    """bench/NAME.py's main, imported in this process (running the script would cost a torch import each)."""
+    bench = Path(__file__).resolve().parent.parent / "bench"
+
+    def load(name: str):
+        sys.path.insert(0, str(bench))  # the scripts import their `common` module
+        try:
+            spec = importlib.util.spec_from_file_location(f"bench_{name}", bench / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(bench))
+        return module.main
+
+    return load

@@ -1,6 +1,5 @@
 """Each bench script runs end to end in its tiny --smoke mode and writes sane JSON; bad input is one error line."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -66,24 +65,12 @@ def test_smoke_run_writes_results(script, tmp_path):
         ("memory", ["--dtype", "float8"], "dtype 'float8'"),
     ],
 )
-def test_bad_input_is_one_error_line(script, args, message, tmp_path, capsys):
+def test_bad_input_is_one_error_line(script, args, message, tmp_path, capsys, bench_main):
     out = tmp_path / "out.json"
     assert run_command(bench_main(script), [*args, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
     assert not out.exists()
-
-
-def bench_main(name: str):
-    """bench/NAME.py's main, imported in this process (test_as_scripts style runs are slow: a torch import each)."""
-    sys.path.insert(0, str(REPO / "bench"))  # the scripts import their `common` module
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return module.main
 
 
 def test_the_repository_root_comes_before_bench(tmp_path):

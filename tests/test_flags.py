@@ -1,10 +1,8 @@
 """The README's table of shared flags is what each command's --help says; old spellings still work, with a note."""
 
 import contextlib
-import importlib.util
 import io
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,18 +34,7 @@ def options(text: str) -> set[str]:
     return listed
 
 
-def bench_main(name: str):
-    sys.path.insert(0, str(REPO / "bench"))  # the scripts import their `common` module
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return module.main
-
-
-def command_helps() -> dict[str, dict[str, set[str]]]:
+def command_helps(bench_main) -> dict[str, dict[str, set[str]]]:
     """README column -> {part (subcommand or script) -> the flags its --help lists}."""
     return {
         "`train.py`": {"train": options(help_text(train.main, []))},
@@ -67,9 +54,9 @@ def readme_table() -> tuple[list[str], list[list[str]]]:
     return rows[0], [row for row in rows[1:] if not row[0].startswith("---")]
 
 
-def test_the_readme_flag_table_is_each_commands_help():
+def test_the_readme_flag_table_is_each_commands_help(bench_main):
     header, rows = readme_table()
-    helps = command_helps()
+    helps = command_helps(bench_main)
     assert set(header[2:]) == set(helps)
     for row in rows:
         flags = re.findall(r"--[\w-]+", row[0])
