@@ -1,10 +1,12 @@
 """Inference-only speed-ups built from a trained Transformer at load time: weight-only int8 (`quantize`) and a lean
 one-token decode step (`DecodeStep`: fused projections, a real-valued RoPE table, torch.compile-able)."""
 
+import contextlib
 import copy
 import os
 import statistics
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
+        self.scale_bf16 = scale.to(torch.bfloat16)  # the CPU kernel's; not a buffer, which .to(dtype) would cast
 
     @classmethod
     def quantized(cls, weight: torch.Tensor) -> "Int8Linear":
@@ -39,12 +42,15 @@ class Int8Linear(nn.Module):
         return cls((w / scale[:, None]).round().to(torch.int8), scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # PyTorch's int8 kernel (gpt-fast's on CPU) with bf16 inputs reads a quarter of fp32's bytes, 1.5-2.7x faster
-        # than F.linear in fp32 per matrix-vector product here; it returns garbage unless in_features is a multiple
-        # of 16 (torch 2.13). With fp32 inputs it is 4-6x slower than F.linear: those, and other devices, dequantize.
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.weight.shape[1] % 16 == 0:
-            out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scale)
-            return out.view(*x.shape[:-1], -1)
+        # PyTorch's int8 kernel (gpt-fast's on CPU) reads a quarter of fp32's bytes. With bf16 inputs it is fast on
+        # every CPU, AVX2 too (bf16 → fp32 is a shift): the matrix-vector products of a decode step took 0.87 ms
+        # against 2.2-3.3 ms in fp32 on one AVX2 core; with fp32 inputs it is 4-6x slower than F.linear. So CPU
+        # inputs go in as bf16 (coarser than fp32, finer than llama.cpp's q8_0, which rounds them to 8 bits). It
+        # returns garbage unless in_features is a multiple of 16 (torch 2.13): those, and other devices, dequantize.
+        if x.device.type == "cpu" and self.weight.device.type == "cpu" and self.weight.shape[1] % 16 == 0:
+            rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale_bf16)
+            return out.view(*x.shape[:-1], -1).to(x.dtype)
         return F.linear(x, self.weight.to(x.dtype)) * self.scale
 
 
@@ -63,8 +69,8 @@ def cpu_isa() -> str:
 
 
 def int8_dtype(device: torch.device) -> torch.dtype:
-    """The activation dtype for int8 weights: bf16 where the hardware has it (its int8 kernel is ~10× faster than
-    the fp32 one on a CPU with AVX-512 BF16), else float32."""
+    """The activation dtype for int8 weights: bf16 where the hardware has it, else float32 (norms and attention in
+    emulated bf16 are slow; Int8Linear feeds its kernel bf16 on any CPU)."""
     return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
 
 
@@ -82,11 +88,20 @@ def quantize(model: Transformer, mode: str) -> Transformer:
     return model.requires_grad_(False)
 
 
+def stored_transposed(weight: torch.Tensor) -> torch.Tensor:
+    """A dense weight (out, in) as a view of an (in, out) contiguous copy where it lives on the CPU: at batch 1, MKL
+    then streams W^T's rows for x @ W^T, 1.3-1.5x faster than reading W's rows (the matrix-vector products of a
+    decode step: 2.2 against 3.3 ms on one AVX2 core)."""
+    cpu_dense = weight.device.type == "cpu" and weight.is_floating_point()
+    return weight.t().contiguous().t() if cpu_dense and not weight.t().is_contiguous() else weight
+
+
 def fuse(*layers: nn.Module) -> nn.Module:
     """One layer computing the outputs of `layers` (which read the same input) concatenated; they keep working as
-    views into its tensors, so no weight is stored twice."""
+    views into its tensors, so no weight is stored twice. Dense weights are stored_transposed."""
     names = ("weight", "scale") if isinstance(layers[0], Int8Linear) else ("weight",)
     fused = {name: torch.cat([getattr(layer, name) for layer in layers]) for name in names}
+    fused["weight"] = stored_transposed(fused["weight"])
     start = 0
     for layer in layers:
         rows = slice(start, start + layer.weight.shape[0])
@@ -110,6 +125,13 @@ def rope_table(args: ModelArgs, length: int) -> tuple[torch.Tensor, torch.Tensor
     return cos.repeat_interleave(2, -1), torch.stack((-sin, sin), -1).flatten(-2)
 
 
+def transposed_in_place(layer: nn.Module) -> nn.Module:
+    """The layer with its dense weight stored_transposed (the model sees the same values)."""
+    if isinstance(layer, nn.Linear):
+        layer.weight = nn.Parameter(stored_transposed(layer.weight.detach()), requires_grad=False)
+    return layer
+
+
 class FusedBlock(nn.Module):
     """A TransformerBlock for one token per row, with wq/wk/wv as one matrix and w1/w3 as one."""
 
@@ -120,9 +142,9 @@ class FusedBlock(nn.Module):
         self.kv_heads = attention.n_kv_heads
         self.head_dim = attention.head_dim
         self.wqkv = fuse(attention.wq, attention.wk, attention.wv)
-        self.wo = attention.wo
+        self.wo = transposed_in_place(attention.wo)
         self.w13 = fuse(block.feed_forward.w1, block.feed_forward.w3)
-        self.w2 = block.feed_forward.w2
+        self.w2 = transposed_in_place(block.feed_forward.w2)
         self.attention_norm = block.attention_norm
         self.ffn_norm = block.ffn_norm
 
@@ -154,6 +176,7 @@ class DecodeStep(nn.Module):
     def __init__(self, model: Transformer, threads: int | None = None):
         super().__init__()
         self.threads = threads
+        self.compiled_kinds = None  # compile_step: the (batch, cache shape, position 0, 1 or more) it has run on
         if model.args.length_dependent:
             raise ValueError("dynamic NTK rescales every cached position as the sequence grows: no fused decode step")
         if not model.is_llama():
@@ -161,7 +184,8 @@ class DecodeStep(nn.Module):
         self.attentions = [block.attention for block in model.layers]  # whose KV caches generation sets up
         self.tok_embeddings = model.tok_embeddings
         self.norm = model.norm
-        self.output = model.output
+        tied = model.output.weight is model.tok_embeddings.weight  # kept shared, as it is
+        self.output = model.output if tied else transposed_in_place(model.output)
         self.layers = nn.ModuleList(FusedBlock(block) for block in model.layers)
         self.args = model.args
         self.cos, self.sin = rope_table(model.args, model.args.max_seq_len)
@@ -174,14 +198,25 @@ class DecodeStep(nn.Module):
         threads = torch.get_num_threads()
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # ~0.3 µs a change
+        # Dynamo's guards check the modules' structure and every weight's metadata, ~0.25 ms a call on an AVX2 core:
+        # once the compiled step has run on inputs of a kind, only the guards telling its graphs apart are checked.
+        # Duck sizing is off while it compiles: it would tie sizes that are equal by chance (a cache length and
+        # half a head, a token buffer's width and a table's) and compile again at the next call where they differ.
+        kind = (tokens.shape[0], caches[0][0].shape, min(start_pos, 2))
+        warm = self.compiled_kinds is not None and kind in self.compiled_kinds
+        sizing = contextlib.nullcontext() if warm else torch.fx.experimental._config.patch(use_duck_shape=False)
         try:
-            # Tables and caches go in as arguments: torch.compile's freezing would fold module tensors into constants.
-            return self.step(tokens, start_pos, self.cos[start_pos], self.sin[start_pos], caches)
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=warm), sizing:
+                # Tables and caches go in as arguments: compile's freezing would fold module tensors into constants.
+                logits = self.step(tokens[:, 0], start_pos, self.cos[start_pos], self.sin[start_pos], caches)
         finally:
             torch.set_num_threads(threads)
+        if self.compiled_kinds is not None:
+            self.compiled_kinds.add(kind)
+        return logits
 
-    def step(self, tokens, pos, cos, sin, caches):
-        x = self.tok_embeddings(tokens[:, 0])
+    def step(self, ids, pos, cos, sin, caches):
+        x = self.tok_embeddings(ids)
         for layer, (k_cache, v_cache) in zip(self.layers, caches):
             x = layer(x, pos, cos, sin, k_cache, v_cache)
         return self.output(self.norm(x))[:, None]
@@ -189,10 +224,16 @@ class DecodeStep(nn.Module):
 
 def compile_step(step: DecodeStep) -> DecodeStep:
     """The step with its arithmetic compiled by Inductor into one C++ function. Shapes are dynamic: one graph
-    serves every position and cache length, a second every batch above 1 (a first cache length or batch equal to a
-    head size or head count is tied to it by dynamo's duck sizing, and costs one more compile)."""
+    serves every position and cache length, a second every batch above 1.
+
+    Each step compiles its own copy of DecodeStep.step's code: dynamo keeps graphs per code object and tries a
+    call's guards against each graph of it in turn, so the steps of other models (a benchmark's, a test's) would
+    slow every call down, and count against its limit of 8 graphs."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
-    step.step = torch.compile(step.step, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
+    step.compiled_kinds = set()
+    code = DecodeStep.step.__code__.replace()
+    own = types.MethodType(types.FunctionType(code, DecodeStep.step.__globals__, "step"), step)
+    step.step = torch.compile(own, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
     return step
 
 

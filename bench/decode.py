@@ -237,8 +237,6 @@ def build(cli, device, dtype) -> tuple:
     hf = common.build_hf(ours).eval()
     prompt = torch.randint(0, margs.vocab_size, (1, cli.prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
-    # every compiled variant is a graph of the one DecodeStep.step code object, and dynamo caps those at 8
-    torch._dynamo.config.recompile_limit = 64
     decoders = variants(ours, device, compiled=cli.compile)
 
     def ours_greedy(model, step):
