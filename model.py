@@ -448,8 +448,12 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.pos_embeddings = None  # absolute positions, added to the embeddings
+        self.embed_scale = 1.0
         if args.position == "sinusoidal":
             self.pos_embeddings = Sinusoid(args.dim)
+            # the Transformer's √dim on the token embeddings: initialised at std 0.02 they would sit ~35× under the
+            # sinusoid's amplitude 1, drowned by positions (retrieval stuck at 16%); ×√dim brings them within ~4×
+            self.embed_scale = math.sqrt(args.dim)
         elif args.position == "learned":
             self.pos_embeddings = LearnedPositions(args.max_seq_len, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
@@ -531,6 +535,7 @@ class Transformer(nn.Module):
 
         h = self.tok_embeddings(tokens)
         if self.pos_embeddings is not None:
+            h = h * self.embed_scale
             h = h + self.pos_embeddings(positions).type_as(h)
         freqs_cis = None
         q_scale = None
