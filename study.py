@@ -139,7 +139,7 @@ def add_arguments(parser: ArgumentParser):
         "--beside", type=Path, help="a text study's extrapolation.json: its perplexity beside retrieval"
     )
     parser.add_argument(
-        "--steps", type=positive(), help="training steps of each base run (default 1500; learned positions 2500)"
+        "--steps", type=positive(), help="training steps of each base run (default 1500; sinusoidal 600, learned 2500)"
     )
     parser.add_argument(
         "--jobs", type=positive(), default=2, help="runs trained side by side, one thread each (default 2)"
