@@ -9,7 +9,7 @@ import torch
 import extrapolate
 import generate
 import study
-from cli import run_command
+from cli import ArgumentParser, run_command
 from data.retrieval import RetrievalTask, eval_batches
 from model import ROPE_SCALINGS
 
@@ -68,6 +68,18 @@ def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys):
     assert trained["rope"]["steps"] == 400  # --quick's steps win over the study's 1,500
     table = (out / "study.md").read_text()
     assert "| `rope` | RoPE |" in table and "By key-query distance" in table and "rope-yarn` | yarn |" in table
+
+
+@pytest.mark.parametrize(
+    "flags, steps", [([], "2500"), (["--quick"], "400"), (["--steps", "7"], "7"), (["--quick", "--steps", "7"], "7")]
+)
+def test_a_runs_own_steps_beat_the_study_s_and_quick_and_steps_beat_both(tmp_path, monkeypatch, flags, steps):
+    seen = {}
+    monkeypatch.setattr(study, "train_run", lambda name, overrides, out: seen.setdefault(name, overrides))
+    parser = ArgumentParser(prog="study")
+    study.add_arguments(parser)
+    study.train_all(study.chosen_runs(["learned"]), tmp_path, parser.parse_args(flags), [])
+    assert [f for f in seen["learned"] if f.startswith("--train.max_steps=")][-1] == f"--train.max_steps={steps}"
 
 
 @pytest.mark.parametrize(

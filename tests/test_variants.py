@@ -345,7 +345,8 @@ def test_absolute_positions_are_added_to_the_embeddings(name, monkeypatch):
     with torch.no_grad():
         model(tokens, positions=positions)
         table = Sinusoid(32)(positions) if name == "sinusoidal" else model.pos_embeddings.weight[positions]
-        torch.testing.assert_close(seen[0], model.tok_embeddings(tokens) + table)
+        scale = math.sqrt(32) if name == "sinusoidal" else 1.0  # the Transformer's √dim on tokens beside a sinusoid
+        torch.testing.assert_close(seen[0], model.tok_embeddings(tokens) * scale + table)
 
 
 def test_learned_positions_end_at_max_seq_len():
