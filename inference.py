@@ -47,7 +47,7 @@ class Int8Linear(nn.Module):
         # against 2.2-3.3 ms in fp32 on one AVX2 core; with fp32 inputs it is 4-6x slower than F.linear. So CPU
         # inputs go in as bf16 (coarser than fp32, finer than llama.cpp's q8_0, which rounds them to 8 bits). It
         # returns garbage unless in_features is a multiple of 16 (torch 2.13): those, and other devices, dequantize.
-        if x.device.type == "cpu" and self.weight.device.type == "cpu" and self.weight.shape[1] % 16 == 0:
+        if x.device.type == "cpu" and self.weight.shape[1] % 16 == 0:
             rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
             out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale_bf16)
             return out.view(*x.shape[:-1], -1).to(x.dtype)
