@@ -18,10 +18,11 @@ from model import ModelArgs, Transformer, rope_frequencies
 
 QUANTIZATIONS = ("none", "int8")
 REPO_ROOT = Path(__file__).resolve().parent
-# Inductor options for the decode step, measured on a 2-core Xeon (bench/decode.py): freezing folds the weights into
-# the compiled code and cpp_wrapper removes the Python wrapper around its kernels. Where the compiled step is slower
-# than eager (seen on a busy AVX2-only CPU), pick_step keeps eager.
-COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+# Inductor options for the decode step (bench/decode.py): freezing and cpp_wrapper were measured on a 2-core Xeon
+# (cpp_wrapper removes the Python wrapper around the kernels); realize_acc_reads_threshold=1 stores point-wise results
+# that read more than one buffer instead of inlining them into their readers: 2.3-2.4 against 2.5-2.7 ms a step on 2
+# AVX2 cores. Where the compiled step is slower than eager, pick_step keeps eager.
+COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True, "realize_acc_reads_threshold": 1}
 ISA_FLAGS = (("amx", "amx_tile"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2"))
 
 
@@ -88,6 +89,20 @@ def quantize(model: Transformer, mode: str) -> Transformer:
     return model.requires_grad_(False)
 
 
+class RowDot(nn.Module):
+    """A bias-free linear layer for compiled CPU decode steps: each output is a reduction over its contiguous weight
+    row (out, in), so Inductor writes the loop itself, vectorized and split over the threads, where F.linear calls
+    MKL's sgemv, which stays on one core (a step's matrix-vector products: 1.0-1.2 ms on 2 AVX2 cores, against
+    2.2-3.3 ms through MKL). Eager it would materialize x·w: it is for compiled steps only."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.unsqueeze(-2) * self.weight).sum(-1)
+
+
 def stored_transposed(weight: torch.Tensor) -> torch.Tensor:
     """A dense weight (out, in) as a view of an (in, out) contiguous copy where it lives on the CPU: at batch 1, MKL
     then streams W^T's rows for x @ W^T, 1.3-1.5x faster than reading W's rows (the matrix-vector products of a
@@ -96,24 +111,27 @@ def stored_transposed(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous().t() if cpu_dense and not weight.t().is_contiguous() else weight
 
 
-def fuse(*layers: nn.Module) -> nn.Module:
-    """One layer computing the outputs of `layers` (which read the same input) concatenated; they keep working as
-    views into its tensors, so no weight is stored twice. Dense weights are stored_transposed."""
+def projection(layers: list[nn.Module], rows: bool) -> tuple[nn.Module, list]:
+    """One layer computing the outputs of `layers` (which read the same input) concatenated, on its own copy of their
+    weights in the layout its product reads fastest: int8 as it is, dense weights as a RowDot where `rows` (a
+    compiled step on the CPU), else stored_transposed. And [(layer, name, view)]: each layer's tensors as views of
+    that copy, for DecodeStep.share_weights."""
     names = ("weight", "scale") if isinstance(layers[0], Int8Linear) else ("weight",)
-    fused = {name: torch.cat([getattr(layer, name) for layer in layers]) for name in names}
-    fused["weight"] = stored_transposed(fused["weight"])
+    tensors = {name: torch.cat([getattr(layer, name).detach() for layer in layers]) for name in names}
+    if isinstance(layers[0], Int8Linear):
+        fused = Int8Linear(tensors["weight"], tensors["scale"])
+    elif rows and tensors["weight"].device.type == "cpu":
+        fused = RowDot(tensors["weight"])
+    else:
+        fused = nn.Linear(tensors["weight"].shape[1], tensors["weight"].shape[0], bias=False, device="meta")
+        fused.weight = nn.Parameter(stored_transposed(tensors["weight"]), requires_grad=False)
+    views = []
     start = 0
     for layer in layers:
-        rows = slice(start, start + layer.weight.shape[0])
-        for name in names:
-            view = fused[name][rows]
-            setattr(layer, name, nn.Parameter(view, requires_grad=False) if name in layer._parameters else view)
-        start = rows.stop
-    if isinstance(layers[0], Int8Linear):
-        return Int8Linear(fused["weight"], fused["scale"])
-    linear = nn.Linear(fused["weight"].shape[1], fused["weight"].shape[0], bias=False, device="meta")
-    linear.weight = nn.Parameter(fused["weight"], requires_grad=False)
-    return linear
+        span = slice(start, start + layer.weight.shape[0])
+        views += [(layer, name, getattr(fused, name).detach()[span]) for name in names]
+        start = span.stop
+    return fused, views
 
 
 def rope_table(args: ModelArgs, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,26 +143,20 @@ def rope_table(args: ModelArgs, length: int) -> tuple[torch.Tensor, torch.Tensor
     return cos.repeat_interleave(2, -1), torch.stack((-sin, sin), -1).flatten(-2)
 
 
-def transposed_in_place(layer: nn.Module) -> nn.Module:
-    """The layer with its dense weight stored_transposed (the model sees the same values)."""
-    if isinstance(layer, nn.Linear):
-        layer.weight = nn.Parameter(stored_transposed(layer.weight.detach()), requires_grad=False)
-    return layer
-
-
 class FusedBlock(nn.Module):
-    """A TransformerBlock for one token per row, with wq/wk/wv as one matrix and w1/w3 as one."""
+    """A TransformerBlock for one token per row, with wq/wk/wv as one matrix and w1/w3 as one (projection(rows))."""
 
-    def __init__(self, block):
+    def __init__(self, block, rows: bool):
         super().__init__()
         attention = block.attention
         self.heads = attention.n_heads
         self.kv_heads = attention.n_kv_heads
         self.head_dim = attention.head_dim
-        self.wqkv = fuse(attention.wq, attention.wk, attention.wv)
-        self.wo = transposed_in_place(attention.wo)
-        self.w13 = fuse(block.feed_forward.w1, block.feed_forward.w3)
-        self.w2 = transposed_in_place(block.feed_forward.w2)
+        self.wqkv, qkv = projection([attention.wq, attention.wk, attention.wv], rows)
+        self.wo, o = projection([attention.wo], rows)
+        self.w13, w13 = projection([block.feed_forward.w1, block.feed_forward.w3], rows)
+        self.w2, w2 = projection([block.feed_forward.w2], rows)
+        self.shared = qkv + o + w13 + w2
         self.attention_norm = block.attention_norm
         self.ffn_norm = block.ffn_norm
 
@@ -169,14 +181,16 @@ class FusedBlock(nn.Module):
 class DecodeStep(nn.Module):
     """`model(tokens, start_pos=pos)` for one token per row, tokens (B, 1), built for speed at batch 1: wq/wk/wv
     and w1/w3 fused, RoPE from a table computed once, reading and writing the model's KV cache (set up by the
-    caller). Logits (B, 1, vocab), equal to the model's within float rounding. Shares the model's weights; built
-    for model.args as they are (RoPE scaling included). threads: torch's thread count while it runs (None: as set;
-    a compiled step keeps the count it was compiled with)."""
+    caller). Logits (B, 1, vocab), equal to the model's within float rounding. Built for model.args as they are
+    (RoPE scaling included). The model's linear layers are pointed at the step's weights, so no weight is stored
+    twice. threads: torch's thread count while it runs (None: as set; a compiled step keeps the count it was
+    compiled with). compiled: the step's arithmetic compiled by Inductor into one C++ function, its
+    matrix-vector products RowDots on the CPU (see compile_own_step)."""
 
-    def __init__(self, model: Transformer, threads: int | None = None):
+    def __init__(self, model: Transformer, threads: int | None = None, compiled: bool = False):
         super().__init__()
         self.threads = threads
-        self.compiled_kinds = None  # compile_step: the (batch, cache shape, position 0, 1 or more) it has run on
+        self.compiled_kinds = None  # compiled: the (batch, cache shape, position 0, 1 or more) it has run on
         if model.args.length_dependent:
             raise ValueError("dynamic NTK rescales every cached position as the sequence grows: no fused decode step")
         if not model.is_llama():
@@ -184,11 +198,24 @@ class DecodeStep(nn.Module):
         self.attentions = [block.attention for block in model.layers]  # whose KV caches generation sets up
         self.tok_embeddings = model.tok_embeddings
         self.norm = model.norm
-        tied = model.output.weight is model.tok_embeddings.weight  # kept shared, as it is
-        self.output = model.output if tied else transposed_in_place(model.output)
-        self.layers = nn.ModuleList(FusedBlock(block) for block in model.layers)
+        self.layers = nn.ModuleList(FusedBlock(block, compiled) for block in model.layers)
+        self.shared = [view for layer in self.layers for view in layer.shared]
+        if model.output.weight is model.tok_embeddings.weight:  # tied: kept shared, as it is
+            cpu = model.output.weight.device.type == "cpu"
+            self.output = RowDot(model.output.weight) if compiled and cpu else model.output
+        else:
+            self.output, views = projection([model.output], compiled)
+            self.shared += views
+        self.share_weights()
         self.args = model.args
         self.cos, self.sin = rope_table(model.args, model.args.max_seq_len)
+        if compiled:
+            self.compile_own_step()
+
+    def share_weights(self):
+        """Point the model's linear layers at this step's copies of their weights (views into them)."""
+        for layer, name, view in self.shared:
+            setattr(layer, name, nn.Parameter(view, requires_grad=False) if name in layer._parameters else view)
 
     def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         if start_pos >= self.cos.shape[0]:
@@ -221,20 +248,18 @@ class DecodeStep(nn.Module):
             x = layer(x, pos, cos, sin, k_cache, v_cache)
         return self.output(self.norm(x))[:, None]
 
+    def compile_own_step(self):
+        """Compile self.step with Inductor into one C++ function. Shapes are dynamic: one graph serves every
+        position and cache length, a second every batch above 1.
 
-def compile_step(step: DecodeStep) -> DecodeStep:
-    """The step with its arithmetic compiled by Inductor into one C++ function. Shapes are dynamic: one graph
-    serves every position and cache length, a second every batch above 1.
-
-    Each step compiles its own copy of DecodeStep.step's code: dynamo keeps graphs per code object and tries a
-    call's guards against each graph of it in turn, so the steps of other models (a benchmark's, a test's) would
-    slow every call down, and count against its limit of 8 graphs."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
-    step.compiled_kinds = set()
-    code = DecodeStep.step.__code__.replace()
-    own = types.MethodType(types.FunctionType(code, DecodeStep.step.__globals__, "step"), step)
-    step.step = torch.compile(own, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
-    return step
+        The step compiles its own copy of DecodeStep.step's code: dynamo keeps graphs per code object and tries a
+        call's guards against each graph of it in turn, so the steps of other models (a benchmark's, a test's)
+        would slow every call down, and count against its limit of 8 graphs."""
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
+        self.compiled_kinds = set()
+        code = DecodeStep.step.__code__.replace()
+        own = types.MethodType(types.FunctionType(code, DecodeStep.step.__globals__, "step"), self)
+        self.step = torch.compile(own, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
 
 
 @torch.inference_mode()
@@ -274,8 +299,11 @@ def pick_step(model: Transformer, eager: DecodeStep, compiled: DecodeStep) -> tu
 
 
 def compiled_unless_slower(model: Transformer, step: DecodeStep) -> tuple[DecodeStep, str | None]:
-    """pick_step between `step` (eager) and compile_step of a copy of it (the same weights and threads)."""
-    return pick_step(model, step, compile_step(copy.copy(step)))
+    """pick_step between `step` (eager) and a compiled step of the model on the same threads. The model's layers
+    then share the chosen step's weights: the other's copy goes with it."""
+    chosen, note = pick_step(model, step, DecodeStep(model, step.threads, compiled=True))
+    chosen.share_weights()
+    return chosen, note
 
 
 def tune_threads(model: Transformer, step: DecodeStep) -> str | None:

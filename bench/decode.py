@@ -20,7 +20,7 @@ from cli import UserError, add_compile, comma_list, positive, run_command
 from convert import write_gguf
 from device import cpu_has_bf16
 from generate import Sampling, generate
-from inference import DecodeStep, compile_step, cpu_isa, int8_dtype, quantize
+from inference import DecodeStep, cpu_isa, int8_dtype, quantize
 from model import ModelArgs
 
 LLAMA_CPP_TYPES = ("f32", "bf16", "q8_0")
@@ -59,8 +59,7 @@ def variants(model, device, compiled: bool) -> dict:
 
     def fused(dtype, mode="none", compile_it=True, threads=None):
         twin = quantize(copy.deepcopy(model), mode).to(dtype)
-        step = DecodeStep(twin, threads)
-        return twin, compile_step(step) if compile_it else step
+        return twin, DecodeStep(twin, threads, compiled=compile_it)
 
     threads = [None, 1] if device.type == "cpu" and torch.get_num_threads() > 1 else [None]
     for n in threads:

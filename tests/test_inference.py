@@ -9,7 +9,7 @@ import torch
 import generate
 import inference
 from generate import Sampling
-from inference import DecodeStep, Int8Linear, compile_step, fuse, quantize, rope_table
+from inference import DecodeStep, Int8Linear, projection, quantize, rope_table
 from model import ModelArgs, Transformer, apply_rotary, rope_rotations
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16)
@@ -140,7 +140,7 @@ def test_fuse_concatenates_int8_rows_and_scales():
     layers = [Int8Linear.quantized(torch.randn(n, 32)) for n in (8, 4, 4)]
     x = torch.randn(2, 32)
     expected = torch.cat([layer(x) for layer in layers], -1)
-    torch.testing.assert_close(fuse(*layers)(x), expected, atol=0, rtol=0)
+    torch.testing.assert_close(projection(layers, rows=False)[0](x), expected, atol=0, rtol=0)
 
 
 def test_quantize_refuses_an_unknown_mode():
@@ -156,7 +156,8 @@ def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
     torch._dynamo.utils.counters.clear()
     model = make_model(n_layers=1, max_seq_len=16, rope_scaling="linear", rope_factor=4.0)
     reference = copy_of(model)
-    step = compile_step(DecodeStep(model))
+    step = DecodeStep(model, compiled=True)
+    assert isinstance(step.layers[0].w13, inference.RowDot)  # on the CPU: products written by Inductor
     # cache lengths 17, 42 (the RoPE table grows), 16: not 16 first, which dynamo would tie to the head size
     for prompts, new in (([[1, 5, 6, 7]], 13), ([[1, 9]], 40), ([[1, 2, 3]], 13)):
         expected = generate.generate(reference, prompts, Sampling(new, temperature=0))
@@ -217,3 +218,6 @@ def test_compiled_unless_slower_decodes_like_the_model(one_thread):
     step, note = inference.compiled_unless_slower(model, DecodeStep(model))
     assert note is None or note.startswith("--compile:")
     assert generate.generate(model, PROMPTS[:1], Sampling(12, temperature=0), step=step) == expected
+    # the model's layers hold views of the chosen step's weights (the other step's copy went with it)
+    storage = step.layers[0].wqkv.weight.untyped_storage().data_ptr()
+    assert model.layers[0].attention.wv.weight.untyped_storage().data_ptr() == storage
