@@ -379,6 +379,10 @@ EXACT_KEYS = (
     "data.copy_fraction",
     "data.copy_span",
     "data.copy_repeats",
+    "data.retrieval_keys",
+    "data.retrieval_values",
+    "data.retrieval_pairs",
+    "data.retrieval_filler",
 )
 RUN_FILES = ("model.safetensors", "config.json")  # what makes a directory a run, with or without train_state/
 

@@ -31,6 +31,7 @@ class DataConfig:
     retrieval_keys: int = 64  # the keys' alphabet (token ids 1..keys)
     retrieval_values: int = 64  # the values' alphabet (the next ids); model.vocab_size must hold 1 + keys + values
     retrieval_pairs: int = 8  # key-value pairs per row, each key queried from later in the row
+    retrieval_filler: float = 0.0  # the fraction of training slots after the key block left as filler, not queries
 
     def copy_options(self) -> dict:
         """The copy-data keyword arguments of RandomBatches."""
@@ -153,7 +154,13 @@ NOT_NEGATIVE = {
     "eval.interval",
     "checkpoint.interval",
 }
-BELOW_ONE = {"data.copy_fraction", "optim.beta1", "optim.beta2", "optim.muon_momentum"}  # and not negative
+BELOW_ONE = {
+    "data.copy_fraction",
+    "data.retrieval_filler",
+    "optim.beta1",
+    "optim.beta2",
+    "optim.muon_momentum",
+}  # and not negative
 CHOICES = {
     "data.task": ("text", "retrieval"),
     "train.device": ("auto", "cpu", "cuda", "mps"),

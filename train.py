@@ -216,7 +216,7 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
     if d.task == "retrieval":
         task = RetrievalTask(d.retrieval_keys, d.retrieval_values, d.retrieval_pairs)
         batches = retrieval_batches(task, e.batches, e.batch_size, t.seq_len)
-        loader = RetrievalBatches(task, t.batch_size, t.seq_len, seed=t.seed)
+        loader = RetrievalBatches(task, t.batch_size, t.seq_len, seed=t.seed, filler=d.retrieval_filler)
         line = f"data: retrieval task ({task.pairs} pairs of {task.keys} keys and {task.values} values)"
         return DataSource(loader, lambda model: retrieval_metrics(model, batches, dist.device), batches[:3], None, line)
     data_dir, meta = prepare_data(cfg, dist)

@@ -35,9 +35,10 @@ class RetrievalTask:
         values = rng.integers(0, self.values, size=(count, self.pairs)) + 1 + self.keys
         return keys, values
 
-    def train_rows(self, rng: np.random.Generator, count: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    def train_rows(self, rng: np.random.Generator, count: int, length: int, filler: float = 0.0):
         """(count, length) rows and the mask of their targets: the key block starts at a random slot in the first half
-        of the row, and every slot after it is a query of one of its keys, drawn at random (many queries per row)."""
+        of the row, and every slot after it is a query of one of its keys, drawn at random (many queries per row), or
+        with probability `filler` filler (gaps between the keys and their queries, as evaluation rows have)."""
         slots = length // 2
         if slots < 2 * self.pairs:
             raise UserError(f"a retrieval row of {length} tokens cannot hold {self.pairs} pairs and their queries")
@@ -49,9 +50,14 @@ class RetrievalTask:
         index = np.where((offset >= 0) & (offset < self.pairs), offset, picks)
         slot_keys = np.take_along_axis(keys, index.clip(0, self.pairs - 1), axis=1)
         slot_values = np.take_along_axis(values, index.clip(0, self.pairs - 1), axis=1)
-        slot_keys[offset < 0] = FILLER
-        slot_values[offset < 0] = FILLER
-        return self._rows(slot_keys, slot_values, offset >= self.pairs, length)
+        gaps = offset < 0
+        queries = offset >= self.pairs
+        if filler:  # drawn only then: rows without filler stay those of earlier versions
+            gaps |= queries & (rng.random((count, slots)) < filler)
+            queries &= ~gaps
+        slot_keys[gaps] = FILLER
+        slot_values[gaps] = FILLER
+        return self._rows(slot_keys, slot_values, queries, length)
 
     def eval_rows(self, rng: np.random.Generator, count: int, length: int, distance: int | None = None):
         """(count, length) rows and their target mask: the key block, then each key queried once in the same order,
@@ -95,13 +101,14 @@ class RetrievalBatches:
     """Training batches of the retrieval task, like RandomBatches: seeded, resumable, the same global batch on every
     rank (train.py keeps each rank's rows). y is -100 but at the queries' values."""
 
-    def __init__(self, task: RetrievalTask, batch_size: int, seq_len: int, seed: int = 0, device="cpu"):
+    def __init__(self, task: RetrievalTask, batch_size: int, seq_len: int, seed: int = 0, device="cpu", filler=0.0):
         task.train_rows(np.random.default_rng(0), 1, seq_len + 1)  # UserError now if a row cannot hold the task
         self.task, self.batch_size, self.seq_len, self.device = task, batch_size, seq_len, device
+        self.filler = filler
         self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0])))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, targets = self.task.train_rows(self.rng, self.batch_size, self.seq_len + 1)
+        rows, targets = self.task.train_rows(self.rng, self.batch_size, self.seq_len + 1, self.filler)
         return _to_device(rows, self.device, ~targets)
 
     def state_dict(self) -> dict:

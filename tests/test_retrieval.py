@@ -40,6 +40,17 @@ def test_every_target_is_the_value_of_an_earlier_occurrence_of_its_key(length):
         assert len(set(keys.tolist())) <= TASK.pairs
 
 
+def test_filler_turns_that_fraction_of_the_queries_into_filler_and_leaves_the_rest():
+    plain_rows, plain_targets = TASK.train_rows(np.random.default_rng(5), 64, 65)
+    rows, targets = TASK.train_rows(np.random.default_rng(5), 64, 65, filler=0.3)
+    changed = rows != plain_rows
+    assert (rows[changed] == FILLER).all() and not (targets & ~plain_targets).any()
+    dropped = (plain_targets & ~targets).sum() / plain_targets.sum()
+    assert 0.25 < dropped < 0.35
+    changed_slots = changed[:, 0:64:2] | changed[:, 1:65:2]  # a slot: a key and its value
+    assert np.array_equal(changed_slots, (plain_targets & ~targets)[:, 1:65:2])
+
+
 @pytest.mark.parametrize("length, distance", [(64, 8), (256, 100), (1024, 1000)])
 def test_evaluation_queries_sit_at_the_given_distance_from_their_key(length, distance):
     rows, targets = TASK.eval_rows(np.random.default_rng(1), 16, length, distance)
@@ -128,12 +139,14 @@ def logged(run_dir, key: str) -> dict[int, float]:
     return {line["step"]: line[key] for line in lines if key in line}
 
 
-def test_train_py_trains_the_task_validates_its_accuracy_and_resumes_exactly(tmp_path):
+def test_train_py_trains_the_task_validates_its_accuracy_and_resumes_exactly(tmp_path, capsys):
     assert run(tmp_path, "whole") == 0
     accuracy = logged(tmp_path / "whole", "val_acc")
     assert set(accuracy) == {4, 8} and all(0 <= a <= 1 for a in accuracy.values())
     assert not (tmp_path / "whole" / "tokenizer.model").exists()
     assert run(tmp_path, "cut", "--train.max_steps=4") == 0
+    assert run(tmp_path, "cut", "--resume", "--data.retrieval_filler=0.25") == 2  # another row stream: refused
+    assert "data.retrieval_filler 0.0 → 0.25" in capsys.readouterr().err
     assert run(tmp_path, "cut", "--resume") == 0
     assert logged(tmp_path / "cut", "loss") == logged(tmp_path / "whole", "loss")
 
