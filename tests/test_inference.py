@@ -136,7 +136,7 @@ def test_int8_layer_cast_to_float32_keeps_its_kernel():
     torch.testing.assert_close(copy.deepcopy(layer).to(torch.float32)(x), layer(x), atol=0, rtol=0)
 
 
-def test_fuse_concatenates_int8_rows_and_scales():
+def test_projection_concatenates_int8_rows_and_scales():
     layers = [Int8Linear.quantized(torch.randn(n, 32)) for n in (8, 4, 4)]
     x = torch.randn(2, 32)
     expected = torch.cat([layer(x) for layer in layers], -1)
