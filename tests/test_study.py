@@ -71,7 +71,7 @@ def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "flags, steps", [([], "2500"), (["--quick"], "400"), (["--steps", "7"], "7"), (["--quick", "--steps", "7"], "7")]
+    "flags, steps", [([], "2000"), (["--quick"], "400"), (["--steps", "7"], "7"), (["--quick", "--steps", "7"], "7")]
 )
 def test_a_runs_own_steps_beat_the_study_s_and_quick_and_steps_beat_both(tmp_path, monkeypatch, flags, steps):
     seen = {}
