@@ -111,20 +111,24 @@ def stored_transposed(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous().t() if cpu_dense and not weight.t().is_contiguous() else weight
 
 
+def dense(weight: torch.Tensor, rows: bool) -> nn.Module:
+    """A bias-free linear layer on weight (out, in): a RowDot where `rows` (a compiled step) and on the CPU, else an
+    nn.Linear on the weight stored_transposed."""
+    if rows and weight.device.type == "cpu":
+        return RowDot(weight)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(stored_transposed(weight.detach()), requires_grad=False)
+    return linear
+
+
 def projection(layers: list[nn.Module], rows: bool) -> tuple[nn.Module, list]:
     """One layer computing the outputs of `layers` (which read the same input) concatenated, on its own copy of their
-    weights in the layout its product reads fastest: int8 as it is, dense weights as a RowDot where `rows` (a
-    compiled step on the CPU), else stored_transposed. And [(layer, name, view)]: each layer's tensors as views of
-    that copy, for DecodeStep.share_weights."""
+    weights in the layout its product reads fastest: int8 as it is, dense weights as dense(rows) lays them out. And
+    [(layer, name, view)]: each layer's tensors as views of that copy, for DecodeStep.share_weights."""
     names = ("weight", "scale") if isinstance(layers[0], Int8Linear) else ("weight",)
     tensors = {name: torch.cat([getattr(layer, name).detach() for layer in layers]) for name in names}
-    if isinstance(layers[0], Int8Linear):
-        fused = Int8Linear(tensors["weight"], tensors["scale"])
-    elif rows and tensors["weight"].device.type == "cpu":
-        fused = RowDot(tensors["weight"])
-    else:
-        fused = nn.Linear(tensors["weight"].shape[1], tensors["weight"].shape[0], bias=False, device="meta")
-        fused.weight = nn.Parameter(stored_transposed(tensors["weight"]), requires_grad=False)
+    int8 = isinstance(layers[0], Int8Linear)
+    fused = Int8Linear(tensors["weight"], tensors["scale"]) if int8 else dense(tensors["weight"], rows)
     views = []
     start = 0
     for layer in layers:
@@ -200,9 +204,8 @@ class DecodeStep(nn.Module):
         self.norm = model.norm
         self.layers = nn.ModuleList(FusedBlock(block, compiled) for block in model.layers)
         self.shared = [view for layer in self.layers for view in layer.shared]
-        if model.output.weight is model.tok_embeddings.weight:  # tied: kept shared, as it is
-            cpu = model.output.weight.device.type == "cpu"
-            self.output = RowDot(model.output.weight) if compiled and cpu else model.output
+        if model.output.weight is model.tok_embeddings.weight:  # tied: kept shared, laid out as it is
+            self.output = dense(model.output.weight, rows=True) if compiled else model.output
         else:
             self.output, views = projection([model.output], compiled)
             self.shared += views
