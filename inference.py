@@ -194,7 +194,7 @@ class DecodeStep(nn.Module):
     def __init__(self, model: Transformer, threads: int | None = None, compiled: bool = False):
         super().__init__()
         self.threads = threads
-        self.compiled_kinds = None  # compiled: the (batch, cache shape, position 0, 1 or more) it has run on
+        self.compiled_kinds = None  # compiled: the (batch, cache shape, position 0/1/more, last slot) it has run on
         if model.args.length_dependent:
             raise ValueError("dynamic NTK rescales every cached position as the sequence grows: no fused decode step")
         if not model.is_llama():
@@ -232,7 +232,8 @@ class DecodeStep(nn.Module):
         # once the compiled step has run on inputs of a kind, only the guards telling its graphs apart are checked.
         # Duck sizing is off while it compiles: it would tie sizes that are equal by chance (a cache length and
         # half a head, a token buffer's width and a table's) and compile again at the next call where they differ.
-        kind = (tokens.shape[0], caches[0][0].shape, min(start_pos, 2))
+        # (the last slot too: its keys are the whole cache, which the first graph's guards may have ruled out)
+        kind = (tokens.shape[0], caches[0][0].shape, min(start_pos, 2), start_pos + 1 == caches[0][0].shape[2])
         warm = self.compiled_kinds is not None and kind in self.compiled_kinds
         sizing = contextlib.nullcontext() if warm else torch.fx.experimental._config.patch(use_duck_shape=False)
         try:

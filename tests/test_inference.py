@@ -78,6 +78,9 @@ def test_fusing_keeps_one_copy_of_each_weight():
     assert step.layers[0].wqkv.weight.data_ptr() == attention.wq.weight.data_ptr()
     assert attention.wv.weight.untyped_storage().data_ptr() == attention.wq.weight.untyped_storage().data_ptr()
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    tied = make_model(tie_embeddings=True)
+    for compiled in (False, True):  # the output keeps reading the embeddings (a compiled step compiles when called)
+        assert DecodeStep(tied, compiled=compiled).output.weight.data_ptr() == tied.tok_embeddings.weight.data_ptr()
 
 
 def test_dynamic_ntk_is_refused():
@@ -167,6 +170,10 @@ def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
     expected = generate.generate(reference, prompts, Sampling(13, temperature=0))
     assert generate.generate(model, prompts, Sampling(13, temperature=0), step=step) == expected
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    # up to the cache's last slot, whose keys are the whole cache: a kind the first graph's guards may rule out
+    tokens = torch.randint(0, 97, (1, 12))
+    expected = step_logits(reference, reference, tokens, 5)
+    torch.testing.assert_close(step_logits(model, step, tokens, 5), expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize(
