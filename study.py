@@ -31,8 +31,8 @@ RUNS = [
     # NoPE finds positions from the causal mask alone: 1 head learns faster than 2 (76% against 60% at step 900) or 4
     # (22% at 800). Validation rows have filler between keys and queries, which training rows lacked: a quarter of the
     # training slots after the key block as filler, 80% against 74% at 1,500 steps (15%: 79%, half: 15%). It then
-    # plateaued short of 90% (83% at dim 128, lr held or 2,000 steps: 80%) until QK-norm: its learned gains sharpen
-    # the attention, 91% at dim 64 (2 heads: 83%), 95% at dim 80 (one thread each, two side by side: 122 s)
+    # plateaued short of 90% (83% at dim 128, lr held or 2,000 steps: 80%) until QK-norm (its learned gains plausibly
+    # sharpen the attention faster): 91% at dim 64 (2 heads: 83%), 95% at dim 80 (one thread each, two at a time: 122 s)
     (
         "nope",
         "NoPE (1 head, QK-norm, dim 80, 25% filler)",
