@@ -125,9 +125,9 @@ def projection(layers: list[nn.Module], rows: bool) -> tuple[nn.Module, list]:
     """One layer computing the outputs of `layers` (which read the same input) concatenated, on its own copy of their
     weights in the layout its product reads fastest: int8 as it is, dense weights as dense(rows) lays them out. And
     [(layer, name, view)]: each layer's tensors as views of that copy, for DecodeStep.share_weights."""
-    names = ("weight", "scale") if isinstance(layers[0], Int8Linear) else ("weight",)
-    tensors = {name: torch.cat([getattr(layer, name).detach() for layer in layers]) for name in names}
     int8 = isinstance(layers[0], Int8Linear)
+    names = ("weight", "scale") if int8 else ("weight",)
+    tensors = {name: torch.cat([getattr(layer, name).detach() for layer in layers]) for name in names}
     fused = Int8Linear(tensors["weight"], tensors["scale"]) if int8 else dense(tensors["weight"], rows)
     views = []
     start = 0

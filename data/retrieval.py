@@ -103,8 +103,7 @@ class RetrievalBatches:
 
     def __init__(self, task: RetrievalTask, batch_size: int, seq_len: int, seed: int = 0, device="cpu", filler=0.0):
         task.train_rows(np.random.default_rng(0), 1, seq_len + 1)  # UserError now if a row cannot hold the task
-        self.task, self.batch_size, self.seq_len, self.device = task, batch_size, seq_len, device
-        self.filler = filler
+        self.task, self.batch_size, self.seq_len, self.device, self.filler = task, batch_size, seq_len, device, filler
         self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0])))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
