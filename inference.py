@@ -1,28 +1,30 @@
 """Inference-only speed-ups built from a trained Transformer at load time: weight-only int8 (`quantize`) and a lean
-one-token decode step (`DecodeStep`: fused projections, a real-valued RoPE table, torch.compile-able)."""
+one-token decode step (`DecodeStep`: fused projections, a real-valued RoPE table, compiled ahead of time by AOTInductor
+on request)."""
 
-import contextlib
 import copy
+import hashlib
 import os
 import statistics
 import time
-import types
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cli import atomic_output
 from device import cpu_has_bf16
 from model import ModelArgs, Transformer, rope_frequencies
 
 QUANTIZATIONS = ("none", "int8")
 REPO_ROOT = Path(__file__).resolve().parent
-# Inductor options for the decode step (bench/decode.py): freezing and cpp_wrapper were measured on a 2-core Xeon
-# (cpp_wrapper removes the Python wrapper around the kernels); realize_acc_reads_threshold=1 stores point-wise results
-# that read more than one buffer instead of inlining them into their readers: 2.3-2.4 against 2.5-2.7 ms a step on 2
-# AVX2 cores. Where the compiled step is slower than eager, pick_step keeps eager.
-COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True, "realize_acc_reads_threshold": 1}
+# Inductor options for the compiled decode step (DecodeStep.compile_step): the weights stay out of the package (the
+# step reads the model's own); realize_acc_reads_threshold=1 stores point-wise results that read more than one
+# buffer instead of inlining them into their readers: 2.3-2.4 against 2.5-2.7 ms a step on 2 AVX2 cores (measured
+# with torch.compile). Where the compiled step is slower than eager, pick_step keeps eager.
+COMPILE_OPTIONS = {"aot_inductor.package_constants_in_so": False, "realize_acc_reads_threshold": 1}
 ISA_FLAGS = (("amx", "amx_tile"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2"))
 
 
@@ -188,13 +190,13 @@ class DecodeStep(nn.Module):
     caller). Logits (B, 1, vocab), equal to the model's within float rounding. Built for model.args as they are
     (RoPE scaling included). The model's linear layers are pointed at the step's weights, so no weight is stored
     twice. threads: torch's thread count while it runs (None: as set; a compiled step keeps the count it was
-    compiled with). compiled: the step's arithmetic compiled by Inductor into one C++ function, its
-    matrix-vector products RowDots on the CPU (see compile_own_step)."""
+    compiled with). compiled: the step compiled ahead of time into one C++ library at its first call with each
+    batch size, its matrix-vector products RowDots on the CPU (see compile_step)."""
 
     def __init__(self, model: Transformer, threads: int | None = None, compiled: bool = False):
         super().__init__()
         self.threads = threads
-        self.compiled_kinds = None  # compiled: the (batch, cache shape, position 0/1/more, last slot) it has run on
+        self.compiled = {} if compiled else None  # (batch, cache batch) -> its step compiled (compile_step)
         if model.args.length_dependent:
             raise ValueError("dynamic NTK rescales every cached position as the sequence grows: no fused decode step")
         if not model.is_llama():
@@ -211,9 +213,14 @@ class DecodeStep(nn.Module):
             self.shared += views
         self.share_weights()
         self.args = model.args
-        self.cos, self.sin = rope_table(model.args, model.args.max_seq_len)
-        if compiled:
-            self.compile_own_step()
+        self.tables(model.args.max_seq_len)
+
+    def tables(self, length: int):
+        """RoPE's cos and sin (rope_table) and the positions as 0-d tensors (for a compiled step), for `length`
+        positions."""
+        with torch.inference_mode(False):  # an inference tensor would be a new kind of input to a compiled step
+            self.cos, self.sin = rope_table(self.args, length)
+            self.positions = torch.arange(length, device=self.cos.device)
 
     def share_weights(self):
         """Point the model's linear layers at this step's copies of their weights (views into them)."""
@@ -222,48 +229,82 @@ class DecodeStep(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         if start_pos >= self.cos.shape[0]:
-            with torch.inference_mode(False):  # as at construction: an inference tensor would be a new input kind
-                self.cos, self.sin = rope_table(self.args, 2 * start_pos)
+            self.tables(2 * start_pos)
         caches = [(attention.cache.k, attention.cache.v) for attention in self.attentions]
         threads = torch.get_num_threads()
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # ~0.3 µs a change
-        # Dynamo's guards check the modules' structure and every weight's metadata, ~0.25 ms a call on an AVX2 core:
-        # once the compiled step has run on inputs of a kind, only the guards telling its graphs apart are checked.
-        # Duck sizing is off while it compiles: it would tie sizes that are equal by chance (a cache length and
-        # half a head, a token buffer's width and a table's) and compile again at the next call where they differ.
-        # (the last slot too: its keys are the whole cache, which the first graph's guards may have ruled out)
-        kind = (tokens.shape[0], caches[0][0].shape, min(start_pos, 2), start_pos + 1 == caches[0][0].shape[2])
-        warm = self.compiled_kinds is not None and kind in self.compiled_kinds
-        sizing = contextlib.nullcontext() if warm else torch.fx.experimental._config.patch(use_duck_shape=False)
         try:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=warm), sizing:
-                # Tables and caches go in as arguments: compile's freezing would fold module tensors into constants.
-                logits = self.step(tokens[:, 0], start_pos, self.cos[start_pos], self.sin[start_pos], caches)
+            ids, cos, sin = tokens[:, 0].contiguous(), self.cos[start_pos], self.sin[start_pos]
+            if self.compiled is None:
+                return self.step(ids, start_pos, cos, sin, caches)[:, None]
+            kind = (ids.shape[0], caches[0][0].shape[0])
+            if kind not in self.compiled:
+                self.compiled[kind] = self.compile_step(ids, cos, sin, caches)
+            return self.compiled[kind](ids, self.positions[start_pos], cos, sin, caches)[:, None]
         finally:
             torch.set_num_threads(threads)
-        if self.compiled_kinds is not None:
-            self.compiled_kinds.add(kind)
-        return logits
 
     def step(self, ids, pos, cos, sin, caches):
         x = self.tok_embeddings(ids)
         for layer, (k_cache, v_cache) in zip(self.layers, caches):
             x = layer(x, pos, cos, sin, k_cache, v_cache)
-        return self.output(self.norm(x))[:, None]
+        return self.output(self.norm(x))
 
-    def compile_own_step(self):
-        """Compile self.step with Inductor into one C++ function. Shapes are dynamic: one graph serves every
-        position and cache length, a second every batch above 1.
-
-        The step compiles its own copy of DecodeStep.step's code: dynamo keeps graphs per code object and tries a
-        call's guards against each graph of it in turn, so the steps of other models (a benchmark's, a test's)
-        would slow every call down, and count against its limit of 8 graphs."""
+    def compile_step(self, ids, cos, sin, caches):
+        """self.step compiled ahead of time by AOTInductor (torch.export, then one C++ library) for this batch and
+        cache batch, every cache length and position: called from C++ with no guards to check, where a
+        torch.compile'd step spent ~0.3 ms a call in dynamo's frame on 2 AVX2 cores. The library reads the weights
+        where they are (user-managed constants, not a copy). The position goes in as a 0-d tensor
+        (self.positions)."""
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
-        self.compiled_kinds = set()
-        code = DecodeStep.step.__code__.replace()
-        own = types.MethodType(types.FunctionType(code, DecodeStep.step.__globals__, "step"), self)
-        self.step = torch.compile(own, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
+        for module in self.modules():  # the step's own layers: never cast after this; export names buffers
+            if isinstance(module, Int8Linear) and "scale_bf16" in module.__dict__:
+                module.register_buffer("scale_bf16", module.__dict__.pop("scale_bf16"), persistent=False)
+        length = torch.export.Dim("cache_length", min=2, max=1 << 24)
+        dims = [({2: length}, {2: length}) for _ in caches]
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)  # torch's own use of its pytree API
+            program = torch.export.export(
+                _PositionAsTensor(self),
+                (ids, self.positions[1], cos, sin, caches),
+                strict=False,
+                dynamic_shapes=(None, None, None, None, dims),
+            )
+            runner = torch._inductor.aoti_load_package(str(compiled_package(program, ids.device)))
+        constants = program.state_dict | program.constants
+        weights = {name: constants[name] for name in runner.get_constant_fqns()}
+        runner.load_constants(weights, check_full_update=True, user_managed=True)
+        return runner
+
+
+def compiled_package(program: torch.export.ExportedProgram, device: torch.device) -> Path:
+    """The AOTInductor package of `program` (weights left out), compiled once (~20-30 s on 2 cores) and kept in
+    Inductor's cache folder, keyed by the program's printed graph (shapes and operations, not weight values), the
+    device, this CPU's ISA class, the thread count (Inductor writes no parallel loops for one), torch's version and
+    the options."""
+    key = f"{program}|{device}|{cpu_isa()}|{torch.get_num_threads()}|{torch.__version__}|{COMPILE_OPTIONS}"
+    path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "aoti" / f"{hashlib.sha256(key.encode()).hexdigest()}.pt2"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(path) as tmp, open(tmp, "wb") as out:
+            options = dict(COMPILE_OPTIONS)  # a copy: it adds its own
+            torch._inductor.aoti_compile_and_package(program, package_path=out, inductor_configs=options)
+    return path
+
+
+class _PositionAsTensor(nn.Module):
+    """A DecodeStep's step with the position as a 0-d tensor: what torch.export can keep dynamic."""
+
+    def __init__(self, decode: DecodeStep):
+        super().__init__()
+        self.decode = decode
+
+    def forward(self, ids, pos, cos, sin, caches):
+        pos = pos.item()
+        torch._check(pos >= 0)
+        torch._check(pos < caches[0][0].shape[2])
+        return self.decode.step(ids, pos, cos, sin, caches)
 
 
 @torch.inference_mode()

@@ -126,6 +126,12 @@ def sync(device):
 
 def interleaved_medians(steps: dict, device, warmup: int, repeats: int, progress=None) -> dict[str, float]:
     """Median seconds per call of each step, measured A B A B … after `warmup` calls of each."""
+    times = interleaved_times(steps, device, warmup, repeats, progress)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def interleaved_times(steps: dict, device, warmup: int, repeats: int, progress=None) -> dict[str, list[float]]:
+    """The seconds of each call of each step (interleaved_medians' samples)."""
     times = {name: [] for name in steps}
     for i in range(warmup + repeats):
         for name, step in steps.items():
@@ -137,7 +143,7 @@ def interleaved_medians(steps: dict, device, warmup: int, repeats: int, progress
                 times[name].append(time.perf_counter() - start)
         if progress is not None:
             progress.update(1)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:

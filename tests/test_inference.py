@@ -152,28 +152,36 @@ def test_quantize_refuses_an_unknown_mode():
 
 
 def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
-    """Inductor with freezing: the KV caches and RoPE tables must stay inputs (folded constants would go stale),
-    one graph must serve every position and cache length, and a batch of two, after the guards were skipped for
-    batch 1, must get a graph of its own."""
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    """The step compiled ahead of time: one library serves every position and cache length (the RoPE table
+    growing too), a batch of two gets one of its own, the KV caches and tables stay inputs (not stale constants)."""
     model = make_model(n_layers=1, max_seq_len=16, rope_scaling="linear", rope_factor=4.0)
     reference = copy_of(model)
     step = DecodeStep(model, compiled=True)
     assert isinstance(step.layers[0].w13, inference.RowDot)  # on the CPU: products written by Inductor
-    # cache lengths 17, 42 (the RoPE table grows), 16: not 16 first, which dynamo would tie to the head size
-    for prompts, new in (([[1, 5, 6, 7]], 13), ([[1, 9]], 40), ([[1, 2, 3]], 13)):
+    for prompts, new in (([[1, 5, 6, 7]], 13), ([[1, 9]], 40), ([[1, 2, 3]], 13)):  # cache lengths 17, 42, 16
         expected = generate.generate(reference, prompts, Sampling(new, temperature=0))
         assert generate.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    prompts = [[1, 5, 6, 7], [1, 9, 2, 3]]
-    expected = generate.generate(reference, prompts, Sampling(13, temperature=0))
-    assert generate.generate(model, prompts, Sampling(13, temperature=0), step=step) == expected
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
-    # up to the cache's last slot, whose keys are the whole cache: a kind the first graph's guards may rule out
-    tokens = torch.randint(0, 97, (1, 12))
+    assert list(step.compiled) == [(1, 1)]
+    for new in (13, 20):  # rows of a token buffer as wide as the run
+        prompts = [[1, 5, 6, 7], [1, 9, 2, 3]]
+        expected = generate.generate(reference, prompts, Sampling(new, temperature=0))
+        assert generate.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
+    assert list(step.compiled) == [(1, 1), (2, 2)]
+    tokens = torch.randint(0, 97, (1, 12))  # up to the cache's last slot, whose keys are the whole cache
     expected = step_logits(reference, reference, tokens, 5)
     torch.testing.assert_close(step_logits(model, step, tokens, 5), expected, atol=1e-4, rtol=0)
+
+
+def test_compiled_int8_step_reads_the_model_weights(one_thread):
+    """int8 weights compiled: the same logits as the eager int8 step, and the library reads the step's tensors
+    (user-managed constants), so a weight changed in place shows in its next call."""
+    reference, model = (quantize(make_model(n_layers=1), "int8") for _ in range(2))
+    step = DecodeStep(model, compiled=True)
+    tokens = torch.randint(0, 97, (1, 12))
+    expected = step_logits(reference, DecodeStep(reference), tokens, 5)
+    torch.testing.assert_close(step_logits(model, step, tokens, 5), expected, atol=1e-2, rtol=1e-2)
+    step.output.weight.zero_()
+    assert not step_logits(model, step, tokens, 5).any()
 
 
 @pytest.mark.parametrize(
