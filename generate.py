@@ -240,15 +240,16 @@ def fit_length(model: Transformer, args, total: int):
         print(f"warning: sinusoidal positions past {model.args.max_seq_len} were never trained", file=sys.stderr)
 
 
-def fast_step(model: Transformer, compile: bool) -> DecodeStep | None:
-    """The fused one-token step on its fastest thread count (and compiled unless that measures slower), or None
-    where the model itself decodes: dynamic NTK re-runs the prefix as it grows, and the fused step is LLaMA's."""
+def fast_step(model: Transformer, compile: bool, batch: int) -> DecodeStep | None:
+    """The fused one-token step for `batch` rows on its fastest thread count (and compiled unless that measures
+    slower), or None where the model itself decodes: dynamic NTK re-runs the prefix as it grows, and the fused step
+    is LLaMA's."""
     if not model.is_llama() or model.args.length_dependent:
         return None
     step = DecodeStep(model)
-    notes = [tune_threads(model, step)]
+    notes = [tune_threads(model, step, batch)]
     if compile:
-        step, note = compiled_unless_slower(model, step)
+        step, note = compiled_unless_slower(model, step, batch)
         notes.append(note)
     for note in filter(None, notes):
         print(note, file=sys.stderr)
@@ -294,7 +295,7 @@ def sample_command(args) -> int:
     if not all(prompts):  # e.g. an imported model whose tokenizer has no BOS to start from
         raise UserError(f"{args.run}: its tokenizer has no BOS token to begin an empty prompt; give --prompt")
     fit_length(model, args, max(map(len, prompts)) + sampling.max_new_tokens)
-    step = fast_step(model, args.compile)
+    step = fast_step(model, args.compile, len(prompts))
     start = time.perf_counter()
     outputs = print_samples(model, tokenizer, prompts, sampling, step)
     if device.type == "cuda":

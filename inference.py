@@ -241,7 +241,8 @@ class DecodeStep(nn.Module):
             kind = (ids.shape[0], caches[0][0].shape[0])
             if kind not in self.compiled:
                 self.compiled[kind] = self.compile_step(ids, cos, sin, caches)
-            return self.compiled[kind](ids, self.positions[start_pos], cos, sin, caches)[:, None]
+            inputs = [ids, self.positions[start_pos], cos, sin, *(tensor for cache in caches for tensor in cache)]
+            return self.compiled[kind](inputs)[0][:, None]
         finally:
             torch.set_num_threads(threads)
 
@@ -255,8 +256,8 @@ class DecodeStep(nn.Module):
         """self.step compiled ahead of time by AOTInductor (torch.export, then one C++ library) for this batch and
         cache batch, every cache length and position: called from C++ with no guards to check, where a
         torch.compile'd step spent ~0.3 ms a call in dynamo's frame on 2 AVX2 cores. The library reads the weights
-        where they are (user-managed constants, not a copy). The position goes in as a 0-d tensor
-        (self.positions)."""
+        where they are (user-managed constants, not a copy). It takes [ids, position (a 0-d tensor from
+        self.positions), cos, sin, then each layer's keys and values] and returns [logits]."""
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
         for module in self.modules():  # the step's own layers: never cast after this; export names buffers
             if isinstance(module, Int8Linear) and "scale_bf16" in module.__dict__:
@@ -275,7 +276,9 @@ class DecodeStep(nn.Module):
         constants = program.state_dict | program.constants
         weights = {name: constants[name] for name in runner.get_constant_fqns()}
         runner.load_constants(weights, check_full_update=True, user_managed=True)
-        return runner
+        # The library's own entry on flat inputs: calling the runner re-parses its input spec from JSON and flattens
+        # the arguments, ~0.08 ms a call on an AVX2 core (a tenth of an int8 step).
+        return runner.loader.boxed_run
 
 
 def compiled_package(program: torch.export.ExportedProgram, device: torch.device) -> Path:
@@ -308,12 +311,13 @@ class _PositionAsTensor(nn.Module):
 
 
 @torch.inference_mode()
-def step_seconds(model: Transformer, steps: dict, calls: int = 16, repeats: int = 5) -> dict[str, float]:
-    """Median seconds of one batch-1 decode step through each of `steps` ({name: step of model}), timed interleaved
-    after a warm-up call (where a compiled step compiles), on a cache of model's set up here and reset after."""
-    model.setup_cache(1, calls + 1)
+def step_seconds(model: Transformer, steps: dict, batch: int = 1, calls: int = 16, repeats: int = 5) -> dict:
+    """Median seconds of one decode step of `batch` rows through each of `steps` ({name: step of model}), timed
+    interleaved after a warm-up call (where a compiled step compiles), on a cache of model's set up here and reset
+    after."""
+    model.setup_cache(batch, calls + 1)
     device = model.tok_embeddings.weight.device
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
     times = {name: [] for name in steps}
     try:
         for step in steps.values():
@@ -331,10 +335,10 @@ def step_seconds(model: Transformer, steps: dict, calls: int = 16, repeats: int 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def pick_step(model: Transformer, eager: DecodeStep, compiled: DecodeStep) -> tuple[DecodeStep, str | None]:
-    """The compiled step, or the eager one where a short interleaved timing (step_seconds) finds the compiled one
-    slower on this machine, with a one-line note saying so (else None)."""
-    seconds = step_seconds(model, {"eager": eager, "compiled": compiled})
+def pick_step(model: Transformer, eager: DecodeStep, compiled: DecodeStep, batch: int = 1) -> tuple:
+    """(step, note): the compiled step, or the eager one where a short interleaved timing at `batch` rows
+    (step_seconds) finds the compiled one slower on this machine, with a one-line note saying so (else None)."""
+    seconds = step_seconds(model, {"eager": eager, "compiled": compiled}, batch)
     if seconds["compiled"] <= seconds["eager"]:
         return compiled, None
     return eager, (
@@ -343,24 +347,25 @@ def pick_step(model: Transformer, eager: DecodeStep, compiled: DecodeStep) -> tu
     )
 
 
-def compiled_unless_slower(model: Transformer, step: DecodeStep) -> tuple[DecodeStep, str | None]:
-    """pick_step between `step` (eager) and a compiled step of the model on the same threads. The model's layers
-    then share the chosen step's weights: the other's copy goes with it."""
-    chosen, note = pick_step(model, step, DecodeStep(model, step.threads, compiled=True))
+def compiled_unless_slower(model: Transformer, step: DecodeStep, batch: int = 1) -> tuple[DecodeStep, str | None]:
+    """pick_step between `step` (eager) and a compiled step of the model on the same threads, at the batch size it
+    will decode (which it is compiled for). The model's layers then share the chosen step's weights: the other's
+    copy goes with it."""
+    chosen, note = pick_step(model, step, DecodeStep(model, step.threads, compiled=True), batch)
     chosen.share_weights()
     return chosen, note
 
 
-def tune_threads(model: Transformer, step: DecodeStep) -> str | None:
-    """Set step.threads to 1 where a short interleaved timing finds one thread faster than torch's count (a batch-1
-    step is ~100 small kernels: on a busy 2-core CPU every parallel region waits for a descheduled thread); a
-    one-line note when it does, else None."""
+def tune_threads(model: Transformer, step: DecodeStep, batch: int = 1) -> str | None:
+    """Set step.threads to 1 where a short interleaved timing at `batch` rows finds one thread faster than torch's
+    count (a batch-1 step is ~100 small kernels: on a busy 2-core CPU every parallel region waits for a descheduled
+    thread); a one-line note when it does, else None."""
     threads = torch.get_num_threads()
     if threads == 1 or model.tok_embeddings.weight.device.type != "cpu":
         return None
     one = copy.copy(step)
     one.threads = 1
-    seconds = step_seconds(model, {"all": step, "one": one})
+    seconds = step_seconds(model, {"all": step, "one": one}, batch)
     if seconds["one"] >= seconds["all"]:
         return None
     step.threads = 1

@@ -227,12 +227,12 @@ def test_step_threads_hold_while_it_runs_and_are_restored(one_thread):
 
 
 def test_compiled_unless_slower_decodes_like_the_model(one_thread):
-    torch._dynamo.reset()
     model = make_model(n_layers=1)
-    expected = generate.generate(copy_of(model), PROMPTS[:1], Sampling(12, temperature=0))
-    step, note = inference.compiled_unless_slower(model, DecodeStep(model))
+    expected = generate.generate(copy_of(model), PROMPTS[:2], Sampling(12, temperature=0))
+    step, note = inference.compiled_unless_slower(model, DecodeStep(model), batch=2)
     assert note is None or note.startswith("--compile:")
-    assert generate.generate(model, PROMPTS[:1], Sampling(12, temperature=0), step=step) == expected
+    assert generate.generate(model, PROMPTS[:2], Sampling(12, temperature=0), step=step) == expected
+    assert step.compiled is None or list(step.compiled) == [(2, 2)]  # timed at the batch it decodes
     # the model's layers hold views of the chosen step's weights (the other step's copy went with it)
     storage = step.layers[0].wqkv.weight.untyped_storage().data_ptr()
     assert model.layers[0].attention.wv.weight.untyped_storage().data_ptr() == storage
