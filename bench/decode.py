@@ -308,8 +308,8 @@ def time_llama_cpp(cli, ours, prompt: torch.Tensor, device, measured: Measured):
 
 def time_ours_again(cli, methods: dict, device, measured: Measured):
     """Run our fastest fp32 and int8 decoders again after llama.cpp (its threads gone), pooling these runs with
-    their first ones: this VM's speed drifts over minutes (llama.cpp q8_0 842-1,327 tok/s in three runs of the
-    bench), so ours are timed on both sides of llama.cpp's runs."""
+    their first ones: a VM's speed can drift over minutes (llama.cpp f32 from 472 to 778 tok/s in five runs on one),
+    so the decoders compared with llama.cpp are timed on both sides of its runs."""
     if measured.why_not:
         return
     again = [best(measured.seconds, FP32_DECODERS), best(measured.seconds, ("ours_int8",))]
