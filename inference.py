@@ -35,7 +35,12 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
-        self.scale_bf16 = scale.to(torch.bfloat16)  # the CPU kernel's; not a buffer, which .to(dtype) would cast
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)  # the CPU kernel's
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.scale_bf16 = self.scale_bf16.to(torch.bfloat16)  # the kernel's dtype, whatever .to(dtype) cast it to
+        return self
 
     @classmethod
     def quantized(cls, weight: torch.Tensor) -> "Int8Linear":
@@ -259,9 +264,6 @@ class DecodeStep(nn.Module):
         where they are (user-managed constants, not a copy). It takes [ids, position (a 0-d tensor from
         self.positions), cos, sin, then each layer's keys and values] and returns [logits]."""
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
-        for module in self.modules():  # the step's own layers: never cast after this; export names buffers
-            if isinstance(module, Int8Linear) and "scale_bf16" in module.__dict__:
-                module.register_buffer("scale_bf16", module.__dict__.pop("scale_bf16"), persistent=False)
         length = torch.export.Dim("cache_length", min=2, max=1 << 24)
         dims = [({2: length}, {2: length}) for _ in caches]
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
