@@ -9,13 +9,27 @@ from pathlib import Path
 
 import torch
 
-import extrapolate
-import study
-from checkpoint import load_run
-from cli import ArgumentParser, UserError, add_compile, add_device, add_run, add_seed, positive, run_command
-from device import check_compiler, pick_device, pick_dtype
-from inference import QUANTIZATIONS, DecodeStep, compiled_unless_slower, quantize, tune_threads
 from model import ROPE_SCALINGS, Transformer
+from picollama.checkpoint import load_run
+from picollama.cli import (
+    ArgumentParser,
+    UserError,
+    add_compile,
+    add_device,
+    add_run,
+    add_seed,
+    positive,
+    run_command,
+)
+from picollama.device import check_compiler, pick_device, pick_dtype
+from picollama.inference import (
+    QUANTIZATIONS,
+    DecodeStep,
+    compiled_unless_slower,
+    quantize,
+    tune_threads,
+)
+from picollama.lab import extrapolate, study
 
 
 def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decode=None):
@@ -27,7 +41,9 @@ def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decod
     whole prefix is re-run: the logits are exactly those of model(tokens[:, :pos]) at every step.
     """
     decode = model if decode is None else decode
-    recompute_after = model.args.original_seq_len if model.args.length_dependent else tokens.shape[1]
+    recompute_after = (
+        model.args.original_seq_len if model.args.length_dependent else tokens.shape[1]
+    )
     cached = 0  # positions 0..cached-1 hold valid keys and values
     for pos in range(first_pos, tokens.shape[1]):
         if pos > recompute_after:
@@ -38,7 +54,9 @@ def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decod
         yield pos, logits
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator=None):
+def sample(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator=None
+):
     """One token id per row of logits (B, vocab), on their device: greedy at temperature 0, else top-k/top-p
     sampling."""
     if temperature == 0:
@@ -83,7 +101,11 @@ def check_length(args, total: int):
     problem = args.length_problem(total)
     if problem:
         methods = "|".join(m for m in ROPE_SCALINGS if m != "none")
-        hint = f" or choose a RoPE scaling method (--rope-scaling {methods})" if args.needs_scaling(total) else ""
+        hint = (
+            f" or choose a RoPE scaling method (--rope-scaling {methods})"
+            if args.needs_scaling(total)
+            else ""
+        )
         raise ValueError(f"prompt + new tokens: {problem}; generate fewer tokens{hint}")
 
 
@@ -115,7 +137,12 @@ def generate(
     check_length(model.args, max(lengths) + new)
     if new == 0:
         return [[] for _ in prompts]
-    tokens = torch.zeros(len(prompts), max(lengths) + new, dtype=torch.long, device=model.tok_embeddings.weight.device)
+    tokens = torch.zeros(
+        len(prompts),
+        max(lengths) + new,
+        dtype=torch.long,
+        device=model.tok_embeddings.weight.device,
+    )
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
     model.setup_cache(*tokens.shape)
@@ -133,7 +160,9 @@ def fill(model, tokens, lengths, sampling: Sampling, eos_id, on_token, step, voc
     prompt_len = torch.tensor(lengths, device=device)
     end = prompt_len + sampling.max_new_tokens  # each row's own stop position (exclusive)
     done = torch.zeros(len(lengths), dtype=torch.bool, device=device)
-    generator = torch.Generator(device).manual_seed(sampling.seed) if sampling.seed is not None else None
+    generator = (
+        torch.Generator(device).manual_seed(sampling.seed) if sampling.seed is not None else None
+    )
     for pos, logits in decode_steps(model, tokens, min(lengths), step):
         if vocab_limit is not None:
             logits[:, vocab_limit:] = float("-inf")
@@ -203,7 +232,9 @@ def read_prompts(args) -> list[str]:
     except OSError as e:
         raise UserError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
-        raise UserError(f"--prompt-file {args.prompt_file} is not UTF-8 text (byte {e.start}); re-save it") from None
+        raise UserError(
+            f"--prompt-file {args.prompt_file} is not UTF-8 text (byte {e.start}); re-save it"
+        ) from None
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise UserError(f"--prompt-file {args.prompt_file} has no prompts (one per line)")
@@ -237,7 +268,10 @@ def fit_length(model: Transformer, args, total: int):
             raise UserError(f"--rope-scaling: {e}") from None
     check_length(model.args, total)
     if model.args.position == "sinusoidal" and total > model.args.max_seq_len:
-        print(f"warning: sinusoidal positions past {model.args.max_seq_len} were never trained", file=sys.stderr)
+        print(
+            f"warning: sinusoidal positions past {model.args.max_seq_len} were never trained",
+            file=sys.stderr,
+        )
 
 
 def fast_step(model: Transformer, compile: bool, batch: int) -> DecodeStep | None:
@@ -256,7 +290,9 @@ def fast_step(model: Transformer, compile: bool, batch: int) -> DecodeStep | Non
     return step
 
 
-def print_samples(model, tokenizer, prompts: list[list[int]], sampling: Sampling, step) -> list[list[int]]:
+def print_samples(
+    model, tokenizer, prompts: list[list[int]], sampling: Sampling, step
+) -> list[list[int]]:
     """Generate and print: one row streams its text as it comes, several are printed when all are done."""
     stream = TextStream(tokenizer, prompts[0]) if len(prompts) == 1 else None
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
@@ -293,7 +329,9 @@ def sample_command(args) -> int:
     model, tokenizer, dtype = load_model(args, device)
     prompts = [encode_prompt(tokenizer, text) for text in texts for _ in range(args.num_samples)]
     if not all(prompts):  # e.g. an imported model whose tokenizer has no BOS to start from
-        raise UserError(f"{args.run}: its tokenizer has no BOS token to begin an empty prompt; give --prompt")
+        raise UserError(
+            f"{args.run}: its tokenizer has no BOS token to begin an empty prompt; give --prompt"
+        )
     fit_length(model, args, max(map(len, prompts)) + sampling.max_new_tokens)
     step = fast_step(model, args.compile, len(prompts))
     start = time.perf_counter()
@@ -320,12 +358,22 @@ def parser() -> ArgumentParser:
     )
     add_run(parser, required=False)  # required for sampling only: sample_command checks
     parser.add_argument("--prompt", help="the text to continue (default: empty, i.e. only BOS)")
-    parser.add_argument("--prompt-file", help="a UTF-8 file with one prompt per line (blank lines skipped)")
-    parser.add_argument("--num-samples", type=positive(), default=1, help="samples per prompt (default 1)")
-    parser.add_argument("--max-new-tokens", type=int, default=Sampling.max_new_tokens, help="default 200")
-    parser.add_argument("--temperature", type=float, default=Sampling.temperature, help="0 = greedy (default 0.8)")
+    parser.add_argument(
+        "--prompt-file", help="a UTF-8 file with one prompt per line (blank lines skipped)"
+    )
+    parser.add_argument(
+        "--num-samples", type=positive(), default=1, help="samples per prompt (default 1)"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=Sampling.max_new_tokens, help="default 200"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=Sampling.temperature, help="0 = greedy (default 0.8)"
+    )
     parser.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
-    parser.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set holding this probability")
+    parser.add_argument(
+        "--top-p", type=float, help="nucleus sampling: the smallest set holding this probability"
+    )
     add_seed(parser, "for reproducible samples", default=None)
     parser.add_argument(
         "--rope-scaling",
@@ -347,9 +395,13 @@ def parser() -> ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     extrapolate.add_arguments(
-        commands.add_parser("extrapolate", help="perplexity and retrieval past the training context, per method")
+        commands.add_parser(
+            "extrapolate", help="perplexity and retrieval past the training context, per method"
+        )
     )
-    study.add_arguments(commands.add_parser("study", help="the retrieval study: every position encoding, compared"))
+    study.add_arguments(
+        commands.add_parser("study", help="the retrieval study: every position encoding, compared")
+    )
     return parser
 
 

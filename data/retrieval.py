@@ -4,8 +4,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cli import UserError
 from data.loader import _to_device
+from picollama.cli import UserError
 
 FILLER = 0  # token 0 pads a row; keys are 1..keys, values keys+1..keys+values
 EVAL_SEED = 20231208  # the validation rows are the same for every run and seed
@@ -18,7 +18,9 @@ class RetrievalTask:
 
     def __init__(self, keys: int, values: int, pairs: int):
         if pairs > keys:
-            raise UserError(f"data.retrieval_pairs ({pairs}) exceeds data.retrieval_keys ({keys}): keys are distinct")
+            raise UserError(
+                f"data.retrieval_pairs ({pairs}) exceeds data.retrieval_keys ({keys}): keys are distinct"
+            )
         self.keys, self.values, self.pairs = keys, values, pairs
 
     @property
@@ -41,7 +43,9 @@ class RetrievalTask:
         with probability `filler` filler (gaps between the keys and their queries, as evaluation rows have)."""
         slots = length // 2
         if slots < 2 * self.pairs:
-            raise UserError(f"a retrieval row of {length} tokens cannot hold {self.pairs} pairs and their queries")
+            raise UserError(
+                f"a retrieval row of {length} tokens cannot hold {self.pairs} pairs and their queries"
+            )
         keys, values = self._block(rng, count)
         starts = rng.integers(0, (slots - self.pairs) // 2 + 1, size=count)
         picks = rng.integers(0, self.pairs, size=(count, slots))
@@ -59,14 +63,18 @@ class RetrievalTask:
         slot_values[gaps] = FILLER
         return self._rows(slot_keys, slot_values, queries, length)
 
-    def eval_rows(self, rng: np.random.Generator, count: int, length: int, distance: int | None = None):
+    def eval_rows(
+        self, rng: np.random.Generator, count: int, length: int, distance: int | None = None
+    ):
         """(count, length) rows and their target mask: the key block, then each key queried once in the same order,
         at `distance` tokens from its key (even, at least 2·pairs); None: the key block anywhere and the queries in
         the last slots, so that distances run up to the row's length. Filler elsewhere."""
         slots, block = length // 2, self.pairs
         if distance is None:
             if slots < 2 * block:
-                raise UserError(f"a retrieval row of {length} tokens cannot hold {block} pairs and their queries")
+                raise UserError(
+                    f"a retrieval row of {length} tokens cannot hold {block} pairs and their queries"
+                )
             starts = rng.integers(0, slots - 2 * block + 1, size=count)
             query_starts = np.full(count, slots - block)
         else:
@@ -96,18 +104,49 @@ class RetrievalTask:
         targets[:, 1 : 2 * slots : 2] = queries
         return rows, targets
 
+    def fixed_batches(
+        self, count: int, batch_size: int, length: int, distance=None, seed=EVAL_SEED
+    ) -> list:
+        """`count` fixed (x, y) evaluation batches (x of `length` tokens), the same for a seed on
+        any machine."""
+        rows, targets = self.eval_rows(
+            np.random.default_rng(seed), count * batch_size, length + 1, distance
+        )
+        return [
+            _to_device(rows[i : i + batch_size], "cpu", ~targets[i : i + batch_size])
+            for i in range(0, len(rows), batch_size)
+        ]
+
 
 class RetrievalBatches:
     """Training batches of the retrieval task, like RandomBatches: seeded, resumable, the same global batch on every
     rank (train.py keeps each rank's rows). y is -100 but at the queries' values."""
 
-    def __init__(self, task: RetrievalTask, batch_size: int, seq_len: int, seed: int = 0, device="cpu", filler=0.0):
-        task.train_rows(np.random.default_rng(0), 1, seq_len + 1)  # UserError now if a row cannot hold the task
-        self.task, self.batch_size, self.seq_len, self.device, self.filler = task, batch_size, seq_len, device, filler
+    def __init__(
+        self,
+        task: RetrievalTask,
+        batch_size: int,
+        seq_len: int,
+        seed: int = 0,
+        device="cpu",
+        filler=0.0,
+    ):
+        task.train_rows(
+            np.random.default_rng(0), 1, seq_len + 1
+        )  # UserError now if a row cannot hold the task
+        self.task, self.batch_size, self.seq_len, self.device, self.filler = (
+            task,
+            batch_size,
+            seq_len,
+            device,
+            filler,
+        )
         self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0])))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, targets = self.task.train_rows(self.rng, self.batch_size, self.seq_len + 1, self.filler)
+        rows, targets = self.task.train_rows(
+            self.rng, self.batch_size, self.seq_len + 1, self.filler
+        )
         return _to_device(rows, self.device, ~targets)
 
     def state_dict(self) -> dict:
@@ -115,17 +154,10 @@ class RetrievalBatches:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("task") != "retrieval":
-            raise UserError("the checkpoint's loader state is not the retrieval task's; resume with its data.task")
+            raise UserError(
+                "the checkpoint's loader state is not the retrieval task's; resume with its data.task"
+            )
         self.rng.bit_generator.state = state["rng"]
-
-
-def eval_batches(task: RetrievalTask, count: int, batch_size: int, length: int, distance=None, seed=EVAL_SEED):
-    """Fixed (x, y) batches of evaluation rows (x of `length` tokens), the same for a seed on any machine."""
-    rows, targets = task.eval_rows(np.random.default_rng(seed), count * batch_size, length + 1, distance)
-    return [
-        _to_device(rows[i : i + batch_size], "cpu", ~targets[i : i + batch_size])
-        for i in range(0, len(rows), batch_size)
-    ]
 
 
 @torch.no_grad()

@@ -4,17 +4,15 @@ bench scripts' mains in this process."""
 import importlib
 import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from checkpoint import save_model
 from data.loader import RandomBatches
 from data.prepare import prepare
 from model import ModelArgs, Transformer
+from picollama.checkpoint import save_model
 
 TRAIN_LEN = 32
 
@@ -27,7 +25,10 @@ def write_corpus(directory, num_docs=12, words_per_doc=2500, seed=0):
     directory.mkdir()
     for doc in range(num_docs):
         picks = rng.zipf(1.3, size=words_per_doc) % len(words)
-        lines = [" ".join(words[i] for i in picks[start : start + 12]) + "." for start in range(0, words_per_doc, 12)]
+        lines = [
+            " ".join(words[i] for i in picks[start : start + 12]) + "."
+            for start in range(0, words_per_doc, 12)
+        ]
         (directory / f"doc{doc:02d}.txt").write_text("\n".join(lines) + "\n")
     return directory
 
@@ -35,7 +36,9 @@ def write_corpus(directory, num_docs=12, words_per_doc=2500, seed=0):
 def build_tiny_run(root, steps=60, **model_args) -> tuple:
     """(run_dir, data_dir): a dataset prepared with data.prepare and a tiny model (ModelArgs changed by model_args)
     trained on it for a few steps."""
-    data_dir = prepare(str(write_corpus(root / "corpus")), vocab_size=320, out_dir=root / "data", command=["test"])
+    data_dir = prepare(
+        str(write_corpus(root / "corpus")), vocab_size=320, out_dir=root / "data", command=["test"]
+    )
     torch.manual_seed(0)
     model = Transformer(
         ModelArgs(
@@ -77,7 +80,9 @@ def one_thread():
 @pytest.fixture(scope="session")
 def make_tiny_run(tmp_path_factory):
     """make_tiny_run(steps, **model_args) -> (run_dir, data_dir), each in a fresh directory."""
-    return lambda steps=60, **model_args: build_tiny_run(tmp_path_factory.mktemp("run"), steps, **model_args)
+    return lambda steps=60, **model_args: build_tiny_run(
+        tmp_path_factory.mktemp("run"), steps, **model_args
+    )
 
 
 @pytest.fixture(scope="session")
@@ -88,23 +93,19 @@ def llama_cpp():
         return importlib.import_module("llama_cpp")
     except ImportError:
         if os.environ.get("CI"):
-            pytest.fail("llama_cpp is not installed, and CI must run the llama.cpp checks: pip install -e '.[llama]'")
-        pytest.skip("llama-cpp-python is not installed: pip install -e '.[llama]' runs the llama.cpp checks")
+            pytest.fail(
+                "llama_cpp is not installed, and CI must run the llama.cpp checks: pip install -e '.[llama]'"
+            )
+        pytest.skip(
+            "llama-cpp-python is not installed: pip install -e '.[llama]' runs the llama.cpp checks"
+        )
 
 
 @pytest.fixture
 def bench_main():
-    """bench/NAME.py's main, imported in this process (running the script would cost a torch import each)."""
-    bench = Path(__file__).resolve().parent.parent / "bench"
+    """A benchmark's main, imported in this process (running it would cost a torch import each)."""
 
     def load(name: str):
-        sys.path.insert(0, str(bench))  # the scripts import their `common` module
-        try:
-            spec = importlib.util.spec_from_file_location(f"bench_{name}", bench / f"{name}.py")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        finally:
-            sys.path.remove(str(bench))
-        return module.main
+        return importlib.import_module(f"picollama.lab.bench.{name}").main
 
     return load

@@ -1,31 +1,38 @@
 """Each bench script runs end to end in its tiny --smoke mode and writes sane JSON; bad input is one error line."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from cli import run_command
 from model import ModelArgs, Transformer
+from picollama.cli import run_command
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, f"bench/{script}.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", f"picollama.lab.bench.{script}", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
 @pytest.mark.parametrize("script", ["train", "decode", "memory", "data", "quantize"])
 def test_smoke_run_writes_results(script, tmp_path):
     if script != "data":
-        pytest.importorskip("transformers")  # the model benchmarks compare with its LlamaForCausalLM
+        pytest.importorskip(
+            "transformers"
+        )  # the model benchmarks compare with its LlamaForCausalLM
     out = tmp_path / f"{script}.json"
-    done = run_bench(script, "--smoke", *([] if script == "data" else ["--threads", "1"]), "--out", str(out))
+    done = run_bench(
+        script, "--smoke", *([] if script == "data" else ["--threads", "1"]), "--out", str(out)
+    )
     assert done.returncode == 0, done.stderr
     assert f"results written to {out}" in done.stdout
     result = json.loads(out.read_text())
@@ -33,10 +40,14 @@ def test_smoke_run_writes_results(script, tmp_path):
     assert {"cpu", "cpu_cores", "torch", "device"} <= result["machine"].keys()
     if script == "train":
         fp32, bf16 = result["results"]
-        assert not fp32["autocast"] and bf16["autocast"]  # fp32, then both models under bf16 autocast
+        assert (
+            not fp32["autocast"] and bf16["autocast"]
+        )  # fp32, then both models under bf16 autocast
         for r in (fp32, bf16):
             assert r["ours"]["tokens_per_second"] > 0 and r["hf"]["tokens_per_second"] > 0
-        assert abs(fp32["initial_loss"]["ours"] - fp32["initial_loss"]["hf"]) < 1e-3  # same weights, same loss
+        assert (
+            abs(fp32["initial_loss"]["ours"] - fp32["initial_loss"]["hf"]) < 1e-3
+        )  # same weights, same loss
         assert abs(bf16["initial_loss"]["ours"] - bf16["initial_loss"]["hf"]) < 3e-2
     elif script == "decode":
         agree = result["greedy_tokens_agreeing_with_ours_model_step"]
@@ -61,7 +72,11 @@ def test_smoke_run_writes_results(script, tmp_path):
         ("quantize", [], "--run RUN_DIR is required"),
         ("quantize", ["--run", "/no/such/run"], "not a picollama run directory"),
         ("decode", ["--positions", "16,0"], "argument --positions: '0' is not a positive int"),
-        ("train", ["--precisions", "float32,float16"], "unknown 'float16' (choose from float32, bfloat16)"),
+        (
+            "train",
+            ["--precisions", "float32,float16"],
+            "unknown 'float16' (choose from float32, bfloat16)",
+        ),
         ("memory", ["--dtype", "float8"], "dtype 'float8'"),
     ],
 )
@@ -73,25 +88,14 @@ def test_bad_input_is_one_error_line(script, args, message, tmp_path, capsys, be
     assert not out.exists()
 
 
-def test_the_repository_root_comes_before_bench(tmp_path):
-    # as `python bench/NAME.py` with PYTHONPATH=. sets it up: bench/ first, then the root; bench/train.py and
-    # bench/data.py must not stand in for train.py and the data package
-    find = "import common, importlib.util; print(*(importlib.util.find_spec(m).origin for m in ('train', 'data')))"
-    done = subprocess.run(
-        [sys.executable, "-c", find],
-        cwd=REPO / "bench",
-        capture_output=True,
-        text=True,
-        env=os.environ | {"PYTHONPATH": str(REPO)},
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(REPO / "train.py"), str(REPO / "data" / "__init__.py")]
-
-
 def test_an_unwritable_output_is_refused_before_measuring(tmp_path):
     (tmp_path / "file").write_text("")
     done = run_bench("data", "--smoke", "--out", str(tmp_path / "file" / "out.json"))
-    assert done.returncode == 2 and done.stderr.startswith("error: cannot write") and done.stderr.count("\n") == 1
+    assert (
+        done.returncode == 2
+        and done.stderr.startswith("error: cannot write")
+        and done.stderr.count("\n") == 1
+    )
     assert done.stdout == ""  # nothing was measured
 
 
@@ -103,11 +107,17 @@ def test_switches_trains_each_switch_for_the_budget(make_tiny_run, tmp_path):
         f'[data]\ndir = "{data_dir}"\n[train]\nbatch_size = 4\nseq_len = 32\n[eval]\nbatches = 1\nbatch_size = 4\n'
     )
     out = tmp_path / "switches.json"
-    done = run_bench("switches", "--smoke", "--config", str(config), "--only", "qk-norm", "--out", str(out))
+    done = run_bench(
+        "switches", "--smoke", "--config", str(config), "--only", "qk-norm", "--out", str(out)
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())["switches"]
     assert list(result) == ["qk-norm"]
     (run,) = result["qk-norm"]["runs"]
     assert run["stability"] == "stable" and run["steps"] >= 1 and 0 < run["val_bpb"] < 20
-    llama = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=320, max_seq_len=32)).num_params()
-    assert run["params"] == llama + 2 * 16  # the config's LLaMA and one q and one k norm of head size 16
+    llama = Transformer(
+        ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=320, max_seq_len=32)
+    ).num_params()
+    assert (
+        run["params"] == llama + 2 * 16
+    )  # the config's LLaMA and one q and one k norm of head size 16

@@ -17,12 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import cli
-import convert
 import generate
 import train
-from cli import UserError, run_command
 from data import prepare
+from picollama import cli, convert
+from picollama.cli import UserError, run_command
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [
@@ -55,7 +54,12 @@ def ws(make_tiny_run, tmp_path_factory):
     (ws / "file").write_text("a regular file\n")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    assert run_command(train.main, [*TRAIN, f"--data.dir={ws / 'data'}", f"--train.out_dir={ws / 'trained'}"]) == 0
+    assert (
+        run_command(
+            train.main, [*TRAIN, f"--data.dir={ws / 'data'}", f"--train.out_dir={ws / 'trained'}"]
+        )
+        == 0
+    )
     convert.export_hf(ws / "run", ws / "hf")
     torch.set_num_threads(threads)
 
@@ -69,10 +73,14 @@ def ws(make_tiny_run, tmp_path_factory):
     config["model"]["dim"] = 64
     (ws / "mismatch_run" / "config.json").write_text(json.dumps(config))
 
-    shutil.copytree(ws / "run", ws / "small_tokenizer_run")  # another, smaller tokenizer than the model's
+    shutil.copytree(
+        ws / "run", ws / "small_tokenizer_run"
+    )  # another, smaller tokenizer than the model's
     (ws / "small_tokenizer_run" / "tokenizer.model").write_bytes(small_tokenizer())
 
-    shutil.copytree(ws / "data", ws / "other_tokenizer_data")  # the same shards, claimed by another tokenizer
+    shutil.copytree(
+        ws / "data", ws / "other_tokenizer_data"
+    )  # the same shards, claimed by another tokenizer
     (ws / "other_tokenizer_data" / "tokenizer.model").write_bytes(small_tokenizer())
     meta = json.loads((ws / "other_tokenizer_data" / "meta.json").read_text())
     meta["tokenizer_sha256"] = hashlib.sha256(small_tokenizer()).hexdigest()
@@ -82,20 +90,42 @@ def ws(make_tiny_run, tmp_path_factory):
     val = ws / "truncated_data" / "val-00000.bin"
     val.write_bytes(val.read_bytes()[:-2])
 
-    shutil.copytree(ws / "data", ws / "data_with_text")  # a prepared dataset holding a text the command reads
-    (ws / "data_with_text" / "notes.txt").write_text("a few words to tokenize, read from inside the output\n" * 40)
+    shutil.copytree(
+        ws / "data", ws / "data_with_text"
+    )  # a prepared dataset holding a text the command reads
+    (ws / "data_with_text" / "notes.txt").write_text(
+        "a few words to tokenize, read from inside the output\n" * 40
+    )
 
-    (ws / "home" / "Documents").mkdir(parents=True)  # a folder picollama did not write: --force leaves it alone
+    (ws / "home" / "Documents").mkdir(
+        parents=True
+    )  # a folder picollama did not write: --force leaves it alone
     (ws / "home" / "Documents" / "thesis.txt").write_text("years of work\n")
     (ws / "home" / ".bashrc").write_text("export EDITOR=vi\n")
-    make_device(ws / "null")  # an output that is not a file (never /dev/null itself: old code replaced it)
+    make_device(
+        ws / "null"
+    )  # an output that is not a file (never /dev/null itself: old code replaced it)
     (ws / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))  # not UTF-8
-    edit_json(ws, "run", "bool_as_string_run", "config.json", lambda c: c["model"].update(tie_embeddings="yes"))
+    edit_json(
+        ws,
+        "run",
+        "bool_as_string_run",
+        "config.json",
+        lambda c: c["model"].update(tie_embeddings="yes"),
+    )
     edit_json(ws, "run", "null_dim_run", "config.json", lambda c: c["model"].update(dim=None))
     edit_json(ws, "data", "string_vocab_data", "meta.json", lambda m: m.update(vocab_size="320"))
-    edit_json(ws, "hf", "hf_string_tie", "config.json", lambda c: c.update(tie_word_embeddings="false"))
+    edit_json(
+        ws, "hf", "hf_string_tie", "config.json", lambda c: c.update(tie_word_embeddings="false")
+    )
     edit_json(ws, "hf", "hf_null_eps", "config.json", lambda c: c.update(rms_norm_eps=None))
-    edit_json(ws, "trained", "string_step_trained", "train_state/step_000002/meta.json", lambda m: m.update(step="2"))
+    edit_json(
+        ws,
+        "trained",
+        "string_step_trained",
+        "train_state/step_000002/meta.json",
+        lambda m: m.update(step="2"),
+    )
     for name, key, value in [  # sizes no model has: once "out of memory", a traceback or a hang
         ("huge_context_run", "max_seq_len", 10**12),
         ("zero_context_run", "max_seq_len", 0),
@@ -103,11 +133,21 @@ def ws(make_tiny_run, tmp_path_factory):
         ("many_layers_run", "n_layers", 10**8),
         ("more_layers_run", "n_layers", 1000),
     ]:
-        edit_json(ws, "run", name, "config.json", lambda c, key=key, value=value: c["model"].update({key: value}))
+        edit_json(
+            ws,
+            "run",
+            name,
+            "config.json",
+            lambda c, key=key, value=value: c["model"].update({key: value}),
+        )
     edit_json(ws, "run", "no_bos_run", "config.json", lambda c: c.pop("tokenizer_sha256"))
-    (ws / "no_bos_run" / "tokenizer.model").write_bytes(without_bos((ws / "run" / "tokenizer.model").read_bytes()))
+    (ws / "no_bos_run" / "tokenizer.model").write_bytes(
+        without_bos((ws / "run" / "tokenizer.model").read_bytes())
+    )
     meta = "train_state/step_000002/meta.json"
-    edit_json(ws, "trained", "huge_context_trained", meta, lambda m: m["model"].update(max_seq_len=10**12))
+    edit_json(
+        ws, "trained", "huge_context_trained", meta, lambda m: m["model"].update(max_seq_len=10**12)
+    )
     return ws
 
 
@@ -140,18 +180,16 @@ def edit_json(ws: Path, source: str, copy: str, name: str, edit):
 def snapshot(root: Path) -> dict:
     """Every path under root, with its bytes' hash for files."""
     return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        if p.is_file()
+        else "dir"
         for p in sorted(root.rglob("*"))
     }
 
 
-def bench_main(name: str, monkeypatch):
-    """bench/NAME.py's main, imported as `python bench/NAME.py` would (bench/ on the path for `import common`)."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+def bench_main(name: str):
+    """A benchmark's main (picollama.lab.bench.NAME)."""
+    return importlib.import_module(f"picollama.lab.bench.{name}").main
 
 
 def train_args(*args):
@@ -162,25 +200,44 @@ def train_args(*args):
 CASES = [
     # train.py: outputs, values, sizes, resumes, data
     ("train", train_args("--train.out_dir={ws}/file/run"), "is a file, not a directory"),
-    ("train", train_args("--train.out_dir=/proc/picollama-run"), "cannot write /proc/picollama-run"),
+    (
+        "train",
+        train_args("--train.out_dir=/proc/picollama-run"),
+        "cannot write /proc/picollama-run",
+    ),
     ("train", train_args("--optim.lr=nan"), "--optim.lr must be finite, not nan"),
     ("train", train_args("--optim.lr=-1"), "--optim.lr must be positive"),
     ("train", train_args("--train.batch_size=0"), "--train.batch_size must be positive, not 0"),
     ("train", train_args("--checkpoint.interval=-1"), "--checkpoint.interval must be zero or more"),
     ("train", train_args("--model.multiple_of=0"), "--model.multiple_of must be positive"),
     ("train", train_args("--model.rope_theta=-1"), "--model.rope_theta must be positive"),
-    ("train", train_args("--model.vocab_size=100000000000"), "[model] vocab_size must be at most 4,194,304"),
+    (
+        "train",
+        train_args("--model.vocab_size=100000000000"),
+        "[model] vocab_size must be at most 4,194,304",
+    ),
     ("train", train_args("--model.vocab_size=4000000", "--model.dim=65536"), "out of memory"),
-    ("train", train_args("--train.out_dir={ws}/huge_context_trained", "--resume"), "model.max_seq_len must be at most"),
+    (
+        "train",
+        train_args("--train.out_dir={ws}/huge_context_trained", "--resume"),
+        "model.max_seq_len must be at most",
+    ),
     ("train", train_args("--no_such.key=1"), "unknown config key no_such.key"),
     ("train", train_args("--config", "{ws}/missing.toml"), "cannot read config"),
     ("train", train_args("--resume"), "nothing to resume"),
     ("train", train_args("--train.out_dir={ws}/trained"), "already holds a run"),
-    ("train", train_args("--train.out_dir={ws}/trained", "--resume", "--model.dim=64"), "different model"),
+    (
+        "train",
+        train_args("--train.out_dir={ws}/trained", "--resume", "--model.dim=64"),
+        "different model",
+    ),
     (
         "train",
         train_args(
-            "--train.out_dir={ws}/trained", "--resume", "--train.max_steps=3", "--data.dir={ws}/other_tokenizer_data"
+            "--train.out_dir={ws}/trained",
+            "--resume",
+            "--train.max_steps=3",
+            "--data.dir={ws}/other_tokenizer_data",
         ),
         "trained with another tokenizer",
     ),
@@ -195,60 +252,188 @@ CASES = [
         train_args("--train.out_dir={ws}/trained", "--resume", "--train.batch_size=16"),
         "train.batch_size 8 → 16",
     ),
-    ("train", train_args("--train.out_dir={ws}/trained", "--resume", "--train.seq_len=16"), "train.seq_len 32 → 16"),
-    ("train", train_args("--train.out_dir={ws}/string_step_trained", "--resume"), "step must be int, not str '2'"),
-    ("train", train_args("--data.dir={ws}/string_vocab_data"), "meta.json vocab_size must be int, not str"),
-    ("train", train_args("--train.sample_tokens=40"), "train.sample_tokens (40) and the prompt (1 tokens): 41 tok"),
-    ("train", train_args("--train.sample_tokens=20", "--train.sample_prompt=" + "a b c d " * 8), "and the prompt ("),
+    (
+        "train",
+        train_args("--train.out_dir={ws}/trained", "--resume", "--train.seq_len=16"),
+        "train.seq_len 32 → 16",
+    ),
+    (
+        "train",
+        train_args("--train.out_dir={ws}/string_step_trained", "--resume"),
+        "step must be int, not str '2'",
+    ),
+    (
+        "train",
+        train_args("--data.dir={ws}/string_vocab_data"),
+        "meta.json vocab_size must be int, not str",
+    ),
+    (
+        "train",
+        train_args("--train.sample_tokens=40"),
+        "train.sample_tokens (40) and the prompt (1 tokens): 41 tok",
+    ),
+    (
+        "train",
+        train_args("--train.sample_tokens=20", "--train.sample_prompt=" + "a b c d " * 8),
+        "and the prompt (",
+    ),
     # generate.py
     ("generate", ["--run", "{ws}/missing"], "not a picollama run directory"),
     ("generate", ["--run", "{ws}/run/model.safetensors"], "pass the run directory"),
-    ("generate", ["--run", "{ws}/hf"], "python convert.py from-hf"),
+    ("generate", ["--run", "{ws}/hf"], "python -m picollama.convert from-hf"),
     ("generate", ["--run", "{ws}/nan_run"], "NaN or infinite weights"),
     ("generate", ["--run", "{ws}/mismatch_run"], "model.dim is 64 there, 32 in the weights"),
-    ("generate", ["--run", "{ws}/huge_context_run"], "config.json is corrupt: model.max_seq_len must be at most"),
-    ("generate", ["--run", "{ws}/zero_context_run"], "corrupt: model.max_seq_len must be positive, not 0"),
-    ("generate", ["--run", "{ws}/huge_dim_run"], "config.json is corrupt: model.dim must be at most 65,536"),
-    ("generate", ["--run", "{ws}/many_layers_run"], "config.json is corrupt: model.n_layers must be at most"),
-    ("generate", ["--run", "{ws}/more_layers_run"], "model.n_layers is 1000 there, 2 in the weights"),
-    ("generate", ["--run", "{ws}/no_bos_run"], "no_bos_run: its tokenizer has no BOS token to begin an empty"),
-    ("generate", ["--run", "{ws}/small_tokenizer_run"], "not the tokenizer the model was saved with"),
-    ("generate", ["--run", "{ws}/run", "--temperature", "nan"], "temperature must be a finite number"),
-    ("generate", ["--run", "{ws}/run", "--rope-scaling", "ntk", "--rope-factor", "0"], "--rope-factor"),
-    ("generate", ["--run", "{ws}/run", "--rope-scaling", "yarn", "--rope-factor", "inf"], "--rope-factor"),
-    ("generate", ["--run", "{ws}/run", "--rope-scaling", "none", "--rope-factor", "4"], "--rope-factor"),
-    ("generate", ["--run", "{ws}/run", "--prompt-file", "{ws}/missing.txt"], "--prompt-file"),
-    ("generate", ["--run", "{ws}/run", "--top-k", "0"], "--top-k"),
-    ("generate", ["--run", "{ws}/run", "--prompt-file", "{ws}/latin1.txt"], "is not UTF-8 text (byte 3)"),
-    ("generate", ["--run", "{ws}/run", "--device", "mps"], "MPS (Apple's GPU) is not available"),
-    ("generate", ["--run", "{ws}/run", "--device", "meta"], "picollama runs on cpu, cuda"),
-    ("generate", ["--run", "{ws}/bool_as_string_run"], "model.tie_embeddings must be bool, not str 'yes'"),
-    ("generate", ["--run", "{ws}/null_dim_run"], "model.dim must be int, not NoneType None"),
-    # generate.py extrapolate
-    ("generate", ["extrapolate", "--run", "{ws}/run", "--out", "{ws}/file"], "is a file, not a directory"),
-    ("generate", ["extrapolate", "--run", "{ws}/run", "--out", "/proc/picollama"], "cannot write"),
-    ("generate", ["extrapolate", "--run", "{ws}/run", "--lengths", "100,abc"], "'abc' is not a positive int"),
-    ("generate", ["extrapolate", "--run", "{ws}/run", "--seed", "-1"], "--seed: invalid non-negative int value: '-1'"),
-    ("generate", ["extrapolate", "--run", "{ws}/run", "--data", "{ws}/other_tokenizer_data"], "tokenizer"),
     (
         "generate",
-        ["extrapolate", "--run", "{ws}/run", "--data", "{ws}/truncated_data", "--out", "{ws}/report"],
+        ["--run", "{ws}/huge_context_run"],
+        "config.json is corrupt: model.max_seq_len must be at most",
+    ),
+    (
+        "generate",
+        ["--run", "{ws}/zero_context_run"],
+        "corrupt: model.max_seq_len must be positive, not 0",
+    ),
+    (
+        "generate",
+        ["--run", "{ws}/huge_dim_run"],
+        "config.json is corrupt: model.dim must be at most 65,536",
+    ),
+    (
+        "generate",
+        ["--run", "{ws}/many_layers_run"],
+        "config.json is corrupt: model.n_layers must be at most",
+    ),
+    (
+        "generate",
+        ["--run", "{ws}/more_layers_run"],
+        "model.n_layers is 1000 there, 2 in the weights",
+    ),
+    (
+        "generate",
+        ["--run", "{ws}/no_bos_run"],
+        "no_bos_run: its tokenizer has no BOS token to begin an empty",
+    ),
+    (
+        "generate",
+        ["--run", "{ws}/small_tokenizer_run"],
+        "not the tokenizer the model was saved with",
+    ),
+    (
+        "generate",
+        ["--run", "{ws}/run", "--temperature", "nan"],
+        "temperature must be a finite number",
+    ),
+    (
+        "generate",
+        ["--run", "{ws}/run", "--rope-scaling", "ntk", "--rope-factor", "0"],
+        "--rope-factor",
+    ),
+    (
+        "generate",
+        ["--run", "{ws}/run", "--rope-scaling", "yarn", "--rope-factor", "inf"],
+        "--rope-factor",
+    ),
+    (
+        "generate",
+        ["--run", "{ws}/run", "--rope-scaling", "none", "--rope-factor", "4"],
+        "--rope-factor",
+    ),
+    ("generate", ["--run", "{ws}/run", "--prompt-file", "{ws}/missing.txt"], "--prompt-file"),
+    ("generate", ["--run", "{ws}/run", "--top-k", "0"], "--top-k"),
+    (
+        "generate",
+        ["--run", "{ws}/run", "--prompt-file", "{ws}/latin1.txt"],
+        "is not UTF-8 text (byte 3)",
+    ),
+    ("generate", ["--run", "{ws}/run", "--device", "mps"], "MPS (Apple's GPU) is not available"),
+    ("generate", ["--run", "{ws}/run", "--device", "meta"], "picollama runs on cpu, cuda"),
+    (
+        "generate",
+        ["--run", "{ws}/bool_as_string_run"],
+        "model.tie_embeddings must be bool, not str 'yes'",
+    ),
+    ("generate", ["--run", "{ws}/null_dim_run"], "model.dim must be int, not NoneType None"),
+    # generate.py extrapolate
+    (
+        "generate",
+        ["extrapolate", "--run", "{ws}/run", "--out", "{ws}/file"],
+        "is a file, not a directory",
+    ),
+    ("generate", ["extrapolate", "--run", "{ws}/run", "--out", "/proc/picollama"], "cannot write"),
+    (
+        "generate",
+        ["extrapolate", "--run", "{ws}/run", "--lengths", "100,abc"],
+        "'abc' is not a positive int",
+    ),
+    (
+        "generate",
+        ["extrapolate", "--run", "{ws}/run", "--seed", "-1"],
+        "--seed: invalid non-negative int value: '-1'",
+    ),
+    (
+        "generate",
+        ["extrapolate", "--run", "{ws}/run", "--data", "{ws}/other_tokenizer_data"],
+        "tokenizer",
+    ),
+    (
+        "generate",
+        [
+            "extrapolate",
+            "--run",
+            "{ws}/run",
+            "--data",
+            "{ws}/truncated_data",
+            "--out",
+            "{ws}/report",
+        ],
         "truncated",
     ),
     ("generate", ["extrapolate", "--run", "{ws}/nan_run"], "NaN or infinite weights"),
-    ("generate", ["extrapolate", "--run", "{ws}/huge_context_run"], "corrupt: model.max_seq_len must be at"),
-    ("generate", ["extrapolate", "--run", "{ws}/run", "--device", "mps"], "MPS (Apple's GPU) is not available"),
+    (
+        "generate",
+        ["extrapolate", "--run", "{ws}/huge_context_run"],
+        "corrupt: model.max_seq_len must be at",
+    ),
+    (
+        "generate",
+        ["extrapolate", "--run", "{ws}/run", "--device", "mps"],
+        "MPS (Apple's GPU) is not available",
+    ),
     # convert.py
-    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/run", "--force"], "overlaps the input"),
+    (
+        "convert",
+        ["to-hf", "--run", "{ws}/run", "--out", "{ws}/run", "--force"],
+        "overlaps the input",
+    ),
     ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}", "--force"], "overlaps the input"),
-    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/run/hf", "--force"], "overlaps the input"),
+    (
+        "convert",
+        ["to-hf", "--run", "{ws}/run", "--out", "{ws}/run/hf", "--force"],
+        "overlaps the input",
+    ),
     ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/hf"], "pass --force to replace it"),
-    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/file/hf"], "is a file, not a directory"),
+    (
+        "convert",
+        ["to-hf", "--run", "{ws}/run", "--out", "{ws}/file/hf"],
+        "is a file, not a directory",
+    ),
     ("convert", ["to-hf", "--run", "{ws}/run", "--out", "/proc/picollama-hf"], "cannot write"),
     ("convert", ["to-hf", "--run", "{ws}/nan_run", "--out", "{ws}/out"], "NaN or infinite weights"),
-    ("convert", ["to-gguf", "--run", "{ws}/huge_dim_run", "--out", "{ws}/o.gguf"], "config.json is corrupt: model.dim"),
-    ("convert", ["from-hf", "--hf-dir", "{ws}/run", "--out", "{ws}/out"], "not a Hugging Face Llama config"),
-    ("convert", ["from-hf", "--hf-dir", "{ws}/hf", "--out", "{ws}/hf", "--force"], "overlaps the input"),
+    (
+        "convert",
+        ["to-gguf", "--run", "{ws}/huge_dim_run", "--out", "{ws}/o.gguf"],
+        "config.json is corrupt: model.dim",
+    ),
+    (
+        "convert",
+        ["from-hf", "--hf-dir", "{ws}/run", "--out", "{ws}/out"],
+        "not a Hugging Face Llama config",
+    ),
+    (
+        "convert",
+        ["from-hf", "--hf-dir", "{ws}/hf", "--out", "{ws}/hf", "--force"],
+        "overlaps the input",
+    ),
     (
         "convert",
         ["from-hf", "--hf-dir", "{ws}/hf_string_tie", "--out", "{ws}/out"],
@@ -261,32 +446,77 @@ CASES = [
     ),
     ("convert", ["to-gguf", "--run", "{ws}/run", "--out", "{ws}/null", "--force"], "null: it is a"),
     ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/null", "--force"], "null: it is a"),
-    ("convert", ["to-hf", "--run", "{ws}/run", "--out", "{ws}/home", "--force"], "not replacing {ws}/home: it holds"),
-    ("convert", ["from-hf", "--hf-dir", "{ws}/hf", "--out", "{ws}/home", "--force"], "so picollama did not write it"),
-    ("convert", ["from-hf", "--hf-dir", "{ws}/hf", "--out", "{ws}/home/Documents", "--force"], "holds thesis.txt"),
-    ("convert", ["to-gguf", "--run", "{ws}/run", "--out", "{ws}/file", "--force"], "file: it is not a GGUF file, so"),
+    (
+        "convert",
+        ["to-hf", "--run", "{ws}/run", "--out", "{ws}/home", "--force"],
+        "not replacing {ws}/home: it holds",
+    ),
+    (
+        "convert",
+        ["from-hf", "--hf-dir", "{ws}/hf", "--out", "{ws}/home", "--force"],
+        "so picollama did not write it",
+    ),
+    (
+        "convert",
+        ["from-hf", "--hf-dir", "{ws}/hf", "--out", "{ws}/home/Documents", "--force"],
+        "holds thesis.txt",
+    ),
+    (
+        "convert",
+        ["to-gguf", "--run", "{ws}/run", "--out", "{ws}/file", "--force"],
+        "file: it is not a GGUF file, so",
+    ),
     # data/prepare.py
     ("prepare", ["--source", "{ws}/missing", "--out", "{ws}/out"], "no such file or directory"),
     ("prepare", ["--source", "{ws}/corpus", "--out", "/proc/picollama-data"], "cannot write"),
     ("prepare", ["--source", "{ws}/corpus", "--out", "{ws}/file"], "is not a prepared dataset"),
-    ("prepare", ["--source", "{ws}/corpus", "--out", "{ws}/out", "--vocab-size", "0"], "--vocab-size"),
-    ("prepare", ["--source", "{ws}/corpus", "--out", "{ws}/out", "--max-bytes", "lots"], "not a size"),
-    ("prepare", ["--source", "{ws}/data_with_text/notes.txt", "--out", "{ws}/data_with_text", "--force"], "overlaps"),
+    (
+        "prepare",
+        ["--source", "{ws}/corpus", "--out", "{ws}/out", "--vocab-size", "0"],
+        "--vocab-size",
+    ),
+    (
+        "prepare",
+        ["--source", "{ws}/corpus", "--out", "{ws}/out", "--max-bytes", "lots"],
+        "not a size",
+    ),
+    (
+        "prepare",
+        ["--source", "{ws}/data_with_text/notes.txt", "--out", "{ws}/data_with_text", "--force"],
+        "overlaps",
+    ),
     # bench/
-    ("bench.train", ["--config", "no-such-config", "--out", "{ws}/bench.json"], "no config 'no-such-config'"),
-    ("bench.train", ["--threads", "0", "--out", "{ws}/bench.json"], "--threads: invalid positive int value: '0'"),
+    (
+        "bench.train",
+        ["--config", "no-such-config", "--out", "{ws}/bench.json"],
+        "no config 'no-such-config'",
+    ),
+    (
+        "bench.train",
+        ["--threads", "0", "--out", "{ws}/bench.json"],
+        "--threads: invalid positive int value: '0'",
+    ),
     ("bench.decode", ["--positions", "16,abc", "--out", "{ws}/bench.json"], "--positions"),
     ("bench.memory", ["--smoke", "--out", "{ws}/file/bench.json"], "is a file, not a directory"),
     ("bench.data", ["--smoke", "--out", "/proc/picollama.json"], "cannot write"),
     ("bench.data", ["--smoke", "--out", "{ws}/null"], "null: it is a"),
     ("bench.memory", ["--smoke", "--out", "{ws}/null"], "null: it is a"),
 ]
-MAINS = {"train": train.main, "generate": generate.main, "convert": convert.main, "prepare": prepare.main}
+MAINS = {
+    "train": train.main,
+    "generate": generate.main,
+    "convert": convert.main,
+    "prepare": prepare.main,
+}
 
 
-@pytest.mark.parametrize("command, argv, message", CASES, ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(CASES)])
-def test_a_wrong_command_is_one_line_and_changes_nothing(ws, one_thread, capsys, monkeypatch, command, argv, message):
-    main = bench_main(command[6:], monkeypatch) if command.startswith("bench.") else MAINS[command]
+@pytest.mark.parametrize(
+    "command, argv, message", CASES, ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(CASES)]
+)
+def test_a_wrong_command_is_one_line_and_changes_nothing(
+    ws, one_thread, capsys, monkeypatch, command, argv, message
+):
+    main = bench_main(command[6:]) if command.startswith("bench.") else MAINS[command]
     before = snapshot(ws)
     status = run_command(main, [arg.replace("{ws}", str(ws)) for arg in argv])
     err = capsys.readouterr().err
@@ -302,9 +532,9 @@ def test_as_scripts_too(ws):
     commands = [
         ["train.py", *train_args("--train.out_dir=/proc/picollama-run")],
         ["generate.py", "--run", "{ws}/hf"],
-        ["convert.py", "to-hf", "--run", "{ws}/run", "--out", "{ws}/run", "--force"],
+        ["-m", "picollama.convert", "to-hf", "--run", "{ws}/run", "--out", "{ws}/run", "--force"],
         ["data/prepare.py", "--source", "{ws}/corpus", "--out", "/proc/picollama-data"],
-        ["bench/decode.py", "--positions", "16,abc", "--out", "{ws}/bench.json"],
+        ["-m", "picollama.lab.bench.decode", "--positions", "16,abc", "--out", "{ws}/bench.json"],
     ]
     before = snapshot(ws)
     env = os.environ | {"OMP_NUM_THREADS": "1"}
@@ -323,7 +553,9 @@ def test_as_scripts_too(ws):
         out, err = process.communicate(timeout=120)
         assert process.returncode == 2, (command, err)
         errors = [line for line in err.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and err.rstrip("\n").endswith(errors[0]) and "Traceback" not in err, (command, err)
+        assert (
+            len(errors) == 1 and err.rstrip("\n").endswith(errors[0]) and "Traceback" not in err
+        ), (command, err)
     assert snapshot(ws) == before
 
 
@@ -334,7 +566,11 @@ def test_outputs_that_are_not_files_are_refused_and_left_alone(ws, tmp_path, cap
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     make_device(tmp_path / "device")
-    outputs = {tmp_path / "fifo": "a FIFO", tmp_path / "loop": "a symbolic link loop", tmp_path / "device": "it is a"}
+    outputs = {
+        tmp_path / "fifo": "a FIFO",
+        tmp_path / "loop": "a symbolic link loop",
+        tmp_path / "device": "it is a",
+    }
     for path, kind in outputs.items():
         for argv in (
             ["to-gguf", "--run", str(ws / "run"), "--out", str(path), "--force"],
@@ -346,8 +582,14 @@ def test_outputs_that_are_not_files_are_refused_and_left_alone(ws, tmp_path, cap
         with pytest.raises(UserError, match=kind):
             with cli.atomic_output(path) as tmp:
                 tmp.write_text("never renamed over it")
-    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode) and not (tmp_path / "device").is_file()
-    assert (tmp_path / "loop").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["device", "fifo", "loop"]
+    assert (
+        stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode) and not (tmp_path / "device").is_file()
+    )
+    assert (tmp_path / "loop").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "device",
+        "fifo",
+        "loop",
+    ]
 
 
 def test_force_replaces_what_picollama_wrote(ws, tmp_path, capsys):

@@ -10,12 +10,12 @@ from contextlib import closing
 import pytest
 import torch
 
-import convert
-from checkpoint import load_model, load_run, save_model
-from cli import run_command
-from convert import from_hf_state_dict, hf_config, to_hf_state_dict
 from generate import Sampling, encode_prompt, generate
 from model import ModelArgs, Transformer
+from picollama import convert
+from picollama.checkpoint import load_model, load_run, save_model
+from picollama.cli import run_command
+from picollama.convert import from_hf_state_dict, hf_config, to_hf_state_dict
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32, multiple_of=16)
 CONFIGS = {
@@ -40,7 +40,9 @@ def hf_llama(args: ModelArgs, seed=0):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_from_hf_matches_hf_logits(name):
     hf, config = hf_llama(CONFIGS[name])
-    with torch.no_grad():  # HF's default init is too small to tell permutations apart: give it real variance
+    with (
+        torch.no_grad()
+    ):  # HF's default init is too small to tell permutations apart: give it real variance
         for p in hf.parameters():
             p.normal_(0, 0.2 if p.dim() > 1 else 1.0)
     ours = from_hf_state_dict(hf.state_dict(), config).eval()
@@ -66,7 +68,9 @@ def test_hf_round_trip_is_exact():
     ours = make_model(CONFIGS["tied"])
     back = from_hf_state_dict(to_hf_state_dict(ours), hf_config(ours.args))
     assert back.args.hidden_dim == ours.args.hidden_dim
-    assert {k: v for k, v in back.args.to_dict().items() if k not in ("multiple_of", "ffn_hidden_dim")} == {
+    assert {
+        k: v for k, v in back.args.to_dict().items() if k not in ("multiple_of", "ffn_hidden_dim")
+    } == {
         k: v for k, v in ours.args.to_dict().items() if k not in ("multiple_of", "ffn_hidden_dim")
     }
     assert back.output.weight is back.tok_embeddings.weight
@@ -81,7 +85,10 @@ def run_dir(make_tiny_run, one_thread):
 
 def test_to_hf_loads_in_transformers_with_the_same_logits(run_dir, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    assert run_command(convert.main, ["to-hf", "--run", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    assert (
+        run_command(convert.main, ["to-hf", "--run", str(run_dir), "--out", str(tmp_path / "hf")])
+        == 0
+    )
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'hf'}"
     ours, _ = load_model(run_dir)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -89,7 +96,11 @@ def test_to_hf_loads_in_transformers_with_the_same_logits(run_dir, tmp_path, cap
     with torch.no_grad():
         assert torch.allclose(theirs(tokens).logits, ours(tokens), atol=1e-5)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert (config["bos_token_id"], config["eos_token_id"], config["torch_dtype"]) == (1, 2, "float32")
+    assert (config["bos_token_id"], config["eos_token_id"], config["torch_dtype"]) == (
+        1,
+        2,
+        "float32",
+    )
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(run_dir / "tokenizer.model"))
@@ -97,9 +108,17 @@ def test_to_hf_loads_in_transformers_with_the_same_logits(run_dir, tmp_path, cap
     for text in ["ab cd ef.", "  two spaces\nand a line", "Héllo ✓ 123"]:
         assert tokenizer(text).input_ids == [sp.bos_id(), *sp.encode(text)]
     # the output is not overwritten without --force
-    assert run_command(convert.main, ["to-hf", "--run", str(run_dir), "--out", str(tmp_path / "hf")]) == 2
+    assert (
+        run_command(convert.main, ["to-hf", "--run", str(run_dir), "--out", str(tmp_path / "hf")])
+        == 2
+    )
     assert "--force" in capsys.readouterr().err
-    assert run_command(convert.main, ["to-hf", "--run", str(run_dir), "--out", str(tmp_path / "hf"), "--force"]) == 0
+    assert (
+        run_command(
+            convert.main, ["to-hf", "--run", str(run_dir), "--out", str(tmp_path / "hf"), "--force"]
+        )
+        == 0
+    )
 
 
 def test_an_output_overlapping_the_input_is_refused_even_with_force(run_dir, tmp_path, capsys):
@@ -107,10 +126,16 @@ def test_an_output_overlapping_the_input_is_refused_even_with_force(run_dir, tmp
     shutil.copytree(run_dir, run)
     before = sorted(p.name for p in run.iterdir())
     for out in (run, run / "hf", tmp_path):  # the run itself, inside it, and a folder holding it
-        assert run_command(convert.main, ["to-hf", "--run", str(run), "--out", str(out), "--force"]) == 2
+        assert (
+            run_command(convert.main, ["to-hf", "--run", str(run), "--out", str(out), "--force"])
+            == 2
+        )
         assert "overlaps the input" in capsys.readouterr().err
         assert sorted(p.name for p in run.iterdir()) == before
-    assert run_command(convert.main, ["from-hf", "--hf-dir", str(run), "--out", str(run), "--force"]) == 2
+    assert (
+        run_command(convert.main, ["from-hf", "--hf-dir", str(run), "--out", str(run), "--force"])
+        == 2
+    )
     assert "overlaps the input" in capsys.readouterr().err
     assert load_model(run)[0].args.vocab_size == 320
 
@@ -149,39 +174,73 @@ def test_from_hf_gives_the_same_logits(run_dir, tmp_path, shard, tied):
     theirs = random_hf_llama(tmp_path / "hf", shard=shard, tie_word_embeddings=tied)
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == shard
     shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
-    assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    assert (
+        run_command(
+            convert.main,
+            ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")],
+        )
+        == 0
+    )
     ours, config = load_model(tmp_path / "run")
-    assert ours.args.rope_scaling == "llama3" and ours.args.n_kv_heads == 2 and "converted_from" in config
+    assert (
+        ours.args.rope_scaling == "llama3"
+        and ours.args.n_kv_heads == 2
+        and "converted_from" in config
+    )
     assert ours.args.tie_embeddings == tied
     assert (tmp_path / "run" / "tokenizer.model").is_file()
-    tokens = torch.randint(0, 320, (2, 48))  # past the original 16-token context: llama3 scaling at work
+    tokens = torch.randint(
+        0, 320, (2, 48)
+    )  # past the original 16-token context: llama3 scaling at work
     with torch.no_grad():
         assert torch.allclose(ours(tokens), theirs(tokens).logits, atol=1e-5)
 
 
 def test_from_hf_refuses_what_it_cannot_read(run_dir, tmp_path, capsys):
     random_hf_llama(tmp_path / "hf")
-    assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+    assert (
+        run_command(
+            convert.main,
+            ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")],
+        )
+        == 2
+    )
     assert "no sentencepiece tokenizer.model" in capsys.readouterr().err
     shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(
         json.dumps(config | {"model_type": "mistral", "architectures": ["MistralForCausalLM"]})
     )
-    assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+    assert (
+        run_command(
+            convert.main,
+            ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")],
+        )
+        == 2
+    )
     assert "not a Llama model" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing half-written
 
 
 @pytest.mark.parametrize(
     "overrides, dtype",
-    [({}, torch.float32), (dict(tie_word_embeddings=True, rope_scaling=None), torch.bfloat16), ({}, torch.float16)],
+    [
+        ({}, torch.float32),
+        (dict(tie_word_embeddings=True, rope_scaling=None), torch.bfloat16),
+        ({}, torch.float16),
+    ],
 )
 def test_a_from_hf_import_is_a_run_generate_loads(run_dir, tmp_path, overrides, dtype):
     """What from-hf writes, generate reads: tied embeddings, no RoPE scaling, half-precision weights."""
     random_hf_llama(tmp_path / "hf", dtype=dtype, **overrides)
     shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
-    assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    assert (
+        run_command(
+            convert.main,
+            ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")],
+        )
+        == 0
+    )
     model, _, tokenizer = load_run(tmp_path / "run", "cpu", torch.float32)  # what generate.py loads
     prompt = encode_prompt(tokenizer, "the cat")
     assert len(generate(model, [prompt], Sampling(4, temperature=0))[0]) == 4
@@ -191,16 +250,27 @@ def test_a_from_hf_import_is_a_run_generate_loads(run_dir, tmp_path, overrides, 
     "overrides, message",
     [
         (dict(vocab_size=300), "tokenizer.model has 320 pieces but config.json vocab_size is 300"),
-        (dict(max_position_embeddings=10**9), "max_seq_len must be at most 16,777,216, not 1000000000 (max_position_"),
+        (
+            dict(max_position_embeddings=10**9),
+            "max_seq_len must be at most 16,777,216, not 1000000000 (max_position_",
+        ),
     ],
 )
-def test_from_hf_refuses_what_generate_could_not_load(run_dir, tmp_path, capsys, overrides, message):
+def test_from_hf_refuses_what_generate_could_not_load(
+    run_dir, tmp_path, capsys, overrides, message
+):
     """A 320-piece tokenizer for 300 embeddings, or a context no model has: once imported, then refused by
     generate (or out of memory there)."""
     random_hf_llama(tmp_path / "hf", **overrides)
     shutil.copyfile(run_dir / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")
     capsys.readouterr()  # transformers' progress bars
-    assert run_command(convert.main, ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+    assert (
+        run_command(
+            convert.main,
+            ["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "run")],
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "run").exists()
@@ -246,11 +316,19 @@ def llama_cpp_logits(llama_cpp, path, tokens: list[int]) -> torch.Tensor:
         batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
         batch.n_tokens = len(tokens)
         for i, token in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = token, i, 1, 0, 1
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = (
+                token,
+                i,
+                1,
+                0,
+                1,
+            )
         assert llama_cpp.llama_decode(context, batch) == 0
         vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
         logits = llama_cpp.llama_get_logits(context)
-        return torch.tensor([logits[i] for i in range(len(tokens) * vocab)]).view(len(tokens), vocab)
+        return torch.tensor([logits[i] for i in range(len(tokens) * vocab)]).view(
+            len(tokens), vocab
+        )
     finally:
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(context)
@@ -264,7 +342,16 @@ def gguf_files(run_dir, tmp_path_factory, llama_cpp):
     for kind in convert.GGUF_TYPES:
         assert (
             run_command(
-                convert.main, ["to-gguf", "--run", str(run_dir), "--out", str(out / f"{kind}.gguf"), "--type", kind]
+                convert.main,
+                [
+                    "to-gguf",
+                    "--run",
+                    str(run_dir),
+                    "--out",
+                    str(out / f"{kind}.gguf"),
+                    "--type",
+                    kind,
+                ],
             )
             == 0
         )
@@ -275,14 +362,24 @@ def test_gguf_continues_like_generate_in_llama_cpp(run_dir, gguf_files, llama_cp
     model, _, tokenizer = load_run(run_dir, "cpu", torch.float32)
     prompt = encode_prompt(tokenizer, "ab cd")
     ours = generate(model, [prompt], Sampling(24, temperature=0))[0]
-    with closing(llama_cpp.Llama(str(gguf_files["f32"]), n_ctx=32, n_threads=1, verbose=False)) as llm:
+    with closing(
+        llama_cpp.Llama(str(gguf_files["f32"]), n_ctx=32, n_threads=1, verbose=False)
+    ) as llm:
         assert list(itertools.islice(llm.generate(prompt, temp=0.0), 24)) == ours
-        for text in ["ab cd ef.", "  two spaces\nand a line", "Héllo ✓ 123"]:  # the tokenizer round-trips
+        for text in [
+            "ab cd ef.",
+            "  two spaces\nand a line",
+            "Héllo ✓ 123",
+        ]:  # the tokenizer round-trips
             ids = llm.tokenize(text.encode(), add_bos=True)
-            assert ids == encode_prompt(tokenizer, text) and llm.detokenize(ids[1:]) == text.encode()
+            assert (
+                ids == encode_prompt(tokenizer, text) and llm.detokenize(ids[1:]) == text.encode()
+            )
 
 
-@pytest.mark.parametrize("kind, tolerance", [("f32", 1e-5), ("f16", 2e-3), ("bf16", 0.01), ("q8_0", 0.02)])
+@pytest.mark.parametrize(
+    "kind, tolerance", [("f32", 1e-5), ("f16", 2e-3), ("bf16", 0.01), ("q8_0", 0.02)]
+)
 def test_gguf_logits_match_ours(run_dir, gguf_files, kind, tolerance, llama_cpp):
     model, _ = load_model(run_dir)
     tokens = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(0))
@@ -302,7 +399,9 @@ def test_gguf_logits_match_ours(run_dir, gguf_files, kind, tolerance, llama_cpp)
     ids=lambda d: d["rope_scaling"],
 )
 def test_gguf_carries_rope_scaling(run_dir, tmp_path, scaling, llama_cpp):
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=32, multiple_of=32)
+    args = ModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=32, multiple_of=32
+    )
     plain = make_model(args)
     with torch.no_grad():  # sharp weights, so that positions matter
         for p in plain.parameters():
@@ -311,13 +410,19 @@ def test_gguf_carries_rope_scaling(run_dir, tmp_path, scaling, llama_cpp):
     scaled.load_state_dict(plain.state_dict())
     save_model(scaled, tmp_path / "run", tokenizer=run_dir / "tokenizer.model")
     assert (
-        run_command(convert.main, ["to-gguf", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "m.gguf")]) == 0
+        run_command(
+            convert.main,
+            ["to-gguf", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "m.gguf")],
+        )
+        == 0
     )
     tokens = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, unscaled = scaled(tokens[None])[0], plain(tokens[None])[0]
     error = (llama_cpp_logits(llama_cpp, tmp_path / "m.gguf", tokens.tolist()) - ours).abs().max()
-    assert error <= 1e-5 * ours.abs().max() and (ours - unscaled).abs().max() > 0.1 * ours.abs().max()
+    assert (
+        error <= 1e-5 * ours.abs().max() and (ours - unscaled).abs().max() > 0.1 * ours.abs().max()
+    )
 
 
 def test_gguf_refuses_dynamic_ntk_and_an_existing_file(run_dir, tmp_path, capsys):
@@ -326,10 +431,18 @@ def test_gguf_refuses_dynamic_ntk_and_an_existing_file(run_dir, tmp_path, capsys
     config = json.loads((run / "config.json").read_text())
     config["model"] |= {"rope_scaling": "dynamic", "rope_factor": 2.0}
     (run / "config.json").write_text(json.dumps(config))
-    assert run_command(convert.main, ["to-gguf", "--run", str(run), "--out", str(tmp_path / "m.gguf")]) == 2
+    assert (
+        run_command(convert.main, ["to-gguf", "--run", str(run), "--out", str(tmp_path / "m.gguf")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: RoPE scaling 'dynamic'") and err.count("\n") == 1
     assert not list(tmp_path.glob("*.gguf*"))  # nothing half-written
     (tmp_path / "m.gguf").write_text("keep")
-    assert run_command(convert.main, ["to-gguf", "--run", str(run_dir), "--out", str(tmp_path / "m.gguf")]) == 2
+    assert (
+        run_command(
+            convert.main, ["to-gguf", "--run", str(run_dir), "--out", str(tmp_path / "m.gguf")]
+        )
+        == 2
+    )
     assert "--force" in capsys.readouterr().err and (tmp_path / "m.gguf").read_text() == "keep"

@@ -15,8 +15,6 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from cli import UserError
-from config import build_config
 from data import prepare as prepare_module
 from data.loader import (
     RandomBatches,
@@ -30,6 +28,8 @@ from data.loader import (
 )
 from data.prepare import prepare, split_documents, tokenizer_sample
 from data.tokenizer import same_tokenizer, tokenizer_sha256
+from picollama.cli import UserError
+from picollama.config import build_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SYLLABLES = "ka ri to ne su ma lo pe da vi qu ex an or él ça ñu öl ß 東 京 語 本".split()
@@ -40,7 +40,9 @@ def make_document(rng: random.Random, lines: int) -> str:
     """Pseudo-text with accents, CJK, emoji, digits and odd whitespace, many distinct words."""
     out = []
     for _ in range(lines):
-        words = ["".join(rng.choices(SYLLABLES, k=rng.randint(1, 4))) for _ in range(rng.randint(3, 12))]
+        words = [
+            "".join(rng.choices(SYLLABLES, k=rng.randint(1, 4))) for _ in range(rng.randint(3, 12))
+        ]
         out.append(" ".join(words) + rng.choice(SYMBOLS))
     return "\n".join(out) + "\n"
 
@@ -99,10 +101,14 @@ def test_shards_hold_every_document_once_with_bos_and_eos(corpus):
         assert (tokens[starts] == meta["bos_id"]).all()
         assert (tokens == meta["bos_id"]).sum() == len(starts) == meta["splits"][split]["docs"]
         ends = np.append(starts[1:], len(tokens)) - 1
-        assert (tokens[ends] == meta["eos_id"]).all() and (tokens == meta["eos_id"]).sum() == len(starts)
+        assert (tokens[ends] == meta["eos_id"]).all() and (tokens == meta["eos_id"]).sum() == len(
+            starts
+        )
         assert int(tokens.max()) < meta["vocab_size"]
     train, val = split_texts(data_dir, "train"), split_texts(data_dir, "val")
-    assert sorted(train + val) == sorted(documents)  # whole documents, none lost, none in both splits
+    assert sorted(train + val) == sorted(
+        documents
+    )  # whole documents, none lost, none in both splits
     assert not set(train) & set(val) and len(val) >= 1
     val_bytes = sum(len(d.encode()) for d in val)
     assert val_bytes == meta["splits"]["val"]["bytes"]
@@ -131,11 +137,18 @@ def test_a_tokenizer_is_identified_by_the_sha256_its_dataset_records(corpus, tmp
     data_dir, _ = corpus
     path = data_dir / "tokenizer.model"
     recorded = load_meta(data_dir)["tokenizer_sha256"]
-    assert tokenizer_sha256(path) == tokenizer_sha256(str(path)) == tokenizer_sha256(path.read_bytes()) == recorded
+    assert (
+        tokenizer_sha256(path)
+        == tokenizer_sha256(str(path))
+        == tokenizer_sha256(path.read_bytes())
+        == recorded
+    )
     assert recorded == hashlib.sha256(path.read_bytes()).hexdigest()
     (tmp_path / "other.model").write_bytes(path.read_bytes() + b"\0")
     assert same_tokenizer(recorded, path) and not same_tokenizer(recorded, tmp_path / "other.model")
-    assert same_tokenizer(None, tmp_path / "other.model")  # nothing recorded: nothing to hold it against
+    assert same_tokenizer(
+        None, tmp_path / "other.model"
+    )  # nothing recorded: nothing to hold it against
 
 
 def test_random_batches_are_seeded_and_resumable(corpus, tmp_path):
@@ -165,7 +178,9 @@ def test_random_batches_are_seeded_and_resumable(corpus, tmp_path):
         resumed.load_state_dict(restored_state)
         for want, got in zip(expected, (resumed.next_batch() for _ in range(3))):
             assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-    resumed.load_state_dict({"rank": 0, "world_size": 1, "rng": state["rng"]})  # saved when the loader took a rank
+    resumed.load_state_dict(
+        {"rank": 0, "world_size": 1, "rng": state["rng"]}
+    )  # saved when the loader took a rank
     assert torch.equal(resumed.next_batch()[0], expected[0][0])
     with pytest.raises(UserError, match="not a text dataset's"):
         resumed.load_state_dict({"task": "retrieval", "rng": state["rng"]})
@@ -192,7 +207,9 @@ def test_a_truncated_shard_is_refused_when_opened(corpus, tmp_path, cut):
         lambda: next(eval_batches(copy, "val", 1, 8)),
         lambda: document_windows(copy, "val", 8, 1),
     ):
-        with pytest.raises(UserError, match="val-00000.bin holds .* but meta.json counts .* truncated"):
+        with pytest.raises(
+            UserError, match="val-00000.bin holds .* but meta.json counts .* truncated"
+        ):
             open_split()
     assert len(open_tokens(copy, "train")) == load_meta(copy)["splits"]["train"]["tokens"]
 
@@ -201,19 +218,27 @@ def test_plant_copies_repeats_a_random_span_inside_the_text(corpus):
     data_dir, _ = corpus
     meta = load_meta(data_dir)
     vocabulary = copy_vocabulary(meta)
-    assert len(vocabulary) == meta["vocab_size"] - 3 and not np.isin([0, 1, 2], vocabulary).any()  # unk, BOS, EOS
+    assert (
+        len(vocabulary) == meta["vocab_size"] - 3 and not np.isin([0, 1, 2], vocabulary).any()
+    )  # unk, BOS, EOS
     windows = np.tile(np.arange(1000, 1040), (200, 1))  # "text" ids that no span can hold
     text = windows.copy()
     unpredictable = plant_copies(windows, np.random.default_rng(0), vocabulary, span=5, repeats=3)
-    assert np.array_equal(plant_copies(text.copy(), np.random.default_rng(0), vocabulary, 5, 3), unpredictable)
+    assert np.array_equal(
+        plant_copies(text.copy(), np.random.default_rng(0), vocabulary, 5, 3), unpredictable
+    )
     gaps = []
     for row, mask, original in zip(windows, unpredictable, text):
         planted = np.flatnonzero(row < 1000)
         assert len(planted) == 4 * 5 and np.isin(row[planted], vocabulary).all()
         occurrences = planted.reshape(4, 5)
-        assert (np.diff(occurrences, axis=1) == 1).all()  # each occurrence is contiguous, and all are the same span
+        assert (
+            np.diff(occurrences, axis=1) == 1
+        ).all()  # each occurrence is contiguous, and all are the same span
         assert (row[occurrences] == row[occurrences[0]]).all()
-        assert np.array_equal(row[row >= 1000], original[row >= 1000])  # the text around keeps its order
+        assert np.array_equal(
+            row[row >= 1000], original[row >= 1000]
+        )  # the text around keeps its order
         # unpredictable: the whole first occurrence and the first token of each copy, nothing else
         assert np.array_equal(np.flatnonzero(mask), np.union1d(occurrences[0], occurrences[1:, 0]))
         gaps += np.diff(occurrences[:, 0]).tolist()
@@ -224,17 +249,28 @@ def test_plant_copies_repeats_a_random_span_inside_the_text(corpus):
 
 def test_copy_mixing_is_seeded_respects_its_fraction_and_resumes_exactly(corpus, tmp_path):
     data_dir, _ = corpus
-    options = {"batch_size": 16, "seq_len": 32, "seed": 5, "copy_fraction": 0.25, "copy_span": 4, "copy_repeats": 2}
+    options = {
+        "batch_size": 16,
+        "seq_len": 32,
+        "seed": 5,
+        "copy_fraction": 0.25,
+        "copy_span": 4,
+        "copy_repeats": 2,
+    }
     loader = RandomBatches(data_dir, "train", **options)
     batches = [loader.next_batch() for _ in range(50)]
     again = RandomBatches(data_dir, "train", **options)
-    assert all(torch.equal(a[1], b[1]) for a, b in zip(batches, (again.next_batch() for _ in range(50))))
+    assert all(
+        torch.equal(a[1], b[1]) for a, b in zip(batches, (again.next_batch() for _ in range(50)))
+    )
     copy_rows = 0
     for x, y in batches:
         assert x.shape == y.shape == (16, 32) and x.dtype == y.dtype == torch.int64
         ignored = y == -100
         kept = ~ignored[:, :-1]
-        assert torch.equal(x[:, 1:][kept], y[:, :-1][kept])  # y is x shifted wherever it is not ignored
+        assert torch.equal(
+            x[:, 1:][kept], y[:, :-1][kept]
+        )  # y is x shifted wherever it is not ignored
         for row, mask in zip(x, ignored):
             if not mask.any():
                 continue
@@ -259,7 +295,9 @@ def test_copy_mixing_is_seeded_respects_its_fraction_and_resumes_exactly(corpus,
         assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
 
 
-@pytest.mark.parametrize("key, value", [("copy_fraction", "1.0"), ("copy_fraction", "-0.5"), ("copy_span", "0")])
+@pytest.mark.parametrize(
+    "key, value", [("copy_fraction", "1.0"), ("copy_fraction", "-0.5"), ("copy_span", "0")]
+)
 def test_copy_config_keys_are_checked_as_read(key, value):
     with pytest.raises(UserError, match=f"--data.{key} must be"):
         build_config({}, [(f"data.{key}", value)])
@@ -301,7 +339,9 @@ def test_document_windows_stay_inside_one_document(corpus):
     longest = int(np.diff(np.append(starts, len(open_tokens(data_dir, "train")))).max())
     windows = document_windows(data_dir, "train", length=64, num_windows=50, seed=3)
     assert windows.shape == (50, 64) and windows.dtype == np.int64
-    assert (windows[:, 1:] != meta["bos_id"]).all()  # a BOS after position 0 would mean a document boundary
+    assert (
+        windows[:, 1:] != meta["bos_id"]
+    ).all()  # a BOS after position 0 would mean a document boundary
     assert np.array_equal(windows, document_windows(data_dir, "train", 64, 50, seed=3))
     assert not np.array_equal(windows, document_windows(data_dir, "train", 64, 50, seed=4))
     assert document_windows(data_dir, "train", longest, 2).shape == (2, longest)
@@ -316,7 +356,9 @@ def test_hf_source_streams_a_local_dataset_directory(tmp_path):
     with open(dataset / "train.jsonl", "w", encoding="utf-8") as file:
         for text in documents:
             file.write(json.dumps({"story": text}) + "\n")
-    out = prepare(f"hf:{dataset}", vocab_size=300, out_dir=tmp_path / "out", text_field="story", max_docs=15)
+    out = prepare(
+        f"hf:{dataset}", vocab_size=300, out_dir=tmp_path / "out", text_field="story", max_docs=15
+    )
     meta = load_meta(out)
     assert meta["splits"]["train"]["docs"] + meta["splits"]["val"]["docs"] == 15
     assert sorted(split_texts(out, "train") + split_texts(out, "val")) == sorted(documents[:15])
@@ -329,9 +371,13 @@ def test_jsonl_and_parquet_sources_use_the_text_field(tmp_path):
     documents = write_corpus(tmp_path / "unused", docs=12, seed=2)
     (tmp_path / "mixed").mkdir()
     with open(tmp_path / "mixed" / "a.jsonl", "w", encoding="utf-8") as file:
-        file.writelines(json.dumps({"body": text, "id": i}) + "\n" for i, text in enumerate(documents[:6]))
+        file.writelines(
+            json.dumps({"body": text, "id": i}) + "\n" for i, text in enumerate(documents[:6])
+        )
     pq.write_table(pa.table({"body": documents[6:]}), tmp_path / "mixed" / "b.parquet")
-    out = prepare(str(tmp_path / "mixed"), vocab_size=300, out_dir=tmp_path / "out", text_field="body")
+    out = prepare(
+        str(tmp_path / "mixed"), vocab_size=300, out_dir=tmp_path / "out", text_field="body"
+    )
     assert sorted(split_texts(out, "train") + split_texts(out, "val")) == sorted(documents)
 
 
@@ -346,16 +392,25 @@ def test_rerun_reuses_the_output_and_force_rebuilds_it(corpus, tmp_path, capsys)
     assert (out / "train-00000.bin").stat().st_mtime_ns == stamp
     prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=out, force=True)
     assert capsys.readouterr().out.startswith("wrote")
-    assert load_meta(out)["tokenizer_sha256"] == meta_before["tokenizer_sha256"]  # training is deterministic
+    assert (
+        load_meta(out)["tokenizer_sha256"] == meta_before["tokenizer_sha256"]
+    )  # training is deterministic
     with pytest.raises(UserError, match="different inputs"):
         prepare(str(tmp_path / "texts"), vocab_size=320, out_dir=out)
-    reused = prepare(str(tmp_path / "texts"), out_dir=tmp_path / "reused", tokenizer=out / "tokenizer.model")
+    reused = prepare(
+        str(tmp_path / "texts"), out_dir=tmp_path / "reused", tokenizer=out / "tokenizer.model"
+    )
     assert load_meta(reused)["splits"] == load_meta(out)["splits"]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directories left
+    assert not [
+        p for p in tmp_path.iterdir() if p.name.startswith(".")
+    ]  # no temporary directories left
 
 
 def run_cli(*args, env=None, module=False):
-    command = [sys.executable, *(["-m", "data.prepare"] if module else [str(REPO_ROOT / "data" / "prepare.py")])]
+    command = [
+        sys.executable,
+        *(["-m", "data.prepare"] if module else [str(REPO_ROOT / "data" / "prepare.py")]),
+    ]
     return subprocess.run(
         [*command, *args],
         capture_output=True,
@@ -370,9 +425,13 @@ def test_cli_runs_as_script_and_as_module(corpus):
     data_dir, _ = corpus
     source = str(data_dir.parent / "texts")
     for module in (False, True):
-        result = run_cli("--source", source, "--vocab-size", "400", "--out", str(data_dir), module=module)
+        result = run_cli(
+            "--source", source, "--vocab-size", "400", "--out", str(data_dir), module=module
+        )
         assert result.returncode == 0, result.stderr
-        assert "already prepared" in result.stdout and str(data_dir) in result.stdout.splitlines()[-1]
+        assert (
+            "already prepared" in result.stdout and str(data_dir) in result.stdout.splitlines()[-1]
+        )
 
 
 def bad_input(tmp_path: Path, case: str) -> tuple[list[str], dict]:
@@ -415,7 +474,11 @@ def bad_input(tmp_path: Path, case: str) -> tuple[list[str], dict]:
         os.mkfifo(texts / "pipe.txt")
         return ["--source", str(texts)], {}
     if case == "pip cannot fetch":
-        env = {"PICOLLAMA_CACHE": str(tmp_path / "cache"), "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1"}
+        env = {
+            "PICOLLAMA_CACHE": str(tmp_path / "cache"),
+            "PIP_CONFIG_FILE": os.devnull,
+            "PIP_NO_INDEX": "1",
+        }
         return [], env
     raise AssertionError(case)
 
@@ -444,9 +507,13 @@ def test_cli_rejects_bad_input_in_one_line(tmp_path, case):
     out = tmp_path / "out" / "dataset"
     result = run_cli(*args, "--out", str(out), env=env)
     assert result.returncode == 2
-    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("error: "), result.stderr
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("error: "), (
+        result.stderr
+    )
     if case.startswith(("fifo", "device")):  # not "no such file": what it is, and what to do
-        assert "not a regular file" in result.stderr and "save the text to a file" in result.stderr, result.stderr
+        assert (
+            "not a regular file" in result.stderr and "save the text to a file" in result.stderr
+        ), result.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -457,7 +524,12 @@ def test_cli_refuses_an_output_from_a_different_tokenizer(corpus, tmp_path):
     prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=out)
     before = (out / "meta.json").read_text()
     result = run_cli(
-        "--source", str(tmp_path / "texts"), "--tokenizer", str(data_dir / "tokenizer.model"), "--out", str(out)
+        "--source",
+        str(tmp_path / "texts"),
+        "--tokenizer",
+        str(data_dir / "tokenizer.model"),
+        "--out",
+        str(out),
     )
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
     assert "different tokenizer" in result.stderr
@@ -521,7 +593,9 @@ def digest(*arrays) -> str:
 
 def loader_digests(data_dir) -> dict:
     random_batches = RandomBatches(data_dir, "train", batch_size=4, seq_len=32, seed=7)
-    copies = RandomBatches(data_dir, "train", 8, 32, seed=5, copy_fraction=0.25, copy_span=4, copy_repeats=2)
+    copies = RandomBatches(
+        data_dir, "train", 8, 32, seed=5, copy_fraction=0.25, copy_span=4, copy_repeats=2
+    )
     return {
         "tokens": {split: digest(open_tokens(data_dir, split)) for split in ("train", "val")},
         "offsets": {split: digest(doc_offsets(data_dir, split)) for split in ("train", "val")},
@@ -567,22 +641,39 @@ def files_of(folder: Path) -> dict[str, bytes]:
 def test_streamed_shards_are_the_same_for_any_number_of_workers(tmp_path, small_blocks):
     documents = write_corpus(tmp_path / "texts", docs=40, seed=3)
     outputs = [
-        prepare(str(tmp_path / "texts"), 400, tmp_path / f"out{n}", shard_tokens=700, workers=n, command=["test"])
+        prepare(
+            str(tmp_path / "texts"),
+            400,
+            tmp_path / f"out{n}",
+            shard_tokens=700,
+            workers=n,
+            command=["test"],
+        )
         for n in (1, 2)
     ]
     assert files_of(outputs[0]) == files_of(outputs[1])
     meta = load_meta(outputs[0])
     train = meta["splits"]["train"]
     assert len(train["shards"]) > 10 and all(s["tokens"] == 700 for s in train["shards"][:-1])
-    assert sum(s["tokens"] for s in train["shards"]) == train["tokens"] == len(open_tokens(outputs[0], "train"))
+    assert (
+        sum(s["tokens"] for s in train["shards"])
+        == train["tokens"]
+        == len(open_tokens(outputs[0], "train"))
+    )
     assert meta["inputs"]["block_bytes"] == 6_000 and meta["vocab_size"] == 400
     texts = split_texts(outputs[0], "train") + split_texts(outputs[0], "val")
     assert sorted(texts) == sorted(documents)  # whole documents across shard boundaries, none lost
     val_docs = meta["splits"]["val"]["docs"]
-    assert 2 <= val_docs < 40 and meta["splits"]["val"]["bytes"] >= 0.03 * sum(len(d.encode()) for d in documents)
-    one_shard = prepare(str(tmp_path / "texts"), 400, tmp_path / "one", shard_tokens=10**9, command=["test"])
+    assert 2 <= val_docs < 40 and meta["splits"]["val"]["bytes"] >= 0.03 * sum(
+        len(d.encode()) for d in documents
+    )
+    one_shard = prepare(
+        str(tmp_path / "texts"), 400, tmp_path / "one", shard_tokens=10**9, command=["test"]
+    )
     for split in ("train", "val"):  # the shard size only cuts the same token stream differently
-        assert np.array_equal(np.asarray(open_tokens(one_shard, split)), np.asarray(open_tokens(outputs[0], split)))
+        assert np.array_equal(
+            np.asarray(open_tokens(one_shard, split)), np.asarray(open_tokens(outputs[0], split))
+        )
         assert np.array_equal(doc_offsets(one_shard, split), doc_offsets(outputs[0], split))
 
 
@@ -606,7 +697,9 @@ def test_a_killed_preparation_resumes_and_ends_byte_identical(tmp_path, small_bl
     write_corpus(tmp_path / "texts", docs=40, seed=3)
     out = tmp_path / "out"
     killed = subprocess.run(
-        [sys.executable, "-c", KILLED_RUN, str(tmp_path / "texts"), str(out)], cwd=REPO_ROOT, capture_output=True
+        [sys.executable, "-c", KILLED_RUN, str(tmp_path / "texts"), str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
     partial = tmp_path / ".out.partial"
@@ -621,14 +714,20 @@ def test_a_killed_preparation_resumes_and_ends_byte_identical(tmp_path, small_bl
     encoded = []
     pieces = prepare_module.document_pieces
     monkeypatch.setattr(
-        prepare_module, "document_pieces", lambda texts, *a: encoded.append(len(texts)) or pieces(texts, *a)
+        prepare_module,
+        "document_pieces",
+        lambda texts, *a: encoded.append(len(texts)) or pieces(texts, *a),
     )
     prepare(str(tmp_path / "texts"), 400, out, shard_tokens=700, command=["test"])
     assert sum(encoded) < 40  # the committed blocks were not encoded again
     for index in range(finished):
         name = f"train-{index:05d}.bin"
-        assert (out / name).stat().st_ino == stamps[name][0] and (out / name).stat().st_mtime_ns == stamps[name][1]
-    whole = prepare(str(tmp_path / "texts"), 400, tmp_path / "whole", shard_tokens=700, command=["test"])
+        assert (out / name).stat().st_ino == stamps[name][0] and (
+            out / name
+        ).stat().st_mtime_ns == stamps[name][1]
+    whole = prepare(
+        str(tmp_path / "texts"), 400, tmp_path / "whole", shard_tokens=700, command=["test"]
+    )
     assert files_of(out) == files_of(whole)
     assert not partial.exists()
 
@@ -646,7 +745,11 @@ def test_random_windows_span_all_shards_in_proportion_and_resume(corpus, tmp_pat
     for _ in range(40):
         x, _ = loader.next_batch()
         for row in x.numpy():
-            start = next(i for i in np.flatnonzero(tokens == row[0]) if np.array_equal(tokens[i : i + 32], row))
+            start = next(
+                i
+                for i in np.flatnonzero(tokens == row[0])
+                if np.array_equal(tokens[i : i + 32], row)
+            )
             counts[min(start // 4000, len(shards) - 1)] += 1
     expected = np.array([s["tokens"] for s in shards], dtype=float)
     expected *= counts.sum() / expected.sum()
@@ -664,7 +767,9 @@ def test_random_windows_span_all_shards_in_proportion_and_resume(corpus, tmp_pat
 def test_preparation_refuses_to_start_without_the_disk_space(tmp_path, monkeypatch):
     write_corpus(tmp_path / "texts", docs=10)
     monkeypatch.setattr(
-        prepare_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 1000)
+        prepare_module.shutil,
+        "disk_usage",
+        lambda path: shutil._ntuple_diskusage(10**12, 10**12, 1000),
     )
     with pytest.raises(UserError, match="the shards need about .* GB are free"):
         prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=tmp_path / "out")

@@ -24,7 +24,7 @@ import os, sys
 sys.path.insert(0, {repo!r})
 import numpy as np
 import train
-from cli import run_command
+from picollama.cli import run_command
 seen, step = [], train.train_step
 def recording(model, optimizer, x, y, *args):
     seen.append(x.cpu().numpy())
@@ -43,9 +43,14 @@ def sharded(tmp_path_factory) -> Path:
     rng = random.Random(1)
     (root / "corpus").mkdir()
     for i in range(4):
-        speeches = [f"{rng.choice(['LEAR', 'KENT'])}.\n" + " ".join(rng.choices(WORDS, k=9)) for _ in range(300)]
+        speeches = [
+            f"{rng.choice(['LEAR', 'KENT'])}.\n" + " ".join(rng.choices(WORDS, k=9))
+            for _ in range(300)
+        ]
         (root / "corpus" / f"play{i}.txt").write_text(".\n\n".join(speeches) + ".\n")
-    out = prepare(str(root / "corpus"), 300, out_dir=root / "prepared", shard_tokens=3000, command=["test"])
+    out = prepare(
+        str(root / "corpus"), 300, out_dir=root / "prepared", shard_tokens=3000, command=["test"]
+    )
     assert len(load_meta(out)["splits"]["train"]["shards"]) >= 5
     return out
 
@@ -55,19 +60,34 @@ def window_starts(tokens: np.ndarray, rows: np.ndarray) -> list[int]:
     found = []
     for row in rows:
         candidates = np.flatnonzero(tokens[: len(tokens) - len(row) + 1] == row[0])
-        found.append(next(int(i) for i in candidates if np.array_equal(tokens[i : i + len(row)], row)))
+        found.append(
+            next(int(i) for i in candidates if np.array_equal(tokens[i : i + len(row)], row))
+        )
     return found
 
 
-def test_two_torchrun_ranks_read_disjoint_rows_of_each_global_batch_over_all_shards(sharded, tmp_path):
+def test_two_torchrun_ranks_read_disjoint_rows_of_each_global_batch_over_all_shards(
+    sharded, tmp_path
+):
     steps = 3
     config = config_file(
-        tmp_path, sharded, train={"max_steps": steps, "seed": 5}, eval={"interval": 0}, checkpoint={"interval": 0}
+        tmp_path,
+        sharded,
+        train={"max_steps": steps, "seed": 5},
+        eval={"interval": 0},
+        checkpoint={"interval": 0},
     )
     script = tmp_path / "recording.py"
     script.write_text(RECORDING.format(repo=str(REPO)))
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+        ]
         + [str(tmp_path), "--config", str(config), f"--train.out_dir={tmp_path / 'run'}"],
         cwd=REPO,
         capture_output=True,
@@ -92,7 +112,9 @@ def test_two_torchrun_ranks_read_disjoint_rows_of_each_global_batch_over_all_sha
 
 
 def test_training_on_many_shards_resumes_exactly(sharded, tmp_path):
-    config = config_file(tmp_path, sharded, train={"max_steps": 6}, eval={"interval": 0}, checkpoint={"interval": 3})
+    config = config_file(
+        tmp_path, sharded, train={"max_steps": 6}, eval={"interval": 0}, checkpoint={"interval": 3}
+    )
     assert run_in_process(config, tmp_path / "whole") == 0
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "train_state" / "step_000006")  # resume from step 3

@@ -11,12 +11,12 @@ import pytest
 import sentencepiece as spm
 import torch
 
-import extrapolate
 import generate
-from checkpoint import load_run
-from cli import run_command
 from data.loader import load_meta
 from model import ROPE_SCALINGS
+from picollama.checkpoint import load_run
+from picollama.cli import run_command
+from picollama.lab import extrapolate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SPAN = 8  # the probe span in these tests: a quarter of the tiny runs' context
@@ -35,16 +35,36 @@ def test_extrapolation_writes_report(tiny_run, capsys):
     run_dir, _ = tiny_run
     assert generate.main(extrapolate_argv(run_dir, "--num-windows", "3")) == 0
     out_dir = run_dir / "extrapolation"
-    assert {p.name for p in out_dir.iterdir()} == {"extrapolation.json", "extrapolation.md", "extrapolation.png"}
+    assert {p.name for p in out_dir.iterdir()} == {
+        "extrapolation.json",
+        "extrapolation.md",
+        "extrapolation.png",
+    }
     printed = capsys.readouterr().out.strip().splitlines()
-    assert printed[-1].startswith(f"wrote {out_dir}") and printed[-2].startswith(f"effective context of {run_dir}")
+    assert printed[-1].startswith(f"wrote {out_dir}") and printed[-2].startswith(
+        f"effective context of {run_dir}"
+    )
     report = json.loads((out_dir / "extrapolation.json").read_text())
     methods, lengths = list(ROPE_SCALINGS), [32, 64, 128, 256]
     [run] = report["runs"]
     assert run["methods"] == methods and report["lengths"] == lengths
     assert run["train_context"] == 32 and run["position"] == "rope"  # the tiny run's context
-    assert {"model", "name", "perplexity", "probe", "per_position", "effective_context"} <= run.keys()
-    assert {"command", "protocol", "num_windows", "probe", "per_position_tokens", "seconds"} <= report.keys()
+    assert {
+        "model",
+        "name",
+        "perplexity",
+        "probe",
+        "per_position",
+        "effective_context",
+    } <= run.keys()
+    assert {
+        "command",
+        "protocol",
+        "num_windows",
+        "probe",
+        "per_position_tokens",
+        "seconds",
+    } <= report.keys()
     # the probe reads at a quarter and half of the context, and at the farthest repeat that fits each length
     assert report["probe"]["distances"] == [8, 16, 24, 56, 120, 248]
     edges = report["per_position_edges"]
@@ -52,7 +72,11 @@ def test_extrapolation_writes_report(tiny_run, capsys):
     for method in methods:
         for n in lengths:
             cell = run["perplexity"][method][str(n)]
-            assert math.isfinite(cell["perplexity"]) and cell["loss"]["n"] == 3 and cell["loss"]["sem"] >= 0
+            assert (
+                math.isfinite(cell["perplexity"])
+                and cell["loss"]["n"] == 3
+                and cell["loss"]["sem"] >= 0
+            )
         # at the training length every method is plain RoPE: the same targets give the same numbers
         assert run["perplexity"][method]["32"]["perplexity"] == pytest.approx(
             run["perplexity"]["none"]["32"]["perplexity"], rel=1e-5
@@ -65,7 +89,9 @@ def test_extrapolation_writes_report(tiny_run, capsys):
             assert 0 <= cell["accuracy"]["mean"] <= 1 and cell["accuracy"]["n"] == 4
             assert math.isfinite(cell["loss_drop"]["mean"])
         effective = run["effective_context"][method]
-        assert effective["tokens"] in lengths and effective["basis"].startswith("perplexity only")  # no copying yet
+        assert effective["tokens"] in lengths and effective["basis"].startswith(
+            "perplexity only"
+        )  # no copying yet
     # a few dozen steps already beat a uniform guess over the vocabulary by far
     assert run["perplexity"]["none"]["32"]["perplexity"] < 320 / 4
     table = (out_dir / "extrapolation.md").read_text()
@@ -82,14 +108,20 @@ def test_probe_places_the_span_twice_and_scores_the_repeat():
     assert (sequences[:, :4] == spans).all() and (sequences[:, 10:] == spans).all()
     assert (sequences[:, 4:10] == np.arange(104, 110)).all()  # real text between
 
-    def copier(tokens):  # predicts, at each position, the token 9 places back: a perfect copy at distance 10
+    def copier(
+        tokens,
+    ):  # predicts, at each position, the token 9 places back: a perfect copy at distance 10
         logits = torch.full((*tokens.shape, 200), -10.0)
         logits[:, 9:].scatter_(2, tokens[:, :-9, None], 10.0)
         return logits
 
     accuracy, drop = extrapolate.probe_scores(copier, sequences, 10, "cpu")
-    assert accuracy.tolist() == [1.0, 1.0] and np.allclose(drop, math.log(200))  # from a uniform guess to ~0
-    accuracy, drop = extrapolate.probe_scores(lambda t: torch.zeros(*t.shape, 200), sequences, 10, "cpu")
+    assert accuracy.tolist() == [1.0, 1.0] and np.allclose(
+        drop, math.log(200)
+    )  # from a uniform guess to ~0
+    accuracy, drop = extrapolate.probe_scores(
+        lambda t: torch.zeros(*t.shape, 200), sequences, 10, "cpu"
+    )
     assert accuracy.tolist() == [0.0, 0.0] and np.allclose(drop, 0)
 
 
@@ -97,7 +129,9 @@ def test_probe_spans_are_seeded_and_never_special(tiny_run):
     _, data_dir = tiny_run
     meta = load_meta(data_dir)
     spans = extrapolate.probe_spans(meta, 50, 16, seed=0)
-    assert spans.shape == (50, 16) and np.array_equal(spans, extrapolate.probe_spans(meta, 50, 16, seed=0))
+    assert spans.shape == (50, 16) and np.array_equal(
+        spans, extrapolate.probe_spans(meta, 50, 16, seed=0)
+    )
     special = [meta[k] for k in ("unk_id", "bos_id", "eos_id")]
     assert not np.isin(spans, special).any() and spans.max() < meta["vocab_size"]
     assert len(np.unique(spans)) > 200  # uniform over the vocabulary, not its frequent tokens
@@ -105,24 +139,33 @@ def test_probe_spans_are_seeded_and_never_special(tiny_run):
 
 def cells(ratios: dict, accuracies: dict) -> tuple[dict, dict]:
     perplexity = {str(n): None if r is None else {"ratio": r} for n, r in ratios.items()}
-    probe = {str(d): None if a is None else {"accuracy": {"mean": a}} for d, a in accuracies.items()}
+    probe = {
+        str(d): None if a is None else {"accuracy": {"mean": a}} for d, a in accuracies.items()
+    }
     return perplexity, probe
 
 
 def test_effective_context_needs_perplexity_and_probe():
     # perplexity within 5% up to 512; the probe (at n - 16) within 10 points of 0.9 up to 1024
-    perplexity, probe = cells({256: 1, 512: 1.04, 1024: 1.04, 2048: 1.2}, {240: 0.9, 496: 0.85, 1008: 0.7})
+    perplexity, probe = cells(
+        {256: 1, 512: 1.04, 1024: 1.04, 2048: 1.2}, {240: 0.9, 496: 0.85, 1008: 0.7}
+    )
     assert extrapolate.effective_context(perplexity, probe, 256, 16) == {
         "tokens": 512,
         "basis": "perplexity and probe",
         "probe_in_context": 0.9,
     }
     perplexity, probe = cells({256: 1, 512: 1.06, 1024: 1.0}, {240: 0.9, 496: 0.9, 1008: 0.9})
-    assert extrapolate.effective_context(perplexity, probe, 256, 16)["tokens"] == 256  # "stays": the first miss ends it
+    assert (
+        extrapolate.effective_context(perplexity, probe, 256, 16)["tokens"] == 256
+    )  # "stays": the first miss ends it
     # a probe that never copies is left out, and said so
     perplexity, probe = cells({256: 1, 512: 1.01, 1024: 1.02}, {240: 0.1, 496: 0.0, 1008: 0.0})
     result = extrapolate.effective_context(perplexity, probe, 256, 16)
-    assert result["tokens"] == 1024 and result["basis"] == "perplexity only: the probe reads 10% in context"
+    assert (
+        result["tokens"] == 1024
+        and result["basis"] == "perplexity only: the probe reads 10% in context"
+    )
     # n/a (a learned table's end) stops it
     perplexity, probe = cells({256: 1, 512: None}, {240: 0.9, 496: None})
     assert extrapolate.effective_context(perplexity, probe, 256, 16)["tokens"] == 256
@@ -152,10 +195,15 @@ def test_several_runs_share_windows_and_spans(tiny_run, second_run, tmp_path, ca
     printed = capsys.readouterr().out
     assert f"effective context of {run_a}" in printed and f"effective context of {run_b}" in printed
     # the same run alone gives the same numbers: the same windows and probe spans
-    alone = extrapolate_argv(run_b, "--methods", "none,yarn", "--lengths", "32,64", "--num-windows", "2")
+    alone = extrapolate_argv(
+        run_b, "--methods", "none,yarn", "--lengths", "32,64", "--num-windows", "2"
+    )
     assert generate.main([*alone, "--data", str(data_dir), "--out", str(tmp_path / "alone")]) == 0
     [single] = json.loads((tmp_path / "alone" / "extrapolation.json").read_text())["runs"]
-    assert single["perplexity"] == report["runs"][1]["perplexity"] and single["probe"] == report["runs"][1]["probe"]
+    assert (
+        single["perplexity"] == report["runs"][1]["perplexity"]
+        and single["probe"] == report["runs"][1]["probe"]
+    )
     assert (tmp_path / "both" / "extrapolation.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -165,11 +213,16 @@ def test_runs_with_other_tokenizers_are_refused(tiny_run, tmp_path, capsys):
     shutil.copytree(run_dir, other, ignore=shutil.ignore_patterns("extrapolation"))
     (tmp_path / "text.txt").write_text("a small corpus of words for another tokenizer\n" * 50)
     spm.SentencePieceTrainer.train(
-        input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "spm"), vocab_size=25, minloglevel=2
+        input=str(tmp_path / "text.txt"),
+        model_prefix=str(tmp_path / "spm"),
+        vocab_size=25,
+        minloglevel=2,
     )
     shutil.copy(tmp_path / "spm.model", other / "tokenizer.model")
     config = json.loads((other / "config.json").read_text())  # a run saved with that tokenizer
-    config["tokenizer_sha256"] = hashlib.sha256((other / "tokenizer.model").read_bytes()).hexdigest()
+    config["tokenizer_sha256"] = hashlib.sha256(
+        (other / "tokenizer.model").read_bytes()
+    ).hexdigest()
     (other / "config.json").write_text(json.dumps(config))
     argv = extrapolate_argv(f"{run_dir},{other}", "--out", str(tmp_path / "out"))
     assert run_command(generate.main, argv) == 2
@@ -180,35 +233,56 @@ def test_runs_with_other_tokenizers_are_refused(tiny_run, tmp_path, capsys):
 
 def test_other_position_encodings_get_none_alone(make_tiny_run, tmp_path, capsys):
     run_dir, _ = make_tiny_run(5, position="alibi")
-    argv = extrapolate_argv(run_dir, "--lengths", "32,64", "--num-windows", "2", "--out", str(tmp_path / "a"))
+    argv = extrapolate_argv(
+        run_dir, "--lengths", "32,64", "--num-windows", "2", "--out", str(tmp_path / "a")
+    )
     assert generate.main(argv) == 0
     [run] = json.loads((tmp_path / "a" / "extrapolation.json").read_text())["runs"]
     assert run["methods"] == ["none"] and run["position"] == "alibi"
     capsys.readouterr()
     assert run_command(generate.main, [*argv, "--methods", "none,ntk"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --methods ntk: RoPE scaling applies to RoPE models only") and err.count("\n") == 1
+    assert (
+        err.startswith("error: --methods ntk: RoPE scaling applies to RoPE models only")
+        and err.count("\n") == 1
+    )
 
 
 def test_learned_positions_past_their_table_are_not_available(make_tiny_run, tmp_path):
     run_dir, _ = make_tiny_run(5, position="learned")
-    argv = extrapolate_argv(run_dir, "--lengths", "32,64", "--num-windows", "2", "--out", str(tmp_path))
+    argv = extrapolate_argv(
+        run_dir, "--lengths", "32,64", "--num-windows", "2", "--out", str(tmp_path)
+    )
     assert generate.main(argv) == 0
     [run] = json.loads((tmp_path / "extrapolation.json").read_text())["runs"]
-    assert run["perplexity"]["none"]["64"] is None and run["probe"]["none"]["56"] is None  # 64 > max_seq_len 32
-    assert run["perplexity"]["none"]["32"]["ratio"] == 1 and run["effective_context"]["none"]["tokens"] == 32
+    assert (
+        run["perplexity"]["none"]["64"] is None and run["probe"]["none"]["56"] is None
+    )  # 64 > max_seq_len 32
+    assert (
+        run["perplexity"]["none"]["32"]["ratio"] == 1
+        and run["effective_context"]["none"]["tokens"] == 32
+    )
     assert run["per_position"] == {}  # no curve: the whole window does not fit
     assert "n/a" in (tmp_path / "extrapolation.md").read_text()
 
 
 def test_sliding_protocol_scores_every_token(tiny_run, tmp_path):
     run_dir, data_dir = tiny_run
-    argv = extrapolate_argv(run_dir, "--protocol", "sliding", "--methods", "none,ntk", "--lengths", "32,64")
-    assert generate.main([*argv, "--num-windows", "2", "--data", str(data_dir), "--out", str(tmp_path)]) == 0
+    argv = extrapolate_argv(
+        run_dir, "--protocol", "sliding", "--methods", "none,ntk", "--lengths", "32,64"
+    )
+    assert (
+        generate.main(
+            [*argv, "--num-windows", "2", "--data", str(data_dir), "--out", str(tmp_path)]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "extrapolation.json").read_text())
     assert report["lengths"] == [32, 64] and report["protocol"] == "sliding"
     perplexity = report["runs"][0]["perplexity"]
-    assert perplexity["ntk"]["32"]["perplexity"] == pytest.approx(perplexity["none"]["32"]["perplexity"])
+    assert perplexity["ntk"]["32"]["perplexity"] == pytest.approx(
+        perplexity["none"]["32"]["perplexity"]
+    )
 
 
 def test_sliding_losses_match_one_forward_when_the_window_fits(tiny_run):
@@ -220,7 +294,9 @@ def test_sliding_losses_match_one_forward_when_the_window_fits(tiny_run):
         assert torch.allclose(extrapolate.sliding_losses(model, tokens, 48), full)
         sliding = extrapolate.sliding_losses(model, tokens, 16)
     assert sliding.shape == full.shape  # every token scored exactly once
-    assert torch.allclose(sliding[:, :15], full[:, :15], atol=1e-5)  # the first window is the same forward
+    assert torch.allclose(
+        sliding[:, :15], full[:, :15], atol=1e-5
+    )  # the first window is the same forward
 
 
 def test_bad_extrapolation_input_is_one_line(tiny_run, tmp_path, capsys):
@@ -241,7 +317,10 @@ def test_bad_extrapolation_input_is_one_line(tiny_run, tmp_path, capsys):
         assert run_command(generate.main, ["extrapolate", "--run", str(run_dir), *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and "\n" not in err
-    for checkpoints, message in [(f"{run_dir},{run_dir}/", "names a run twice"), (f"{run_dir},{data_dir}", "--out")]:
+    for checkpoints, message in [
+        (f"{run_dir},{run_dir}/", "names a run twice"),
+        (f"{run_dir},{data_dir}", "--out"),
+    ]:
         assert run_command(generate.main, ["extrapolate", "--run", checkpoints]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and "\n" not in err
@@ -266,6 +345,11 @@ def test_a_failed_write_leaves_no_outputs(tiny_run, tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(extrapolate, "plot_report", disk_full)
     argv = extrapolate_argv(run_dir, "--methods", "none", "--lengths", "64", "--num-windows", "1")
-    assert run_command(generate.main, [*argv, "--data", str(data_dir), "--out", str(tmp_path / "out")]) == 2
+    assert (
+        run_command(generate.main, [*argv, "--data", str(data_dir), "--out", str(tmp_path / "out")])
+        == 2
+    )
     assert "No space left on device" in capsys.readouterr().err
-    assert list((tmp_path / "out").iterdir()) == []  # neither the report files nor their temporary copies
+    assert (
+        list((tmp_path / "out").iterdir()) == []
+    )  # neither the report files nor their temporary copies

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-import convert
 import generate
 import train
-from cli import run_command
 from data import prepare
+from picollama import convert
+from picollama.cli import run_command
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = ("data", "decode", "memory", "quantize", "switches", "train")
@@ -39,9 +39,13 @@ def command_helps(bench_main) -> dict[str, dict[str, set[str]]]:
     return {
         "`train.py`": {"train": options(help_text(train.main, []))},
         "`generate.py`": {"sample": options(help_text(generate.main, []))},
-        "`generate.py extrapolate`": {"extrapolate": options(help_text(generate.main, ["extrapolate"]))},
+        "`generate.py extrapolate`": {
+            "extrapolate": options(help_text(generate.main, ["extrapolate"]))
+        },
         "`generate.py study`": {"study": options(help_text(generate.main, ["study"]))},
-        "`convert.py`": {c: options(help_text(convert.main, [c])) for c in ("to-hf", "from-hf", "to-gguf")},
+        "`convert.py`": {
+            c: options(help_text(convert.main, [c])) for c in ("to-hf", "from-hf", "to-gguf")
+        },
         "`data/prepare.py`": {"prepare": options(help_text(prepare.main, []))},
         "`bench/*.py`": {name: options(help_text(bench_main(name), [])) for name in BENCH},
     }
@@ -49,8 +53,12 @@ def command_helps(bench_main) -> dict[str, dict[str, set[str]]]:
 
 def readme_table() -> tuple[list[str], list[list[str]]]:
     section = (REPO / "README.md").read_text().split("### One set of flags", 1)[1]
-    table = section[section.index("\n| ") :].split("\n\n", 1)[0]  # the first table after the heading
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()]
+    table = section[section.index("\n| ") :].split("\n\n", 1)[
+        0
+    ]  # the first table after the heading
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()
+    ]
     return rows[0], [row for row in rows[1:] if not row[0].startswith("---")]
 
 
@@ -72,14 +80,16 @@ def test_the_readme_flag_table_is_each_commands_help(bench_main):
                 assert having <= set(parts), (column, cell)
             for part, listed in parts.items():
                 for flag in flags:
-                    assert (flag in listed) == (part in having), f"{flag} in {column} {part}: README says {cell}"
+                    assert (flag in listed) == (part in having), (
+                        f"{flag} in {column} {part}: README says {cell}"
+                    )
 
 
 def test_device_and_dtype_default_to_auto_everywhere():
     for argv in ([], ["extrapolate", "--run", "r"]):
         args = generate.parser().parse_args(argv)
         assert (args.device, args.dtype) == ("auto", "auto")
-    from config import parse_cli
+    from picollama.config import parse_cli
 
     cfg, _ = parse_cli([])
     assert (cfg.train.device, cfg.train.dtype) == ("auto", "auto")
@@ -90,16 +100,36 @@ def test_old_spellings_still_work_with_a_note(tmp_path, capsys):
     assert args.run == Path("some/run") and "--checkpoint is now --run" in capsys.readouterr().err
     args = generate.parser().parse_args(["extrapolate", "--checkpoint", "a,b"])
     assert args.run == [Path("a"), Path("b")]
-    assert run_command(convert.main, ["to-hf", str(tmp_path / "missing"), str(tmp_path / "hf")]) == 2
+    assert (
+        run_command(convert.main, ["to-hf", str(tmp_path / "missing"), str(tmp_path / "hf")]) == 2
+    )
     err = capsys.readouterr().err
     assert "is now --run IN --out OUT" in err and "not a picollama run directory" in err
 
 
 def test_train_shorthands_set_their_config_keys(tmp_path):
-    from config import parse_cli
+    from picollama.config import parse_cli
 
-    cfg, _ = parse_cli(["--out", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--compile", "--seed", "7"])
-    assert (cfg.train.out_dir, cfg.train.device, cfg.train.dtype) == (str(tmp_path), "cpu", "float32")
+    cfg, _ = parse_cli(
+        [
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--compile",
+            "--seed",
+            "7",
+        ]
+    )
+    assert (cfg.train.out_dir, cfg.train.device, cfg.train.dtype) == (
+        str(tmp_path),
+        "cpu",
+        "float32",
+    )
     assert cfg.train.compile is True and cfg.train.seed == 7
     default, _ = parse_cli([])
-    assert default.train.seed == 1337 and default.train.compile is False  # unset shorthands leave the config's values
+    assert (
+        default.train.seed == 1337 and default.train.compile is False
+    )  # unset shorthands leave the config's values

@@ -8,13 +8,15 @@ import pytest
 import torch
 
 import generate
-from checkpoint import load_model, model_from_state_dict, save_model
-from cli import run_command
 from data.prepare import train_tokenizer
 from generate import Sampling, TextStream, decode_steps, sample
 from model import ModelArgs, Transformer
+from picollama.checkpoint import load_model, model_from_state_dict, save_model
+from picollama.cli import run_command
 
-TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16)
+TINY = dict(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16
+)
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 
 
@@ -32,12 +34,20 @@ def make_model(std=None, **overrides) -> Transformer:
 
 def test_seeded_sampling_is_reproducible():
     model = make_model()
-    first = generate.generate(model, PROMPTS, Sampling(12, temperature=1.0, top_k=20, top_p=0.9, seed=3))
-    assert first == generate.generate(model, PROMPTS, Sampling(12, temperature=1.0, top_k=20, top_p=0.9, seed=3))
-    assert first != generate.generate(model, PROMPTS, Sampling(12, temperature=1.0, top_k=20, top_p=0.9, seed=4))
+    first = generate.generate(
+        model, PROMPTS, Sampling(12, temperature=1.0, top_k=20, top_p=0.9, seed=3)
+    )
+    assert first == generate.generate(
+        model, PROMPTS, Sampling(12, temperature=1.0, top_k=20, top_p=0.9, seed=3)
+    )
+    assert first != generate.generate(
+        model, PROMPTS, Sampling(12, temperature=1.0, top_k=20, top_p=0.9, seed=4)
+    )
     assert [len(row) for row in first] == [12, 12, 12]
     greedy = generate.generate(model, PROMPTS, Sampling(12, temperature=0))
-    assert generate.generate(model, PROMPTS, Sampling(12, temperature=1.0, top_k=1, seed=5)) == greedy
+    assert (
+        generate.generate(model, PROMPTS, Sampling(12, temperature=1.0, top_k=1, seed=5)) == greedy
+    )
 
 
 def test_top_k_and_top_p_restrict_the_support():
@@ -46,17 +56,25 @@ def test_top_k_and_top_p_restrict_the_support():
     assert set(sample(logits, 1.0, None, None, generator).tolist()) == {0, 1, 2, 3}
     assert set(sample(logits, 1.0, 2, None, generator).tolist()) == {0, 1}
     assert set(sample(logits, 1.0, None, 0.7, generator).tolist()) == {0, 1}
-    assert set(sample(logits, 1.0, None, 0.5, generator).tolist()) == {0}  # the top token alone holds 0.5
+    assert set(sample(logits, 1.0, None, 0.5, generator).tolist()) == {
+        0
+    }  # the top token alone holds 0.5
     assert set(sample(logits, 1.0, 3, 0.99, generator).tolist()) == {0, 1, 2}
     counts = torch.bincount(sample(logits, 1.0, None, 0.9, generator), minlength=4) / 4000
-    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=0.03)  # renormalised
+    assert torch.allclose(
+        counts, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=0.03
+    )  # renormalised
 
 
 @pytest.mark.parametrize("rope", ["none", "dynamic"])
 def test_batch_of_different_lengths_equals_one_by_one(rope):
-    model = make_model(rope_scaling=rope, max_seq_len=16 if rope == "dynamic" else 32)  # dynamic: past its context
+    model = make_model(
+        rope_scaling=rope, max_seq_len=16 if rope == "dynamic" else 32
+    )  # dynamic: past its context
     batch = generate.generate(model, PROMPTS, Sampling(20, temperature=0))
-    alone = [generate.generate(model, [prompt], Sampling(20, temperature=0))[0] for prompt in PROMPTS]
+    alone = [
+        generate.generate(model, [prompt], Sampling(20, temperature=0))[0] for prompt in PROMPTS
+    ]
     assert batch == alone and all(len(row) == 20 for row in batch)
 
 
@@ -67,7 +85,11 @@ def test_eos_stops_each_row_and_is_not_returned():
     i, eos = next((i, t) for i, t in enumerate(free[0]) if i > 0 and t not in free[0][:i])
     streamed = [[] for _ in PROMPTS]
     out = generate.generate(
-        model, PROMPTS, Sampling(16, temperature=0), eos_id=eos, on_token=lambda row, token: streamed[row].append(token)
+        model,
+        PROMPTS,
+        Sampling(16, temperature=0),
+        eos_id=eos,
+        on_token=lambda row, token: streamed[row].append(token),
     )
     expected = [row[: row.index(eos)] if eos in row else row for row in free]
     assert out == expected == streamed and len(out[0]) == i
@@ -100,7 +122,9 @@ def test_dynamic_ntk_with_cache_is_exact():
     scale = torch.stack(full).abs().max()
     errors = torch.stack([(c - f).abs().max() for c, f in zip(cached, full, strict=True)]) / scale
     assert errors.max() < 1e-5, errors.max()
-    naive_errors = torch.stack([(n - f).abs().max() for n, f in zip(naive, full[1:], strict=True)]) / scale
+    naive_errors = (
+        torch.stack([(n - f).abs().max() for n, f in zip(naive, full[1:], strict=True)]) / scale
+    )
     assert naive_errors[:10].max() < 1e-5  # within the original context the plain cache is exact
     assert naive_errors[-10:].min() > 1e-3  # past it, stale keys and values change the logits
 
@@ -113,10 +137,19 @@ class ByteTokenizer:
 def test_ids_beyond_the_tokenizer_are_never_chosen():
     model = make_model()
     with torch.no_grad():
-        model.output.weight[60:] *= 50  # the ids a 60-piece tokenizer could not decode dominate the logits
-    assert max(t for row in generate.generate(model, PROMPTS, Sampling(12, temperature=0)) for t in row) >= 60
+        model.output.weight[60:] *= (
+            50  # the ids a 60-piece tokenizer could not decode dominate the logits
+        )
+    assert (
+        max(
+            t for row in generate.generate(model, PROMPTS, Sampling(12, temperature=0)) for t in row
+        )
+        >= 60
+    )
     for temperature in (0, 1.0):
-        rows = generate.generate(model, PROMPTS, Sampling(12, temperature=temperature, seed=0), vocab_limit=60)
+        rows = generate.generate(
+            model, PROMPTS, Sampling(12, temperature=temperature, seed=0), vocab_limit=60
+        )
         assert all(len(row) == 12 and max(row) < 60 for row in rows)
 
 
@@ -125,7 +158,9 @@ def test_text_stream_holds_back_incomplete_characters():
     stream = TextStream(ByteTokenizer(), list(b"> "), out)
     for byte in text.encode():
         stream.add(byte)
-        assert ("> " + text).startswith(out.getvalue())  # never a U+FFFD for a character still arriving
+        assert ("> " + text).startswith(
+            out.getvalue()
+        )  # never a U+FFFD for a character still arriving
     stream.flush_new(final=True)
     assert out.getvalue() == "> " + text
 
@@ -137,7 +172,19 @@ def run_dir(make_tiny_run, one_thread):
 
 def test_command_streams_and_summarises(run_dir, capsys):
     assert (
-        generate.main(["--run", str(run_dir), "--prompt", "ab cd", "--max-new-tokens", "20", "--temperature", "0"]) == 0
+        generate.main(
+            [
+                "--run",
+                str(run_dir),
+                "--prompt",
+                "ab cd",
+                "--max-new-tokens",
+                "20",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
     )
     out, err = capsys.readouterr()
     assert out.startswith("ab cd") and len(out) > len("ab cd\n")
@@ -163,7 +210,12 @@ def test_command_batches_a_prompt_file(run_dir, tmp_path, capsys):
     assert len(samples) == 6 and samples[-1].startswith("6/6")
     texts = [s.split("---\n", 1)[1].rstrip("\n") for s in samples]
     assert texts[0] == texts[1] and texts[2].startswith("ab cd ef gh")
-    assert generate.main(["--run", str(run_dir), "--prompt", "ab", "--max-new-tokens", "8", "--temperature", "0"]) == 0
+    assert (
+        generate.main(
+            ["--run", str(run_dir), "--prompt", "ab", "--max-new-tokens", "8", "--temperature", "0"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.rstrip("\n") == texts[0]  # greedy in a batch = alone
 
 
@@ -172,19 +224,37 @@ def test_a_tokenizer_with_fewer_pieces_than_the_model(run_dir, tmp_path, capsys)
     model, config = load_model(run_dir)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     for name in ("tok_embeddings.weight", "output.weight"):
-        state[name] = torch.cat([state[name], 50 * state[name][:80]])  # ids 320..399, louder copies of 0..79
+        state[name] = torch.cat(
+            [state[name], 50 * state[name][:80]]
+        )  # ids 320..399, louder copies of 0..79
     wide = model_from_state_dict(ModelArgs(**config["model"] | {"vocab_size": 400}), state)
     save_model(wide, tmp_path / "wide", tokenizer=run_dir / "tokenizer.model")
-    argv = ["--run", str(tmp_path / "wide"), "--prompt", "ab", "--max-new-tokens", "10", "--temperature", "0"]
+    argv = [
+        "--run",
+        str(tmp_path / "wide"),
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "10",
+        "--temperature",
+        "0",
+    ]
     assert run_command(generate.main, argv) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("ab") and len(out.strip()) > len("ab") and "10 new tokens" in err, (out, err)
+    assert out.startswith("ab") and len(out.strip()) > len("ab") and "10 new tokens" in err, (
+        out,
+        err,
+    )
     # another, smaller tokenizer in place of the run's own: refused
     shutil.copytree(run_dir, tmp_path / "swapped")
-    (tmp_path / "swapped" / "tokenizer.model").write_bytes(train_tokenizer(["a smaller tokenizer\n"] * 20, 280, 0))
+    (tmp_path / "swapped" / "tokenizer.model").write_bytes(
+        train_tokenizer(["a smaller tokenizer\n"] * 20, 280, 0)
+    )
     assert run_command(generate.main, ["--run", str(tmp_path / "swapped")]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and "not the tokenizer the model was saved with" in err, err
+    assert (
+        out == "" and err.count("\n") == 1 and "not the tokenizer the model was saved with" in err
+    ), err
 
 
 def test_command_context_limit_names_rope_scaling(run_dir, capsys):
@@ -197,23 +267,38 @@ def test_command_context_limit_names_rope_scaling(run_dir, capsys):
 
 
 @pytest.mark.parametrize("position", ["alibi", "nope", "sinusoidal", "learned"])
-def test_sampling_past_the_context_is_the_position_encodings_to_allow(run_dir, tmp_path, capsys, position):
+def test_sampling_past_the_context_is_the_position_encodings_to_allow(
+    run_dir, tmp_path, capsys, position
+):
     """ALiBi and NoPE sample 4× their context (a cache sized for the request), sinusoidal with a warning; a learned
     table cannot, and says how large it is; none of them takes a RoPE scaling."""
     torch.manual_seed(0)
-    args = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=320, max_seq_len=32, position=position)
-    run = save_model(Transformer(args).eval(), tmp_path / position, tokenizer=run_dir / "tokenizer.model")
+    args = ModelArgs(
+        dim=32, n_layers=2, n_heads=4, vocab_size=320, max_seq_len=32, position=position
+    )
+    run = save_model(
+        Transformer(args).eval(), tmp_path / position, tokenizer=run_dir / "tokenizer.model"
+    )
     argv = ["--run", str(run), "--prompt", "ab", "--max-new-tokens", "128", "--temperature", "0"]
     status = run_command(generate.main, argv)
     out, err = capsys.readouterr()
     if position == "learned":
-        assert status == 2 and out == "" and err.count("\n") == 1 and "learned position table of 32 positions" in err
+        assert (
+            status == 2
+            and out == ""
+            and err.count("\n") == 1
+            and "learned position table of 32 positions" in err
+        )
     else:
         assert status == 0 and "128 new tokens" in err, err
         assert ("warning: sinusoidal positions past 32" in err) == (position == "sinusoidal")
     assert run_command(generate.main, argv + ["--rope-scaling", "yarn"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --rope-scaling") and "position = 'rope' only" in err and err.count("\n") == 1
+    assert (
+        err.startswith("error: --rope-scaling")
+        and "position = 'rope' only" in err
+        and err.count("\n") == 1
+    )
 
 
 @pytest.mark.parametrize(

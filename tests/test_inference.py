@@ -7,12 +7,14 @@ import pytest
 import torch
 
 import generate
-import inference
 from generate import Sampling
-from inference import DecodeStep, Int8Linear, projection, quantize, rope_table
 from model import ModelArgs, Transformer, apply_rotary, rope_rotations
+from picollama import inference
+from picollama.inference import DecodeStep, Int8Linear, projection, quantize, rope_table
 
-TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16)
+TINY = dict(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16
+)
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 STATIC_SCALINGS = [
     dict(rope_scaling="none"),
@@ -46,7 +48,9 @@ def step_logits(model: Transformer, decode, tokens: torch.Tensor, prefill: int) 
     model.setup_cache(tokens.shape[0], tokens.shape[1])
     try:
         model(tokens[:, :prefill], start_pos=0)
-        return torch.cat([decode(tokens[:, p : p + 1], start_pos=p) for p in range(prefill, tokens.shape[1])], 1)
+        return torch.cat(
+            [decode(tokens[:, p : p + 1], start_pos=p) for p in range(prefill, tokens.shape[1])], 1
+        )
     finally:
         model.reset_cache()
 
@@ -58,13 +62,18 @@ def test_the_real_rope_table_rotates_like_the_complex_one(scaling):
     cos, sin = rope_table(args, 40)
     pairs_swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     real = x * cos[:, None] + pairs_swapped * sin[:, None]
-    torch.testing.assert_close(real, apply_rotary(x, rope_rotations(args, 0, 40, "cpu")), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        real, apply_rotary(x, rope_rotations(args, 0, 40, "cpu")), atol=1e-6, rtol=0
+    )
 
 
 @pytest.mark.parametrize("scaling", STATIC_SCALINGS, ids=lambda d: d["rope_scaling"])
 def test_fused_step_gives_the_models_logits(scaling):
     model = make_model(**scaling)
-    reference, tokens = copy_of(model), torch.randint(0, 97, (2, 48))  # past max_seq_len: the table grows
+    reference, tokens = (
+        copy_of(model),
+        torch.randint(0, 97, (2, 48)),
+    )  # past max_seq_len: the table grows
     expected = step_logits(reference, reference, tokens, 5)
     got = step_logits(model, DecodeStep(model), tokens, 5)
     torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
@@ -76,11 +85,20 @@ def test_fusing_keeps_one_copy_of_each_weight():
     step = DecodeStep(model)
     attention = model.layers[0].attention
     assert step.layers[0].wqkv.weight.data_ptr() == attention.wq.weight.data_ptr()
-    assert attention.wv.weight.untyped_storage().data_ptr() == attention.wq.weight.untyped_storage().data_ptr()
+    assert (
+        attention.wv.weight.untyped_storage().data_ptr()
+        == attention.wq.weight.untyped_storage().data_ptr()
+    )
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     tied = make_model(tie_embeddings=True)
-    for compiled in (False, True):  # the output keeps reading the embeddings (a compiled step compiles when called)
-        assert DecodeStep(tied, compiled=compiled).output.weight.data_ptr() == tied.tok_embeddings.weight.data_ptr()
+    for compiled in (
+        False,
+        True,
+    ):  # the output keeps reading the embeddings (a compiled step compiles when called)
+        assert (
+            DecodeStep(tied, compiled=compiled).output.weight.data_ptr()
+            == tied.tok_embeddings.weight.data_ptr()
+        )
 
 
 def test_dynamic_ntk_is_refused():
@@ -91,29 +109,46 @@ def test_dynamic_ntk_is_refused():
 def test_generate_with_the_fused_step_gives_the_same_tokens():
     model = make_model()
     expected = generate.generate(copy_of(model), PROMPTS, Sampling(20, temperature=0))
-    assert generate.generate(model, PROMPTS, Sampling(20, temperature=0), step=DecodeStep(model)) == expected
+    assert (
+        generate.generate(model, PROMPTS, Sampling(20, temperature=0), step=DecodeStep(model))
+        == expected
+    )
 
 
 def test_int8_weights_round_per_output_row():
-    weight = torch.randn(48, 64) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different sizes
+    weight = (
+        torch.randn(48, 64) * torch.logspace(-3, 1, 48)[:, None]
+    )  # rows of very different sizes
     layer = Int8Linear.quantized(weight)
     assert layer.weight.dtype == torch.int8 and layer.weight.abs().amax(1).eq(127).all()
     dequantized = layer.weight.float() * layer.scale[:, None]
-    assert ((dequantized - weight).abs() <= layer.scale[:, None] / 2 + 1e-7).all()  # half a step per row
+    assert (
+        (dequantized - weight).abs() <= layer.scale[:, None] / 2 + 1e-7
+    ).all()  # half a step per row
     x = torch.randn(3, 5, 64)
     expected = x @ dequantized.T
-    error = (layer(x) - expected).abs().amax((0, 1))  # per output row: their sizes differ 10,000-fold
-    assert (error <= 0.01 * expected.abs().amax((0, 1))).all()  # the CPU kernel takes bf16 inputs: ~0.4% each
+    error = (
+        (layer(x) - expected).abs().amax((0, 1))
+    )  # per output row: their sizes differ 10,000-fold
+    assert (
+        error <= 0.01 * expected.abs().amax((0, 1))
+    ).all()  # the CPU kernel takes bf16 inputs: ~0.4% each
     unaligned = Int8Linear.quantized(weight[:, :40])  # not a multiple of 16: dequantized in fp32
-    torch.testing.assert_close(unaligned(x[..., :40]), x[..., :40] @ (unaligned.weight * unaligned.scale[:, None]).T)
+    torch.testing.assert_close(
+        unaligned(x[..., :40]), x[..., :40] @ (unaligned.weight * unaligned.scale[:, None]).T
+    )
 
 
-@pytest.mark.parametrize("in_features", [64, 40])  # 40: not a multiple of 16, which the int8 kernel gets wrong
+@pytest.mark.parametrize(
+    "in_features", [64, 40]
+)  # 40: not a multiple of 16, which the int8 kernel gets wrong
 def test_int8_in_bf16_matches_dequantized_weights(in_features):
     layer = Int8Linear.quantized(torch.randn(17, in_features)).to(torch.bfloat16)
     x = torch.randn(1, in_features, dtype=torch.bfloat16)
     expected = x.float() @ (layer.weight.float() * layer.scale.float()[:, None]).T
-    torch.testing.assert_close(layer(x).float(), expected, atol=0.02 * expected.abs().max().item(), rtol=0)
+    torch.testing.assert_close(
+        layer(x).float(), expected, atol=0.02 * expected.abs().max().item(), rtol=0
+    )
 
 
 @pytest.mark.parametrize("sharp", [False, True])
@@ -157,17 +192,29 @@ def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
     model = make_model(n_layers=1, max_seq_len=16, rope_scaling="linear", rope_factor=4.0)
     reference = copy_of(model)
     step = DecodeStep(model, compiled=True)
-    assert isinstance(step.layers[0].w13, inference.RowDot)  # on the CPU: products written by Inductor
-    for prompts, new in (([[1, 5, 6, 7]], 13), ([[1, 9]], 40), ([[1, 2, 3]], 13)):  # cache lengths 17, 42, 16
+    assert isinstance(
+        step.layers[0].w13, inference.RowDot
+    )  # on the CPU: products written by Inductor
+    for prompts, new in (
+        ([[1, 5, 6, 7]], 13),
+        ([[1, 9]], 40),
+        ([[1, 2, 3]], 13),
+    ):  # cache lengths 17, 42, 16
         expected = generate.generate(reference, prompts, Sampling(new, temperature=0))
-        assert generate.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
+        assert (
+            generate.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
+        )
     assert list(step.compiled) == [(1, 1)]
     for new in (13, 20):  # rows of a token buffer as wide as the run
         prompts = [[1, 5, 6, 7], [1, 9, 2, 3]]
         expected = generate.generate(reference, prompts, Sampling(new, temperature=0))
-        assert generate.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
+        assert (
+            generate.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
+        )
     assert list(step.compiled) == [(1, 1), (2, 2)]
-    tokens = torch.randint(0, 97, (1, 12))  # up to the cache's last slot, whose keys are the whole cache
+    tokens = torch.randint(
+        0, 97, (1, 12)
+    )  # up to the cache's last slot, whose keys are the whole cache
     expected = step_logits(reference, reference, tokens, 5)
     torch.testing.assert_close(step_logits(model, step, tokens, 5), expected, atol=1e-4, rtol=0)
 
@@ -207,10 +254,14 @@ def test_pick_step_keeps_the_faster_step_and_says_when_it_is_eager(one_thread):
     model = make_model()
     step = DecodeStep(model)
     chosen, note = inference.pick_step(model, step, slowed(step, 0.002))
-    assert chosen is step and note.startswith("--compile: the compiled decode step ran slower than eager")
+    assert chosen is step and note.startswith(
+        "--compile: the compiled decode step ran slower than eager"
+    )
     fast = DecodeStep(model)
     assert inference.pick_step(model, slowed(step, 0.002), fast) == (fast, None)
-    assert all(attention.cache is None for attention in step.attentions)  # the timing's cache is gone
+    assert all(
+        attention.cache is None for attention in step.attentions
+    )  # the timing's cache is gone
 
 
 def test_step_threads_hold_while_it_runs_and_are_restored(one_thread):
@@ -223,7 +274,9 @@ def test_step_threads_hold_while_it_runs_and_are_restored(one_thread):
     expected = step_logits(reference, reference, tokens, 5)
     torch.testing.assert_close(step_logits(model, step, tokens, 5), expected, atol=1e-5, rtol=0)
     assert set(seen) == {2} and torch.get_num_threads() == 1
-    assert inference.tune_threads(model, DecodeStep(model)) is None  # on one thread there is nothing to choose
+    assert (
+        inference.tune_threads(model, DecodeStep(model)) is None
+    )  # on one thread there is nothing to choose
 
 
 def test_compiled_unless_slower_decodes_like_the_model(one_thread):

@@ -61,7 +61,11 @@ def test_rope_score_depends_only_on_offset():
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
 
     def score(m, n):
-        return (apply_rotary(q, freqs_cis[m : m + 1]) * apply_rotary(k, freqs_cis[n : n + 1])).sum().item()
+        return (
+            (apply_rotary(q, freqs_cis[m : m + 1]) * apply_rotary(k, freqs_cis[n : n + 1]))
+            .sum()
+            .item()
+        )
 
     for offset in (0, 1, 7, 50, 300):
         scores = [score(m + offset, m) for m in (0, 3, 100, 250)]
@@ -169,9 +173,13 @@ SCALINGS = [
 @pytest.mark.parametrize("scaling", SCALINGS, ids=lambda d: d["rope_scaling"])
 def test_rope_table_equals_computing_the_rotations(scaling):
     model = make_model(ModelArgs(**{**TINY, **scaling}))
-    model.setup_cache(max_batch_size=1, max_seq_len=48)  # the table covers the cache past max_seq_len=32
+    model.setup_cache(
+        max_batch_size=1, max_seq_len=48
+    )  # the table covers the cache past max_seq_len=32
     for start, end in [(0, 32), (5, 6), (40, 48), (90, 100)]:  # the last lies past the table
-        assert torch.equal(model.rope(start, end, "cpu"), rope_rotations(model.args, start, end, "cpu"))
+        assert torch.equal(
+            model.rope(start, end, "cpu"), rope_rotations(model.args, start, end, "cpu")
+        )
 
 
 def test_decoding_does_not_recompute_the_rotations(monkeypatch):
@@ -196,7 +204,9 @@ def test_rope_table_follows_meta_loading_dtype_and_new_args():
     model.to(torch.bfloat16)
     assert model.rope(0, 4, "cpu").dtype == torch.complex64
     assert model.rope(0, 4, "meta").device.type == "meta"
-    model.args = dataclasses.replace(model.args, rope_scaling="linear", rope_factor=4.0, rope_original_max_seq_len=8)
+    model.args = dataclasses.replace(
+        model.args, rope_scaling="linear", rope_factor=4.0, rope_original_max_seq_len=8
+    )
     assert torch.equal(model.rope(0, 32, "cpu"), rope_rotations(model.args, 0, 32, "cpu"))
     model.args = CONFIGS["gqa"]
     assert torch.equal(model.rope(0, 32, "cpu"), source.rope(0, 32, "cpu"))
@@ -207,19 +217,28 @@ def test_a_rope_table_built_while_sampling_serves_training():
     tokens = torch.randint(0, 97, (1, 9))
     with torch.inference_mode():
         model(tokens)
-    model(tokens[:, :-1], targets=tokens[:, 1:]).backward()  # inference tensors cannot be saved for backward
+    model(
+        tokens[:, :-1], targets=tokens[:, 1:]
+    ).backward()  # inference tensors cannot be saved for backward
     assert model.tok_embeddings.weight.grad is not None
 
 
 def test_compiled_decode_step_follows_new_rope_args():
     model = make_model(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=50, max_seq_len=16))
-    step = torch.compile(model, dynamic=True, backend="eager")  # dynamo's tracing is what the RoPE table must pass
+    step = torch.compile(
+        model, dynamic=True, backend="eager"
+    )  # dynamo's tracing is what the RoPE table must pass
     tokens = torch.randint(0, 50, (1, 10))
-    for scaling in (dict(rope_scaling="none"), dict(rope_scaling="linear", rope_factor=4.0)):  # as generate.py does
+    for scaling in (
+        dict(rope_scaling="none"),
+        dict(rope_scaling="linear", rope_factor=4.0),
+    ):  # as generate.py does
         model.args = dataclasses.replace(model.args, **scaling)
         model.setup_cache(max_batch_size=1, max_seq_len=16)
         with torch.no_grad():
-            expected = make_model(model.args)(tokens)[:, 4:]  # the same weights, built for these args
+            expected = make_model(model.args)(tokens)[
+                :, 4:
+            ]  # the same weights, built for these args
             model(tokens[:, :4], start_pos=0)
             got = torch.cat([step(tokens[:, p : p + 1], start_pos=p) for p in range(4, 10)], 1)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

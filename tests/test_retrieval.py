@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import train
-from cli import UserError, run_command
-from data.retrieval import FILLER, RetrievalBatches, RetrievalTask, eval_batches
+from data.retrieval import FILLER, RetrievalBatches, RetrievalTask
+from picollama.cli import UserError, run_command
 
 TASK = RetrievalTask(keys=16, values=16, pairs=4)
 
@@ -62,7 +62,9 @@ def test_evaluation_queries_sit_at_the_given_distance_from_their_key(length, dis
 
 def test_evaluation_rows_without_a_distance_query_at_the_end_of_the_row():
     rows, targets = TASK.eval_rows(np.random.default_rng(1), 16, 128)
-    assert targets[:, -2 * TASK.pairs :].sum() == 16 * TASK.pairs and targets.sum() == 16 * TASK.pairs
+    assert (
+        targets[:, -2 * TASK.pairs :].sum() == 16 * TASK.pairs and targets.sum() == 16 * TASK.pairs
+    )
 
 
 def test_the_loader_resumes_exactly_from_its_state():
@@ -81,9 +83,13 @@ def test_the_loader_resumes_exactly_from_its_state():
 def test_targets_are_minus_100_but_at_the_queries_values():
     x, y = RetrievalBatches(TASK, 4, 32, seed=0).next_batch()
     kept = y != -100
-    assert kept.any() and (y[kept] > TASK.keys).all() and ((x[kept] >= 1) & (x[kept] <= TASK.keys)).all()
-    fixed = eval_batches(TASK, 2, 4, 32)
-    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(fixed, eval_batches(TASK, 2, 4, 32)))
+    assert (
+        kept.any()
+        and (y[kept] > TASK.keys).all()
+        and ((x[kept] >= 1) & (x[kept] <= TASK.keys)).all()
+    )
+    fixed = TASK.fixed_batches(2, 4, 32)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(fixed, TASK.fixed_batches(2, 4, 32)))
 
 
 def test_bad_task_is_refused():
@@ -131,7 +137,9 @@ interval = 4
 def run(tmp_path, out: str, *args: str) -> int:
     config = tmp_path / "retrieval.toml"
     config.write_text(CONFIG)
-    return run_command(train.main, ["--config", str(config), f"--train.out_dir={tmp_path / out}", *args])
+    return run_command(
+        train.main, ["--config", str(config), f"--train.out_dir={tmp_path / out}", *args]
+    )
 
 
 def logged(run_dir, key: str) -> dict[int, float]:
@@ -145,7 +153,9 @@ def test_train_py_trains_the_task_validates_its_accuracy_and_resumes_exactly(tmp
     assert set(accuracy) == {4, 8} and all(0 <= a <= 1 for a in accuracy.values())
     assert not (tmp_path / "whole" / "tokenizer.model").exists()
     assert run(tmp_path, "cut", "--train.max_steps=4") == 0
-    assert run(tmp_path, "cut", "--resume", "--data.retrieval_filler=0.25") == 2  # another row stream: refused
+    assert (
+        run(tmp_path, "cut", "--resume", "--data.retrieval_filler=0.25") == 2
+    )  # another row stream: refused
     assert "data.retrieval_filler 0.0 → 0.25" in capsys.readouterr().err
     assert run(tmp_path, "cut", "--resume") == 0
     assert logged(tmp_path / "cut", "loss") == logged(tmp_path / "whole", "loss")

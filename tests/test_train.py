@@ -18,17 +18,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-import budget
-import checkpoint
-import metrics
-import optim
 import train
-from checkpoint import checkpoints, load_model, non_finite, save_model
-from cli import UserError, run_command
-from config import build_config, check_config, parse_cli
 from data.loader import RandomBatches
 from data.prepare import prepare, train_tokenizer
 from model import ModelArgs, Transformer
+from picollama import budget, checkpoint, metrics, optim
+from picollama.checkpoint import checkpoints, load_model, non_finite, save_model
+from picollama.cli import UserError, run_command
+from picollama.config import build_config, check_config, parse_cli
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {
@@ -56,7 +53,8 @@ def dataset(tmp_path_factory) -> Path:
     rng = random.Random(0)
     for i in range(4):
         speeches = [
-            f"{rng.choice(['ROMEO', 'JULIET', 'LEAR'])}.\n" + " ".join(rng.choices(WORDS, k=rng.randint(4, 9)))
+            f"{rng.choice(['ROMEO', 'JULIET', 'LEAR'])}.\n"
+            + " ".join(rng.choices(WORDS, k=rng.randint(4, 9)))
             for _ in range(500)
         ]
         (root / "corpus").mkdir(exist_ok=True)
@@ -66,12 +64,15 @@ def dataset(tmp_path_factory) -> Path:
 
 def config_file(directory: Path, dataset: Path, **sections) -> Path:
     """TINY with each given section updated, reading the dataset, written as TOML."""
-    tables = {name: {**TINY.get(name, {}), **sections.get(name, {})} for name in {**TINY, **sections}}
+    tables = {
+        name: {**TINY.get(name, {}), **sections.get(name, {})} for name in {**TINY, **sections}
+    }
     tables["data"] = {"dir": str(dataset), **tables.get("data", {})}
     path = directory / "config.toml"
     path.write_text(
         "".join(
-            f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in table.items())
+            f"[{name}]\n"
+            + "".join(f"{key} = {json.dumps(value)}\n" for key, value in table.items())
             for name, table in tables.items()
         )
     )
@@ -85,10 +86,19 @@ def run_in_process(config: Path, out_dir: Path, *args: str) -> int:
 def command(nproc: int) -> list[str]:
     if nproc == 1:
         return [sys.executable, "train.py"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "train.py",
+    ]
 
 
-def run_subprocess(nproc: int, config: Path, out_dir: Path, *args: str, env=None) -> subprocess.CompletedProcess:
+def run_subprocess(
+    nproc: int, config: Path, out_dir: Path, *args: str, env=None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*command(nproc), "--config", str(config), f"--train.out_dir={out_dir}", *args],
         cwd=REPO,
@@ -116,12 +126,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def run_killed_then_resumed(nproc: int, config: Path, out_dir: Path, kill_after: int, max_steps: int) -> int:
+def run_killed_then_resumed(
+    nproc: int, config: Path, out_dir: Path, kill_after: int, max_steps: int
+) -> int:
     """Start a (practically endless) run, SIGKILL it once checkpoint kill_after exists, resume to max_steps.
 
     Returns the step it resumed from."""
     process = subprocess.Popen(
-        [*command(nproc), "--config", str(config), f"--train.out_dir={out_dir}", "--train.max_steps=100000"],
+        [
+            *command(nproc),
+            "--config",
+            str(config),
+            f"--train.out_dir={out_dir}",
+            "--train.max_steps=100000",
+        ],
         cwd=REPO,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
@@ -133,7 +151,10 @@ def run_killed_then_resumed(nproc: int, config: Path, out_dir: Path, kill_after:
         assert process.poll() is None, f"the run ended early: {process.stderr.read()}"
         assert time.time() < deadline, "no checkpoint within 120 s"
         time.sleep(0.01)
-    for pid in [*descendants(process.pid), process.pid]:  # torchrun starts its workers in sessions of their own
+    for pid in [
+        *descendants(process.pid),
+        process.pid,
+    ]:  # torchrun starts its workers in sessions of their own
         os.kill(pid, signal.SIGKILL)
     process.wait()
     resumed = run_subprocess(nproc, config, out_dir, "--resume", f"--train.max_steps={max_steps}")
@@ -163,7 +184,7 @@ def test_loss_falls(dataset, tmp_path):
     assert curve[60] < curve[1] - 1.5, curve
     val = losses(tmp_path / "run", "val_loss")
     assert val[60] < val[6] and (tmp_path / "run" / "model.safetensors").is_file()
-    from checkpoint import load_model
+    from picollama.checkpoint import load_model
 
     model, saved = load_model(tmp_path / "run")
     assert saved["train"]["seq_len"] == 32 and saved["data"]["dir"] == str(dataset)
@@ -188,7 +209,9 @@ def test_tiny_model_overfits_a_few_batches(dataset):
 def test_grad_accumulation_equals_the_big_batch(dataset, tmp_path):
     config = config_file(tmp_path, dataset, train={"max_steps": 6}, checkpoint={"interval": 0})
     assert run_in_process(config, tmp_path / "big") == 0
-    assert run_in_process(config, tmp_path / "accum", "--train.grad_accum=4") == 0  # 4 micro-steps of 2
+    assert (
+        run_in_process(config, tmp_path / "accum", "--train.grad_accum=4") == 0
+    )  # 4 micro-steps of 2
     assert_close(losses(tmp_path / "big"), losses(tmp_path / "accum"), 1e-6)
     assert_close(losses(tmp_path / "big", "val_loss"), losses(tmp_path / "accum", "val_loss"), 1e-6)
 
@@ -203,10 +226,14 @@ def test_activation_checkpointing_changes_no_number_and_no_name(dataset, tmp_pat
 
 
 def test_the_schedule_warms_up_then_decays_to_min_lr():
-    cfg = build_config({"train": {"max_steps": 100}, "optim": {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10}}, [])
+    cfg = build_config(
+        {"train": {"max_steps": 100}, "optim": {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10}}, []
+    )
     lrs = [optim.lr_at(step, cfg) for step in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and lrs[-1] == pytest.approx(
+        0.1, abs=1e-3
+    )
 
 
 def test_a_non_finite_gradient_norm_skips_the_update(dataset):
@@ -214,12 +241,17 @@ def test_a_non_finite_gradient_norm_skips_the_update(dataset):
     dist = train.Dist("cpu")
     model, optimizer, _ = train.build_model(cfg, dist)
     with torch.no_grad():
-        model.norm.weight.to_local()[0] = float("nan")  # every logit, so the loss and every gradient, become NaN
+        model.norm.weight.to_local()[0] = float(
+            "nan"
+        )  # every logit, so the loss and every gradient, become NaN
     before = {name: p.to_local().clone() for name, p in model.named_parameters()}
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
     _, grad_norm, applied = train.train_step(model, optimizer, x, y, 1e-3, cfg, dist)
     assert not applied and not torch.isfinite(grad_norm) and not optimizer.state
-    assert all(torch.equal(p.to_local().nan_to_num(), before[n].nan_to_num()) for n, p in model.named_parameters())
+    assert all(
+        torch.equal(p.to_local().nan_to_num(), before[n].nan_to_num())
+        for n, p in model.named_parameters()
+    )
     del model, optimizer
     dist.close()
 
@@ -238,7 +270,9 @@ def test_an_infinite_loss_skips_the_update_even_with_finite_gradients(dataset):
         def forward(self, x, y):
             return self.model(x, y) + float("inf")
 
-        def set_requires_gradient_sync(self, sync):  # train_step's FSDP2 call: this stand-in is not sharded
+        def set_requires_gradient_sync(
+            self, sync
+        ):  # train_step's FSDP2 call: this stand-in is not sharded
             pass
 
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
@@ -260,27 +294,44 @@ def test_save_model_refuses_non_finite_weights(tmp_path):
     assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == saved
 
 
-@pytest.mark.parametrize("eval_interval", [1, 0])  # caught by the validation loss, or else when saving
-def test_a_diverged_update_is_never_saved_nor_logged_as_a_number(dataset, tmp_path, capsys, eval_interval):
+@pytest.mark.parametrize(
+    "eval_interval", [1, 0]
+)  # caught by the validation loss, or else when saving
+def test_a_diverged_update_is_never_saved_nor_logged_as_a_number(
+    dataset, tmp_path, capsys, eval_interval
+):
     config = config_file(tmp_path, dataset, train={"max_steps": 2}, checkpoint={"interval": 1})
     assert run_in_process(config, tmp_path / "run") == 0
     capsys.readouterr()
     # the first update at this rate makes every weight NaN or infinite, while its gradients are still finite
-    diverge = ["--resume", "--optim.lr=1e39", "--train.max_steps=6", f"--eval.interval={eval_interval}"]
+    diverge = [
+        "--resume",
+        "--optim.lr=1e39",
+        "--train.max_steps=6",
+        f"--eval.interval={eval_interval}",
+    ]
     assert run_in_process(config, tmp_path / "run", *diverge) == 2
     err = capsys.readouterr().err
     good = tmp_path / "run" / "train_state" / "step_000002"
-    assert err.startswith("error: ") and err.count("\n") == 1 and f"The last good checkpoint is {good}:" in err, err
+    assert (
+        err.startswith("error: ")
+        and err.count("\n") == 1
+        and f"The last good checkpoint is {good}:" in err
+    ), err
     assert checkpoints(tmp_path / "run") == [good.with_name("step_000001"), good]
     assert not non_finite(load_file(tmp_path / "run" / "model.safetensors").items())
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
     for line in metrics.splitlines():
-        json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl:\n{metrics}"))
+        json.loads(
+            line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl:\n{metrics}")
+        )
 
 
 def test_flops_per_token_counts_the_matmuls_not_the_embeddings():
     model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32))
-    assert metrics.flops_per_token(model, 32) > 6 * model.num_params() - 6 * 97 * 64  # embeddings are not matmuls
+    assert (
+        metrics.flops_per_token(model, 32) > 6 * model.num_params() - 6 * 97 * 64
+    )  # embeddings are not matmuls
 
 
 def test_due_every_interval_and_after_the_last_step():
@@ -302,7 +353,9 @@ def test_tokens_per_s_counts_training_time_only(dataset, tmp_path, monkeypatch):
         return timed
 
     monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
-    monkeypatch.setattr(RandomBatches, "next_batch", taking(1.0, RandomBatches.next_batch))  # once a step
+    monkeypatch.setattr(
+        RandomBatches, "next_batch", taking(1.0, RandomBatches.next_batch)
+    )  # once a step
     monkeypatch.setattr(train, "evaluate", taking(100.0, train.evaluate))
     monkeypatch.setattr(train, "save_checkpoint", taking(50.0, train.save_checkpoint))
     config = config_file(
@@ -314,9 +367,14 @@ def test_tokens_per_s_counts_training_time_only(dataset, tmp_path, monkeypatch):
     )
     assert run_in_process(config, tmp_path / "run") == 0
     rates = losses(tmp_path / "run", "tokens_per_s")
-    assert sorted(rates) == [10, 20, 30, 40] and sorted(losses(tmp_path / "run", "val_loss")) == [25, 40]
+    assert sorted(rates) == [10, 20, 30, 40] and sorted(losses(tmp_path / "run", "val_loss")) == [
+        25,
+        40,
+    ]
     assert all(rate == pytest.approx(8 * 32) for rate in rates.values()), rates
-    elapsed = losses(tmp_path / "run", "elapsed_s")  # wall time: steps, evaluations and checkpoints alike
+    elapsed = losses(
+        tmp_path / "run", "elapsed_s"
+    )  # wall time: steps, evaluations and checkpoints alike
     assert elapsed[10] == 10 and elapsed[30] == 30 + 100 + 50
 
 
@@ -336,7 +394,11 @@ def runs(dataset, tmp_path_factory) -> dict[str, dict[str, Path]]:
         two = run_subprocess(2, config, root / dtype / "two")
         assert two.returncode == 0, two.stderr
         (root / dtype / "two.stdout").write_text(two.stdout)
-        found[dtype] = {"config": config, "single": root / dtype / "single", "two": root / dtype / "two"}
+        found[dtype] = {
+            "config": config,
+            "single": root / dtype / "single",
+            "two": root / dtype / "two",
+        }
         found[dtype]["two_stdout"] = root / dtype / "two.stdout"
     return found
 
@@ -344,11 +406,15 @@ def runs(dataset, tmp_path_factory) -> dict[str, dict[str, Path]]:
 def test_fsdp_two_ranks_match_one_process(runs):
     fp32 = runs["float32"]
     assert_close(losses(fp32["single"]), losses(fp32["two"]), 1e-5, steps=range(1, 13))
-    assert_close(losses(fp32["single"], "val_loss"), losses(fp32["two"], "val_loss"), 1e-5, steps=[6, 12])
+    assert_close(
+        losses(fp32["single"], "val_loss"), losses(fp32["two"], "val_loss"), 1e-5, steps=[6, 12]
+    )
     stdout = fp32["two_stdout"].read_text()
     counts = stdout.split("model: ")[1].split(" stored")[0].split(" parameters, ")
     total, stored = (int(n.replace(",", "")) for n in counts)
-    assert 0.45 * total <= stored <= 0.55 * total, stdout  # FSDP2 shards every parameter over the 2 ranks
+    assert 0.45 * total <= stored <= 0.55 * total, (
+        stdout
+    )  # FSDP2 shards every parameter over the 2 ranks
 
 
 def test_bf16_trains_in_bf16_with_fp32_master_weights(runs):
@@ -365,16 +431,22 @@ def test_bf16_trains_in_bf16_with_fp32_master_weights(runs):
 
 def test_resume_after_sigkill_is_exact_in_one_process(runs, tmp_path):
     run = runs["bfloat16"]  # the default where the CPU has bf16: its resume must be exact too
-    resumed_at = run_killed_then_resumed(1, run["config"], tmp_path / "run", kill_after=4, max_steps=16)
+    resumed_at = run_killed_then_resumed(
+        1, run["config"], tmp_path / "run", kill_after=4, max_steps=16
+    )
     assert 4 <= resumed_at < 16
     expected, got = losses(run["single"]), losses(tmp_path / "run")
-    assert sorted(got) == list(range(1, 17))  # steps past the checkpoint were dropped from the log and redone
+    assert sorted(got) == list(
+        range(1, 17)
+    )  # steps past the checkpoint were dropped from the log and redone
     assert all(got[step] == expected[step] for step in range(1, 17)), (got, expected)
 
 
 def test_resume_after_sigkill_with_two_ranks(runs, tmp_path):
     run = runs["bfloat16"]
-    resumed_at = run_killed_then_resumed(2, run["config"], tmp_path / "run", kill_after=4, max_steps=12)
+    resumed_at = run_killed_then_resumed(
+        2, run["config"], tmp_path / "run", kill_after=4, max_steps=12
+    )
     assert 4 <= resumed_at < 12
     assert_close(losses(run["two"]), losses(tmp_path / "run"), 1e-6, steps=range(1, 13))
 
@@ -384,7 +456,9 @@ def test_one_process_checkpoint_resumes_on_two_ranks(runs, tmp_path):
     fp32 = runs["float32"]
     shutil.copytree(fp32["single"], tmp_path / "run")
     shutil.rmtree(tmp_path / "run" / "train_state" / "step_000016")  # resume from step 12
-    resumed = run_subprocess(2, fp32["config"], tmp_path / "run", "--resume", "--train.max_steps=16")
+    resumed = run_subprocess(
+        2, fp32["config"], tmp_path / "run", "--resume", "--train.max_steps=16"
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert_close(losses(fp32["single"]), losses(tmp_path / "run"), 1e-5, steps=range(13, 17))
 
@@ -396,7 +470,9 @@ def test_two_rank_checkpoint_resumes_in_one_process(runs, tmp_path):
     assert_close(losses(fp32["single"]), losses(tmp_path / "run"), 1e-5, steps=range(13, 17))
 
 
-def test_a_device_without_collectives_trains_the_plain_model_alike_and_resumes(dataset, tmp_path, monkeypatch):
+def test_a_device_without_collectives_trains_the_plain_model_alike_and_resumes(
+    dataset, tmp_path, monkeypatch
+):
     """Apple's MPS has no collective backend, so one process trains there without a group or FSDP2. That path, run
     here on the CPU, gives the same losses as the grouped one and resumes exactly."""
     config = config_file(tmp_path, dataset)
@@ -425,9 +501,13 @@ def test_wandb_offline_one_metrics_line_per_logged_step_and_a_sample(dataset, tm
     )
     assert result.returncode == 0, result.stderr
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
-    entries = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    entries = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [e["step"] for e in entries if "loss" in e] == [5, 10, 12]
-    assert all({"lr", "grad_norm", "tokens_per_s", "mem_gb"} <= e.keys() for e in entries if "loss" in e)
+    assert all(
+        {"lr", "grad_norm", "tokens_per_s", "mem_gb"} <= e.keys() for e in entries if "loss" in e
+    )
     assert "done: the model is in" in result.stdout
     sample = result.stdout.split("---- sample ----\n")[1].split("\n----------------")[0]
     assert sample.strip(), result.stdout  # generate.py's continuation of the run's model
@@ -439,9 +519,15 @@ def test_wandb_offline_one_metrics_line_per_logged_step_and_a_sample(dataset, tm
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--train.max_step=3"], "unknown config key train.max_step (did you mean train.max_steps?)"),
+        (
+            ["--train.max_step=3"],
+            "unknown config key train.max_step (did you mean train.max_steps?)",
+        ),
         (["--optim.lr=fast"], "--optim.lr: expected float, got 'fast'"),
-        (["--train.seq_len=64"], "train.seq_len (64) exceeds the model's context model.max_seq_len (32)"),
+        (
+            ["--train.seq_len=64"],
+            "train.seq_len (64) exceeds the model's context model.max_seq_len (32)",
+        ),
         (
             ["--train.batch_size=6", "--train.grad_accum=4"],
             "train.batch_size (6) must be divisible by train.grad_accum",
@@ -460,10 +546,16 @@ def test_wandb_offline_one_metrics_line_per_logged_step_and_a_sample(dataset, tm
         (["--train.seed=-1"], "--train.seed must be zero or more, not -1"),
         (["--train.out_dir=/proc/picollama-run"], "cannot write /proc/picollama-run"),
         (["--optim.name=sgd"], "--optim.name must be one of adamw, muon, not 'sgd'"),
-        (["--optim.muon_momentum=1"], "--optim.muon_momentum must be at least 0 and below 1, not 1.0"),
+        (
+            ["--optim.muon_momentum=1"],
+            "--optim.muon_momentum must be at least 0 and below 1, not 1.0",
+        ),
         (["--optim.z_loss=-1"], "--optim.z_loss must be zero or more, not -1.0"),
         (["--train.random_positions=-2"], "--train.random_positions must be zero or more, not -2"),
-        (["--train.init_from=/no/such/run"], "train.init_from: /no/such/run is not a picollama run directory"),
+        (
+            ["--train.init_from=/no/such/run"],
+            "train.init_from: /no/such/run is not a picollama run directory",
+        ),
     ],
 )
 def test_bad_config_is_one_line(dataset, tmp_path, capsys, args, message):
@@ -500,11 +592,15 @@ def test_resume_refuses_a_dataset_made_with_another_tokenizer(dataset, tmp_path,
     )
     capsys.readouterr()
     resume = ["--resume", "--train.max_steps=3"]
-    assert run_in_process(config, tmp_path / "run", *resume, f"--data.dir={tmp_path / 'other'}") == 2
+    assert (
+        run_in_process(config, tmp_path / "run", *resume, f"--data.dir={tmp_path / 'other'}") == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "it was trained with another tokenizer" in err, err
     assert (tmp_path / "run" / "tokenizer.model").read_bytes() == tokenizer
-    assert run_in_process(config, tmp_path / "run", *resume, f"--data.dir={tmp_path / 'same'}") == 0  # a copy: fine
+    assert (
+        run_in_process(config, tmp_path / "run", *resume, f"--data.dir={tmp_path / 'same'}") == 0
+    )  # a copy: fine
 
 
 def test_corrupt_or_mismatched_checkpoint_is_one_line(dataset, tmp_path, capsys):
@@ -517,33 +613,48 @@ def test_corrupt_or_mismatched_checkpoint_is_one_line(dataset, tmp_path, capsys)
     for shard in (tmp_path / "run" / "train_state" / "step_000008").glob("*.distcp"):
         shard.write_bytes(b"not a checkpoint")
     corrupt = run_subprocess(1, config, tmp_path / "run", "--resume", "--train.max_steps=12")
-    assert corrupt.returncode == 2 and corrupt.stderr.startswith("error: cannot resume from"), corrupt.stderr
+    assert corrupt.returncode == 2 and corrupt.stderr.startswith("error: cannot resume from"), (
+        corrupt.stderr
+    )
     assert corrupt.stderr.count("\n") == 1, corrupt.stderr
-    assert f"delete it to resume from {tmp_path / 'run' / 'train_state' / 'step_000004'}" in corrupt.stderr
+    assert (
+        f"delete it to resume from {tmp_path / 'run' / 'train_state' / 'step_000004'}"
+        in corrupt.stderr
+    )
 
 
 # ---------------------------------------------------------------- Muon, z-loss, random positions, init_from
 
 
 def test_muon_takes_the_blocks_matrices_and_the_schedule_scales_both(dataset):
-    cfg = build_config({"model": TINY["model"], "optim": {"name": "muon", "lr": 1e-3, "muon_lr": 0.02}}, [])
+    cfg = build_config(
+        {"model": TINY["model"], "optim": {"name": "muon", "lr": 1e-3, "muon_lr": 0.02}}, []
+    )
     dist = train.Dist("cpu")
     model, optimizer, _ = train.build_model(cfg, dist)
     muon, adamw = optimizer
     names = {id(p): name for name, p in model.named_parameters()}
     in_muon = {names[id(p)] for p in muon.param_groups[0]["params"]}
-    assert in_muon == {name for name, p in model.named_parameters() if name.startswith("layers.") and p.ndim == 2}
-    assert {names[id(p)] for group in adamw.param_groups for p in group["params"]} == set(names.values()) - in_muon
+    assert in_muon == {
+        name for name, p in model.named_parameters() if name.startswith("layers.") and p.ndim == 2
+    }
+    assert {names[id(p)] for group in adamw.param_groups for p in group["params"]} == set(
+        names.values()
+    ) - in_muon
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
     train.train_step(model, optimizer, x, y, 5e-4, cfg, dist)
-    assert muon.param_groups[0]["lr"] == pytest.approx(0.01) and {g["lr"] for g in adamw.param_groups} == {5e-4}
+    assert muon.param_groups[0]["lr"] == pytest.approx(0.01) and {
+        g["lr"] for g in adamw.param_groups
+    } == {5e-4}
     assert len(muon.state) == len(in_muon) and len(adamw.state) == len(names) - len(in_muon)
     del model, optimizer, muon, adamw
     dist.close()
 
 
 def test_muon_resumes_exactly_in_one_process(dataset, tmp_path):
-    config = config_file(tmp_path, dataset, optim={"name": "muon"}, train={"max_steps": 6}, eval={"interval": 0})
+    config = config_file(
+        tmp_path, dataset, optim={"name": "muon"}, train={"max_steps": 6}, eval={"interval": 0}
+    )
     assert run_in_process(config, tmp_path / "whole") == 0
     assert run_in_process(config, tmp_path / "split", "--train.max_steps=3") == 0
     assert run_in_process(config, tmp_path / "split", "--resume") == 0
@@ -552,13 +663,17 @@ def test_muon_resumes_exactly_in_one_process(dataset, tmp_path):
 
 
 def test_muon_under_fsdp_two_ranks_matches_one_process_and_resumes_there(dataset, tmp_path):
-    config = config_file(tmp_path, dataset, optim={"name": "muon"}, train={"max_steps": 8}, eval={"interval": 0})
+    config = config_file(
+        tmp_path, dataset, optim={"name": "muon"}, train={"max_steps": 8}, eval={"interval": 0}
+    )
     assert run_in_process(config, tmp_path / "one") == 0
     two = run_subprocess(2, config, tmp_path / "two", "--train.max_steps=5")
     assert two.returncode == 0, two.stderr
     # Newton–Schulz runs in bf16 on the row shards, so the ranks round differently from one process: ~1e-4
     assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), 1e-3, steps=range(1, 6))
-    assert run_in_process(config, tmp_path / "two", "--resume") == 0  # its 2-rank Muon and AdamW state, resharded
+    assert (
+        run_in_process(config, tmp_path / "two", "--resume") == 0
+    )  # its 2-rank Muon and AdamW state, resharded
     assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), 1e-3, steps=range(6, 9))
 
 
@@ -569,7 +684,9 @@ def test_z_loss_adds_the_squared_log_normaliser_and_is_logged_beside_the_loss(da
     assert torch.allclose(terms["loss"], model(x, y))
     assert torch.allclose(terms["z_loss"], 1e-2 * (torch.logsumexp(model(x), dim=-1) ** 2).mean())
     assert train.loss_terms(model, x, y, None, 0.0).keys() == {"loss"}
-    config = config_file(tmp_path, dataset, train={"max_steps": 3}, eval={"interval": 0}, checkpoint={"interval": 0})
+    config = config_file(
+        tmp_path, dataset, train={"max_steps": 3}, eval={"interval": 0}, checkpoint={"interval": 0}
+    )
     assert run_in_process(config, tmp_path / "plain") == 0
     assert run_in_process(config, tmp_path / "z", "--optim.z_loss=1e-3") == 0
     z, plain = losses(tmp_path / "z", "z_loss"), losses(tmp_path / "plain")
@@ -578,7 +695,9 @@ def test_z_loss_adds_the_squared_log_normaliser_and_is_logged_beside_the_loss(da
         and all(0 < value < 1 for value in z.values())
         and not losses(tmp_path / "plain", "z_loss")
     )
-    assert losses(tmp_path / "z")[1] == pytest.approx(plain[1], abs=1e-6)  # "loss" stays the cross-entropy
+    assert losses(tmp_path / "z")[1] == pytest.approx(
+        plain[1], abs=1e-6
+    )  # "loss" stays the cross-entropy
     assert losses(tmp_path / "z")[3] != plain[3]  # and the z-loss's gradient changed the updates
 
 
@@ -587,13 +706,17 @@ def test_random_positions_are_sorted_distinct_in_range_and_seeded():
     positions = train.random_positions(16, 32, 4)
     assert positions.shape == (16, 32) and positions.dtype == torch.int64
     assert (positions.diff(dim=1) > 0).all() and positions.min() >= 0 and positions.max() < 128
-    assert positions.max() >= 96 and len(positions.unique(dim=0)) == 16  # they reach far, differently in every row
+    assert (
+        positions.max() >= 96 and len(positions.unique(dim=0)) == 16
+    )  # they reach far, differently in every row
     torch.manual_seed(0)
     assert torch.equal(train.random_positions(16, 32, 4), positions)
     assert torch.equal(train.random_positions(2, 8, 1), torch.arange(8).expand(2, 8))
 
 
-def test_random_positions_reach_the_model_only_when_on_and_resume_exactly(dataset, tmp_path, monkeypatch):
+def test_random_positions_reach_the_model_only_when_on_and_resume_exactly(
+    dataset, tmp_path, monkeypatch
+):
     passed = []
     forward = Transformer.forward
 
@@ -602,22 +725,33 @@ def test_random_positions_reach_the_model_only_when_on_and_resume_exactly(datase
         return forward(self, tokens, targets, start_pos)  # model.py may not take positions yet
 
     monkeypatch.setattr(Transformer, "forward", recording)
-    config = config_file(tmp_path, dataset, train={"max_steps": 4}, eval={"interval": 0}, checkpoint={"interval": 0})
+    config = config_file(
+        tmp_path, dataset, train={"max_steps": 4}, eval={"interval": 0}, checkpoint={"interval": 0}
+    )
     assert run_in_process(config, tmp_path / "plain", "--train.max_steps=2") == 0
     assert passed and all(p is None for p in passed)
     passed.clear()
     assert run_in_process(config, tmp_path / "whole", "--train.random_positions=2") == 0
     whole = [p for p in passed if p is not None]
-    assert len(whole) == 4 and all(p.shape == (8, 32) and 0 <= p.min() and p.max() < 64 for p in whole)
+    assert len(whole) == 4 and all(
+        p.shape == (8, 32) and 0 <= p.min() and p.max() < 64 for p in whole
+    )
     passed.clear()
-    assert run_in_process(config, tmp_path / "split", "--train.random_positions=2", "--train.max_steps=2") == 0
+    assert (
+        run_in_process(
+            config, tmp_path / "split", "--train.random_positions=2", "--train.max_steps=2"
+        )
+        == 0
+    )
     assert run_in_process(config, tmp_path / "split", "--train.random_positions=2", "--resume") == 0
     split = [p for p in passed if p is not None]
     assert len(split) == 4 and all(torch.equal(a, b) for a, b in zip(whole, split))
 
 
 def test_training_at_random_positions_learns_and_resumes_exactly(dataset, tmp_path):
-    config = config_file(tmp_path, dataset, train={"max_steps": 8, "random_positions": 4}, eval={"interval": 0})
+    config = config_file(
+        tmp_path, dataset, train={"max_steps": 8, "random_positions": 4}, eval={"interval": 0}
+    )
     assert run_in_process(config, tmp_path / "whole") == 0
     assert run_in_process(config, tmp_path / "split", "--train.max_steps=4") == 0
     assert run_in_process(config, tmp_path / "split", "--resume") == 0
@@ -627,11 +761,17 @@ def test_training_at_random_positions_learns_and_resumes_exactly(dataset, tmp_pa
 
 def test_random_positions_beyond_a_learned_table_or_without_positions_are_refused():
     cfg = build_config(
-        {"model": TINY["model"], "train": {"seq_len": 32, "random_positions": 2, "sample_tokens": 0}}, []
+        {
+            "model": TINY["model"],
+            "train": {"seq_len": 32, "random_positions": 2, "sample_tokens": 0},
+        },
+        [],
     )
     check_config(cfg, 1)  # RoPE is defined at any position
     cfg.model.position = "learned"  # set as model.position once the position-encoding switch exists
-    with pytest.raises(UserError, match=r"random_positions \(2\) × train.seq_len \(32\) exceeds the learned"):
+    with pytest.raises(
+        UserError, match=r"random_positions \(2\) × train.seq_len \(32\) exceeds the learned"
+    ):
         check_config(cfg, 1)
     cfg.model.position = "nope"
     with pytest.raises(UserError, match="model.position nope has none"):
@@ -639,31 +779,57 @@ def test_random_positions_beyond_a_learned_table_or_without_positions_are_refuse
 
 
 def test_init_from_extends_the_context_starting_from_the_source_weights(dataset, tmp_path, capsys):
-    config = config_file(tmp_path, dataset, train={"max_steps": 8}, eval={"interval": 0}, checkpoint={"interval": 0})
+    config = config_file(
+        tmp_path, dataset, train={"max_steps": 8}, eval={"interval": 0}, checkpoint={"interval": 0}
+    )
     assert run_in_process(config, tmp_path / "source") == 0
-    longer = ["--train.seq_len=64", "--model.max_seq_len=64", "--model.rope_scaling=yarn", "--model.rope_factor=2"]
+    longer = [
+        "--train.seq_len=64",
+        "--model.max_seq_len=64",
+        "--model.rope_scaling=yarn",
+        "--model.rope_factor=2",
+    ]
     init = f"--train.init_from={tmp_path / 'source'}"
     assert run_in_process(config, tmp_path / "long", init, *longer) == 0
     model, saved = load_model(tmp_path / "long")
     assert model.args.original_seq_len == 32 and saved["model"]["rope_original_max_seq_len"] == 32
-    assert saved["train"]["seq_len"] == 64 and saved["train"]["init_from"] == str(tmp_path / "source")
+    assert saved["train"]["seq_len"] == 64 and saved["train"]["init_from"] == str(
+        tmp_path / "source"
+    )
     source, _ = load_model(tmp_path / "source")
-    source.args = dataclasses.replace(source.args, **{key: saved["model"][key] for key in train.CONTEXT_KEYS})
+    source.args = dataclasses.replace(
+        source.args, **{key: saved["model"][key] for key in train.CONTEXT_KEYS}
+    )
     x, y = RandomBatches(dataset, "train", 8, 64, seed=saved["train"]["seed"]).next_batch()
     curve = losses(tmp_path / "long")
     with torch.no_grad():
-        assert curve[1] == pytest.approx(source(x, y).item(), abs=1e-5)  # the source's weights, stretched by YaRN
+        assert curve[1] == pytest.approx(
+            source(x, y).item(), abs=1e-5
+        )  # the source's weights, stretched by YaRN
     assert curve[1] < losses(tmp_path / "source")[1] - 0.5 and curve[8] < curve[1]
     # --resume continues the run's own checkpoint; the source is only checked again
-    assert run_in_process(config, tmp_path / "long", init, *longer, "--resume", "--train.max_steps=10") == 0
-    assert "resuming at step 8" in capsys.readouterr().out and sorted(losses(tmp_path / "long")) == list(range(1, 11))
+    assert (
+        run_in_process(config, tmp_path / "long", init, *longer, "--resume", "--train.max_steps=10")
+        == 0
+    )
+    assert "resuming at step 8" in capsys.readouterr().out and sorted(
+        losses(tmp_path / "long")
+    ) == list(range(1, 11))
     for args, message in [
-        ([init, "--model.dim=64"], f"train.init_from {tmp_path / 'source'} has model.dim = 32, this run 64; only"),
-        ([f"--train.init_from={tmp_path / 'long'}"], "must be another run directory than train.out_dir"),
+        (
+            [init, "--model.dim=64"],
+            f"train.init_from {tmp_path / 'source'} has model.dim = 32, this run 64; only",
+        ),
+        (
+            [f"--train.init_from={tmp_path / 'long'}"],
+            "must be another run directory than train.out_dir",
+        ),
     ]:
         assert run_in_process(config, tmp_path / "long", *args) == 2
         stderr = capsys.readouterr().err
-        assert stderr.startswith("error: ") and message in stderr and stderr.count("\n") == 1, stderr
+        assert stderr.startswith("error: ") and message in stderr and stderr.count("\n") == 1, (
+            stderr
+        )
 
 
 # ---------------------------------------------------------------- a run sized in minutes
@@ -673,15 +839,23 @@ def test_steps_in_budget_counts_steps_evaluations_and_saves():
     cfg = build_config({"eval": {"interval": 10}, "checkpoint": {"interval": 0}}, [])
     # 100 s left after 5 steps: the last evaluation (4 s) first, then 0.5 s a step + 4 s every 10 steps = 0.9 s a step
     assert budget.steps_in_budget(100.0, 5, 0.5, 4.0, 2.0, cfg) == 5 + int((100 - 4 - 2) / 0.9)
-    assert budget.steps_in_budget(-3.0, 5, 0.5, 4.0, 2.0, cfg) == 5  # over budget already: stop after the probe
+    assert (
+        budget.steps_in_budget(-3.0, 5, 0.5, 4.0, 2.0, cfg) == 5
+    )  # over budget already: stop after the probe
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--train.max_minutes=1", "--train.max_steps=5"], "the command line sets both train.max_steps and"),
+        (
+            ["--train.max_minutes=1", "--train.max_steps=5"],
+            "the command line sets both train.max_steps and",
+        ),
         (["--train.max_minutes=0"], "--train.max_minutes must be positive"),
-        (["--train.max_minutes=1", "--optim.warmup_steps=2"], "train.max_minutes needs optim.warmup_steps of 4"),
+        (
+            ["--train.max_minutes=1", "--optim.warmup_steps=2"],
+            "train.max_minutes needs optim.warmup_steps of 4",
+        ),
     ],
 )
 def test_bad_budgets_are_one_line(dataset, tmp_path, capsys, args, message):
@@ -699,7 +873,8 @@ def test_a_step_count_on_the_command_line_turns_off_the_files_budget():
 # train.py on a fake clock that advances 0.1 s whenever it is read: the probe then sizes the run the same way on any
 # machine, however loaded
 ON_A_FAKE_CLOCK = (
-    "import itertools, sys, types, budget, train; from cli import run_command; ticks = itertools.count(); "
+    "import itertools, sys, types, train; from picollama import budget; "
+    "from picollama.cli import run_command; ticks = itertools.count(); "
     "train.time = budget.time = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.1); "
     "sys.exit(run_command(train.main, sys.argv[1:]))"
 )
@@ -710,11 +885,20 @@ def test_a_budgeted_run_killed_and_resumed_equals_the_same_steps_given_up_front(
     checkpoint records that number, so a SIGKILLed run resumes on the same schedule (cosine to a min_lr ≠ lr)."""
     budget = {"max_minutes": 0.2, "sample_tokens": 0, "log_interval": 1}
     schedule = {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 10}
-    config = config_file(tmp_path, dataset, train=budget, optim=schedule, checkpoint={"interval": 10, "keep": 5})
+    config = config_file(
+        tmp_path, dataset, train=budget, optim=schedule, checkpoint={"interval": 10, "keep": 5}
+    )
     config.write_text(config.read_text().replace("max_steps = 12\n", ""))
     killed = tmp_path / "killed"
     process = subprocess.Popen(
-        [sys.executable, "-c", ON_A_FAKE_CLOCK, "--config", str(config), f"--train.out_dir={killed}"],
+        [
+            sys.executable,
+            "-c",
+            ON_A_FAKE_CLOCK,
+            "--config",
+            str(config),
+            f"--train.out_dir={killed}",
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -727,12 +911,20 @@ def test_a_budgeted_run_killed_and_resumed_equals_the_same_steps_given_up_front(
         time.sleep(0.01)
     process.kill()
     process.wait()
-    (chosen,) = [e["max_steps"] for e in map(json.loads, (killed / "metrics.jsonl").open()) if "max_steps" in e]
+    (chosen,) = [
+        e["max_steps"]
+        for e in map(json.loads, (killed / "metrics.jsonl").open())
+        if "max_steps" in e
+    ]
     assert chosen > 30, f"the budget sized only {chosen} steps: too few to kill the run halfway"
     assert run_in_process(config, killed, "--resume") == 0
     reference = tmp_path / "reference"
     assert run_in_process(config, reference, f"--train.max_steps={chosen}") == 0
-    assert max(losses(killed)) == chosen == json.loads((killed / "config.json").read_text())["train"]["max_steps"]
+    assert (
+        max(losses(killed))
+        == chosen
+        == json.loads((killed / "config.json").read_text())["train"]["max_steps"]
+    )
     assert_close(losses(killed), losses(reference), 1e-6, steps=range(1, chosen + 1))
 
 
@@ -757,13 +949,24 @@ def test_a_second_training_into_one_run_directory_is_refused_at_once(dataset, tm
     )
     lock = tmp_path / ".run.lock"
     deadline = time.monotonic() + 120
-    while not (lock.is_file() and lock.read_text()) and first.poll() is None and time.monotonic() < deadline:
+    while (
+        not (lock.is_file() and lock.read_text())
+        and first.poll() is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     assert run_in_process(config, tmp_path / "run") == 2
-    assert first.poll() is None, "the first run ended before the second tried: the test proves nothing"
+    assert first.poll() is None, (
+        "the first run ended before the second tried: the test proves nothing"
+    )
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"is in use by another process (pid {first.pid}, lock file {lock})" in err, err
-    assert first.wait(timeout=300) == 0 and alone.wait(timeout=300) == 0, first.stderr.read() + alone.stderr.read()
+    assert (
+        err.count("\n") == 1
+        and f"is in use by another process (pid {first.pid}, lock file {lock})" in err
+    ), err
+    assert first.wait(timeout=300) == 0 and alone.wait(timeout=300) == 0, (
+        first.stderr.read() + alone.stderr.read()
+    )
     for name in ("model.safetensors", "config.json"):
         saved = (tmp_path / "run" / name).read_bytes()
         assert saved == (tmp_path / "alone" / name).read_bytes().replace(b"alone", b"run"), name
@@ -773,7 +976,9 @@ def test_a_second_training_into_one_run_directory_is_refused_at_once(dataset, tm
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_ends_training_with_one_line_naming_where_resume_continues(dataset, tmp_path, signum):
+def test_a_signal_ends_training_with_one_line_naming_where_resume_continues(
+    dataset, tmp_path, signum
+):
     config = config_file(tmp_path, dataset, train={"max_steps": 100000}, checkpoint={"interval": 2})
     process = subprocess.Popen(
         [*command(1), "--config", str(config), f"--train.out_dir={tmp_path / 'run'}"],
@@ -784,7 +989,9 @@ def test_a_signal_ends_training_with_one_line_naming_where_resume_continues(data
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     deadline = time.monotonic() + 120
-    while not checkpoints(tmp_path / "run") and process.poll() is None and time.monotonic() < deadline:
+    while (
+        not checkpoints(tmp_path / "run") and process.poll() is None and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     process.send_signal(signum)
     err = process.communicate(timeout=120)[1]
@@ -792,7 +999,10 @@ def test_a_signal_ends_training_with_one_line_naming_where_resume_continues(data
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and err.rstrip("\n").endswith(errors[0]) and "Traceback" not in err, err
     latest = checkpoints(tmp_path / "run")[-1]
-    assert errors[0] == f"error: interrupted; --resume continues from step {int(latest.name[5:])} ({latest})"
+    assert (
+        errors[0]
+        == f"error: interrupted; --resume continues from step {int(latest.name[5:])} ({latest})"
+    )
     assert not list((tmp_path / "run" / "train_state").glob(".*.tmp"))
 
 
@@ -801,7 +1011,9 @@ def small_disk(tmp_path):
     """A 2 MB tmpfs (root only; CI mounts it), unmounted afterwards."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True
+    )
     if mounted.returncode:
         pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()}): needs root")
     yield disk
@@ -825,13 +1037,20 @@ def test_a_full_disk_ends_the_run_in_one_line_with_checkpoint_and_model_consiste
     model export is the latest checkpoint's weights."""
     if not checked_first:
         monkeypatch.setattr(checkpoint, "check_free_space", lambda *args, **kwargs: None)
-    config = config_file(small_disk.parent, dataset, train={"max_steps": 20}, checkpoint={"interval": 1, "keep": 2})
+    config = config_file(
+        small_disk.parent, dataset, train={"max_steps": 20}, checkpoint={"interval": 1, "keep": 2}
+    )
     run = small_disk / "run"
     assert run_in_process(config, run) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     expected = "not enough disk space" if checked_first else "No space left on device"
-    assert err.startswith("error: cannot write ") and str(run) in err and expected in err and "bytes free" in err, err
+    assert (
+        err.startswith("error: cannot write ")
+        and str(run) in err
+        and expected in err
+        and "bytes free" in err
+    ), err
     assert not [p for p in small_disk.rglob("*") if ".tmp" in p.name]
     latest = checkpoints(run)[-1]
     model, _ = load_model(run)
@@ -841,16 +1060,25 @@ def test_a_full_disk_ends_the_run_in_one_line_with_checkpoint_and_model_consiste
 
 
 def test_a_full_disk_during_to_hf_leaves_nothing(make_tiny_run, small_disk, monkeypatch, capsys):
-    import convert
+    from picollama import convert
 
     run_dir, _ = make_tiny_run(steps=1)
     (small_disk / "filler").write_bytes(b"\0" * (1900 * 1024))
     for checked_first in (True, False):
         if not checked_first:
             monkeypatch.setattr("cli.check_free_space", lambda *args, **kwargs: None)
-        assert run_command(convert.main, ["to-hf", "--run", str(run_dir), "--out", str(small_disk / "hf")]) == 2
+        assert (
+            run_command(
+                convert.main, ["to-hf", "--run", str(run_dir), "--out", str(small_disk / "hf")]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and f"cannot write {small_disk / 'hf'}" in err and "bytes free" in err, err
+        assert (
+            err.count("\n") == 1
+            and f"cannot write {small_disk / 'hf'}" in err
+            and "bytes free" in err
+        ), err
         assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
 
 
@@ -866,7 +1094,9 @@ if os.environ.get("RANK") == "1":  # rank 1's disk is full when it writes its pa
 """
 
 
-def test_a_full_disk_on_rank_1_ends_in_one_line_with_checkpoint_and_model_consistent(dataset, tmp_path):
+def test_a_full_disk_on_rank_1_ends_in_one_line_with_checkpoint_and_model_consistent(
+    dataset, tmp_path
+):
     """torchrun, 2 ranks on gloo: rank 1 (only) finds its disk full while writing its part of a checkpoint, after
     DCP's collective write. Once rank 0 went on to the next collective and died of a "Connection closed by peer"
     traceback; now every rank stops, rank 0 prints one line naming rank 1's failure, and the previous checkpoint
@@ -875,12 +1105,16 @@ def test_a_full_disk_on_rank_1_ends_in_one_line_with_checkpoint_and_model_consis
     (tmp_path / "inject" / "sitecustomize.py").write_text(FULL_ON_RANK_1)
     config = config_file(tmp_path, dataset)
     run = tmp_path / "run"
-    result = run_subprocess(2, config, run, env={"PYTHONPATH": str(tmp_path / "inject"), "OMP_NUM_THREADS": "1"})
+    result = run_subprocess(
+        2, config, run, env={"PYTHONPATH": str(tmp_path / "inject"), "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     expected = f"error: rank 1 failed to save: cannot write {run / 'train_state' / 'step_000008'}: No space left on"
     assert len(errors) == 1 and errors[0].startswith(expected), result.stderr
-    assert "[rank" not in result.stderr and "Connection closed" not in result.stderr, result.stderr  # a worker's trace
+    assert "[rank" not in result.stderr and "Connection closed" not in result.stderr, (
+        result.stderr
+    )  # a worker's trace
     assert not [p for p in run.rglob("*") if ".tmp" in p.name]
     assert [p.name for p in checkpoints(run)] == ["step_000004"]
     model, _ = load_model(run)

@@ -7,9 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import convert
-from checkpoint import save_model
-from cli import run_command
 from model import (
     ACTIVATIONS,
     MLP,
@@ -22,10 +19,15 @@ from model import (
     alibi_bias,
     apply_rotary,
 )
+from picollama import convert
+from picollama.checkpoint import save_model
+from picollama.cli import run_command
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=32, multiple_of=16)
+TINY = dict(
+    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=32, multiple_of=16
+)
 VARIANTS = {
     "llama": {},
     "layernorm": dict(norm="layernorm"),
@@ -121,13 +123,23 @@ def test_gated_and_plain_ffns_have_comparable_parameter_counts(capsys):
     counts = {}
     for name in ACTIVATIONS:
         args = ModelArgs(dim=192, n_layers=4, n_heads=4, vocab_size=4096, activation=name)
-        counts[name] = (args.hidden_dim, sum(p.numel() for p in Transformer(args).layers[0].feed_forward.parameters()))
+        counts[name] = (
+            args.hidden_dim,
+            sum(p.numel() for p in Transformer(args).layers[0].feed_forward.parameters()),
+        )
     with capsys.disabled():
-        print("\nFFN per layer at dim 192:", ", ".join(f"{k} hidden {h}: {n:,}" for k, (h, n) in counts.items()))
-    assert counts["swiglu"] == counts["geglu"] == counts["reglu"] == (512, 3 * 192 * 512)  # 2/3·4·dim
+        print(
+            "\nFFN per layer at dim 192:",
+            ", ".join(f"{k} hidden {h}: {n:,}" for k, (h, n) in counts.items()),
+        )
+    assert (
+        counts["swiglu"] == counts["geglu"] == counts["reglu"] == (512, 3 * 192 * 512)
+    )  # 2/3·4·dim
     assert counts["relu"] == counts["gelu"] == counts["relu2"] == (768, 2 * 192 * 768)  # 4·dim
     assert 3 * 192 * 512 == 2 * 192 * 768
-    tiny = {name: ModelArgs(**TINY, activation=name).hidden_dim for name in ("swiglu", "relu")}  # rounding to 16
+    tiny = {
+        name: ModelArgs(**TINY, activation=name).hidden_dim for name in ("swiglu", "relu")
+    }  # rounding to 16
     assert tiny == {"swiglu": 96, "relu": 128}
     assert ModelArgs(**TINY, activation="relu", ffn_dim_multiplier=1.5).hidden_dim == 192
 
@@ -136,7 +148,10 @@ def test_gated_and_plain_ffns_have_comparable_parameter_counts(capsys):
 def test_post_norm_output_is_normalised(norm):
     model = make_model(norm_placement="post", norm=norm)
     block = model.layers[0]
-    for p in (block.attention_norm.weight, block.ffn_norm.weight):  # γ = 1 (and β = 0): the plain norm
+    for p in (
+        block.attention_norm.weight,
+        block.ffn_norm.weight,
+    ):  # γ = 1 (and β = 0): the plain norm
         assert torch.equal(p, torch.ones_like(p))
     if norm == "layernorm":
         torch.nn.init.zeros_(block.ffn_norm.bias)
@@ -155,7 +170,10 @@ def test_post_norm_output_is_normalised(norm):
 @pytest.mark.parametrize(
     "switches, formula",
     [
-        (dict(), lambda b, x, attn: (h := x + attn(b.attention_norm(x))) + b.feed_forward(b.ffn_norm(h))),
+        (
+            dict(),
+            lambda b, x, attn: (h := x + attn(b.attention_norm(x))) + b.feed_forward(b.ffn_norm(h)),
+        ),
         (
             dict(norm_placement="post"),
             lambda b, x, attn: b.ffn_norm((h := b.attention_norm(x + attn(x))) + b.feed_forward(h)),
@@ -231,7 +249,9 @@ def test_alibi_slopes_and_bias():
     # 6 heads, as Press et al.'s get_slopes(6): those of 4 heads, then every other one of 8 heads'
     six = -alibi_bias(6, torch.arange(2), torch.arange(2))[:, 1, 0]
     torch.testing.assert_close(six, torch.tensor([2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]))
-    bias = alibi_bias(4, torch.arange(3, 6), torch.arange(6))  # queries at 3..5 over keys 0..5 (a cached chunk)
+    bias = alibi_bias(
+        4, torch.arange(3, 6), torch.arange(6)
+    )  # queries at 3..5 over keys 0..5 (a cached chunk)
     assert bias.shape == (4, 3, 6)
     torch.testing.assert_close(bias[0, 0, :4], torch.tensor([-0.75, -0.5, -0.25, 0.0]))  # slope 1/4
     assert torch.isinf(bias[:, 0, 4:]).all() and not torch.isinf(bias[:, 2]).any()
@@ -240,7 +260,14 @@ def test_alibi_slopes_and_bias():
 def test_nope_every_k_th_layer():
     model = make_model(n_layers=6, nope_every=3)
     rotary = [layer.attention.rotate is apply_rotary for layer in model.layers]
-    assert rotary == [True, True, False, True, True, False]  # layers i with (i+1) % 3 == 0 have no positions
+    assert rotary == [
+        True,
+        True,
+        False,
+        True,
+        True,
+        False,
+    ]  # layers i with (i+1) % 3 == 0 have no positions
 
 
 def test_partial_rotary_leaves_the_last_dimensions_alone():
@@ -249,23 +276,31 @@ def test_partial_rotary_leaves_the_last_dimensions_alone():
     assert freqs_cis.shape == (5, 1)  # 8-dim heads: one pair of dimensions rotates
     x = torch.randn(1, 5, 4, 8)
     rotated = apply_rotary(x, freqs_cis)
-    assert torch.equal(rotated[..., 2:], x[..., 2:]) and not torch.allclose(rotated[..., :2], x[..., :2])
+    assert torch.equal(rotated[..., 2:], x[..., 2:]) and not torch.allclose(
+        rotated[..., :2], x[..., :2]
+    )
     torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
 
 
 def test_logn_scales_queries_past_the_training_context(monkeypatch):
     queries, sdpa = [], F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **k: queries.append(q) or sdpa(q, *a, **k))
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda q, *a, **k: queries.append(q) or sdpa(q, *a, **k)
+    )
     logn, plain = make_model(logn_attention=True, rope_original_max_seq_len=8), make_model()
     plain.load_state_dict(logn.state_dict())
     tokens = torch.randint(0, 50, (1, 20))
     with torch.no_grad():
         logn(tokens)
         plain(tokens)
-    ratio = (queries[0] / queries[len(queries) // 2])[0, 0, :, 0]  # layer 0 of each model, per position
+    ratio = (queries[0] / queries[len(queries) // 2])[
+        0, 0, :, 0
+    ]  # layer 0 of each model, per position
     n = torch.arange(1, 21, dtype=torch.float32)  # 1-based position
     torch.testing.assert_close(ratio, (n.log() / math.log(8)).clamp(min=1))
-    assert ratio[:8].sub(1).abs().max() < 1e-6 and ratio[8] > 1.05  # n = 8 = L_train is the last unscaled one
+    assert (
+        ratio[:8].sub(1).abs().max() < 1e-6 and ratio[8] > 1.05
+    )  # n = 8 = L_train is the last unscaled one
 
 
 # ---------------------------------------------------------------- every switch against itself
@@ -278,7 +313,10 @@ def test_cached_decode_equals_full_forward(name):
     model.setup_cache(max_batch_size=2, max_seq_len=32)
     with torch.no_grad():
         full = model(tokens)
-        chunks = [model(tokens[:, :9], start_pos=0), model(tokens[:, 9:20], start_pos=9)]  # prefill, chunked prefill
+        chunks = [
+            model(tokens[:, :9], start_pos=0),
+            model(tokens[:, 9:20], start_pos=9),
+        ]  # prefill, chunked prefill
         chunks += [model(tokens[:, p : p + 1], start_pos=p) for p in range(20, 30)]
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-4, rtol=0)
 
@@ -305,12 +343,16 @@ def test_trains_under_bf16_autocast(name):
     assert math.isfinite(loss.item()) and all(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", ["llama", "alibi", "nope", "rope_fraction", "nope_every", "yarn-partial"])
+@pytest.mark.parametrize(
+    "name", ["llama", "alibi", "nope", "rope_fraction", "nope_every", "yarn-partial"]
+)
 def test_shifted_positions_change_nothing_for_relative_encodings(name):
     model = make_model(**VARIANTS[name])
     tokens = torch.randint(0, 50, (2, 12))
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens, positions=torch.arange(5, 17)), model(tokens), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            model(tokens, positions=torch.arange(5, 17)), model(tokens), atol=1e-4, rtol=0
+        )
 
 
 def test_given_positions_are_the_rotary_positions():
@@ -319,7 +361,9 @@ def test_given_positions_are_the_rotary_positions():
     plain, stretched = make_model(), make_model(rope_scaling="linear", rope_factor=2.0)
     tokens = torch.randint(0, 50, (2, 20))
     with torch.no_grad():
-        torch.testing.assert_close(stretched(tokens, positions=2 * torch.arange(20)), plain(tokens), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            stretched(tokens, positions=2 * torch.arange(20)), plain(tokens), atol=1e-5, rtol=0
+        )
         assert not torch.allclose(stretched(tokens), plain(tokens), atol=1e-3)
 
 
@@ -328,11 +372,15 @@ def test_positions_per_row_equal_each_row_alone(name):
     model = make_model(**VARIANTS[name])
     tokens = torch.randint(0, 50, (2, 10))
     generator = torch.Generator().manual_seed(0)
-    positions = torch.stack([torch.randperm(32, generator=generator)[:10].sort().values for _ in range(2)])
+    positions = torch.stack(
+        [torch.randperm(32, generator=generator)[:10].sort().values for _ in range(2)]
+    )
     with torch.no_grad():
         both = model(tokens, positions=positions)
         for row in range(2):
-            torch.testing.assert_close(both[row], model(tokens[row : row + 1], positions=positions[row])[0])
+            torch.testing.assert_close(
+                both[row], model(tokens[row : row + 1], positions=positions[row])[0]
+            )
         assert not torch.allclose(both, model(tokens), atol=1e-3)  # the positions matter
 
 
@@ -344,8 +392,14 @@ def test_absolute_positions_are_added_to_the_embeddings(name, monkeypatch):
     model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
     with torch.no_grad():
         model(tokens, positions=positions)
-        table = Sinusoid(32)(positions) if name == "sinusoidal" else model.pos_embeddings.weight[positions]
-        scale = math.sqrt(32) if name == "sinusoidal" else 1.0  # the Transformer's √dim on tokens beside a sinusoid
+        table = (
+            Sinusoid(32)(positions)
+            if name == "sinusoidal"
+            else model.pos_embeddings.weight[positions]
+        )
+        scale = (
+            math.sqrt(32) if name == "sinusoidal" else 1.0
+        )  # the Transformer's √dim on tokens beside a sinusoid
         torch.testing.assert_close(seen[0], model.tok_embeddings(tokens) * scale + table)
 
 
@@ -376,7 +430,10 @@ def test_positions_and_the_kv_cache_do_not_mix():
     [
         (dict(norm="batchnorm"), "norm must be one of rmsnorm, layernorm, not 'batchnorm'"),
         (dict(norm_placement="middle"), "norm_placement must be one of pre, post, sandwich"),
-        (dict(activation="tanh"), "activation must be one of swiglu, geglu, reglu, gelu, relu, relu2"),
+        (
+            dict(activation="tanh"),
+            "activation must be one of swiglu, geglu, reglu, gelu, relu, relu2",
+        ),
         (dict(position="t5"), "position must be one of rope, alibi, nope, sinusoidal, learned"),
         (dict(parallel_block="yes"), "parallel_block must be one of False, True"),
         (dict(qk_norm=2), "qk_norm must be one of False, True"),
@@ -385,12 +442,24 @@ def test_positions_and_the_kv_cache_do_not_mix():
         (dict(logit_softcap=math.inf), "logit_softcap must be a finite number >= 0"),
         (dict(rope_fraction=0.0), r"rope_fraction must be in \(0, 1\]"),
         (dict(rope_fraction=1.5), r"rope_fraction must be in \(0, 1\]"),
-        (dict(rope_fraction=0.3), r"head_dim \(8\) and head_dim·rope_fraction \(2.4\) must be even"),
+        (
+            dict(rope_fraction=0.3),
+            r"head_dim \(8\) and head_dim·rope_fraction \(2.4\) must be even",
+        ),
         (dict(rope_fraction=0.125), r"head_dim·rope_fraction \(1\) must be even"),
         (dict(nope_every=-1), "nope_every must be >= 0"),
-        (dict(position="alibi", rope_scaling="yarn", rope_factor=2.0), "rope_scaling applies to position = 'rope'"),
-        (dict(position="learned", rope_fraction=0.5), "rope_fraction applies to position = 'rope' only, not to"),
-        (dict(position="nope", nope_every=2), "nope_every applies to position = 'rope' only, not to position = 'nope'"),
+        (
+            dict(position="alibi", rope_scaling="yarn", rope_factor=2.0),
+            "rope_scaling applies to position = 'rope'",
+        ),
+        (
+            dict(position="learned", rope_fraction=0.5),
+            "rope_fraction applies to position = 'rope' only, not to",
+        ),
+        (
+            dict(position="nope", nope_every=2),
+            "nope_every applies to position = 'rope' only, not to position = 'nope'",
+        ),
     ],
 )
 def test_bad_switches_are_refused(kwargs, message):
@@ -400,7 +469,9 @@ def test_bad_switches_are_refused(kwargs, message):
 
 def test_a_non_rope_model_needs_no_even_head_size():
     assert ModelArgs(dim=15, n_heads=5, position="alibi").head_dim == 3
-    make_model(dim=12, n_heads=4, n_kv_heads=4, position="sinusoidal")(torch.zeros(1, 3, dtype=torch.long))
+    make_model(dim=12, n_heads=4, n_kv_heads=4, position="sinusoidal")(
+        torch.zeros(1, 3, dtype=torch.long)
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANTS if n != "llama"])
@@ -427,7 +498,9 @@ def test_every_exporter_refuses_every_non_llama_switch_in_one_line(name, command
 
 def test_hf_export_command_names_the_switch(tmp_path, capsys):
     run = save_model(make_model(qk_norm=True), tmp_path / "run", {})
-    assert run_command(convert.main, ["to-hf", "--run", str(run), "--out", str(tmp_path / "hf")]) == 2
+    assert (
+        run_command(convert.main, ["to-hf", "--run", str(run), "--out", str(tmp_path / "hf")]) == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "model.qk_norm = True" in err and err.count("\n") == 1
     assert not (tmp_path / "hf").exists()

@@ -5,15 +5,18 @@ import math
 import sys
 from contextlib import nullcontext
 
-import common
 import torch
 from tqdm import tqdm
 
-from cli import UserError, add_compile, comma_list, positive, run_command
-from device import keep_freed_memory
-from metrics import flops_per_token
+from picollama.cli import UserError, add_compile, comma_list, positive, run_command
+from picollama.device import keep_freed_memory
+from picollama.lab.bench import common
+from picollama.metrics import flops_per_token
 
-PRECISIONS = ("float32", "bfloat16")  # bfloat16: both models under torch.autocast to bf16, fp32 weights
+PRECISIONS = (
+    "float32",
+    "bfloat16",
+)  # bfloat16: both models under torch.autocast to bf16, fp32 weights
 
 
 def train_step(model, optimizer, loss_fn, autocast):
@@ -32,17 +35,36 @@ def bench_config(name, margs, batch, seq_len, device, dtype, precision, cli, pro
     ours = common.build_ours(margs, device, dtype).train()
     hf = common.build_hf(ours).train()
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, margs.vocab_size, (batch, seq_len + 1), generator=generator).to(device)
+    tokens = torch.randint(0, margs.vocab_size, (batch, seq_len + 1), generator=generator).to(
+        device
+    )
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     ours_c, hf_c = common.maybe_compile(ours, cli.compile), common.maybe_compile(hf, cli.compile)
     bf16 = dtype == torch.bfloat16 or precision == "bfloat16"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bfloat16" else nullcontext()
-    with torch.no_grad(), autocast:  # same weights, same batch: the two losses must agree before we time anything
-        loss_ours, loss_hf = ours_c(x, targets=y).item(), hf_c(input_ids=x, labels=y, shift_labels=y).loss.item()
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if precision == "bfloat16"
+        else nullcontext()
+    )
+    with (
+        torch.no_grad(),
+        autocast,
+    ):  # same weights, same batch: the two losses must agree before we time anything
+        loss_ours, loss_hf = (
+            ours_c(x, targets=y).item(),
+            hf_c(input_ids=x, labels=y, shift_labels=y).loss.item(),
+        )
     if not math.isclose(loss_ours, loss_hf, rel_tol=1e-2 if bf16 else 1e-4):
-        raise UserError(f"{name}: our loss {loss_ours:.5f} != Hugging Face's {loss_hf:.5f}; the comparison is off")
+        raise UserError(
+            f"{name}: our loss {loss_ours:.5f} != Hugging Face's {loss_hf:.5f}; the comparison is off"
+        )
     steps = {
-        "ours": train_step(ours_c, torch.optim.AdamW(ours.parameters(), lr=1e-4), lambda m: m(x, targets=y), autocast),
+        "ours": train_step(
+            ours_c,
+            torch.optim.AdamW(ours.parameters(), lr=1e-4),
+            lambda m: m(x, targets=y),
+            autocast,
+        ),
         "hf": train_step(
             hf_c,
             torch.optim.AdamW(hf.parameters(), lr=1e-4),
@@ -83,7 +105,9 @@ def parse_args(argv: list[str]):
     )
     common.add_configs(p, "small,default")
     p.add_argument("--batch-size", type=positive(), help="sequences per step (default 16)")
-    p.add_argument("--seq-len", type=positive(), help="tokens per sequence (default: the config's max_seq_len)")
+    p.add_argument(
+        "--seq-len", type=positive(), help="tokens per sequence (default: the config's max_seq_len)"
+    )
     p.add_argument(
         "--precisions",
         type=comma_list(choices=PRECISIONS),
@@ -91,9 +115,17 @@ def parse_args(argv: list[str]):
         help="comma-separated: float32, bfloat16 (= autocast to bf16 for both models); default both",
     )
     p.add_argument(
-        "--warmup", type=positive(zero=True), default=2, help="untimed steps of each model first (default 2)"
+        "--warmup",
+        type=positive(zero=True),
+        default=2,
+        help="untimed steps of each model first (default 2)",
     )
-    p.add_argument("--steps", type=positive(), default=7, help="timed steps of each model, interleaved (default 7)")
+    p.add_argument(
+        "--steps",
+        type=positive(),
+        default=7,
+        help="timed steps of each model, interleaved (default 7)",
+    )
     cli = common.parse(p, argv)
     if cli.smoke:
         cli.warmup = 1
@@ -112,7 +144,9 @@ def cases(cli) -> list[tuple]:
         except UserError as e:
             if name != "default":
                 raise
-            print(f"skipping default: {e}")  # configs/default.toml is written by the training engineer
+            print(
+                f"skipping default: {e}"
+            )  # configs/default.toml is written by the training engineer
             continue
         found.append((name, margs, cli.batch_size or 16, cli.seq_len or margs.max_seq_len))
     return found
@@ -132,7 +166,16 @@ def report(results: list[dict]):
         ]
         for r in results
     ]
-    headers = ["config", "precision", "params (M)", "batch", "ours tok/s", "HF tok/s", "ours/HF", "ours MFU"]
+    headers = [
+        "config",
+        "precision",
+        "params (M)",
+        "batch",
+        "ours tok/s",
+        "HF tok/s",
+        "ours/HF",
+        "ours MFU",
+    ]
     common.print_table(headers, rows)
 
 

@@ -14,18 +14,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cli import atomic_output
-from device import cpu_has_bf16
 from model import ModelArgs, Transformer, rope_frequencies
+from picollama import REPO_ROOT
+from picollama.cli import atomic_output
+from picollama.device import cpu_has_bf16
 
 QUANTIZATIONS = ("none", "int8")
-REPO_ROOT = Path(__file__).resolve().parent
 # Inductor options for the compiled decode step (DecodeStep.compile_step): the weights stay out of the package (the
 # step reads the model's own); realize_acc_reads_threshold=1 stores point-wise results that read more than one
 # buffer instead of inlining them into their readers: 2.3-2.4 against 2.5-2.7 ms a step on 2 AVX2 cores (measured
 # with torch.compile). Where the compiled step is slower than eager, pick_step keeps eager.
 COMPILE_OPTIONS = {"aot_inductor.package_constants_in_so": False, "realize_acc_reads_threshold": 1}
-ISA_FLAGS = (("amx", "amx_tile"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2"))
+ISA_FLAGS = (
+    ("amx", "amx_tile"),
+    ("avx512_bf16", "avx512_bf16"),
+    ("avx512", "avx512f"),
+    ("avx2", "avx2"),
+)
 
 
 class Int8Linear(nn.Module):
@@ -35,11 +40,15 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
-        self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)  # the CPU kernel's
+        self.register_buffer(
+            "scale_bf16", scale.to(torch.bfloat16), persistent=False
+        )  # the CPU kernel's
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self.scale_bf16 = self.scale_bf16.to(torch.bfloat16)  # the kernel's dtype, whatever .to(dtype) cast it to
+        self.scale_bf16 = self.scale_bf16.to(
+            torch.bfloat16
+        )  # the kernel's dtype, whatever .to(dtype) cast it to
         return self
 
     @classmethod
@@ -70,7 +79,11 @@ def isa_class(flags: set[str]) -> str:
 def cpu_isa() -> str:
     """This machine's isa_class ("other" where /proc/cpuinfo has no flags line)."""
     try:
-        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        line = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
     except (OSError, StopIteration):
         return "other"
     return isa_class(set(line.partition(":")[2].split()))
@@ -134,8 +147,12 @@ def projection(layers: list[nn.Module], rows: bool) -> tuple[nn.Module, list]:
     [(layer, name, view)]: each layer's tensors as views of that copy, for DecodeStep.share_weights."""
     int8 = isinstance(layers[0], Int8Linear)
     names = ("weight", "scale") if int8 else ("weight",)
-    tensors = {name: torch.cat([getattr(layer, name).detach() for layer in layers]) for name in names}
-    fused = Int8Linear(tensors["weight"], tensors["scale"]) if int8 else dense(tensors["weight"], rows)
+    tensors = {
+        name: torch.cat([getattr(layer, name).detach() for layer in layers]) for name in names
+    }
+    fused = (
+        Int8Linear(tensors["weight"], tensors["scale"]) if int8 else dense(tensors["weight"], rows)
+    )
     views = []
     start = 0
     for layer in layers:
@@ -180,10 +197,14 @@ class FusedBlock(nn.Module):
         qk = qk.float()
         qk = (qk * cos + qk.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).type_as(v)
         q, k = qk.split((heads, kv_heads), 1)
-        k_cache[:batch, :, pos : pos + 1] = k.unsqueeze(2)  # a slice, not [pos]: one compiled graph for every pos
+        k_cache[:batch, :, pos : pos + 1] = k.unsqueeze(
+            2
+        )  # a slice, not [pos]: one compiled graph for every pos
         v_cache[:batch, :, pos : pos + 1] = v.unsqueeze(2)
         keys, values = k_cache[:batch, :, : pos + 1], v_cache[:batch, :, : pos + 1]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, enable_gqa=heads != kv_heads)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, enable_gqa=heads != kv_heads
+        )
         x = x + self.wo(out.view(batch, -1))
         gate, up = self.w13(self.ffn_norm(x)).chunk(2, -1)
         return x + self.w2(F.silu(gate) * up)
@@ -201,17 +222,27 @@ class DecodeStep(nn.Module):
     def __init__(self, model: Transformer, threads: int | None = None, compiled: bool = False):
         super().__init__()
         self.threads = threads
-        self.compiled = {} if compiled else None  # (batch, cache batch) -> its step compiled (compile_step)
+        self.compiled = (
+            {} if compiled else None
+        )  # (batch, cache batch) -> its step compiled (compile_step)
         if model.args.length_dependent:
-            raise ValueError("dynamic NTK rescales every cached position as the sequence grows: no fused decode step")
+            raise ValueError(
+                "dynamic NTK rescales every cached position as the sequence grows: no fused decode step"
+            )
         if not model.is_llama():
-            raise ValueError("the fused decode step is LLaMA's: a model with other switches decodes with its forward")
-        self.attentions = [block.attention for block in model.layers]  # whose KV caches generation sets up
+            raise ValueError(
+                "the fused decode step is LLaMA's: a model with other switches decodes with its forward"
+            )
+        self.attentions = [
+            block.attention for block in model.layers
+        ]  # whose KV caches generation sets up
         self.tok_embeddings = model.tok_embeddings
         self.norm = model.norm
         self.layers = nn.ModuleList(FusedBlock(block, compiled) for block in model.layers)
         self.shared = [view for layer in self.layers for view in layer.shared]
-        if model.output.weight is model.tok_embeddings.weight:  # tied: kept shared, laid out as it is
+        if (
+            model.output.weight is model.tok_embeddings.weight
+        ):  # tied: kept shared, laid out as it is
             self.output = dense(model.output.weight, rows=True) if compiled else model.output
         else:
             self.output, views = projection([model.output], compiled)
@@ -223,14 +254,20 @@ class DecodeStep(nn.Module):
     def tables(self, length: int):
         """RoPE's cos and sin (rope_table) and the positions as 0-d tensors (for a compiled step), for `length`
         positions."""
-        with torch.inference_mode(False):  # an inference tensor would be a new kind of input to a compiled step
+        with torch.inference_mode(
+            False
+        ):  # an inference tensor would be a new kind of input to a compiled step
             self.cos, self.sin = rope_table(self.args, length)
             self.positions = torch.arange(length, device=self.cos.device)
 
     def share_weights(self):
         """Point the model's linear layers at this step's copies of their weights (views into them)."""
         for layer, name, view in self.shared:
-            setattr(layer, name, nn.Parameter(view, requires_grad=False) if name in layer._parameters else view)
+            setattr(
+                layer,
+                name,
+                nn.Parameter(view, requires_grad=False) if name in layer._parameters else view,
+            )
 
     def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         if start_pos >= self.cos.shape[0]:
@@ -246,7 +283,13 @@ class DecodeStep(nn.Module):
             kind = (ids.shape[0], caches[0][0].shape[0])
             if kind not in self.compiled:
                 self.compiled[kind] = self.compile_step(ids, cos, sin, caches)
-            inputs = [ids, self.positions[start_pos], cos, sin, *(tensor for cache in caches for tensor in cache)]
+            inputs = [
+                ids,
+                self.positions[start_pos],
+                cos,
+                sin,
+                *(tensor for cache in caches for tensor in cache),
+            ]
             return self.compiled[kind](inputs)[0][:, None]
         finally:
             torch.set_num_threads(threads)
@@ -267,7 +310,9 @@ class DecodeStep(nn.Module):
         length = torch.export.Dim("cache_length", min=2, max=1 << 24)
         dims = [({2: length}, {2: length}) for _ in caches]
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)  # torch's own use of its pytree API
+            warnings.filterwarnings(
+                "ignore", ".*LeafSpec", FutureWarning
+            )  # torch's own use of its pytree API
             program = torch.export.export(
                 _PositionAsTensor(self),
                 (ids, self.positions[1], cos, sin, caches),
@@ -289,12 +334,18 @@ def compiled_package(program: torch.export.ExportedProgram, device: torch.device
     device, this CPU's ISA class, the thread count (Inductor writes no parallel loops for one), torch's version and
     the options."""
     key = f"{program}|{device}|{cpu_isa()}|{torch.get_num_threads()}|{torch.__version__}|{COMPILE_OPTIONS}"
-    path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "aoti" / f"{hashlib.sha256(key.encode()).hexdigest()}.pt2"
+    path = (
+        Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        / "aoti"
+        / f"{hashlib.sha256(key.encode()).hexdigest()}.pt2"
+    )
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_output(path) as tmp, open(tmp, "wb") as out:
             options = dict(COMPILE_OPTIONS)  # a copy: it adds its own
-            torch._inductor.aoti_compile_and_package(program, package_path=out, inductor_configs=options)
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=out, inductor_configs=options
+            )
     return path
 
 
@@ -313,7 +364,9 @@ class _PositionAsTensor(nn.Module):
 
 
 @torch.inference_mode()
-def step_seconds(model: Transformer, steps: dict, batch: int = 1, calls: int = 16, repeats: int = 5) -> dict:
+def step_seconds(
+    model: Transformer, steps: dict, batch: int = 1, calls: int = 16, repeats: int = 5
+) -> dict:
     """Median seconds of one decode step of `batch` rows through each of `steps` ({name: step of model}), timed
     interleaved after a warm-up call (where a compiled step compiles), on a cache of model's set up here and reset
     after."""
@@ -349,7 +402,9 @@ def pick_step(model: Transformer, eager: DecodeStep, compiled: DecodeStep, batch
     )
 
 
-def compiled_unless_slower(model: Transformer, step: DecodeStep, batch: int = 1) -> tuple[DecodeStep, str | None]:
+def compiled_unless_slower(
+    model: Transformer, step: DecodeStep, batch: int = 1
+) -> tuple[DecodeStep, str | None]:
     """pick_step between `step` (eager) and a compiled step of the model on the same threads, at the batch size it
     will decode (which it is compiled for). The model's layers then share the chosen step's weights: the other's
     copy goes with it."""

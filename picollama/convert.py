@@ -13,9 +13,24 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from checkpoint import load_model, model_bytes, model_from_state_dict, read_tokenizer, save_model
-from cli import ArgumentParser, UserError, add_out, add_run, atomic_output, check_type, check_writable, run_command
 from model import ModelArgs, Transformer, rope_frequencies
+from picollama.checkpoint import (
+    load_model,
+    model_bytes,
+    model_from_state_dict,
+    read_tokenizer,
+    save_model,
+)
+from picollama.cli import (
+    ArgumentParser,
+    UserError,
+    add_out,
+    add_run,
+    atomic_output,
+    check_type,
+    check_writable,
+    run_command,
+)
 
 # picollama name -> Hugging Face name, per layer
 LAYER_KEYS = {
@@ -43,13 +58,28 @@ GGUF_LAYER_KEYS = {
 }
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 # ModelArgs key -> the LlamaConfig key it is read from
-HF_KEYS = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads", vocab_size="vocab_size")
-HF_KEYS |= dict(n_kv_heads="num_key_value_heads", max_seq_len="max_position_embeddings", rope_factor="factor")
-HF_KEYS |= dict(ffn_hidden_dim="intermediate_size", norm_eps="rms_norm_eps", rope_theta="rope_theta")
+HF_KEYS = dict(
+    dim="hidden_size",
+    n_layers="num_hidden_layers",
+    n_heads="num_attention_heads",
+    vocab_size="vocab_size",
+)
+HF_KEYS |= dict(
+    n_kv_heads="num_key_value_heads", max_seq_len="max_position_embeddings", rope_factor="factor"
+)
+HF_KEYS |= dict(
+    ffn_hidden_dim="intermediate_size", norm_eps="rms_norm_eps", rope_theta="rope_theta"
+)
 # What --force may replace, beside an empty directory: a GGUF file (its magic), or a directory holding
 # model.safetensors and config.json and nothing picollama does not write there (a run's train_state/, metrics.jsonl
 # and extrapolation/; an export's tokenizer files; what an interrupted save left): never a user's own files.
-OWN_NAMES = {"model.safetensors", "config.json", "tokenizer.model", "tokenizer_config.json", "metrics.jsonl"}
+OWN_NAMES = {
+    "model.safetensors",
+    "config.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "metrics.jsonl",
+}
 OWN_NAMES |= {"train_state", "extrapolation"}
 LEFTOVER = re.compile(r"\..+\.(tmp|old)-\d+")
 
@@ -105,10 +135,14 @@ def hf_config(args: ModelArgs) -> dict:
     original_len = args.original_seq_len
     max_positions = args.max_seq_len
     if args.rope_scaling == "ntk":  # static NTK is a change of base: plain RoPE with a larger theta
-        rope["rope_theta"] = args.rope_theta * args.rope_factor ** (args.head_dim / (args.head_dim - 2))
+        rope["rope_theta"] = args.rope_theta * args.rope_factor ** (
+            args.head_dim / (args.head_dim - 2)
+        )
     elif args.rope_scaling in ("linear", "dynamic"):
         rope.update(rope_type=args.rope_scaling, factor=args.rope_factor)
-        if args.rope_scaling == "dynamic":  # Hugging Face scales dynamic NTK from max_position_embeddings
+        if (
+            args.rope_scaling == "dynamic"
+        ):  # Hugging Face scales dynamic NTK from max_position_embeddings
             max_positions = original_len
     elif args.rope_scaling == "yarn":
         rope.update(
@@ -127,7 +161,9 @@ def hf_config(args: ModelArgs) -> dict:
             high_freq_factor=args.rope_high_freq_factor,
         )
     elif args.rope_scaling != "none":  # a method added to model.py that is not mapped here
-        raise UserError(f"RoPE scaling {args.rope_scaling!r} is not exported to Hugging Face's Llama")
+        raise UserError(
+            f"RoPE scaling {args.rope_scaling!r} is not exported to Hugging Face's Llama"
+        )
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -152,15 +188,25 @@ def hf_config(args: ModelArgs) -> dict:
 def model_args_from_hf(config) -> ModelArgs:
     """ModelArgs for a LlamaConfig (or its dict); ValueError for what picollama does not implement."""
     c = config if isinstance(config, dict) else config.to_dict()
-    if c.get("model_type", "llama") != "llama" or any(a != "LlamaForCausalLM" for a in c.get("architectures") or []):
-        raise ValueError(f"not a Llama model (model_type {c.get('model_type')!r}, {c.get('architectures')})")
+    if c.get("model_type", "llama") != "llama" or any(
+        a != "LlamaForCausalLM" for a in c.get("architectures") or []
+    ):
+        raise ValueError(
+            f"not a Llama model (model_type {c.get('model_type')!r}, {c.get('architectures')})"
+        )
     if c.get("attention_bias") or c.get("mlp_bias") or c.get("hidden_act", "silu") != "silu":
         raise ValueError("biases and activations other than SiLU are not implemented")
     value = hf_reader(c, "config.json")
     dim, n_heads = value("hidden_size", int), value("num_attention_heads", int)
     if value("head_dim", int | None, None) not in (None, dim // n_heads):
-        raise ValueError(f"head_dim {c['head_dim']} != hidden_size/num_attention_heads is not implemented")
-    rope = value("rope_parameters", dict | None, None) or value("rope_scaling", dict | None, None) or {}
+        raise ValueError(
+            f"head_dim {c['head_dim']} != hidden_size/num_attention_heads is not implemented"
+        )
+    rope = (
+        value("rope_parameters", dict | None, None)
+        or value("rope_scaling", dict | None, None)
+        or {}
+    )
     rope_value = hf_reader(rope, "config.json rope_parameters")
     rope_type = rope_value("rope_type", str, rope_value("type", str, "default"))
     kwargs = {}
@@ -169,7 +215,9 @@ def model_args_from_hf(config) -> ModelArgs:
     elif rope_type in ("linear", "dynamic", "yarn", "llama3"):
         kwargs.update(rope_scaling=rope_type, rope_factor=rope_value("factor", float))
         if rope_type in ("yarn", "llama3"):
-            kwargs["rope_original_max_seq_len"] = rope_value("original_max_position_embeddings", int | None, None)
+            kwargs["rope_original_max_seq_len"] = rope_value(
+                "original_max_position_embeddings", int | None, None
+            )
         if rope_type == "yarn" and (
             rope.get("beta_fast") not in (None, 32)
             or rope.get("beta_slow") not in (None, 1)
@@ -177,7 +225,9 @@ def model_args_from_hf(config) -> ModelArgs:
             or rope.get("mscale")
             or rope.get("mscale_all_dim")
         ):
-            raise ValueError("yarn is implemented with beta_fast=32, beta_slow=1 and the default attention factor only")
+            raise ValueError(
+                "yarn is implemented with beta_fast=32, beta_slow=1 and the default attention factor only"
+            )
         if rope_type == "llama3":
             low, high = rope_value("low_freq_factor", float), rope_value("high_freq_factor", float)
             kwargs.update(rope_low_freq_factor=low, rope_high_freq_factor=high)
@@ -218,9 +268,13 @@ def from_hf_state_dict(state_dict: dict, config) -> Transformer:
     args = model_args_from_hf(config)
     missing = [theirs for _, theirs, _ in weight_names(args) if theirs not in state_dict]
     if missing:
-        raise ValueError(f"not a Llama state dict for this config: {len(missing)} weights missing, e.g. {missing[0]}")
+        raise ValueError(
+            f"not a Llama state dict for this config: {len(missing)} weights missing, e.g. {missing[0]}"
+        )
     ours = {
-        ours: (state_dict[theirs] if heads is None else half_to_interleaved(state_dict[theirs], heads)).contiguous()
+        ours: (
+            state_dict[theirs] if heads is None else half_to_interleaved(state_dict[theirs], heads)
+        ).contiguous()
         for ours, theirs, heads in weight_names(args)
     }
     return model_from_state_dict(args, ours)
@@ -261,7 +315,11 @@ def export_hf(run_dir: Path, hf_dir: Path):
         raise UserError(f"{run_dir} has no tokenizer.model")
     tokenizer = read_tokenizer(tokenizer_path)
     dtype = str(model.output.weight.dtype).removeprefix("torch.")
-    ids = {"bos_token": tokenizer.bos_id(), "eos_token": tokenizer.eos_id(), "unk_token": tokenizer.unk_id()}
+    ids = {
+        "bos_token": tokenizer.bos_id(),
+        "eos_token": tokenizer.eos_id(),
+        "unk_token": tokenizer.unk_id(),
+    }
     special = {name: tokenizer.id_to_piece(i) if i >= 0 else None for name, i in ids.items()}
     config = hf_config(model.args) | {
         "bos_token_id": tokenizer.bos_id(),
@@ -304,7 +362,9 @@ def gguf_rope(args: ModelArgs) -> tuple[float, torch.Tensor | None]:
     if args.rope_scaling in ("linear", "llama3"):
         plain = 1.0 / args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
         return args.rope_theta, plain / rope_frequencies(args, args.max_seq_len)[0]
-    raise UserError(f"RoPE scaling {args.rope_scaling!r} is not exported to GGUF (none, ntk, linear and llama3 are)")
+    raise UserError(
+        f"RoPE scaling {args.rope_scaling!r} is not exported to GGUF (none, ntk, linear and llama3 are)"
+    )
 
 
 def export_gguf(run_dir: Path, out: Path, type_: str):
@@ -324,12 +384,18 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
     try:
         import gguf
     except ImportError:
-        raise UserError("to-gguf needs the gguf package (llama.cpp's writer): pip install gguf") from None
+        raise UserError(
+            "to-gguf needs the gguf package (llama.cpp's writer): pip install gguf"
+        ) from None
     args = model.args
     check_llama(args, "llama.cpp's llama")
     freq_base, freq_divisors = gguf_rope(args)
     qtype = gguf.GGMLQuantizationType[type_.upper()]
-    file_type = gguf.LlamaFileType.ALL_F32 if type_ == "f32" else gguf.LlamaFileType[f"MOSTLY_{type_.upper()}"]
+    file_type = (
+        gguf.LlamaFileType.ALL_F32
+        if type_ == "f32"
+        else gguf.LlamaFileType[f"MOSTLY_{type_.upper()}"]
+    )
     with atomic_output(out) as tmp:
         writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
         writer.add_name(name)
@@ -346,7 +412,10 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
         writer.add_file_type(file_type)
         add_gguf_vocab(writer, tokenizer, args.vocab_size, gguf)
         state = model.state_dict()
-        tensors = {"token_embd": state["tok_embeddings.weight"], "output_norm": state["norm.weight"]}
+        tensors = {
+            "token_embd": state["tok_embeddings.weight"],
+            "output_norm": state["norm.weight"],
+        }
         if not args.tie_embeddings:  # llama.cpp reuses token_embd when output is absent
             tensors["output"] = state["output.weight"]
         if freq_divisors is not None:
@@ -396,7 +465,11 @@ def add_gguf_vocab(writer, tokenizer, vocab_size: int, gguf):
     writer.add_token_types(types)
     writer.add_add_space_prefix(has_dummy_prefix(tokenizer))
     writer.add_remove_extra_whitespaces(False)
-    for name, token_id in (("bos", tokenizer.bos_id()), ("eos", tokenizer.eos_id()), ("unk", tokenizer.unk_id())):
+    for name, token_id in (
+        ("bos", tokenizer.bos_id()),
+        ("eos", tokenizer.eos_id()),
+        ("unk", tokenizer.unk_id()),
+    ):
         if token_id >= 0:
             getattr(writer, f"add_{name}_token_id")(token_id)
     writer.add_add_bos_token(tokenizer.bos_id() >= 0)
@@ -410,7 +483,10 @@ def read_hf_weights(hf_dir: Path) -> dict:
         files = [hf_dir / "model.safetensors"]
     elif index.is_file():
         try:
-            files = [hf_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+            files = [
+                hf_dir / name
+                for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            ]
         except (json.JSONDecodeError, KeyError, AttributeError) as e:
             raise UserError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
     else:
@@ -433,7 +509,9 @@ def import_hf(hf_dir: Path, run_dir: Path):
     try:
         config = json.loads((hf_dir / "config.json").read_text())
     except FileNotFoundError:
-        raise UserError(f"{hf_dir} has no config.json: not a Hugging Face model directory") from None
+        raise UserError(
+            f"{hf_dir} has no config.json: not a Hugging Face model directory"
+        ) from None
     except json.JSONDecodeError as e:
         raise UserError(f"{hf_dir}/config.json: not JSON ({e})") from None
     try:
@@ -441,17 +519,25 @@ def import_hf(hf_dir: Path, run_dir: Path):
     except UserError as e:  # a value of the wrong type
         raise UserError(f"{hf_dir}/{e}") from None
     except (KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"{hf_dir}/config.json is not a Hugging Face Llama config ({type(e).__name__}: {e})") from None
-    except ValueError as e:  # what picollama does not run, in ModelArgs' words: name the key as the file does
+        raise UserError(
+            f"{hf_dir}/config.json is not a Hugging Face Llama config ({type(e).__name__}: {e})"
+        ) from None
+    except (
+        ValueError
+    ) as e:  # what picollama does not run, in ModelArgs' words: name the key as the file does
         theirs = HF_KEYS.get(str(e).split()[0])
-        raise UserError(f"{hf_dir}/config.json: {e}" + (f" ({theirs} there)" if theirs else "")) from None
+        raise UserError(
+            f"{hf_dir}/config.json: {e}" + (f" ({theirs} there)" if theirs else "")
+        ) from None
     tokenizer_path = hf_dir / "tokenizer.model"
     if not tokenizer_path.is_file():
         raise UserError(
             f"{hf_dir} has no sentencepiece tokenizer.model (tokenizer.json-only tokenizers are not supported)"
         )
     pieces = read_tokenizer(tokenizer_path).get_piece_size()
-    if pieces > args.vocab_size:  # generate could not decode what the model never embeds: refused before writing
+    if (
+        pieces > args.vocab_size
+    ):  # generate could not decode what the model never embeds: refused before writing
         raise UserError(
             f"{hf_dir}: tokenizer.model has {pieces} pieces but config.json vocab_size is {args.vocab_size}: not "
             "this model's tokenizer; copy the one it was trained with"
@@ -462,7 +548,12 @@ def import_hf(hf_dir: Path, run_dir: Path):
     except UserError as e:  # weights of the wrong shapes
         raise UserError(f"{hf_dir}: {e}") from None
     with atomic_output(run_dir) as tmp:
-        save_model(model, tmp, {"converted_from": {"hf_dir": str(hf_dir), "config": config}}, tokenizer=tokenizer_path)
+        save_model(
+            model,
+            tmp,
+            {"converted_from": {"hf_dir": str(hf_dir), "config": config}},
+            tokenizer=tokenizer_path,
+        )
 
 
 class OldPaths(argparse.Action):
@@ -487,23 +578,37 @@ class OldPaths(argparse.Action):
 
 
 def parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="python convert.py", description=__doc__)
+    parser = ArgumentParser(prog="python -m picollama.convert", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    to_hf = commands.add_parser("to-hf", help="export a run directory for transformers.AutoModelForCausalLM")
+    to_hf = commands.add_parser(
+        "to-hf", help="export a run directory for transformers.AutoModelForCausalLM"
+    )
     add_run(to_hf)
     add_out(to_hf, "the Hugging Face directory written")
-    from_hf = commands.add_parser("from-hf", help="import a Hugging Face Llama directory as a run directory")
-    from_hf.add_argument("--hf-dir", type=Path, metavar="DIR", help="the Hugging Face Llama directory read")
+    from_hf = commands.add_parser(
+        "from-hf", help="import a Hugging Face Llama directory as a run directory"
+    )
+    from_hf.add_argument(
+        "--hf-dir", type=Path, metavar="DIR", help="the Hugging Face Llama directory read"
+    )
     from_hf.needed = [("hf_dir", "--hf-dir")]
     add_out(from_hf, "the run directory written")
-    to_gguf = commands.add_parser("to-gguf", help="export a run directory as one GGUF file for llama.cpp")
+    to_gguf = commands.add_parser(
+        "to-gguf", help="export a run directory as one GGUF file for llama.cpp"
+    )
     add_run(to_gguf)
     add_out(to_gguf, "the .gguf file written")
-    to_gguf.add_argument("--type", choices=GGUF_TYPES, default="f32", help="weight type (default f32)")
+    to_gguf.add_argument(
+        "--type", choices=GGUF_TYPES, default="f32", help="weight type (default f32)"
+    )
     for sub, source in ((to_hf, "run"), (from_hf, "hf_dir"), (to_gguf, "run")):
         sub.needed.append(("out", "--out"))
-        sub.add_argument("--force", action="store_true", help="replace an existing (non-empty) output")
-        sub.add_argument("paths", nargs="*", type=Path, action=OldPaths, source=source, help=argparse.SUPPRESS)
+        sub.add_argument(
+            "--force", action="store_true", help="replace an existing (non-empty) output"
+        )
+        sub.add_argument(
+            "paths", nargs="*", type=Path, action=OldPaths, source=source, help=argparse.SUPPRESS
+        )
     return parser
 
 
@@ -514,7 +619,9 @@ def main(argv: list[str]) -> int:
     directory = args.command != "to-gguf"
     check_writable(out, inputs=[source], directory=directory)
     if out.exists() and (not directory or any(out.iterdir())) and not args.force:
-        raise UserError(f"{out} exists{' and is not empty' if directory else ''}; pass --force to replace it")
+        raise UserError(
+            f"{out} exists{' and is not empty' if directory else ''}; pass --force to replace it"
+        )
     if args.command == "to-gguf":
         export_gguf(source, out, args.type)
     else:

@@ -10,19 +10,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import common
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import read_tokenizer
-from cli import UserError, add_compile, comma_list, positive, run_command
-from convert import write_gguf
-from device import cpu_has_bf16
 from generate import Sampling, generate
-from inference import DecodeStep, cpu_isa, int8_dtype, quantize
 from model import ModelArgs
+from picollama.checkpoint import read_tokenizer
+from picollama.cli import UserError, add_compile, comma_list, positive, run_command
+from picollama.convert import write_gguf
+from picollama.device import cpu_has_bf16
+from picollama.inference import DecodeStep, cpu_isa, int8_dtype, quantize
+from picollama.lab.bench import common
 
 LLAMA_CPP_TYPES = ("f32", "bf16", "q8_0")
 FP32_DECODERS = ("ours_fused_eager", "ours_compiled")  # name prefixes of our fp32 fused steps
@@ -67,7 +67,9 @@ def variants(model, device, compiled: bool) -> dict:
     for n in threads:
         suffix = "_1thread" if n else ""
         found["ours_fused_eager" + suffix] = fused(torch.float32, compile_it=False, threads=n)
-        found["ours_int8_eager" + suffix] = fused(int8_dtype(device), "int8", compile_it=False, threads=n)
+        found["ours_int8_eager" + suffix] = fused(
+            int8_dtype(device), "int8", compile_it=False, threads=n
+        )
         if compiled:
             found["ours_compiled" + suffix] = fused(torch.float32, threads=n)
             found["ours_int8_compiled" + suffix] = fused(int8_dtype(device), "int8", threads=n)
@@ -104,7 +106,9 @@ class LlamaCpp:
             ids = (api.llama_token * len(tokens))(*tokens)  # kept alive while llama_decode reads it
             if api.llama_decode(self.context, api.llama_batch_get_one(ids, len(tokens))):
                 raise RuntimeError("llama_decode failed")
-            logits = np.ctypeslib.as_array(api.llama_get_logits_ith(self.context, -1), shape=(self.vocab,))
+            logits = np.ctypeslib.as_array(
+                api.llama_get_logits_ith(self.context, -1), shape=(self.vocab,)
+            )
             tokens = [int(logits.argmax())]
             out.append(tokens[0])
         return out
@@ -114,7 +118,9 @@ class LlamaCpp:
         self.api.llama_model_free(self.model)
 
 
-def llama_cpp_decoders(model, tokenizer_path: Path, context: int, folder: Path) -> tuple[dict, str | None]:
+def llama_cpp_decoders(
+    model, tokenizer_path: Path, context: int, folder: Path
+) -> tuple[dict, str | None]:
     """({name: LlamaCpp} for our model exported as f32, bf16 and q8_0 GGUF files, or {}, and why not)."""
     try:
         import llama_cpp  # noqa: F401
@@ -124,22 +130,34 @@ def llama_cpp_decoders(model, tokenizer_path: Path, context: int, folder: Path) 
         return {}, f"no tokenizer at {tokenizer_path} (--tokenizer) for the GGUF vocabulary"
     tokenizer = read_tokenizer(tokenizer_path)
     if tokenizer.get_piece_size() > model.args.vocab_size:
-        return {}, f"{tokenizer_path} has more pieces than the model's {model.args.vocab_size} embeddings"
+        return (
+            {},
+            f"{tokenizer_path} has more pieces than the model's {model.args.vocab_size} embeddings",
+        )
     decoders = {}
     for kind in LLAMA_CPP_TYPES:
         write_gguf(model, tokenizer, folder / f"{kind}.gguf", kind, "bench")
-        decoders[f"llama_cpp_{kind}"] = LlamaCpp(folder / f"{kind}.gguf", context, torch.get_num_threads())
+        decoders[f"llama_cpp_{kind}"] = LlamaCpp(
+            folder / f"{kind}.gguf", context, torch.get_num_threads()
+        )
     return decoders, None
 
 
 @torch.inference_mode()
-def step_seconds(model, step, positions: list[int], device, calls: int, repeats: int, progress) -> dict[int, float]:
+def step_seconds(
+    model, step, positions: list[int], device, calls: int, repeats: int, progress
+) -> dict[int, float]:
     """Median seconds of one decode step (step, or the model) at each position, positions 0..p-1 already cached."""
     step = model if step is None else step
     model.setup_cache(1, max(positions) + 2)  # +2: never the cache's last slot, as in generate()
     try:
         generator = torch.Generator().manual_seed(1)
-        model(torch.randint(0, model.args.vocab_size, (1, max(positions)), generator=generator).to(device), start_pos=0)
+        model(
+            torch.randint(0, model.args.vocab_size, (1, max(positions)), generator=generator).to(
+                device
+            ),
+            start_pos=0,
+        )
         token = torch.zeros(1, 1, dtype=torch.long, device=device)
 
         def steps_at(pos):
@@ -149,7 +167,9 @@ def step_seconds(model, step, positions: list[int], device, calls: int, repeats:
 
             return run
 
-        medians = common.interleaved_medians({p: steps_at(p) for p in positions}, device, 1, repeats, progress)
+        medians = common.interleaved_medians(
+            {p: steps_at(p) for p in positions}, device, 1, repeats, progress
+        )
     finally:
         model.reset_cache()
     return {p: s / calls for p, s in medians.items()}
@@ -168,7 +188,9 @@ def decode_bounds(model, device, repeats: int, progress) -> dict:
         for w in weights:
             F.linear(inputs[w.shape[1]], w)
 
-    seconds = common.interleaved_medians({"matvecs": matvecs, "read": big.sum}, device, 1, repeats, progress)
+    seconds = common.interleaved_medians(
+        {"matvecs": matvecs, "read": big.sum}, device, 1, repeats, progress
+    )
     read_bytes_per_s = big.numel() * big.element_size() / seconds["read"]
     return {
         "weight_bytes": nbytes,
@@ -202,11 +224,19 @@ class Measured:
 def parse_args(argv: list[str]):
     """The flags, with --smoke's tiny model and short runs filled in."""
     p = common.parser(__doc__, "decode")
-    add_compile(p, "our fused decode steps too (the *_compiled decoders, each ~10-40 s)", default=True)
-    p.add_argument("--config", default="small", help="small, base or a configs/NAME.toml name (default small)")
+    add_compile(
+        p, "our fused decode steps too (the *_compiled decoders, each ~10-40 s)", default=True
+    )
+    p.add_argument(
+        "--config", default="small", help="small, base or a configs/NAME.toml name (default small)"
+    )
     p.add_argument("--prompt-len", type=positive(), default=16, help="prompt tokens (default 16)")
-    p.add_argument("--new-tokens", type=positive(), default=512, help="tokens to generate (default 512)")
-    p.add_argument("--repeats", type=positive(), default=3, help="interleaved runs of each method (default 3)")
+    p.add_argument(
+        "--new-tokens", type=positive(), default=512, help="tokens to generate (default 512)"
+    )
+    p.add_argument(
+        "--repeats", type=positive(), default=3, help="interleaved runs of each method (default 3)"
+    )
     p.add_argument(
         "--positions",
         type=comma_list(positive()),
@@ -237,7 +267,9 @@ def build(cli, device, dtype) -> tuple:
     context = max(margs.max_seq_len, cli.prompt_len + cli.new_tokens, max(cli.positions) + 2)
     ours = common.build_ours(dataclasses.replace(margs, max_seq_len=context), device, dtype).eval()
     hf = common.build_hf(ours).eval()
-    prompt = torch.randint(0, margs.vocab_size, (1, cli.prompt_len), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(
+        0, margs.vocab_size, (1, cli.prompt_len), generator=torch.Generator().manual_seed(0)
+    )
     prompt = prompt.to(device)
     decoders = variants(ours, device, compiled=cli.compile)
 
@@ -267,10 +299,18 @@ def recording(methods: dict, outputs: dict, n: int) -> dict:
 def time_ours(cli, ours, decoders: dict, methods: dict, device) -> Measured:
     """Compile (warm up) the compiled decoders, then time the whole greedy runs of every method interleaved, the
     one-token step of a few decoders at each position, and the bounds."""
-    compile_seconds = {name: warm_up(run, cli.new_tokens) for name, run in methods.items() if "compiled" in name}
+    compile_seconds = {
+        name: warm_up(run, cli.new_tokens) for name, run in methods.items() if "compiled" in name
+    }
     outputs = {}
     calls = 4 if cli.smoke else 32
-    timed = ("ours_model_step", "ours_fused_eager", "ours_compiled", "ours_compiled_1thread", "ours_int8_compiled")
+    timed = (
+        "ours_model_step",
+        "ours_fused_eager",
+        "ours_compiled",
+        "ours_compiled_1thread",
+        "ours_int8_compiled",
+    )
     timed_steps = [name for name in timed if name in decoders]
     total = cli.repeats + len(timed_steps) * (2 * cli.repeats + 1) + 2 * cli.repeats + 1
     with tqdm(total=total, desc="decode runs", disable=None) as progress:
@@ -278,7 +318,9 @@ def time_ours(cli, ours, decoders: dict, methods: dict, device) -> Measured:
         samples = common.interleaved_times(runs, device, 0, cli.repeats, progress)
         seconds = {name: statistics.median(times) for name, times in samples.items()}
         steps = {
-            name: step_seconds(*decoders[name], cli.positions, device, calls, 2 * cli.repeats, progress)
+            name: step_seconds(
+                *decoders[name], cli.positions, device, calls, 2 * cli.repeats, progress
+            )
             for name in timed_steps
         }
         bounds = decode_bounds(ours, device, 2 * cli.repeats, progress)
@@ -296,7 +338,10 @@ def time_llama_cpp(cli, ours, prompt: torch.Tensor, device, measured: Measured):
         context = cli.prompt_len + cli.new_tokens
         llama_cpp, measured.why_not = llama_cpp_decoders(ours, cli.tokenizer, context, Path(folder))
         try:
-            theirs = {name: lambda n, d=decoder: d.greedy(prompt[0].tolist(), n) for name, decoder in llama_cpp.items()}
+            theirs = {
+                name: lambda n, d=decoder: d.greedy(prompt[0].tolist(), n)
+                for name, decoder in llama_cpp.items()
+            }
             for run in theirs.values():
                 warm_up(run, cli.new_tokens)
             runs = recording(theirs, measured.outputs, cli.new_tokens)
@@ -327,8 +372,15 @@ def best(seconds: dict, prefixes: tuple) -> str:
 def agreement(measured: Measured, n: int, dtype) -> dict[str, int]:
     """How many greedy tokens of each method agree with the plain model step's; UserError if an fp32 one differs."""
     reference = measured.outputs["ours_model_step"]
-    agree = {name: sum(a == b for a, b in zip(reference, t, strict=False)) for name, t in measured.outputs.items()}
-    exact = ["ours_no_cache", "ours_fused_eager", "ours_compiled"]  # fp32 throughout: the same tokens
+    agree = {
+        name: sum(a == b for a, b in zip(reference, t, strict=False))
+        for name, t in measured.outputs.items()
+    }
+    exact = [
+        "ours_no_cache",
+        "ours_fused_eager",
+        "ours_compiled",
+    ]  # fp32 throughout: the same tokens
     if dtype == torch.float32 and any(agree[name] != n for name in exact if name in agree):
         raise UserError(f"fp32 decoders disagree with the plain model's greedy tokens: {agree}")
     return agree
@@ -343,11 +395,21 @@ def ratios_of(measured: Measured, n: int, positions: list[int]) -> dict[str, flo
     return {
         f"{best_fp32}_over_hf": seconds["hf_generate"] / seconds[best_fp32],
         f"{best_int8}_over_hf": seconds["hf_generate"] / seconds[best_int8],
-        f"{best_fp32}_over_stream_bound": bounds["stream_read_bound_seconds"] * n / seconds[best_fp32],
+        f"{best_fp32}_over_stream_bound": bounds["stream_read_bound_seconds"]
+        * n
+        / seconds[best_fp32],
         "model_step_over_no_cache": seconds["ours_no_cache"] / seconds["ours_model_step"],
         **{f"{name}_step_{last}_over_{first}": s[last] / s[first] for name, s in steps.items()},
-        **{f"{best_fp32}_over_{k}": seconds[k] / seconds[best_fp32] for k in ("llama_cpp_f32",) if k in seconds},
-        **{f"{best_int8}_over_{k}": seconds[k] / seconds[best_int8] for k in ("llama_cpp_q8_0",) if k in seconds},
+        **{
+            f"{best_fp32}_over_{k}": seconds[k] / seconds[best_fp32]
+            for k in ("llama_cpp_f32",)
+            if k in seconds
+        },
+        **{
+            f"{best_int8}_over_{k}": seconds[k] / seconds[best_int8]
+            for k in ("llama_cpp_q8_0",)
+            if k in seconds
+        },
     }
 
 
@@ -362,7 +424,9 @@ def report(cli, margs: ModelArgs, measured: Measured, agree: dict, ratios: dict)
         f"model, context raised to {margs.max_seq_len}, {cpu_isa()} CPU"
         + (f"; llama.cpp skipped: {measured.why_not}" if measured.why_not else "")
     )
-    rows = [[name, n / s, s, seconds["hf_generate"] / s, agree[name]] for name, s in seconds.items()]
+    rows = [
+        [name, n / s, s, seconds["hf_generate"] / s, agree[name]] for name, s in seconds.items()
+    ]
     common.print_table(["method", "tok/s", "seconds", "vs HF", "same tokens"], rows)
     positions = cli.positions
     first, last = positions[0], positions[-1]
@@ -398,13 +462,19 @@ def write(cli, margs: ModelArgs, dtype, measured: Measured, agree: dict, ratios:
             "new_tokens": n,
             "dtype": str(dtype).removeprefix("torch."),
             "methods": {
-                name: {"seconds": s, "tokens_per_second": n / s, "runs_seconds": measured.samples.get(name)}
+                name: {
+                    "seconds": s,
+                    "tokens_per_second": n / s,
+                    "runs_seconds": measured.samples.get(name),
+                }
                 for name, s in measured.seconds.items()
             },
             "compile_seconds": measured.compile_seconds,
             "llama_cpp_skipped": measured.why_not,
             "greedy_tokens_agreeing_with_ours_model_step": agree,
-            "step_seconds_by_position": {name: {str(p): t for p, t in s.items()} for name, s in measured.steps.items()},
+            "step_seconds_by_position": {
+                name: {str(p): t for p, t in s.items()} for name, s in measured.steps.items()
+            },
             "bounds": measured.bounds,
             "ratios": ratios,
         },

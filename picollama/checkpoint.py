@@ -24,9 +24,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from cli import UserError, atomic_output, check_free_space, check_type, one_line, remove, replace, write_failure
 from data.tokenizer import same_tokenizer, tokenizer_sha256
 from model import ModelArgs, Transformer
+from picollama.cli import (
+    UserError,
+    atomic_output,
+    check_free_space,
+    check_type,
+    one_line,
+    remove,
+    replace,
+    write_failure,
+)
 
 
 def save_model(model: Transformer, run_dir, config: dict | None = None, tokenizer=None) -> Path:
@@ -52,7 +61,10 @@ def model_files(model: Transformer, run_dir, config: dict | None = None, tokeniz
         del state["output.weight"]  # the same tensor as tok_embeddings.weight
     recorded = {"tokenizer_sha256": tokenizer_sha256(tokenizer)} if tokenizer is not None else {}
     text = json.dumps({"model": model.args.to_dict(), **(config or {}), **recorded}, indent=2)
-    copy = tokenizer is not None and Path(tokenizer).resolve() != (run_dir / "tokenizer.model").resolve()
+    copy = (
+        tokenizer is not None
+        and Path(tokenizer).resolve() != (run_dir / "tokenizer.model").resolve()
+    )
     needed = model_bytes(model) + len(text) + (Path(tokenizer).stat().st_size if copy else 0)
     check_free_space(run_dir, needed, f"the model to {run_dir}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +74,9 @@ def model_files(model: Transformer, run_dir, config: dict | None = None, tokeniz
         config_tmp = files.enter_context(atomic_output(run_dir / "config.json"))
         config_tmp.write_text(text)
         if copy:
-            shutil.copyfile(tokenizer, files.enter_context(atomic_output(run_dir / "tokenizer.model")))
+            shutil.copyfile(
+                tokenizer, files.enter_context(atomic_output(run_dir / "tokenizer.model"))
+            )
         yield
 
 
@@ -74,17 +88,23 @@ def model_bytes(model: Transformer) -> int:
 
 def non_finite(named_tensors) -> list[str]:
     """The names of the floating-point tensors among (name, tensor) pairs that hold a NaN or an infinity."""
-    return [name for name, t in named_tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return [
+        name
+        for name, t in named_tensors
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
 
 
 def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
     """The model saved in run_dir and its config.json; UserError naming what is missing or wrong."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
-        raise UserError(f"{run_dir} is a file: pass the run directory that holds it, {run_dir.parent}")
+        raise UserError(
+            f"{run_dir} is a file: pass the run directory that holds it, {run_dir.parent}"
+        )
     if is_hf_directory(run_dir):
         raise UserError(
-            f"{run_dir} is a Hugging Face model directory; import it first: python convert.py from-hf {run_dir} RUN_DIR"
+            f"{run_dir} is a Hugging Face model directory; import it first: python -m picollama.convert from-hf --hf-dir {run_dir} --out RUN_DIR"
         )
     for name in ("model.safetensors", "config.json"):
         if not (run_dir / name).is_file():
@@ -119,14 +139,18 @@ def is_hf_directory(path: Path) -> bool:
     return isinstance(config, dict) and "model_type" in config and "model" not in config
 
 
-def load_run(run_dir, device, dtype: torch.dtype) -> tuple[Transformer, dict, spm.SentencePieceProcessor]:
+def load_run(
+    run_dir, device, dtype: torch.dtype
+) -> tuple[Transformer, dict, spm.SentencePieceProcessor]:
     """(model in dtype and eval mode, config, sentencepiece tokenizer) from a run directory; UserError naming what is
     wrong. The tokenizer may have fewer pieces than the model has embeddings (padded vocabularies): generate.py then
     samples only ids it can decode."""
     model, config = load_model(run_dir, device)
     tokenizer_path = Path(run_dir) / "tokenizer.model"
     if not tokenizer_path.is_file():
-        raise UserError(f"{run_dir} has no tokenizer.model; copy the dataset's tokenizer.model there")
+        raise UserError(
+            f"{run_dir} has no tokenizer.model; copy the dataset's tokenizer.model there"
+        )
     recorded = config.get("tokenizer_sha256")
     if not same_tokenizer(recorded, tokenizer_path):
         raise UserError(
@@ -152,9 +176,14 @@ def read_tokenizer(path: Path) -> spm.SentencePieceProcessor:
 def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
     """A Transformer of args holding state's tensors as they are (dtype, device), without a random init."""
     layers = len({key.split(".")[1] for key in state if key.startswith("layers.")})
-    rows, columns = state["tok_embeddings.weight"].shape if "tok_embeddings.weight" in state else (None, None)
+    rows, columns = (
+        state["tok_embeddings.weight"].shape if "tok_embeddings.weight" in state else (None, None)
+    )
     for key, found in (("n_layers", layers), ("vocab_size", rows), ("dim", columns)):
-        if found not in (None, getattr(args, key)):  # before the model is built: a corrupt size could take minutes
+        if found not in (
+            None,
+            getattr(args, key),
+        ):  # before the model is built: a corrupt size could take minutes
             raise UserError(
                 f"weights do not match config.json: model.{key} is {getattr(args, key)} there, {found} in the weights"
             )
@@ -197,14 +226,18 @@ def rng_state(device: torch.device) -> dict:
         "python": random.getstate(),
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         "torch": torch.get_rng_state().tolist(),
-        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if device.type == "cuda" else None,
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        if device.type == "cuda"
+        else None,
     }
 
 
 def set_rng_state(state: dict, device: torch.device):
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    np.random.set_state((state["numpy"][0], np.array(state["numpy"][1], dtype=np.uint32), *state["numpy"][2:]))
+    np.random.set_state(
+        (state["numpy"][0], np.array(state["numpy"][1], dtype=np.uint32), *state["numpy"][2:])
+    )
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if device.type == "cuda" and state["cuda"] is not None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
@@ -212,11 +245,17 @@ def set_rng_state(state: dict, device: torch.device):
 
 def checkpoints(run_dir) -> list[Path]:
     """Finished train_state/step_* directories, oldest first (unfinished .step_*.tmp ones are ignored)."""
-    found = [p for p in (Path(run_dir) / "train_state").glob("step_*") if re.fullmatch(r"step_\d+", p.name)]
+    found = [
+        p
+        for p in (Path(run_dir) / "train_state").glob("step_*")
+        if re.fullmatch(r"step_\d+", p.name)
+    ]
     return sorted((p for p in found if p.is_dir()), key=lambda p: int(p.name[5:]))
 
 
-def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: dict, tokenizer, keep: int):
+def save_checkpoint(
+    run_dir, step: int, model, optimizer, loader, dist, config: dict, tokenizer, keep: int
+):
     """train_state/step_N (DCP model and optimizer shards, each rank's loader and RNG state, meta.json), written
     into a temporary directory, and the run directory's model export (save_model with `config` and `tokenizer`)
     written beside it; both are renamed into place only once all is written, so that a failed save (a full disk:
@@ -225,7 +264,9 @@ def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: 
     check_finite(model, optimizer, dist, f"at step {step}", run_dir)
     state_dir = Path(run_dir) / "train_state"
     final = state_dir / f"step_{step:06d}"
-    tmp = state_dir / f".{final.name}.tmp"  # one name on every rank, all writing into it (not atomic_output's)
+    tmp = (
+        state_dir / f".{final.name}.tmp"
+    )  # one name on every rank, all writing into it (not atomic_output's)
     needed = dist.world_size * local_state_bytes(model, optimizer) + model_bytes(model)
     if dist.main:
         for stale in state_dir.glob(".step_*.tmp"):  # left by a crash
@@ -243,8 +284,14 @@ def save_checkpoint(run_dir, step: int, model, optimizer, loader, dist, config: 
                 remove(old)
 
     try:
-        together(dist, lambda: write_train_state(tmp, step, model, optimizer, loader, dist, config, tokenizer), final)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        together(
+            dist,
+            lambda: write_train_state(tmp, step, model, optimizer, loader, dist, config, tokenizer),
+            final,
+        )
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         together(dist, export, final)
     except BaseException as e:
         if dist.main:
@@ -290,7 +337,9 @@ def together(dist, work, final: Path):
         raise UserError(f"rank {rank} failed to save: {message}")
 
 
-def write_train_state(tmp: Path, step: int, model, optimizer, loader, dist, config: dict, tokenizer):
+def write_train_state(
+    tmp: Path, step: int, model, optimizer, loader, dist, config: dict, tokenizer
+):
     """This rank's part of a checkpoint in `tmp`: DCP shards, rank{R}.json; and rank 0's meta.json, which records
     the model, the tokenizer and the settings a resume must keep (EXACT_KEYS)."""
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -298,7 +347,11 @@ def write_train_state(tmp: Path, step: int, model, optimizer, loader, dist, conf
     # cores idle in OpenMP barrier waits (most likely gloo's threads start a second OpenMP team, and libgomp, seeing
     # more threads than cores, stops spinning).
     with single_process_quiet():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), no_dist=dist.world_size == 1)
+        dcp.save(
+            {"model": model_state, "optim": optim_state},
+            checkpoint_id=str(tmp),
+            no_dist=dist.world_size == 1,
+        )
     extra = {"step": step, "loader": loader.state_dict(), "rng": rng_state(dist.device)}
     (tmp / f"rank{dist.rank}.json").write_text(json.dumps(extra))
     if dist.main:
@@ -314,16 +367,26 @@ def local_state_bytes(model, optimizer) -> int:
     """About the bytes this rank's shard of a checkpoint takes: its weights, its optimizer state, and JSON."""
     tensors = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     for state in optimizer.state.values():
-        tensors += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
+        tensors += [
+            v.to_local() if hasattr(v, "to_local") else v
+            for v in state.values()
+            if torch.is_tensor(v)
+        ]
     return sum(t.numel() * t.element_size() for t in tensors) + 256 * 1024
 
 
 def check_finite(model, optimizer, dist, when: str, run_dir):
     """Stop (on every rank) when this rank's shard of the weights or of the optimizer state holds a NaN or an
     infinity, anywhere: such a state is never saved."""
-    local = [(name, p.to_local() if hasattr(p, "to_local") else p) for name, p in model.named_parameters()]
+    local = [
+        (name, p.to_local() if hasattr(p, "to_local") else p)
+        for name, p in model.named_parameters()
+    ]
     for i, state in enumerate(optimizer.state.values()):
-        local += [(f"optimizer {key} {i}", v.to_local() if hasattr(v, "to_local") else v) for key, v in state.items()]
+        local += [
+            (f"optimizer {key} {i}", v.to_local() if hasattr(v, "to_local") else v)
+            for key, v in state.items()
+        ]
     bad = non_finite(local)
     if dist.all_reduce_sum(torch.tensor(float(len(bad)), device=dist.device)).item():
         names = ", ".join(bad[:3]) or "on another rank"
@@ -346,7 +409,11 @@ def unusable(path: Path, problem: str) -> UserError:
     """The error for a checkpoint that cannot be resumed, pointing at the one before it."""
     step = int(path.name[5:])
     earlier = [p for p in checkpoints(path.parent.parent) if int(p.name[5:]) < step]
-    hint = f"delete it to resume from {earlier[-1]}" if earlier else "run without --resume to start again"
+    hint = (
+        f"delete it to resume from {earlier[-1]}"
+        if earlier
+        else "run without --resume to start again"
+    )
     return UserError(f"cannot resume from {path}: {problem}; {hint}")
 
 
@@ -357,12 +424,17 @@ def load_checkpoint(path: Path, model, optimizer, loader, dist) -> int:
     try:
         with single_process_quiet():
             dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
         own = path / f"rank{dist.rank}.json"
         extra = json.loads((own if own.is_file() else path / "rank0.json").read_text())
         loader.load_state_dict(extra["loader"])
         set_rng_state(extra["rng"], dist.device)
-    except (Exception, CheckpointException) as e:  # DCP and torch raise many kinds; the user needs one line
+    except (
+        Exception,
+        CheckpointException,
+    ) as e:  # DCP and torch raise many kinds; the user needs one line
         if isinstance(e, CheckpointException):
             e = next(iter(e.failures.values()))[0]
         message = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
@@ -384,7 +456,10 @@ EXACT_KEYS = (
     "data.retrieval_pairs",
     "data.retrieval_filler",
 )
-RUN_FILES = ("model.safetensors", "config.json")  # what makes a directory a run, with or without train_state/
+RUN_FILES = (
+    "model.safetensors",
+    "config.json",
+)  # what makes a directory a run, with or without train_state/
 
 
 def setting(config: dict, key: str):
@@ -400,7 +475,9 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
     run_dir = Path(run_dir)
     found = checkpoints(run_dir)
     if not resume:
-        held = [found[-1].name] if found else [name for name in RUN_FILES if (run_dir / name).exists()]
+        held = (
+            [found[-1].name] if found else [name for name in RUN_FILES if (run_dir / name).exists()]
+        )
         if held:
             raise UserError(
                 f"{run_dir} already holds a run ({held[0]}); pass --resume to continue it, or choose "
@@ -408,11 +485,17 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
             )
         return None
     if not found:
-        raise UserError(f"nothing to resume: {run_dir / 'train_state'} holds no checkpoint; run without --resume")
+        raise UserError(
+            f"nothing to resume: {run_dir / 'train_state'} holds no checkpoint; run without --resume"
+        )
     latest = found[-1]
     meta = read_meta(latest)
     saved = ModelArgs.from_dict(meta["model"]).to_dict()  # keys added since read as their defaults
-    differences = [f"model.{k} {saved.get(k)!r} → {v!r}" for k, v in args.to_dict().items() if saved.get(k) != v]
+    differences = [
+        f"model.{k} {saved.get(k)!r} → {v!r}"
+        for k, v in args.to_dict().items()
+        if saved.get(k) != v
+    ]
     if differences:
         raise UserError(
             f"cannot resume from {latest}: it was trained with a different model ({', '.join(differences)})"
@@ -421,7 +504,11 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
         return latest
     recorded = meta.get("settings") or {}
     current = {k: setting(config, k) for k in EXACT_KEYS}
-    changed = [f"{k} {recorded[k]!r} → {current[k]!r}" for k in EXACT_KEYS if recorded.get(k) not in (None, current[k])]
+    changed = [
+        f"{k} {recorded[k]!r} → {current[k]!r}"
+        for k in EXACT_KEYS
+        if recorded.get(k) not in (None, current[k])
+    ]
     if changed:
         raise UserError(
             f"cannot resume from {latest} exactly: {', '.join(changed)}; resume with the checkpoint's values, or "
@@ -459,7 +546,9 @@ def recorded_max_steps(checkpoint: Path) -> int:
     """The step count a train.max_minutes run chose, as its checkpoint records it."""
     steps = (read_meta(checkpoint).get("settings") or {}).get("train.max_steps")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise UserError(f"{checkpoint} records no step count for train.max_minutes; resume with --train.max_steps=N")
+        raise UserError(
+            f"{checkpoint} records no step count for train.max_minutes; resume with --train.max_steps=N"
+        )
     return steps
 
 

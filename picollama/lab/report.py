@@ -40,7 +40,9 @@ def probe_cell(cell: dict | None) -> str:
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + ["| " + " | ".join(r) + " |" for r in rows]
+    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + [
+        "| " + " | ".join(r) + " |" for r in rows
+    ]
 
 
 def run_rows(runs: list[dict]):
@@ -51,7 +53,11 @@ def run_rows(runs: list[dict]):
     def label(run, method):
         return [f"`{run['name']}`", method] if several else [method]
 
-    return (["run", "method"] if several else ["method"]), [(r, m) for r in runs for m in r["methods"]], label
+    return (
+        (["run", "method"] if several else ["method"]),
+        [(r, m) for r in runs for m in r["methods"]],
+        label,
+    )
 
 
 def protocol_text(report: dict) -> str:
@@ -84,7 +90,10 @@ def markdown_report(report: dict) -> str:
         "",
         *table(
             first + [f"{n}" for n in lengths],
-            [label(run, m) + [perplexity_cell(run["perplexity"][m][str(n)]) for n in lengths] for run, m in keys],
+            [
+                label(run, m) + [perplexity_cell(run["perplexity"][m][str(n)]) for n in lengths]
+                for run, m in keys
+            ],
         ),
     ]
     distances, span = probe["distances"], probe["span"]
@@ -98,7 +107,10 @@ def markdown_report(report: dict) -> str:
         "",
         *table(
             first + [f"d={d}" for d in distances],
-            [label(run, m) + [probe_cell(run["probe"][m][str(d)]) for d in distances] for run, m in keys],
+            [
+                label(run, m) + [probe_cell(run["probe"][m][str(d)]) for d in distances]
+                for run, m in keys
+            ],
         ),
         "",
         "Effective context: the longest tested length up to which perplexity stays within 5% of its training-length "
@@ -124,7 +136,9 @@ def effective_table(report: dict, with_basis: bool) -> list[str]:
             + [str(run["train_context"]), str(effective["tokens"] or "none")]
             + ([effective["basis"]] if with_basis else [])
         )
-    return table(first + ["training context", "effective context"] + (["basis"] if with_basis else []), rows)
+    return table(
+        first + ["training context", "effective context"] + (["basis"] if with_basis else []), rows
+    )
 
 
 def accuracy_cell(cell: dict | None) -> str:
@@ -133,13 +147,19 @@ def accuracy_cell(cell: dict | None) -> str:
 
 
 def retrieval_markdown(report: dict) -> str:
-    runs, lengths, distances, task = report["runs"], report["lengths"], report["distances"], report["task"]
+    runs, lengths, distances, task = (
+        report["runs"],
+        report["lengths"],
+        report["distances"],
+        report["task"],
+    )
     first, keys, label = run_rows(runs)
     context = min(run["train_context"] for run in runs)
     return (
         "\n".join(
             [
-                "# Retrieval past the training context of " + ", ".join(f"`{run['name']}`" for run in runs),
+                "# Retrieval past the training context of "
+                + ", ".join(f"`{run['name']}`" for run in runs),
                 "",
                 f"Multi-query associative recall (data/retrieval.py): {task['pairs']} key-value pairs from "
                 f"{task['keys']} keys and {task['values']} values, each key queried once later in the row; accuracy "
@@ -153,7 +173,10 @@ def retrieval_markdown(report: dict) -> str:
                 "",
                 *table(
                     first + [f"{n} ({n / context:g}×)" for n in lengths],
-                    [label(run, m) + [accuracy_cell(run["accuracy"][m][str(n)]) for n in lengths] for run, m in keys],
+                    [
+                        label(run, m) + [accuracy_cell(run["accuracy"][m][str(n)]) for n in lengths]
+                        for run, m in keys
+                    ],
                 ),
                 "",
                 f"By key-query distance d, in rows of {max(lengths)} tokens:",
@@ -161,7 +184,8 @@ def retrieval_markdown(report: dict) -> str:
                 *table(
                     first + [f"d={d}" for d in distances],
                     [
-                        label(run, m) + [accuracy_cell(run["by_distance"][m][str(d)]) for d in distances]
+                        label(run, m)
+                        + [accuracy_cell(run["by_distance"][m][str(d)]) for d in distances]
                         for run, m in keys
                     ],
                 ),
@@ -181,7 +205,9 @@ def effective_line(report: dict) -> str:
     """The effective contexts, in one line per run."""
     return "\n".join(
         f"effective context of {run['name']} (trained at {run['train_context']}): "
-        + ", ".join(f"{m} {run['effective_context'][m]['tokens'] or 'none'}" for m in run["methods"])
+        + ", ".join(
+            f"{m} {run['effective_context'][m]['tokens'] or 'none'}" for m in run["methods"]
+        )
         for run in report["runs"]
     )
 
@@ -207,7 +233,12 @@ def plot_report(report: dict, path: Path):
             cells = [(n, c["perplexity"]) for n, c in cells if c is not None]
             ppl_ax.plot(*zip(*cells), **style)
             if method in run["per_position"]:
-                pos_ax.plot(centers, run["per_position"][method]["loss_mean"], color=style["color"], label=method)
+                pos_ax.plot(
+                    centers,
+                    run["per_position"][method]["loss_mean"],
+                    color=style["color"],
+                    label=method,
+                )
             reads = [(d, run["probe"][method][str(d)]) for d in distances]
             reads = [(d, c["accuracy"]["mean"]) for d, c in reads if c is not None]
             if reads:
@@ -221,16 +252,33 @@ def plot_report(report: dict, path: Path):
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
         name = f"{run_title(run)}: " if len(runs) > 1 else ""
-        ppl_ax.set(yscale="log", ylabel="perplexity", title=f"{name}perplexity ({report['protocol']})")
+        ppl_ax.set(
+            yscale="log", ylabel="perplexity", title=f"{name}perplexity ({report['protocol']})"
+        )
         pos_ax.set(ylabel="loss (nats)", title=f"{name}loss by position, {max(lengths)} tokens")
-        probe_ax.set(ylabel="top-1 on the repeat", ylim=(-0.02, 1.02), title=f"{name}copy probe, {span} tokens")
+        probe_ax.set(
+            ylabel="top-1 on the repeat",
+            ylim=(-0.02, 1.02),
+            title=f"{name}copy probe, {span} tokens",
+        )
         # ticks at 1, 1.5, 2, 3, 5, 7 per decade, labelled 90, 100, 150 rather than 9×10^1
-        ppl_ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
-        ppl_ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        ppl_ax.yaxis.set_major_locator(
+            matplotlib.ticker.LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0))
+        )
+        ppl_ax.yaxis.set_major_formatter(
+            matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+        )
         ppl_ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    for ax, label in zip(grid[-1], ("context length (tokens)", "position in the window", "distance to the repeat")):
+    for ax, label in zip(
+        grid[-1], ("context length (tokens)", "position in the window", "distance to the repeat")
+    ):
         ax.set_xlabel(label)
-    save_figure(fig, list(grid.flat), path, "dashed: the training context (for the probe, the farthest repeat in it)")
+    save_figure(
+        fig,
+        list(grid.flat),
+        path,
+        "dashed: the training context (for the probe, the farthest repeat in it)",
+    )
 
 
 def method_style(method: str) -> dict:
@@ -242,7 +290,9 @@ def method_style(method: str) -> dict:
     return dict(marker="os^Dvx<>ph"[index % 10], color=colors[index % len(colors)], label=method)
 
 
-def accuracy_panel(ax, run: dict, key: str, xs: list[int], chance: float, mark: float, title: str, scale: int = 1):
+def accuracy_panel(
+    ax, run: dict, key: str, xs: list[int], chance: float, mark: float, title: str, scale: int = 1
+):
     """One run's accuracy (report key "accuracy" or "by_distance") against xs / scale, a line per method; chance
     dotted, the training context (at mark) dashed."""
     for method in run["methods"]:
@@ -271,7 +321,9 @@ def save_figure(fig, axes, path: Path, note: str = ""):
             handles.setdefault(label, handle)
     if note:
         fig.suptitle(note, fontsize="medium")
-    height = fig.get_figheight()  # inches: the legend takes 0.5 below the panels, the note 0.35 above
+    height = (
+        fig.get_figheight()
+    )  # inches: the legend takes 0.5 below the panels, the note 0.35 above
     fig.tight_layout(rect=(0, 0.5 / height, 1, 1 - (0.35 / height if note else 0)))
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles))
     fig.savefig(path, format="png", dpi=80)
@@ -288,15 +340,30 @@ def retrieval_plot(report: dict, path: Path):
     runs, chance = report["runs"], report["task"]["chance"]
     columns = min(4, len(runs))
     blocks = math.ceil(len(runs) / columns)
-    fig, grid = plt.subplots(2 * blocks, columns, figsize=(3.6 * columns, 5.2 * blocks), squeeze=False, sharey=True)
+    fig, grid = plt.subplots(
+        2 * blocks, columns, figsize=(3.6 * columns, 5.2 * blocks), squeeze=False, sharey=True
+    )
     for index in range(len(runs), blocks * columns):
         grid[2 * (index // columns), index % columns].set_visible(False)
         grid[2 * (index // columns) + 1, index % columns].set_visible(False)
     for index, run in enumerate(runs):
-        top, bottom = grid[2 * (index // columns), index % columns], grid[2 * (index // columns) + 1, index % columns]
+        top, bottom = (
+            grid[2 * (index // columns), index % columns],
+            grid[2 * (index // columns) + 1, index % columns],
+        )
         context = run["train_context"]
-        accuracy_panel(top, run, "accuracy", report["lengths"], chance, context, f"{run_title(run)}: by length")
-        accuracy_panel(bottom, run, "by_distance", report["distances"], chance, context, "by key-query distance")
+        accuracy_panel(
+            top, run, "accuracy", report["lengths"], chance, context, f"{run_title(run)}: by length"
+        )
+        accuracy_panel(
+            bottom,
+            run,
+            "by_distance",
+            report["distances"],
+            chance,
+            context,
+            "by key-query distance",
+        )
         top.set_xlabel("row length (tokens)", fontsize="small")
         bottom.set_xlabel(f"distance in rows of {max(report['lengths'])}", fontsize="small")
         for ax, xs in ((top, report["lengths"]), (bottom, report["distances"])):
@@ -337,27 +404,48 @@ def side_by_side_plot(text_report: dict, retrieval_report: dict, path: Path, col
     retrieval = {run_title(run): run for run in retrieval_report["runs"]}
     names = list(retrieval) + [name for name in text if name not in retrieval]
     rows = math.ceil(len(names) / columns)
-    fig, grid = plt.subplots(rows, 2 * columns, figsize=(3.0 * 2 * columns, 2.9 * rows), squeeze=False)
+    fig, grid = plt.subplots(
+        rows, 2 * columns, figsize=(3.0 * 2 * columns, 2.9 * rows), squeeze=False
+    )
     for ax in grid.flat[2 * len(names) :]:
         ax.set_visible(False)
     chance = retrieval_report["task"]["chance"]
     times = matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}×")
     for index, name in enumerate(names):
-        left, right = grid[index // columns, 2 * (index % columns)], grid[index // columns, 2 * (index % columns) + 1]
+        left, right = (
+            grid[index // columns, 2 * (index % columns)],
+            grid[index // columns, 2 * (index % columns) + 1],
+        )
         if name in text:
             ratio_panel(left, text[name], text_report["lengths"], f"{name}: perplexity ratio")
             left.yaxis.set_major_formatter(times)
         else:
-            left.text(0.5, 0.5, "not in the\nperplexity study", ha="center", va="center", transform=left.transAxes)
+            left.text(
+                0.5,
+                0.5,
+                "not in the\nperplexity study",
+                ha="center",
+                va="center",
+                transform=left.transAxes,
+            )
             left.set(xticks=[], yticks=[], title=f"{name}: perplexity ratio")
         if name in retrieval:
             run = retrieval[name]
             base = run["original_context"]
             title = f"{name}: retrieval"
             mark = run["train_context"] / base
-            accuracy_panel(right, run, "accuracy", retrieval_report["lengths"], chance, mark, title, base)
+            accuracy_panel(
+                right, run, "accuracy", retrieval_report["lengths"], chance, mark, title, base
+            )
         else:
-            right.text(0.5, 0.5, "not in the\nretrieval study", ha="center", va="center", transform=right.transAxes)
+            right.text(
+                0.5,
+                0.5,
+                "not in the\nretrieval study",
+                ha="center",
+                va="center",
+                transform=right.transAxes,
+            )
             right.set(xticks=[], yticks=[], title=f"{name}: retrieval")
         for ax in (left, right):
             if ax.get_xscale() == "log":

@@ -12,11 +12,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import extrapolate
-from cli import ArgumentParser, UserError, add_device, add_out, atomic_output, check_writable, comma_list, positive
-from extrapolation_report import side_by_side_plot, table
+from picollama import REPO_ROOT
+from picollama.cli import (
+    ArgumentParser,
+    UserError,
+    add_device,
+    add_out,
+    atomic_output,
+    check_writable,
+    comma_list,
+    positive,
+)
+from picollama.lab import extrapolate
+from picollama.lab.report import side_by_side_plot, table
 
-REPO_ROOT = Path(__file__).resolve().parent
 CONFIG = "configs/retrieval.toml"
 FINE_TUNE = 4  # the YaRN run: the RoPE run fine-tuned at this multiple of its context
 
@@ -92,17 +101,28 @@ def train_run(name: str, overrides: list[str], out: Path) -> dict:
     """Train one run with `python train.py` on one thread (its output in OUT/logs/NAME.log): wall and CPU seconds,
     and its last validation accuracy (metrics.jsonl); UserError naming the log's last line when training fails."""
     log = out / "logs" / f"{name}.log"
-    command = [sys.executable, "train.py", "--config", CONFIG, f"--train.out_dir={out / name}", *overrides]
+    command = [
+        sys.executable,
+        "train.py",
+        "--config",
+        CONFIG,
+        f"--train.out_dir={out / name}",
+        *overrides,
+    ]
     start = time.perf_counter()
     # one thread a run, runs side by side: tiny models gain nothing from a second thread, and lose much to a busy one
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "w") as stream:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=stream, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, stdout=stream, stderr=subprocess.STDOUT, env=env
+        )
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
         lines = log.read_text().strip().splitlines() or ["(no output)"]
-        raise UserError(f"training {name} failed (exit {process.returncode}): {lines[-1]} (see {log})")
+        raise UserError(
+            f"training {name} failed (exit {process.returncode}): {lines[-1]} (see {log})"
+        )
     metrics = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     accuracy = [m["val_acc"] for m in metrics if "val_acc" in m]
     return {
@@ -118,7 +138,9 @@ def train_all(runs: list[tuple], out: Path, args, device: list[str]) -> dict:
     """Train the runs, args.jobs at a time (the fine-tune once the RoPE run is done): {name: train_run's numbers}."""
     futures = {}
     # a run's own recipe over the study's, --quick and --steps over both, the fine-tune's steps over everything
-    last = (QUICK if args.quick else []) + ([f"--train.max_steps={args.steps}"] if args.steps else [])
+    last = (QUICK if args.quick else []) + (
+        [f"--train.max_steps={args.steps}"] if args.steps else []
+    )
 
     def one(name: str, overrides: list[str] | None) -> dict:
         if overrides is None:
@@ -128,7 +150,10 @@ def train_all(runs: list[tuple], out: Path, args, device: list[str]) -> dict:
             flags = STUDY + overrides + last
         return train_run(name, flags + device, out)
 
-    with ThreadPoolExecutor(args.jobs) as pool, tqdm(total=len(runs), desc="retrieval study", unit="run") as bar:
+    with (
+        ThreadPoolExecutor(args.jobs) as pool,
+        tqdm(total=len(runs), desc="retrieval study", unit="run") as bar,
+    ):
         for name, _, overrides in runs:
             futures[name] = pool.submit(one, name, overrides)
         for future in as_completed(futures.values()):
@@ -144,18 +169,35 @@ def add_arguments(parser: ArgumentParser):
         f"log-n attention and fine-tuned with YaRN, trained on the synthetic retrieval task ({CONFIG}) and compared "
         "at 1-16× their context."
     )
-    add_out(parser, "output directory (default out/retrieval-study)", default=Path("out/retrieval-study"))
-    parser.add_argument("--quick", action="store_true", help="400 steps a run, fewer rows, lengths to 4×: a smoke test")
+    add_out(
+        parser,
+        "output directory (default out/retrieval-study)",
+        default=Path("out/retrieval-study"),
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="400 steps a run, fewer rows, lengths to 4×: a smoke test",
+    )
     names = [name for name, _, _ in RUNS]
-    parser.add_argument("--runs", type=comma_list(choices=names), help="a subset of: " + ",".join(names))
     parser.add_argument(
-        "--beside", type=Path, help="a text study's extrapolation.json: its perplexity beside retrieval"
+        "--runs", type=comma_list(choices=names), help="a subset of: " + ",".join(names)
     )
     parser.add_argument(
-        "--steps", type=positive(), help="training steps of each base run (default 1500; sinusoidal 600, learned 2000)"
+        "--beside",
+        type=Path,
+        help="a text study's extrapolation.json: its perplexity beside retrieval",
     )
     parser.add_argument(
-        "--jobs", type=positive(), default=2, help="runs trained side by side, one thread each (default 2)"
+        "--steps",
+        type=positive(),
+        help="training steps of each base run (default 1500; sinusoidal 600, learned 2000)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=positive(),
+        default=2,
+        help="runs trained side by side, one thread each (default 2)",
     )
     add_device(parser)
 
@@ -171,7 +213,12 @@ def chosen_runs(names: list[str] | None) -> list[tuple]:
 def summary(runs: list[tuple], trained: dict, report: dict, out: Path, seconds: float) -> str:
     """The study's Markdown: what each run is and cost, then the comparison."""
     rows = [
-        [f"`{name}`", what, str(t["steps"]), f"{t['val_acc']:.1%}" if t["val_acc"] is not None else "-"]
+        [
+            f"`{name}`",
+            what,
+            str(t["steps"]),
+            f"{t['val_acc']:.1%}" if t["val_acc"] is not None else "-",
+        ]
         + [f"{t['wall_s']:.0f}", f"{t['cpu_s'] / 60:.1f}"]
         for (name, what, _), t in ((run, trained[run[0]]) for run in runs)
     ]
@@ -196,7 +243,12 @@ def run(args) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     trained = train_all(runs, out, args, ["--device", args.device, "--dtype", args.dtype])
-    compare = ["--run", ",".join(str(out / name) for name, _, _ in runs), "--out", str(out / "compare")]
+    compare = [
+        "--run",
+        ",".join(str(out / name) for name, _, _ in runs),
+        "--out",
+        str(out / "compare"),
+    ]
     compare += ["--retrieval-rows", str(QUICK_ROWS if args.quick else FULL_ROWS)]
     if args.quick:
         context = trained_context(out / runs[0][0])
@@ -205,7 +257,9 @@ def run(args) -> int:
     flags = ArgumentParser(prog="python generate.py extrapolate")
     extrapolate.add_arguments(flags)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in training: a tiny model gains little from 2 threads, and loses much to a busy CPU
+    torch.set_num_threads(
+        1
+    )  # as in training: a tiny model gains little from 2 threads, and loses much to a busy CPU
     try:
         extrapolate.run(flags.parse_args(compare), ["extrapolate", *compare])
     finally:
@@ -213,13 +267,17 @@ def run(args) -> int:
     report = json.loads((out / "compare" / "extrapolation.json").read_text())
     seconds = time.perf_counter() - started
     with atomic_output(out / "study.json") as json_path, atomic_output(out / "study.md") as md_path:
-        json_path.write_text(json.dumps({"quick": args.quick, "seconds": round(seconds, 1), "runs": trained}) + "\n")
+        json_path.write_text(
+            json.dumps({"quick": args.quick, "seconds": round(seconds, 1), "runs": trained}) + "\n"
+        )
         md_path.write_text(summary(runs, trained, report, out, seconds))
     if beside is not None:
         with atomic_output(out / "study.png") as png_path:
             side_by_side_plot(beside, report, png_path)
     figure = f", {out}/study.png" if beside is not None else ""
-    print(f"wrote {out}/study.md, study.json{figure}, the runs in {out}/NAME and the comparison in {out}/compare")
+    print(
+        f"wrote {out}/study.md, study.json{figure}, the runs in {out}/NAME and the comparison in {out}/compare"
+    )
     return 0
 
 

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from config import Config
+from picollama.config import Config
 
 
 class Optimizers(list):
@@ -36,7 +36,9 @@ def build_muon(model, cfg: Config) -> torch.optim.Muon | None:
     if o.name != "muon":
         return None
     matrices = [p for p in model.layers.parameters() if p.requires_grad and p.ndim == 2]
-    muon = torch.optim.Muon(matrices, lr=o.muon_lr, weight_decay=o.weight_decay, momentum=o.muon_momentum)
+    muon = torch.optim.Muon(
+        matrices, lr=o.muon_lr, weight_decay=o.weight_decay, momentum=o.muon_momentum
+    )
     muon.param_groups[0]["lr_scale"] = o.muon_lr / o.lr
     return muon
 

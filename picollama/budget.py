@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from config import Config
+from picollama.config import Config
 
 PROBE_STEPS = 10  # a train.max_minutes run times its first steps (within the warmup) to size itself
 # Later steps ran slower than the probe's: 13% on average over a 5-minute run on a 2-core EPYC VM (its first 20
@@ -14,7 +14,9 @@ PROBE_STEPS = 10  # a train.max_minutes run times its first steps (within the wa
 DRIFT_MARGIN = 1.08
 
 
-def steps_in_budget(seconds_left: float, done: int, step_s: float, eval_s: float, save_s: float, cfg: Config) -> int:
+def steps_in_budget(
+    seconds_left: float, done: int, step_s: float, eval_s: float, save_s: float, cfg: Config
+) -> int:
     """The run's length when `done` steps are behind it and `seconds_left` remain of train.max_minutes: each further
     step costs step_s, every eval.interval steps an evaluation (eval_s) and every checkpoint.interval a save (save_s),
     and the last step both. Never fewer than `done`."""
@@ -53,15 +55,20 @@ class BudgetProbe:
         """The run's length and a line saying how it was chosen (the same on every rank)."""
         t = self.cfg.train
         # the first two steps warm caches up (and compile); the rest give a median step time
-        step_s = DRIFT_MARGIN * statistics.median(b - a for a, b in zip(self.ends[1:], self.ends[2:]))
+        step_s = DRIFT_MARGIN * statistics.median(
+            b - a for a, b in zip(self.ends[1:], self.ends[2:])
+        )
         eval_s = self.eval_seconds(model, batches, dist)
         # every input averaged over ranks, so that every rank chooses the same step count
         step_s, eval_s, elapsed = (
-            dist.mean(torch.tensor(x, device=dist.device)) for x in (step_s, eval_s, time.perf_counter() - self.started)
+            dist.mean(torch.tensor(x, device=dist.device))
+            for x in (step_s, eval_s, time.perf_counter() - self.started)
         )
         # a checkpoint writes ~4 copies of the fp32 weights (model, two AdamW moments, the export): an estimate
         save_s = 0.5 + 16 * sum(p.numel() for p in model.parameters()) / 200e6
-        sample_s = 3.0 + 0.01 * t.sample_tokens if t.sample_tokens else 0.0  # generate.py's start and decode
+        sample_s = (
+            3.0 + 0.01 * t.sample_tokens if t.sample_tokens else 0.0
+        )  # generate.py's start and decode
         left = t.max_minutes * 60 - elapsed - sample_s
         steps = steps_in_budget(left, self.steps, step_s, eval_s, save_s, self.cfg)
         return steps, (

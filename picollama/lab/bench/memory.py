@@ -7,13 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import common
 import torch
 from tqdm import tqdm
 
-from cli import UserError, positive, run_command
+from picollama.cli import UserError, positive, run_command
+from picollama.lab.bench import common
 
-DEFAULT_SHAPES = {"small": (16, 256), "base": (4, 512)}  # (batch, seq_len): base at B=4, T=512 fits 24 GB easily
+DEFAULT_SHAPES = {
+    "small": (16, 256),
+    "base": (4, 512),
+}  # (batch, seq_len): base at B=4, T=512 fits 24 GB easily
 MIB = 2**20
 
 
@@ -53,14 +56,24 @@ def measure_child(cli, device, dtype) -> dict:
         peak_reset = True
     else:
         baseline = proc_status_bytes("VmRSS")
-        peak_reset = reset_cpu_peak()  # if not, the peak may include building the model (an overestimate)
+        peak_reset = (
+            reset_cpu_peak()
+        )  # if not, the peak may include building the model (an overestimate)
     for _ in range(2):  # the second step holds AdamW's state as well as activations and gradients
-        loss = model(x, targets=y) if cli.child == "ours" else model(input_ids=x, labels=y, shift_labels=y).loss
+        loss = (
+            model(x, targets=y)
+            if cli.child == "ours"
+            else model(input_ids=x, labels=y, shift_labels=y).loss
+        )
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     common.sync(device)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else proc_status_bytes("VmHWM")
+    peak = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else proc_status_bytes("VmHWM")
+    )
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "baseline_bytes": baseline,
@@ -73,7 +86,8 @@ def measure_child(cli, device, dtype) -> dict:
 def run_case(config: str, who: str, batch: int, seq_len: int, cli) -> dict:
     command = [
         sys.executable,
-        __file__,
+        "-m",
+        "picollama.lab.bench.memory",
         "--child",
         who,
         "--config",
@@ -91,16 +105,26 @@ def run_case(config: str, who: str, batch: int, seq_len: int, cli) -> dict:
         command += ["--threads", str(cli.threads)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise UserError(f"measuring {who} at {config} failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise UserError(
+            f"measuring {who} at {config} failed: {done.stderr.strip().splitlines()[-1:]}"
+        )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__, "memory")
     common.add_configs(p, "small,base")
-    p.add_argument("--batch-size", type=positive(), help="sequences per step (default: small 16, base 4, else 8)")
-    p.add_argument("--seq-len", type=positive(), help="tokens per sequence (default: small 256, base 512)")
-    p.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)  # internal: measure in this process
+    p.add_argument(
+        "--batch-size",
+        type=positive(),
+        help="sequences per step (default: small 16, base 4, else 8)",
+    )
+    p.add_argument(
+        "--seq-len", type=positive(), help="tokens per sequence (default: small 256, base 512)"
+    )
+    p.add_argument(
+        "--child", choices=["ours", "hf"], help=argparse.SUPPRESS
+    )  # internal: measure in this process
     cli = common.parse(p, argv)
     device, dtype = common.setup(cli)
     if cli.child:
@@ -109,7 +133,9 @@ def main(argv: list[str]) -> int:
     cases = []
     for name in ["smoke"] if cli.smoke else cli.config:
         margs = common.model_args(name)
-        batch, seq_len = (2, 32) if name == "smoke" else DEFAULT_SHAPES.get(name, (8, margs.max_seq_len))
+        batch, seq_len = (
+            (2, 32) if name == "smoke" else DEFAULT_SHAPES.get(name, (8, margs.max_seq_len))
+        )
         cases.append((name, cli.batch_size or batch, cli.seq_len or seq_len))
     results = []
     for name, batch, seq_len in tqdm(cases, desc="memory cases (fresh processes)", disable=None):
@@ -120,7 +146,8 @@ def main(argv: list[str]) -> int:
                 "batch_size": batch,
                 "seq_len": seq_len,
                 **measured,
-                "ratio_ours_over_hf": measured["ours"]["step_peak_bytes"] / measured["hf"]["step_peak_bytes"],
+                "ratio_ours_over_hf": measured["ours"]["step_peak_bytes"]
+                / measured["hf"]["step_peak_bytes"],
             }
         )
     what = "peak allocated (CUDA)" if device.type == "cuda" else "peak resident set (VmHWM)"
@@ -136,8 +163,12 @@ def main(argv: list[str]) -> int:
         ]
         for r in results
     ]
-    common.print_table(["config", "batch", "RSS before MiB", "ours step MiB", "HF step MiB", "ours/HF"], rows)
-    common.write_results(cli, {"measure": what, "dtype": str(dtype).removeprefix("torch."), "results": results})
+    common.print_table(
+        ["config", "batch", "RSS before MiB", "ours step MiB", "HF step MiB", "ours/HF"], rows
+    )
+    common.write_results(
+        cli, {"measure": what, "dtype": str(dtype).removeprefix("torch."), "results": results}
+    )
     return 0
 
 

@@ -9,13 +9,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import common
 import torch
 from tqdm import tqdm
 
-from cli import comma_list, positive, run_command
-from config import parse_cli
 from model import Transformer
+from picollama.cli import comma_list, positive, run_command
+from picollama.config import parse_cli
+from picollama.lab.bench import common
 
 # name -> train.py overrides; the first is the baseline every switch is compared with
 SWITCHES = {
@@ -40,10 +40,20 @@ PROBE_STEPS = 12
 
 def train(config: str, overrides: list[str], out_dir: Path) -> list[dict]:
     """Run train.py and return its metrics.jsonl entries; UserError with its last stderr line if it fails."""
-    command = [sys.executable, "train.py", "--config", config, f"--train.out_dir={out_dir}", *QUIET, *overrides]
+    command = [
+        sys.executable,
+        "train.py",
+        "--config",
+        config,
+        f"--train.out_dir={out_dir}",
+        *QUIET,
+        *overrides,
+    ]
     done = subprocess.run(command, cwd=common.REPO_ROOT, capture_output=True, text=True)
     metrics = out_dir / "metrics.jsonl"
-    entries = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    entries = (
+        [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    )
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         return [*entries, {"failed": last}]
@@ -69,14 +79,22 @@ def run_switch(config: str, overrides: list[str], seed: int, budget: float, tmp:
     with torch.device("meta"):
         params = Transformer(cfg.model).num_params()
     seeded = [*overrides, f"--train.seed={seed}"]
-    probe = train(config, [*seeded, f"--train.max_steps={PROBE_STEPS}", "--train.log_interval=1"], tmp / "probe")
+    probe = train(
+        config,
+        [*seeded, f"--train.max_steps={PROBE_STEPS}", "--train.log_interval=1"],
+        tmp / "probe",
+    )
     rates = [e["tokens_per_s"] for e in probe if "tokens_per_s" in e][2:]  # the first steps warm up
     if not rates:
         return {"params": params, "stability": stability(probe)}
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
     steps = max(int(budget * statistics.median(rates) / tokens_per_step), 1)
     warmup = min(cfg.optim.warmup_steps, steps // 10)
-    entries = train(config, [*seeded, f"--train.max_steps={steps}", f"--optim.warmup_steps={warmup}"], tmp / "run")
+    entries = train(
+        config,
+        [*seeded, f"--train.max_steps={steps}", f"--optim.warmup_steps={warmup}"],
+        tmp / "run",
+    )
     bpb = [e["val_bpb"] for e in entries if "val_bpb" in e]
     tokens_per_s = [e["tokens_per_s"] for e in entries if "tokens_per_s" in e]
     return {
@@ -90,8 +108,12 @@ def run_switch(config: str, overrides: list[str], seed: int, budget: float, tmp:
 
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__, "switches", models=False)
-    p.add_argument("--config", default="configs/default.toml", help="the config every switch starts from")
-    p.add_argument("--budget", type=positive(float), default=90.0, help="training seconds per run (default 90)")
+    p.add_argument(
+        "--config", default="configs/default.toml", help="the config every switch starts from"
+    )
+    p.add_argument(
+        "--budget", type=positive(float), default=90.0, help="training seconds per run (default 90)"
+    )
     p.add_argument(
         "--seeds",
         type=comma_list(positive(zero=True)),
@@ -118,7 +140,15 @@ def main(argv: list[str]) -> int:
         for name in names:
             runs = []
             for seed in seeds:
-                runs.append(run_switch(args.config, switches[name], seed, budget, Path(tmp) / f"{len(results)}-{seed}"))
+                runs.append(
+                    run_switch(
+                        args.config,
+                        switches[name],
+                        seed,
+                        budget,
+                        Path(tmp) / f"{len(results)}-{seed}",
+                    )
+                )
                 bar.update()
             bpbs = [r["val_bpb"] for r in runs if r.get("val_bpb") is not None]
             results[name] = {
@@ -133,9 +163,19 @@ def main(argv: list[str]) -> int:
         spread = f" ± {r['val_bpb_std']:.3f}" if r["val_bpb_std"] is not None else ""
         bpb = f"{r['val_bpb_mean']:.3f}{spread}" if r["val_bpb_mean"] is not None else "-"
         rate = f"{first['tokens_per_s']:,.0f}" if first.get("tokens_per_s") else "-"
-        rows.append([name, f"{first['params']:,}", rate, bpb, ", ".join(sorted({x["stability"] for x in r["runs"]}))])
+        rows.append(
+            [
+                name,
+                f"{first['params']:,}",
+                rate,
+                bpb,
+                ", ".join(sorted({x["stability"] for x in r["runs"]})),
+            ]
+        )
     common.print_table(["switch", "params", "tokens/s", "val bits/byte", "training"], rows)
-    common.write_results(args, {"config": args.config, "budget_seconds": budget, "seeds": seeds, "switches": results})
+    common.write_results(
+        args, {"config": args.config, "budget_seconds": budget, "seeds": seeds, "switches": results}
+    )
     return 0
 
 

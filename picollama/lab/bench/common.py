@@ -1,4 +1,4 @@
-"""Shared by bench/: flags, model configs, our model + the same HF Llama, interleaved timing, tables, JSON."""
+"""Shared by the benchmarks: flags, model configs, our model + the same HF Llama, interleaved timing, tables, JSON."""
 
 import json
 import math
@@ -11,20 +11,27 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# Run as `python bench/NAME.py`, this folder comes first on sys.path, where bench/train.py and bench/data.py would
-# shadow train.py and the data package: the repository root goes before it, even when PYTHONPATH already names it.
-sys.path.insert(0, str(REPO_ROOT))
+import torch
 
-import torch  # noqa: E402
+from model import ModelArgs, Transformer
+from picollama import REPO_ROOT
+from picollama.cli import (
+    ArgumentParser,
+    UserError,
+    add_device,
+    add_out,
+    atomic_output,
+    check_writable,
+    comma_list,
+    positive,
+)
+from picollama.convert import hf_config, to_hf_state_dict
+from picollama.device import cpu_has_bf16, peak_flops, pick_device, pick_dtype
 
-from cli import ArgumentParser, UserError, add_device, add_out, atomic_output, check_writable, comma_list, positive  # noqa: E402
-from convert import hf_config, to_hf_state_dict  # noqa: E402
-from device import cpu_has_bf16, peak_flops, pick_device, pick_dtype  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
-
-RESULTS_DIR = REPO_ROOT / "bench" / "results"
-SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)  # model_args("smoke"): --smoke's model
+RESULTS_DIR = REPO_ROOT / "docs" / "results"
+SMOKE = dict(
+    dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128
+)  # model_args("smoke"): --smoke's model
 
 
 def parser(description: str, script: str, models: bool = True) -> ArgumentParser:
@@ -32,9 +39,17 @@ def parser(description: str, script: str, models: bool = True) -> ArgumentParser
     p = ArgumentParser(description=description)
     if models:
         add_device(p)
-        p.add_argument("--threads", type=positive(), help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--smoke", action="store_true", help="a tiny, seconds-long run to check the script works")
-    add_out(p, f"JSON output path (default bench/results/{script}.json)", default=RESULTS_DIR / f"{script}.json")
+        p.add_argument(
+            "--threads", type=positive(), help="torch CPU threads (default: torch's choice)"
+        )
+    p.add_argument(
+        "--smoke", action="store_true", help="a tiny, seconds-long run to check the script works"
+    )
+    add_out(
+        p,
+        f"JSON output path (default docs/results/{script}.json)",
+        default=RESULTS_DIR / f"{script}.json",
+    )
     p.set_defaults(benchmark=script)
     return p
 
@@ -68,12 +83,12 @@ def setup(args) -> tuple[torch.device, torch.dtype]:
 
 
 def bench_device(name: str) -> torch.device:
-    """The --device of a bench script: as pick_device, but auto never picks mps, which bench/ does not measure."""
+    """The --device of a bench script: as pick_device, but auto never picks mps, which the benchmarks do not measure."""
     device = pick_device(name)
     if device.type == "mps" and name == "auto":
         return torch.device("cpu")
     if device.type not in ("cpu", "cuda"):
-        raise UserError(f"device {name!r} is not supported by bench/: use cpu or cuda")
+        raise UserError(f"device {name!r} is not supported by the benchmarks: use cpu or cuda")
     return device
 
 
@@ -124,13 +139,17 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def interleaved_medians(steps: dict, device, warmup: int, repeats: int, progress=None) -> dict[str, float]:
+def interleaved_medians(
+    steps: dict, device, warmup: int, repeats: int, progress=None
+) -> dict[str, float]:
     """Median seconds per call of each step, measured A B A B … after `warmup` calls of each."""
     times = interleaved_times(steps, device, warmup, repeats, progress)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def interleaved_times(steps: dict, device, warmup: int, repeats: int, progress=None) -> dict[str, list[float]]:
+def interleaved_times(
+    steps: dict, device, warmup: int, repeats: int, progress=None
+) -> dict[str, list[float]]:
     """The seconds of each call of each step (interleaved_medians' samples)."""
     times = {name: [] for name in steps}
     for i in range(warmup + repeats):
@@ -204,10 +223,17 @@ def machine_info(device) -> dict:
 
 
 def print_table(headers: list[str], rows: list[list]):
-    cells = [[f"{c:,.2f}" if isinstance(c, float) else str(c) for c in row] for row in [headers, *rows]]
+    cells = [
+        [f"{c:,.2f}" if isinstance(c, float) else str(c) for c in row] for row in [headers, *rows]
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for n, row in enumerate(cells):
-        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+        print(
+            "  ".join(
+                c.rjust(w) if i else c.ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
         if n == 0:
             print("  ".join("-" * w for w in widths))
 
@@ -216,7 +242,7 @@ def write_results(args, payload: dict) -> Path:
     """Write payload + machine info as JSON to --out (atomically) and say where."""
     payload = {
         "benchmark": args.benchmark,
-        "command": " ".join([f"bench/{args.benchmark}.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m", f"picollama.lab.bench.{args.benchmark}", *sys.argv[1:]]),
         "machine": machine_info(bench_device(getattr(args, "device", "cpu"))),
         **payload,
     }

@@ -12,12 +12,14 @@ import threading
 import time
 from pathlib import Path
 
-import common
 from tqdm import tqdm
 
-from cli import UserError, positive, run_command
+from picollama.cli import UserError, positive, run_command
+from picollama.lab.bench import common
 
-SMOKE_WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbo crates".split()
+SMOKE_WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbo crates".split()
+)
 
 
 def run_measured(command: list[str], env: dict, what: str, kill_when=None) -> dict:
@@ -25,7 +27,9 @@ def run_measured(command: list[str], env: dict, what: str, kill_when=None) -> di
     its output in a log file; kill_when(), polled, SIGKILLs it when true (then killed: True)."""
     with tempfile.TemporaryFile("w+") as log:
         start = time.perf_counter()
-        process = subprocess.Popen(command, cwd=common.REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, cwd=common.REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         killed = False
         if kill_when is not None:
 
@@ -47,9 +51,16 @@ def run_measured(command: list[str], env: dict, what: str, kill_when=None) -> di
         if process.returncode != 0 and not killed:
             log.seek(0)
             lines = log.read().strip().splitlines()
-            raise UserError(f"{what} failed: {lines[-1] if lines else f'exit status {process.returncode}'}")
+            raise UserError(
+                f"{what} failed: {lines[-1] if lines else f'exit status {process.returncode}'}"
+            )
     cpu = usage.ru_utime + usage.ru_stime
-    return {"seconds": seconds, "cpu_seconds": cpu, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9, "killed": killed}
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9,
+        "killed": killed,
+    }
 
 
 def write_smoke_corpus(folder: Path) -> Path:
@@ -74,7 +85,9 @@ def build_corpus(folder: Path, gigabytes: float) -> Path:
     rng = random.Random(0)
     total = 0
     target = int(gigabytes * 1e9)
-    with tqdm(total=target, desc=f"writing {corpus}", unit="B", unit_scale=True, disable=None) as bar:
+    with tqdm(
+        total=target, desc=f"writing {corpus}", unit="B", unit_scale=True, disable=None
+    ) as bar:
         for i in range(10**9):
             if total >= target:
                 break
@@ -96,7 +109,8 @@ def outputs(folder: Path) -> dict:
         "source": meta["source"],
         "corpus_bytes": sum(s["bytes"] for s in meta["splits"].values()),
         "tokens": sum(s["tokens"] for s in meta["splits"].values()),
-        "val_share_of_bytes": meta["splits"]["val"]["bytes"] / sum(s["bytes"] for s in meta["splits"].values()),
+        "val_share_of_bytes": meta["splits"]["val"]["bytes"]
+        / sum(s["bytes"] for s in meta["splits"].values()),
         "shard_bytes": sum(p.stat().st_size for p in files if p.suffix == ".bin"),
         "disk_bytes": sum(p.stat().st_size for p in files),
         "files": sorted((p.name, p.stat().st_size) for p in files),
@@ -119,8 +133,17 @@ def prepare_runs(cli, source: str, vocab: int, tmp: Path, env: dict) -> list[dic
     runs = []
     for max_bytes in cli.max_bytes or [None]:
         out = tmp / "out"
-        command = [sys.executable, cli.prepare_script, "--source", source, "--vocab-size", str(vocab)]
-        command += ["--out", str(out), "--force"] + (["--max-bytes", max_bytes] if max_bytes else [])
+        command = [
+            sys.executable,
+            cli.prepare_script,
+            "--source",
+            source,
+            "--vocab-size",
+            str(vocab),
+        ]
+        command += ["--out", str(out), "--force"] + (
+            ["--max-bytes", max_bytes] if max_bytes else []
+        )
         run = run_measured(command, env, "data/prepare.py")
         found = outputs(out)
         runs.append(
@@ -142,7 +165,11 @@ def prepare_runs(cli, source: str, vocab: int, tmp: Path, env: dict) -> list[dic
 
 def resume_check(command: list[str], whole: Path, out: Path, env: dict, found: dict) -> dict:
     """SIGKILL the same preparation (into `out`) halfway, run it again: seconds, and whether it equals `whole`."""
-    command = [*command[: command.index("--out") + 1], str(out), *command[command.index("--out") + 2 :]]
+    command = [
+        *command[: command.index("--out") + 1],
+        str(out),
+        *command[command.index("--out") + 2 :],
+    ]
     progress = out.with_name(f".{out.name}.partial") / "progress" / "progress.json"
 
     def halfway():
@@ -154,20 +181,50 @@ def resume_check(command: list[str], whole: Path, out: Path, env: dict, found: d
     killed = run_measured(command, env, "the run to kill", kill_when=halfway)
     resumed = run_measured(command, env, "the resumed run")
     same = all(
-        (out / name).read_bytes() == (whole / name).read_bytes() for name, _ in found["files"] if name != "meta.json"
+        (out / name).read_bytes() == (whole / name).read_bytes()
+        for name, _ in found["files"]
+        if name != "meta.json"
     )
-    return {"killed_after_seconds": killed["seconds"], "killed": killed["killed"], **resumed, "identical": same}
+    return {
+        "killed_after_seconds": killed["seconds"],
+        "killed": killed["killed"],
+        **resumed,
+        "identical": same,
+    }
 
 
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__, "data", models=False)
-    p.add_argument("--source", default="shakespeare", help="what data/prepare.py reads (default shakespeare)")
-    p.add_argument("--corpus-gb", type=positive(float), help="build (once) and prepare a local corpus of this many GB")
-    p.add_argument("--corpus-dir", type=Path, default=Path(tempfile.gettempdir()), help="where --corpus-gb builds")
-    p.add_argument("--max-bytes", nargs="*", help="prepare only this much of the source, one run per size (e.g. 250M)")
-    p.add_argument("--vocab-size", type=positive(), default=4096, help="tokenizer vocabulary (default 4096)")
-    p.add_argument("--prepare-script", default="data/prepare.py", help="the prepare.py to run (e.g. an older one)")
-    p.add_argument("--resume-check", action="store_true", help="also SIGKILL a run halfway and resume it")
+    p.add_argument(
+        "--source", default="shakespeare", help="what data/prepare.py reads (default shakespeare)"
+    )
+    p.add_argument(
+        "--corpus-gb",
+        type=positive(float),
+        help="build (once) and prepare a local corpus of this many GB",
+    )
+    p.add_argument(
+        "--corpus-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        help="where --corpus-gb builds",
+    )
+    p.add_argument(
+        "--max-bytes",
+        nargs="*",
+        help="prepare only this much of the source, one run per size (e.g. 250M)",
+    )
+    p.add_argument(
+        "--vocab-size", type=positive(), default=4096, help="tokenizer vocabulary (default 4096)"
+    )
+    p.add_argument(
+        "--prepare-script",
+        default="data/prepare.py",
+        help="the prepare.py to run (e.g. an older one)",
+    )
+    p.add_argument(
+        "--resume-check", action="store_true", help="also SIGKILL a run halfway and resume it"
+    )
     p.add_argument(
         "--cold",
         action="store_true",

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from config import Config
+from picollama.config import Config
 
 
 def memory_gb(device: torch.device) -> float:
@@ -32,7 +32,9 @@ def flops_per_token(model, seq_len: int) -> float:
 class Throughput:
     """Tokens/s and MFU over training time alone: the clock stops while evaluating and checkpointing."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None, device: torch.device):
+    def __init__(
+        self, tokens_per_step: int, flops_per_token: float, peak: float | None, device: torch.device
+    ):
         """peak: the FLOP/s of all devices together, None if unknown."""
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
@@ -80,7 +82,9 @@ class RunLog:
         self.path = run_dir / "metrics.jsonl"
         self.wandb = None
         self.start = time.perf_counter()
-        self.bar = tqdm(total=total, initial=step, desc="training", unit="step", disable=not main or None)
+        self.bar = tqdm(
+            total=total, initial=step, desc="training", unit="step", disable=not main or None
+        )
         if not main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -90,7 +94,9 @@ class RunLog:
             import wandb
 
             self.wandb = wandb.init(
-                project=cfg.wandb.project, name=cfg.wandb.run_name or run_dir.name, config=cfg.to_dict()
+                project=cfg.wandb.project,
+                name=cfg.wandb.run_name or run_dir.name,
+                config=cfg.to_dict(),
             )
 
     def record(self, entry: dict):
@@ -99,7 +105,10 @@ class RunLog:
         entry = {**entry, "elapsed_s": round(time.perf_counter() - self.start, 3)}
         if self.main:
             # JSON has no NaN or infinity: those are written as null
-            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in entry.items()}
+            finite = {
+                k: None if isinstance(v, float) and not math.isfinite(v) else v
+                for k, v in entry.items()
+            }
             with open(self.path, "a") as f:
                 f.write(json.dumps(finite, allow_nan=False) + "\n")
             if self.wandb is not None:

@@ -31,7 +31,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         namespace, rest = super().parse_known_args(args, namespace)
-        missing = [flag for dest, flag in getattr(self, "needed", ()) if getattr(namespace, dest, None) is None]
+        missing = [
+            flag
+            for dest, flag in getattr(self, "needed", ())
+            if getattr(namespace, dest, None) is None
+        ]
         if missing:  # checked here, not by argparse, so that a flag's old spelling can supply it
             self.error(f"the following arguments are required: {', '.join(missing)}")
         return namespace, rest
@@ -63,9 +67,13 @@ def comma_list(item=str, choices=None):
             try:
                 values.append(item(part))
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{part!r} is not a {item.__name__} (in {text!r})") from None
+                raise argparse.ArgumentTypeError(
+                    f"{part!r} is not a {item.__name__} (in {text!r})"
+                ) from None
             if choices is not None and values[-1] not in choices:
-                raise argparse.ArgumentTypeError(f"unknown {part!r} (choose from {', '.join(choices)})")
+                raise argparse.ArgumentTypeError(
+                    f"unknown {part!r} (choose from {', '.join(choices)})"
+                )
         if not values:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
         return values
@@ -81,7 +89,10 @@ class Renamed(argparse.Action):
         self.new = new
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"note: {option_string} is now {self.new}; the old spelling goes in the next release", file=sys.stderr)
+        print(
+            f"note: {option_string} is now {self.new}; the old spelling goes in the next release",
+            file=sys.stderr,
+        )
         setattr(namespace, self.dest, values)
 
 
@@ -89,8 +100,12 @@ def add_run(parser: ArgumentParser, several: bool = False, required: bool = True
     """--run DIR: the run directory a command reads (several, comma-separated, where `several`)."""
     kind = comma_list(Path) if several else Path
     what = "run directories, comma-separated" if several else "the run directory"
-    parser.add_argument("--run", type=kind, metavar="DIR", help=f"{what} (model.safetensors, config.json, ...)")
-    parser.add_argument("--checkpoint", dest="run", type=kind, action=Renamed, new="--run", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--run", type=kind, metavar="DIR", help=f"{what} (model.safetensors, config.json, ...)"
+    )
+    parser.add_argument(
+        "--checkpoint", dest="run", type=kind, action=Renamed, new="--run", help=argparse.SUPPRESS
+    )
     if required:
         parser.needed = [*getattr(parser, "needed", ()), ("run", "--run")]
 
@@ -104,7 +119,9 @@ def add_device(parser: ArgumentParser, default: str | None = "auto"):
     """--device and --dtype, "auto" by default (None: the config's, in train.py)."""
     said = f"default {default}" if default else "default: the config's, else auto"
     parser.add_argument(
-        "--device", default=default, help=f"auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps ({said})"
+        "--device",
+        default=default,
+        help=f"auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps ({said})",
     )
     parser.add_argument(
         "--dtype",
@@ -128,7 +145,9 @@ def add_compile(parser: ArgumentParser, what: str, default: bool | None = False)
 def add_seed(parser: ArgumentParser, what: str, default: int | None = 0, unset: str = "random"):
     """--seed N; `unset` says what no seed means."""
     said = unset if default is None else default
-    parser.add_argument("--seed", type=positive(int, zero=True), default=default, help=f"{what} (default {said})")
+    parser.add_argument(
+        "--seed", type=positive(int, zero=True), default=default, help=f"{what} (default {said})"
+    )
 
 
 def one_line(e: BaseException) -> str:
@@ -136,7 +155,11 @@ def one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         where = f"{e.filename}: " if e.filename else ""
         return f"{where}{e.strerror}"
-    if isinstance(e, MemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
+    if (
+        isinstance(e, MemoryError)
+        or "can't allocate memory" in str(e)
+        or "out of memory" in str(e).lower()
+    ):
         return "out of memory: choose a smaller model, batch or length"
     return " ".join(str(e).split()) or type(e).__name__
 
@@ -246,10 +269,14 @@ def write_failure(path, e: BaseException, needed: int | None = None) -> "UserErr
     text = str(e)
     full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
     full = full or "No space left on device" in text or "Disk quota exceeded" in text
-    full = full or (isinstance(e, RuntimeError) and "inline_container" in text and "unexpected pos" in text)
+    full = full or (
+        isinstance(e, RuntimeError) and "inline_container" in text and "unexpected pos" in text
+    )
     if not full:
         return None
-    return UserError(f"cannot write {path}: No space left on device ({space_note(path, needed)}); free some space")
+    return UserError(
+        f"cannot write {path}: No space left on device ({space_note(path, needed)}); free some space"
+    )
 
 
 def space_note(path, needed: int | None) -> str:
@@ -260,7 +287,9 @@ def space_note(path, needed: int | None) -> str:
 def check_free_space(path, needed: int, what: str | None = None):
     """UserError unless the file system that will hold `path` has `needed` bytes free."""
     if shutil.disk_usage(existing_parent(Path(path))).free < needed:
-        raise UserError(f"cannot write {what or path}: not enough disk space ({space_note(path, needed)})")
+        raise UserError(
+            f"cannot write {what or path}: not enough disk space ({space_note(path, needed)})"
+        )
 
 
 def existing_parent(path: Path) -> Path:
@@ -293,7 +322,9 @@ def check_output_kind(path):
     if kind == "a symbolic link loop":
         raise UserError(f"cannot write {path}: a symbolic link loop; choose another output")
     if kind is not None:
-        raise UserError(f"cannot write {path}: it is {kind}, not a regular file or directory; choose another output")
+        raise UserError(
+            f"cannot write {path}: it is {kind}, not a regular file or directory; choose another output"
+        )
 
 
 def check_writable(path, inputs=(), directory: bool = False):
@@ -309,7 +340,9 @@ def check_writable(path, inputs=(), directory: bool = False):
             raise UserError(f"the output {path} overlaps the input {given}; choose another output")
     if path.exists() and path.is_dir() != directory:
         raise UserError(f"cannot write {path}: it is {'a file' if directory else 'a directory'}")
-    existing = next(p for p in path.parents if p.exists())  # test there: creating folders would leave them behind
+    existing = next(
+        p for p in path.parents if p.exists()
+    )  # test there: creating folders would leave them behind
     if not existing.is_dir():
         raise UserError(f"cannot write {path}: {existing} is a file, not a directory")
     try:
@@ -360,7 +393,9 @@ def exclusive(path):
         os.write(fd, f"{os.getpid()}\n".encode())
         yield
     finally:
-        lock_path.unlink(missing_ok=True)  # before unlocking, so that no one locks a file that is going
+        lock_path.unlink(
+            missing_ok=True
+        )  # before unlocking, so that no one locks a file that is going
         os.close(fd)
         for folder in made:
             try:
@@ -372,7 +407,9 @@ def exclusive(path):
 def check_type(name: str, value, annotation):
     """value, of the type `annotation` (int, float, str, bool, or one of those | None; an int passes as a float);
     UserError naming `name` otherwise (a bool is not an int, a string is not a bool)."""
-    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    options = (
+        typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    )
     base = next(t for t in options if t is not type(None))
     optional = type(None) in options
     if value is None and optional:

@@ -9,10 +9,19 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from cli import ArgumentParser, UserError, add_compile, add_device, add_out, add_seed, check_type
 from model import ModelArgs
+from picollama import REPO_ROOT
+from picollama.cli import (
+    ArgumentParser,
+    UserError,
+    add_compile,
+    add_device,
+    add_out,
+    add_seed,
+    check_type,
+)
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
 
 
 @dataclass
@@ -29,13 +38,21 @@ class DataConfig:
     # train.seed (no dataset, no tokenizer), validated by its accuracy on fixed rows
     task: str = "text"
     retrieval_keys: int = 64  # the keys' alphabet (token ids 1..keys)
-    retrieval_values: int = 64  # the values' alphabet (the next ids); model.vocab_size must hold 1 + keys + values
+    retrieval_values: int = (
+        64  # the values' alphabet (the next ids); model.vocab_size must hold 1 + keys + values
+    )
     retrieval_pairs: int = 8  # key-value pairs per row, each key queried from later in the row
-    retrieval_filler: float = 0.0  # the fraction of training slots after the key block left as filler, not queries
+    retrieval_filler: float = (
+        0.0  # the fraction of training slots after the key block left as filler, not queries
+    )
 
     def copy_options(self) -> dict:
         """The copy-data keyword arguments of RandomBatches."""
-        return {"copy_fraction": self.copy_fraction, "copy_span": self.copy_span, "copy_repeats": self.copy_repeats}
+        return {
+            "copy_fraction": self.copy_fraction,
+            "copy_span": self.copy_span,
+            "copy_repeats": self.copy_repeats,
+        }
 
 
 @dataclass
@@ -57,8 +74,12 @@ class TrainConfig:
     peak_tflops: float | None = None  # per device, for MFU; None: the GPU table (nothing on CPU)
     sample_tokens: int = 200  # a sample printed at the end (0: none)
     sample_prompt: str = ""
-    init_from: str | None = None  # a run directory whose weights (not optimizer or step) start this run
-    random_positions: int = 0  # k > 0: each sequence at sorted random positions from [0, k·seq_len); 0: off
+    init_from: str | None = (
+        None  # a run directory whose weights (not optimizer or step) start this run
+    )
+    random_positions: int = (
+        0  # k > 0: each sequence at sorted random positions from [0, k·seq_len); 0: off
+    )
 
 
 @dataclass
@@ -186,7 +207,9 @@ def unknown_key_error(key: str, valid: list[str]) -> UserError:
 
 def type_options(annotation) -> tuple[type, bool]:
     """The field's type without None, and whether None is allowed."""
-    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    options = (
+        typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    )
     return next(t for t in options if t is not type(None)), type(None) in options
 
 
@@ -224,7 +247,9 @@ def parse_override(key: str, text: str, annotation):
         return None
     try:
         if base is bool:
-            value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[text.lower()]
+            value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[
+                text.lower()
+            ]
         else:
             value = base(text)
     except (KeyError, ValueError):
@@ -246,13 +271,20 @@ def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
         for key, value in table.items():
             if key not in types_:
                 raise unknown_key_error(f"{name}.{key}", [f"{name}.{k}" for k in types_])
-            values[name][key] = check_value(f"{name}.{key}", f"config key {name}.{key}", value, types_[key])
+            values[name][key] = check_value(
+                f"{name}.{key}", f"config key {name}.{key}", value, types_[key]
+            )
     all_keys = [f"{name}.{k}" for name, cls in sections.items() for k in field_types(cls)]
     given = {dotted for dotted, _ in overrides}
-    for layer, keys in (("the config file", {f"train.{k}" for k in values["train"]}), ("the command line", given)):
+    for layer, keys in (
+        ("the config file", {f"train.{k}" for k in values["train"]}),
+        ("the command line", given),
+    ):
         if {"train.max_steps", "train.max_minutes"} <= keys:
             raise UserError(f"{layer} sets both train.max_steps and train.max_minutes; keep one")
-    if "train.max_steps" in given:  # the command line wins: a step count given there turns off the file's budget
+    if (
+        "train.max_steps" in given
+    ):  # the command line wins: a step count given there turns off the file's budget
         values["train"]["max_minutes"] = None
     for dotted, text in overrides:
         name, _, key = dotted.partition(".")
@@ -275,7 +307,9 @@ def split_overrides(rest: list[str]) -> list[tuple[str, str]]:
     while i < len(rest):
         match = re.fullmatch(r"--([A-Za-z_]\w*\.\w+)(?:=(.*))?", rest[i], re.S)
         if not match:
-            raise UserError(f"unexpected argument {rest[i]!r}; overrides look like --section.key=value")
+            raise UserError(
+                f"unexpected argument {rest[i]!r}; overrides look like --section.key=value"
+            )
         if match[2] is None:
             if i + 1 >= len(rest):
                 raise UserError(f"--{match[1]} needs a value")
@@ -307,8 +341,12 @@ def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, 
         + ", ".join(section_types())
         + "), e.g. --train.max_steps=200 --model.dim=128.",
     )
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a TOML config (default configs/default.toml)")
-    parser.add_argument("--resume", action="store_true", help="continue the latest checkpoint in the run directory")
+    parser.add_argument(
+        "--config", default=str(DEFAULT_CONFIG), help="a TOML config (default configs/default.toml)"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the latest checkpoint in the run directory"
+    )
     add_out(parser, "the run directory written (train.out_dir)")
     add_device(parser, default=None)  # None: the config's value stands
     add_compile(parser, "each block (train.compile)", default=None)
@@ -359,14 +397,18 @@ def check_retrieval(cfg: Config) -> None:
             f"+ {d.retrieval_values} values; set --model.vocab_size={needed}"
         )
     if d.retrieval_pairs > d.retrieval_keys:
-        raise UserError(f"data.retrieval_pairs ({d.retrieval_pairs}) exceeds data.retrieval_keys: keys are distinct")
+        raise UserError(
+            f"data.retrieval_pairs ({d.retrieval_pairs}) exceeds data.retrieval_keys: keys are distinct"
+        )
     if 4 * d.retrieval_pairs > cfg.train.seq_len + 1:
         raise UserError(
             f"train.seq_len ({cfg.train.seq_len}) cannot hold {d.retrieval_pairs} retrieval pairs and their queries; "
             f"lower data.retrieval_pairs or raise train.seq_len to {4 * d.retrieval_pairs}"
         )
     if cfg.train.sample_tokens:
-        raise UserError("data.task retrieval has no tokenizer to sample with; set train.sample_tokens = 0")
+        raise UserError(
+            "data.task retrieval has no tokenizer to sample with; set train.sample_tokens = 0"
+        )
 
 
 def check_training_options(cfg: Config) -> None:
@@ -380,11 +422,15 @@ def check_training_options(cfg: Config) -> None:
             "first warmup steps, whose learning rate does not depend on the run's length, to size the run"
         )
     if t.random_positions and m.position == "nope":
-        raise UserError("train.random_positions needs a position encoding, and model.position nope has none")
+        raise UserError(
+            "train.random_positions needs a position encoding, and model.position nope has none"
+        )
     if m.position == "learned" and t.random_positions * t.seq_len > m.max_seq_len:
         raise UserError(
             f"train.random_positions ({t.random_positions}) × train.seq_len ({t.seq_len}) exceeds the learned "
             f"position table model.max_seq_len ({m.max_seq_len}); raise model.max_seq_len or lower random_positions"
         )
     if t.init_from is not None and Path(t.init_from).resolve() == Path(t.out_dir).resolve():
-        raise UserError(f"train.init_from ({t.init_from}) must be another run directory than train.out_dir")
+        raise UserError(
+            f"train.init_from ({t.init_from}) must be another run directory than train.out_dir"
+        )

@@ -5,17 +5,21 @@ import math
 import sys
 from pathlib import Path
 
-import common
 import torch
 from tqdm import tqdm
 
-from checkpoint import load_model
-from cli import UserError, add_run, positive, run_command
 from data.loader import eval_batches, load_meta
-from inference import int8_dtype, quantize
 from model import Transformer
+from picollama.checkpoint import load_model
+from picollama.cli import UserError, add_run, positive, run_command
+from picollama.inference import int8_dtype, quantize
+from picollama.lab.bench import common
 
-PRECISIONS = {"fp32": (torch.float32, "none"), "bf16": (torch.bfloat16, "none"), "int8": (None, "int8")}
+PRECISIONS = {
+    "fp32": (torch.float32, "none"),
+    "bf16": (torch.bfloat16, "none"),
+    "int8": (None, "int8"),
+}
 
 
 @torch.inference_mode()
@@ -32,8 +36,12 @@ def mean_loss(model: Transformer, batches: list) -> float:
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__, "quantize")
     add_run(p, required=False)  # required but in --smoke: checked below
-    p.add_argument("--seq-len", type=positive(), help="window length (default: the run's train.seq_len)")
-    p.add_argument("--batch-size", type=positive(), default=16, help="windows per forward (default 16)")
+    p.add_argument(
+        "--seq-len", type=positive(), help="window length (default: the run's train.seq_len)"
+    )
+    p.add_argument(
+        "--batch-size", type=positive(), default=16, help="windows per forward (default 16)"
+    )
     cli = common.parse(p, argv)
     device, _ = common.setup(cli)
     if cli.smoke:
@@ -42,7 +50,9 @@ def main(argv: list[str]) -> int:
         bytes_per_token = None
         seq_len = 32
         vocab = original.args.vocab_size
-        tokens = torch.randint(0, vocab, (4, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(
+            0, vocab, (4, seq_len + 1), generator=torch.Generator().manual_seed(0)
+        )
         batches = [(tokens[:, :-1], tokens[:, 1:])]
         where = "random tokens"
     else:
@@ -61,7 +71,11 @@ def main(argv: list[str]) -> int:
         model.load_state_dict(original.state_dict())
         model = quantize(model, mode).to(device=device, dtype=dtype or int8_dtype(device))
         loss = mean_loss(model, batches)
-        results[name] = {"dtype": str(dtype or int8_dtype(device))[6:], "weights": mode, "loss": loss}
+        results[name] = {
+            "dtype": str(dtype or int8_dtype(device))[6:],
+            "weights": mode,
+            "loss": loss,
+        }
         results[name]["perplexity"] = math.exp(loss)
         if bytes_per_token:
             results[name]["bits_per_byte"] = loss / math.log(2) / bytes_per_token
@@ -71,7 +85,10 @@ def main(argv: list[str]) -> int:
     print(f"{targets:,} target tokens of {where}, windows of {seq_len}")
     common.print_table(
         ["weights", "activations", "loss", "perplexity", "vs fp32"],
-        [[name, r["dtype"], r["loss"], r["perplexity"], r["perplexity_over_fp32"]] for name, r in results.items()],
+        [
+            [name, r["dtype"], r["loss"], r["perplexity"], r["perplexity_over_fp32"]]
+            for name, r in results.items()
+        ],
     )
     common.write_results(
         cli,

@@ -12,8 +12,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import load_model, load_run
-from cli import (
+from data.loader import copy_vocabulary, document_windows, load_meta
+from data.retrieval import RetrievalTask
+from data.tokenizer import same_tokenizer, tokenizer_sha256
+from model import ROPE_SCALINGS, Transformer
+from picollama import REPO_ROOT
+from picollama.checkpoint import load_model, load_run
+from picollama.cli import (
     ArgumentParser,
     UserError,
     add_device,
@@ -25,11 +30,8 @@ from cli import (
     comma_list,
     positive,
 )
-from data.loader import copy_vocabulary, document_windows, load_meta
-from data.retrieval import RetrievalTask, eval_batches
-from data.tokenizer import same_tokenizer, tokenizer_sha256
-from device import pick_device, pick_dtype
-from extrapolation_report import (
+from picollama.device import pick_device, pick_dtype
+from picollama.lab.report import (
     BINS_PER_OCTAVE,
     MIN_BIN,
     effective_line,
@@ -38,7 +40,6 @@ from extrapolation_report import (
     retrieval_markdown,
     retrieval_plot,
 )
-from model import ROPE_SCALINGS, Transformer
 
 
 def fits(model: Transformer, length: int) -> bool:
@@ -47,7 +48,9 @@ def fits(model: Transformer, length: int) -> bool:
     return limit is None or length <= limit
 
 
-def logits_and_losses(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def logits_and_losses(
+    model: Transformer, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 logits (B, T-1, vocab) and cross-entropy (B, T-1) of each of tokens[:, 1:] given everything before it."""
     logits = model(tokens[:, :-1]).float()
     return logits, F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
@@ -88,7 +91,9 @@ def row_blocks(array: np.ndarray, length: int, device):
 def probe_distances(train_len: int, lengths: list[int], span: int) -> list[int]:
     """Span-to-repeat distances: train_len/4, train_len/2, and for each tested length n the farthest that fits n
     tokens, n - span (so that the probe reads at every length); never below span (no overlap)."""
-    return sorted(d for d in {train_len // 4, train_len // 2} | {n - span for n in lengths} if d >= span)
+    return sorted(
+        d for d in {train_len // 4, train_len // 2} | {n - span for n in lengths} if d >= span
+    )
 
 
 def probe_spans(meta: dict, count: int, span: int, seed: int) -> np.ndarray:
@@ -107,7 +112,9 @@ def probe_sequences(text: np.ndarray, spans: np.ndarray, distance: int) -> np.nd
     return sequences
 
 
-def probe_scores(model: Transformer, sequences: np.ndarray, distance: int, device) -> tuple[np.ndarray, np.ndarray]:
+def probe_scores(
+    model: Transformer, sequences: np.ndarray, distance: int, device
+) -> tuple[np.ndarray, np.ndarray]:
     """Per row of probe_sequences: top-1 accuracy on the repeat after its first token, and the loss drop in nats
     from the first occurrence to the repeat (over the same span-1 tokens of each)."""
     span = sequences.shape[1] - distance
@@ -172,7 +179,19 @@ def effective_context(perplexity: dict, probe: dict, train_len: int, span: int) 
     return {"tokens": tokens, "basis": basis, "probe_in_context": accuracy}
 
 
-def evaluate_run(model, run: dict, text, probe_text, spans, lengths, distances, protocol, score_tokens, device, bar):
+def evaluate_run(
+    model,
+    run: dict,
+    text,
+    probe_text,
+    spans,
+    lengths,
+    distances,
+    protocol,
+    score_tokens,
+    device,
+    bar,
+):
     """The perplexity, probe, loss-by-position and effective-context numbers of one run, for each of its methods.
     Lengths a learned-position model cannot reach are None ("n/a")."""
     longest = max(lengths)
@@ -188,16 +207,21 @@ def evaluate_run(model, run: dict, text, probe_text, spans, lengths, distances, 
             if fits(model, length):
                 model.args = model.args.stretched(method, length)
                 window_losses = []
-                for tokens in row_blocks(text[:, -length:] if protocol == "fixed-target" else text, length, device):
+                for tokens in row_blocks(
+                    text[:, -length:] if protocol == "fixed-target" else text, length, device
+                ):
                     if protocol == "fixed-target":
                         losses = token_losses(model, tokens)
                         targets = losses[:, -score_tokens:]
                     else:
                         losses = targets = sliding_losses(model, tokens, length)
                     window_losses += targets.mean(1).tolist()
-                    if length == longest:  # the whole window in one forward: its loss at every position
+                    if (
+                        length == longest
+                    ):  # the whole window in one forward: its loss at every position
                         per_position += [
-                            [row[a:b].mean().item() for a, b in zip(edges[:-1], edges[1:])] for row in losses
+                            [row[a:b].mean().item() for a, b in zip(edges[:-1], edges[1:])]
+                            for row in losses
                         ]
                     bar.update(len(tokens))
                 loss = spread(window_losses)
@@ -211,15 +235,25 @@ def evaluate_run(model, run: dict, text, probe_text, spans, lengths, distances, 
             per_distance[str(distance)] = None
             if fits(model, distance + span):
                 model.args = model.args.stretched(method, distance + span)
-                accuracy, drop = probe_scores(model, probe_sequences(probe_text, spans, distance), distance, device)
-                per_distance[str(distance)] = {"accuracy": spread(accuracy), "loss_drop": spread(drop)}
+                accuracy, drop = probe_scores(
+                    model, probe_sequences(probe_text, spans, distance), distance, device
+                )
+                per_distance[str(distance)] = {
+                    "accuracy": spread(accuracy),
+                    "loss_drop": spread(drop),
+                }
             bar.update(len(probe_text))
         result["perplexity"][method] = per_length
         result["probe"][method] = per_distance
         if per_position:
             by_bin = np.asarray(per_position)
-            result["per_position"][method] = {"loss_mean": by_bin.mean(0).tolist(), "loss_std": by_bin.std(0).tolist()}
-        result["effective_context"][method] = effective_context(per_length, per_distance, run["train_context"], span)
+            result["per_position"][method] = {
+                "loss_mean": by_bin.mean(0).tolist(),
+                "loss_std": by_bin.std(0).tolist(),
+            }
+        result["effective_context"][method] = effective_context(
+            per_length, per_distance, run["train_context"], span
+        )
     return result
 
 
@@ -232,7 +266,9 @@ KEEPS = 0.5  # the effective context keeps at least this fraction of the in-cont
 def retrieval_task(config: dict) -> RetrievalTask:
     """The retrieval task a run was trained on, from its config.json's data section."""
     data = config.get("data") or {}
-    defaults = RetrievalTask(64, 64, 8)  # config.py's defaults, for a config.json that leaves a key out
+    defaults = RetrievalTask(
+        64, 64, 8
+    )  # config.py's defaults, for a config.json that leaves a key out
     return RetrievalTask(
         data.get("retrieval_keys", defaults.keys),
         data.get("retrieval_values", defaults.values),
@@ -290,38 +326,63 @@ def evaluate_retrieval(model: Transformer, run: dict, rows: dict, device, bar) -
                     model.args = model.args.stretched(method, key_length(key))
                     cells[kind][str(key)] = spread(retrieval_scores(model, batches, device))
                 bar.update(sum(len(x) for x, _ in batches))
-        result["accuracy"][method], result["by_distance"][method] = cells["length"], cells["distance"]
-        result["effective_context"][method] = retrieval_effective(cells["length"], run["train_context"])
+        result["accuracy"][method], result["by_distance"][method] = (
+            cells["length"],
+            cells["distance"],
+        )
+        result["effective_context"][method] = retrieval_effective(
+            cells["length"], run["train_context"]
+        )
     return result
 
 
 def retrieval_study(loaded: list, args, argv: list[str], device) -> dict:
     """The retrieval report of runs trained on one retrieval task: the same seeded rows for every run and method."""
-    tasks = {(task.keys, task.values, task.pairs) for task in (retrieval_task(run["config"]) for _, run in loaded)}
+    tasks = {
+        (task.keys, task.values, task.pairs)
+        for task in (retrieval_task(run["config"]) for _, run in loaded)
+    }
     if len(tasks) > 1:
-        raise UserError("--run: the runs were trained on different retrieval tasks (keys, values or pairs)")
+        raise UserError(
+            "--run: the runs were trained on different retrieval tasks (keys, values or pairs)"
+        )
     task = retrieval_task(loaded[0][1]["config"])
     context = min(run["train_context"] for _, run in loaded)
     lengths = args.lengths or [context * k for k in RETRIEVAL_MULTIPLES]
     lengths = sorted(set(lengths) | {run["train_context"] for _, run in loaded})
     if min(lengths) < task.min_length():
-        raise UserError(f"--lengths must all be at least {task.min_length()} (a row with every key and its query)")
+        raise UserError(
+            f"--lengths must all be at least {task.min_length()} (a row with every key and its query)"
+        )
     distances = retrieval_distances(context, max(lengths), task.pairs)
     count = max(1, args.retrieval_rows // 64)
     size = min(64, args.retrieval_rows)
     rows = {
-        "length": {n: eval_batches(task, count, size, n, seed=args.seed + 1) for n in lengths},
-        "distance": {d: eval_batches(task, count, size, max(lengths), d, seed=args.seed + 2) for d in distances},
+        "length": {n: task.fixed_batches(count, size, n, seed=args.seed + 1) for n in lengths},
+        "distance": {
+            d: task.fixed_batches(count, size, max(lengths), d, seed=args.seed + 2)
+            for d in distances
+        },
     }
     start = time.perf_counter()
-    work = sum(len(run["methods"]) for _, run in loaded) * count * size * (len(lengths) + len(distances))
+    work = (
+        sum(len(run["methods"]) for _, run in loaded)
+        * count
+        * size
+        * (len(lengths) + len(distances))
+    )
     with torch.inference_mode(), tqdm(total=work, desc="retrieval", unit="row") as bar:
         for model, run in loaded:
             run.update(evaluate_retrieval(model, run, rows, device, bar))
     return {
         "kind": "retrieval",
         "command": ["python", "generate.py", *argv],
-        "task": {"keys": task.keys, "values": task.values, "pairs": task.pairs, "chance": 1 / task.values},
+        "task": {
+            "keys": task.keys,
+            "values": task.values,
+            "pairs": task.pairs,
+            "chance": 1 / task.values,
+        },
         "lengths": lengths,
         "distances": distances,
         "rows": count * size,
@@ -342,8 +403,10 @@ def find_data_dir(config: dict, override: str | None) -> Path:
     else:
         configured = (config.get("data") or {}).get("dir")
         if not configured:
-            raise UserError("config.json names no data.dir; pass --data DIR (a prepared dataset with a val split)")
-        candidates = [Path(configured), Path(__file__).resolve().parent / configured]
+            raise UserError(
+                "config.json names no data.dir; pass --data DIR (a prepared dataset with a val split)"
+            )
+        candidates = [Path(configured), REPO_ROOT / configured]
     for path in candidates:
         if any(path.glob("val*.bin")) and (path / "meta.json").is_file():
             return path
@@ -352,8 +415,12 @@ def find_data_dir(config: dict, override: str | None) -> Path:
 
 def check_same_tokenizer(checkpoint: Path, data_dir: Path):
     """UserError when the dataset was tokenized by another tokenizer than the checkpoint's."""
-    if not same_tokenizer(load_meta(data_dir).get("tokenizer_sha256"), checkpoint / "tokenizer.model"):
-        raise UserError(f"{data_dir} was tokenized with another tokenizer than {checkpoint}/tokenizer.model")
+    if not same_tokenizer(
+        load_meta(data_dir).get("tokenizer_sha256"), checkpoint / "tokenizer.model"
+    ):
+        raise UserError(
+            f"{data_dir} was tokenized with another tokenizer than {checkpoint}/tokenizer.model"
+        )
 
 
 def add_arguments(parser: ArgumentParser):
@@ -383,9 +450,15 @@ def add_arguments(parser: ArgumentParser):
         help="fixed-target (default): the same last tokens scored with each context length; "
         "sliding: every token, through windows moving by half their length",
     )
-    parser.add_argument("--num-windows", type=positive(), default=8, help="validation windows (default 8)")
-    parser.add_argument("--probes", type=positive(), default=16, help="copy-probe spans per distance (default 16)")
-    parser.add_argument("--probe-span", type=int, default=16, help="random tokens in each probe span (default 16)")
+    parser.add_argument(
+        "--num-windows", type=positive(), default=8, help="validation windows (default 8)"
+    )
+    parser.add_argument(
+        "--probes", type=positive(), default=16, help="copy-probe spans per distance (default 16)"
+    )
+    parser.add_argument(
+        "--probe-span", type=int, default=16, help="random tokens in each probe span (default 16)"
+    )
     parser.add_argument("--data", help="prepared dataset (default: the first run's data.dir)")
     add_seed(parser, "which windows and probe spans")
     parser.add_argument(
@@ -400,12 +473,16 @@ def add_arguments(parser: ArgumentParser):
 def trained_task(name: str) -> str:
     """data.task in a run directory's config.json ("text" where it names none or cannot be read: loading says why)."""
     try:
-        return (json.loads((Path(name) / "config.json").read_text()).get("data") or {}).get("task", "text")
+        return (json.loads((Path(name) / "config.json").read_text()).get("data") or {}).get(
+            "task", "text"
+        )
     except (OSError, ValueError, AttributeError):
         return "text"
 
 
-def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> list[tuple[Transformer, dict]]:
+def load_runs(
+    names: list[str], methods: list[str] | None, device, dtype
+) -> list[tuple[Transformer, dict]]:
     """(model, run description) for each run directory, all sharing one tokenizer; UserError otherwise, or where
     a RoPE scaling method is named for a model without RoPE."""
     runs = []
@@ -442,7 +519,9 @@ def load_runs(names: list[str], methods: list[str] | None, device, dtype) -> lis
             "name": name,
             "task": trained_task(name),
             "position": position,
-            "train_context": int((config.get("train") or {}).get("seq_len") or model.args.original_seq_len),
+            "train_context": int(
+                (config.get("train") or {}).get("seq_len") or model.args.original_seq_len
+            ),
             "original_context": model.args.original_seq_len,  # what RoPE scaling stretches from
             "methods": methods or (list(ROPE_SCALINGS) if position == "rope" else ["none"]),
             "model": model.args.to_dict(),  # before the evaluation switches RoPE
@@ -467,17 +546,32 @@ def text_study(loaded: list, args, argv: list[str], device, out_dir: Path) -> di
     text = document_windows(data_dir, "val", max(lengths), args.num_windows, seed=args.seed)
     probe_text = document_windows(data_dir, "val", max(lengths), args.probes, seed=args.seed + 1)
     if text.max() >= min(model.args.vocab_size for model, _ in loaded):
-        raise UserError(f"{data_dir} holds token ids beyond the model's vocabulary; it was made with another tokenizer")
+        raise UserError(
+            f"{data_dir} holds token ids beyond the model's vocabulary; it was made with another tokenizer"
+        )
     spans = probe_spans(load_meta(data_dir), args.probes, args.probe_span, args.seed)
     distances = probe_distances(min(contexts), lengths, args.probe_span)
     edges = position_bins(max(lengths))
     start = time.perf_counter()
-    work = sum(len(run["methods"]) * (len(lengths) * len(text) + len(distances) * len(spans)) for run in runs)
+    work = sum(
+        len(run["methods"]) * (len(lengths) * len(text) + len(distances) * len(spans))
+        for run in runs
+    )
     with torch.inference_mode(), tqdm(total=work, desc="extrapolation", unit="sequence") as bar:
         for model, run in loaded:
             run.update(
                 evaluate_run(
-                    model, run, text, probe_text, spans, lengths, distances, args.protocol, score_tokens, device, bar
+                    model,
+                    run,
+                    text,
+                    probe_text,
+                    spans,
+                    lengths,
+                    distances,
+                    args.protocol,
+                    score_tokens,
+                    device,
+                    bar,
                 )
             )
     return {
@@ -503,7 +597,9 @@ def run(args, argv: list[str]) -> int:
     if len({path.resolve() for path in args.run}) < len(names):
         raise UserError(f"--run names a run twice: {','.join(names)}")
     if len(names) > 1 and args.out is None:
-        raise UserError("--out is required with several runs: the directory the comparison is written to")
+        raise UserError(
+            "--out is required with several runs: the directory the comparison is written to"
+        )
     methods = args.methods
     if args.probe_span < 2:
         raise UserError(f"--probe-span must be >= 2, not {args.probe_span}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from cli import UserError
+from picollama.cli import UserError
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by device-name substring; the first match wins.
 GPU_BF16_PEAK_TFLOPS = (
@@ -40,19 +40,33 @@ def pick_device(name: str | None = None) -> torch.device:
     """The named device (cpu, cuda, cuda:1, mps), or what the machine has: cuda, else Apple's mps, else cpu;
     UserError if unusable."""
     if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps_available() else "cpu")
+        return torch.device(
+            "cuda" if torch.cuda.is_available() else "mps" if mps_available() else "cpu"
+        )
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UserError(f"device {name!r}: not a device (examples: cpu, cuda, cuda:1, mps)") from None
+        raise UserError(
+            f"device {name!r}: not a device (examples: cpu, cuda, cuda:1, mps)"
+        ) from None
     if device.type not in ("cpu", "cuda", "mps"):
-        raise UserError(f"device {name!r}: picollama runs on cpu, cuda (cuda:N) or mps; choose one of those")
+        raise UserError(
+            f"device {name!r}: picollama runs on cpu, cuda (cuda:N) or mps; choose one of those"
+        )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {name!r}: CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UserError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if (
+        device.type == "cuda"
+        and device.index is not None
+        and device.index >= torch.cuda.device_count()
+    ):
+        raise UserError(
+            f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
     if device.type == "mps" and not mps_available():
-        raise UserError(f"device {name!r}: MPS (Apple's GPU) is not available on this machine; use cpu")
+        raise UserError(
+            f"device {name!r}: MPS (Apple's GPU) is not available on this machine; use cpu"
+        )
     return device
 
 
@@ -72,7 +86,11 @@ def check_compiler():
 def cpu_has_bf16() -> bool:
     """Whether this CPU does bf16 arithmetic natively (AVX-512 BF16 or AMX), where bf16 matmuls beat fp32."""
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        flags = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
     except (OSError, StopIteration):
         return False
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
@@ -86,7 +104,9 @@ def keep_freed_memory():
     if not sys.platform.startswith("linux") or (name := ctypes.util.find_library("c")) is None:
         return
     libc = ctypes.CDLL(name)
-    if hasattr(libc, "mallopt"):  # glibc's M_TRIM_THRESHOLD (-1) and M_MMAP_THRESHOLD (-3), to 1 GiB
+    if hasattr(
+        libc, "mallopt"
+    ):  # glibc's M_TRIM_THRESHOLD (-1) and M_MMAP_THRESHOLD (-3), to 1 GiB
         libc.mallopt(-1, 1 << 30)
         libc.mallopt(-3, 1 << 30)
 
@@ -95,7 +115,11 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     """The named dtype; "auto" (or None) is bfloat16 where the device computes it natively (a GPU that supports it,
     or a CPU with cpu_has_bf16()) and float32 elsewhere."""
     if name in (None, "auto"):
-        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_has_bf16()
+        native = (
+            torch.cuda.is_bf16_supported()
+            if device.type == "cuda"
+            else device.type == "cpu" and cpu_has_bf16()
+        )
         return torch.bfloat16 if native else torch.float32
     if name not in DTYPES:
         raise UserError(f"dtype {name!r}: choose float32, bfloat16 or float16")
