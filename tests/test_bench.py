@@ -1,14 +1,18 @@
-"""Each bench script runs end to end in its tiny --smoke mode and writes sane JSON; bad input is one error line."""
+"""Each benchmark runs end to end in its tiny --smoke mode and writes sane JSON, never over the
+committed results; bad input is one error line."""
 
+import importlib
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from model import ModelArgs, Transformer
 from picollama.cli import run_command
+from picollama.lab.bench import common
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,10 +29,8 @@ def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("script", ["train", "decode", "memory", "data", "quantize"])
 def test_smoke_run_writes_results(script, tmp_path):
-    if script != "data":
-        pytest.importorskip(
-            "transformers"
-        )  # the model benchmarks compare with its LlamaForCausalLM
+    if script != "data":  # the model benchmarks compare with transformers' LlamaForCausalLM
+        pytest.importorskip("transformers")
     out = tmp_path / f"{script}.json"
     done = run_bench(
         script, "--smoke", *([] if script == "data" else ["--threads", "1"]), "--out", str(out)
@@ -39,15 +41,12 @@ def test_smoke_run_writes_results(script, tmp_path):
     assert result["benchmark"] == script
     assert {"cpu", "cpu_cores", "torch", "device"} <= result["machine"].keys()
     if script == "train":
-        fp32, bf16 = result["results"]
-        assert (
-            not fp32["autocast"] and bf16["autocast"]
-        )  # fp32, then both models under bf16 autocast
+        fp32, bf16 = result["results"]  # fp32, then both models under bf16 autocast
+        assert not fp32["autocast"] and bf16["autocast"]
         for r in (fp32, bf16):
             assert r["ours"]["tokens_per_second"] > 0 and r["hf"]["tokens_per_second"] > 0
-        assert (
-            abs(fp32["initial_loss"]["ours"] - fp32["initial_loss"]["hf"]) < 1e-3
-        )  # same weights, same loss
+        # same weights, same loss
+        assert abs(fp32["initial_loss"]["ours"] - fp32["initial_loss"]["hf"]) < 1e-3
         assert abs(bf16["initial_loss"]["ours"] - bf16["initial_loss"]["hf"]) < 3e-2
     elif script == "decode":
         agree = result["greedy_tokens_agreeing_with_ours_model_step"]
@@ -88,6 +87,31 @@ def test_bad_input_is_one_error_line(script, args, message, tmp_path, capsys, be
     assert not out.exists()
 
 
+@pytest.mark.parametrize("script", ["train", "decode", "memory", "data", "quantize", "switches"])
+def test_smoke_output_defaults_to_a_temporary_file(script, tmp_path, monkeypatch):
+    # --smoke's figures (random tokens, a tiny model) must never replace docs/results/SCRIPT.json
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where tempfile.mkdtemp makes folders
+    parse_args = importlib.import_module(f"picollama.lab.bench.{script}").parse_args
+    committed = common.RESULTS_DIR / f"{script}.json"
+    default = parse_args([])
+    assert default.out == committed and not default.temporary_out
+    given = tmp_path / "given.json"
+    assert parse_args(["--smoke", "--out", str(given)]).out == given
+    smoke = parse_args(["--smoke"])
+    assert smoke.temporary_out and smoke.out.name == f"{script}.json"
+    assert smoke.out.parent.parent == tmp_path and not smoke.out.exists()
+
+
+def test_smoke_results_say_where_they_went(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    args = importlib.import_module("picollama.lab.bench.data").parse_args(["--smoke"])
+    assert args.out.is_relative_to(tmp_path)
+    common.write_results(args, {"runs": []})
+    said = capsys.readouterr().out
+    assert f"results written to {args.out}\n" in said and "never docs/results/data.json" in said
+    assert json.loads(args.out.read_text())["runs"] == []
+
+
 def test_an_unwritable_output_is_refused_before_measuring(tmp_path):
     (tmp_path / "file").write_text("")
     done = run_bench("data", "--smoke", "--out", str(tmp_path / "file" / "out.json"))
@@ -104,7 +128,8 @@ def test_switches_trains_each_switch_for_the_budget(make_tiny_run, tmp_path):
     config = tmp_path / "tiny.toml"
     config.write_text(
         "[model]\ndim = 32\nn_layers = 1\nn_heads = 2\nvocab_size = 320\nmax_seq_len = 32\n"
-        f'[data]\ndir = "{data_dir}"\n[train]\nbatch_size = 4\nseq_len = 32\n[eval]\nbatches = 1\nbatch_size = 4\n'
+        f'[data]\ndir = "{data_dir}"\n[train]\nbatch_size = 4\nseq_len = 32\n'
+        "[eval]\nbatches = 1\nbatch_size = 4\n"
     )
     out = tmp_path / "switches.json"
     done = run_bench(
@@ -118,6 +143,5 @@ def test_switches_trains_each_switch_for_the_budget(make_tiny_run, tmp_path):
     llama = Transformer(
         ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=320, max_seq_len=32)
     ).num_params()
-    assert (
-        run["params"] == llama + 2 * 16
-    )  # the config's LLaMA and one q and one k norm of head size 16
+    # the config's LLaMA and one q and one k norm of head size 16
+    assert run["params"] == llama + 2 * 16

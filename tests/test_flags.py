@@ -1,4 +1,4 @@
-"""The README's table of shared flags is what each command's --help says; old spellings still work, with a note."""
+"""The shared-flags table (docs/usage.md) is what each command's --help says; old spellings work."""
 
 import contextlib
 import io
@@ -14,6 +14,7 @@ from picollama import convert
 from picollama.cli import run_command
 
 REPO = Path(__file__).resolve().parent.parent
+FLAG_TABLE = REPO / "docs" / "usage.md"  # the one set of flags table (the README points there)
 BENCH = ("data", "decode", "memory", "quantize", "switches", "train")
 
 
@@ -25,7 +26,7 @@ def help_text(main, argv: list[str]) -> str:
 
 
 def options(text: str) -> set[str]:
-    """The flags an argparse --help lists in its options section (`--a, --b` lines and `--a VALUE` lines)."""
+    """The flags an argparse --help lists under options (`--a, --b` and `--a VALUE` lines)."""
     listed = set()
     for line in text.split("options:", 1)[1].splitlines():
         match = re.match(r"\s{2}((?:-{1,2}[\w-]+(?: \S+)?(?:, )?)+)", line)
@@ -35,7 +36,7 @@ def options(text: str) -> set[str]:
 
 
 def command_helps(bench_main) -> dict[str, dict[str, set[str]]]:
-    """README column -> {part (subcommand or script) -> the flags its --help lists}."""
+    """Table column -> {part (subcommand or script) -> the flags its --help lists}."""
     return {
         "`train.py`": {"train": options(help_text(train.main, []))},
         "`generate.py`": {"sample": options(help_text(generate.main, []))},
@@ -43,27 +44,28 @@ def command_helps(bench_main) -> dict[str, dict[str, set[str]]]:
             "extrapolate": options(help_text(generate.main, ["extrapolate"]))
         },
         "`generate.py study`": {"study": options(help_text(generate.main, ["study"]))},
-        "`convert.py`": {
+        "`python -m picollama.convert`": {
             c: options(help_text(convert.main, [c])) for c in ("to-hf", "from-hf", "to-gguf")
         },
         "`data/prepare.py`": {"prepare": options(help_text(prepare.main, []))},
-        "`bench/*.py`": {name: options(help_text(bench_main(name), [])) for name in BENCH},
+        "`python -m picollama.lab.bench.*`": {
+            name: options(help_text(bench_main(name), [])) for name in BENCH
+        },
     }
 
 
-def readme_table() -> tuple[list[str], list[list[str]]]:
-    section = (REPO / "README.md").read_text().split("### One set of flags", 1)[1]
-    table = section[section.index("\n| ") :].split("\n\n", 1)[
-        0
-    ]  # the first table after the heading
+def flag_table() -> tuple[list[str], list[list[str]]]:
+    """The header and rows of the first table after the "One set of flags" heading."""
+    section = FLAG_TABLE.read_text().split("## One set of flags", 1)[1]
+    table = section[section.index("\n| ") :].split("\n\n", 1)[0]
     rows = [
         [cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()
     ]
     return rows[0], [row for row in rows[1:] if not row[0].startswith("---")]
 
 
-def test_the_readme_flag_table_is_each_commands_help(bench_main):
-    header, rows = readme_table()
+def test_the_flag_table_is_each_commands_help(bench_main):
+    header, rows = flag_table()
     helps = command_helps(bench_main)
     assert set(header[2:]) == set(helps)
     for row in rows:
@@ -81,7 +83,7 @@ def test_the_readme_flag_table_is_each_commands_help(bench_main):
             for part, listed in parts.items():
                 for flag in flags:
                     assert (flag in listed) == (part in having), (
-                        f"{flag} in {column} {part}: README says {cell}"
+                        f"{flag} in {column} {part}: the table says {cell}"
                     )
 
 

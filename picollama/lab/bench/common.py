@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: flags, model configs, our model + the same HF Llama, interleaved timing, tables, JSON."""
+"""Shared by the benchmarks: flags, configs, our model and the same HF Llama, timing, JSON."""
 
 import json
 import math
@@ -6,6 +6,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import tomllib
 from importlib import metadata
@@ -29,13 +30,12 @@ from picollama.convert import hf_config, to_hf_state_dict
 from picollama.device import cpu_has_bf16, peak_flops, pick_device, pick_dtype
 
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
-SMOKE = dict(
-    dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128
-)  # model_args("smoke"): --smoke's model
+# model_args("smoke"): --smoke's model
+SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
 
 
 def parser(description: str, script: str, models: bool = True) -> ArgumentParser:
-    """The flags every bench script takes; models=True adds the device/threads ones of the model benchmarks."""
+    """The flags of every benchmark; models=True adds the model benchmarks' --device/--threads."""
     p = ArgumentParser(description=description)
     if models:
         add_device(p)
@@ -46,11 +46,9 @@ def parser(description: str, script: str, models: bool = True) -> ArgumentParser
         "--smoke", action="store_true", help="a tiny, seconds-long run to check the script works"
     )
     add_out(
-        p,
-        f"JSON output path (default docs/results/{script}.json)",
-        default=RESULTS_DIR / f"{script}.json",
+        p, f"JSON output path (default docs/results/{script}.json; with --smoke a temporary file)"
     )
-    p.set_defaults(benchmark=script)
+    p.set_defaults(benchmark=script, temporary_out=False)
     return p
 
 
@@ -65,15 +63,26 @@ def add_configs(p: ArgumentParser, default: str):
 
 
 def parse(p: ArgumentParser, argv: list[str]):
-    """The parsed flags, with --out checked writable before anything is measured."""
+    """The parsed flags, with --out defaulted and checked writable before anything is measured."""
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = default_out(args.benchmark, args.smoke)
+        args.temporary_out = args.smoke
     check_writable(args.out)
     return args
 
 
+def default_out(script: str, smoke: bool) -> Path:
+    """docs/results/SCRIPT.json; for --smoke a new temporary file: its figures (random tokens, a
+    tiny model) must never replace the committed results."""
+    if smoke:
+        return Path(tempfile.mkdtemp(prefix=f"picollama-{script}-smoke-")) / f"{script}.json"
+    return RESULTS_DIR / f"{script}.json"
+
+
 def setup(args) -> tuple[torch.device, torch.dtype]:
-    """Device and dtype of the parsed flags (auto: cuda, else cpu; bf16 where the device computes it natively, else
-    fp32); UserError if unusable."""
+    """Device and dtype of the parsed flags (auto: cuda, else cpu; bf16 where the device computes it
+    natively, else fp32); UserError if unusable."""
     device = bench_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -83,7 +92,7 @@ def setup(args) -> tuple[torch.device, torch.dtype]:
 
 
 def bench_device(name: str) -> torch.device:
-    """The --device of a bench script: as pick_device, but auto never picks mps, which the benchmarks do not measure."""
+    """A benchmark's --device: as pick_device, but auto never picks mps (the benchmarks skip it)."""
     device = pick_device(name)
     if device.type == "mps" and name == "auto":
         return torch.device("cpu")
@@ -93,7 +102,7 @@ def bench_device(name: str) -> torch.device:
 
 
 def model_args(name: str) -> ModelArgs:
-    """ModelArgs of configs/NAME.toml or of a .toml path (its [model] section); "smoke": the tiny SMOKE model."""
+    """ModelArgs of configs/NAME.toml or of a .toml path ([model]); "smoke": the SMOKE model."""
     if name == "smoke":
         return ModelArgs(**SMOKE)
     path = Path(name) if name.endswith(".toml") else REPO_ROOT / "configs" / f"{name}.toml"
@@ -114,7 +123,7 @@ def build_ours(args: ModelArgs, device, dtype, seed: int = 0) -> Transformer:
 
 
 def build_hf(ours: Transformer):
-    """Hugging Face's LlamaForCausalLM with the same config and the same weights as ours (SDPA attention)."""
+    """Hugging Face's LlamaForCausalLM with our model's config and weights (SDPA attention)."""
     import transformers
 
     weight = ours.output.weight
@@ -128,6 +137,15 @@ def build_hf(ours: Transformer):
     with torch.device(weight.device):  # its RoPE buffers were built on meta
         hf.model.rotary_emb = type(hf.model.rotary_emb)(config)
     return hf.to(device=weight.device, dtype=weight.dtype)
+
+
+def ours_loss(model: Transformer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(x, targets=y)
+
+
+def hf_loss(hf, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """HF's loss on our targets: y is x shifted already (shift_labels), as our model takes it."""
+    return hf(input_ids=x, labels=y, shift_labels=y).loss
 
 
 def maybe_compile(module, enabled: bool):
@@ -166,8 +184,8 @@ def interleaved_times(
 
 
 def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of the fastest of `repeats` n×n matrix products in `dtype`: the CPU's MFU peak, which no table gives
-    (bf16 runs ~5× faster than fp32 on a CPU with AMX)."""
+    """FLOP/s of the fastest of `repeats` n×n matrix products in `dtype`: the CPU's MFU peak, which
+    no table gives (bf16 runs ~5× faster than fp32 on a CPU with AMX)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     best = math.inf
@@ -179,9 +197,10 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
 
 
 def mfu_peak_flops(args, device: torch.device, dtype: torch.dtype = torch.float32) -> float | None:
-    """Peak FLOP/s for MFU: --peak-tflops, a measured CPU matmul in the dtype the arithmetic runs in, or device.py's
-    GPU table (None if unknown). A CPU without bf16 units computes bf16 through its fp32 units (converting, ~50-100×
-    slower in a large matmul), so its bf16 peak is its fp32 one. --smoke measures a small matmul: seconds anywhere."""
+    """Peak FLOP/s for MFU: --peak-tflops, a measured CPU matmul in the dtype the arithmetic runs
+    in, or device.py's GPU table (None if unknown). A CPU without bf16 units computes bf16 through
+    its fp32 units (converting, ~50-100× slower in a large matmul), so its bf16 peak is its fp32
+    one. --smoke measures a small matmul: seconds anywhere."""
     if device.type == "cpu" and args.peak_tflops is None:
         native = dtype == torch.float32 or cpu_has_bf16()
         return matmul_flops(dtype if native else torch.float32, n=256 if args.smoke else 2048)
@@ -249,4 +268,6 @@ def write_results(args, payload: dict) -> Path:
     with atomic_output(args.out) as tmp:
         tmp.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"results written to {args.out}")
+    if args.temporary_out:
+        print(f"(--smoke writes a temporary file, never docs/results/{args.benchmark}.json)")
     return args.out

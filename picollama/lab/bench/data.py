@@ -1,5 +1,6 @@
-"""Wall time, MB/s, peak RSS and disk bytes per token of data/prepare.py (--force into a temp dir), on Shakespeare
-(fetching timed separately), a smoke corpus, or a large local corpus built from Shakespeare (--corpus-gb)."""
+"""Wall time, MB/s, peak RSS and disk bytes per token of data/prepare.py (--force into a temp dir),
+on Shakespeare (fetching timed separately), a smoke corpus, or a large local corpus built from
+Shakespeare (--corpus-gb)."""
 
 import json
 import os
@@ -23,8 +24,9 @@ SMOKE_WORDS = (
 
 
 def run_measured(command: list[str], env: dict, what: str, kill_when=None) -> dict:
-    """Run a command from the repository root: wall seconds and peak RSS (GB, from the kernel's rusage of the child),
-    its output in a log file; kill_when(), polled, SIGKILLs it when true (then killed: True)."""
+    """Run a command from the repository root: wall seconds and peak RSS (GB, from the kernel's
+    rusage of the child), its output in a log file; kill_when(), polled, SIGKILLs it when true (then
+    killed: True)."""
     with tempfile.TemporaryFile("w+") as log:
         start = time.perf_counter()
         process = subprocess.Popen(
@@ -74,8 +76,8 @@ def write_smoke_corpus(folder: Path) -> Path:
 
 
 def build_corpus(folder: Path, gigabytes: float) -> Path:
-    """A local corpus of about `gigabytes` GB (reused if there): .txt documents of 200-1,200 Shakespeare paragraphs
-    drawn at random (seeded), 1,000 files to a folder."""
+    """A local corpus of about `gigabytes` GB (reused if there): .txt documents of 200-1,200
+    Shakespeare paragraphs drawn at random (seeded), 1,000 files to a folder."""
     corpus = folder / f"shakespeare-shuffled-{gigabytes:g}gb"
     if (corpus / "done").is_file():
         return corpus
@@ -164,7 +166,8 @@ def prepare_runs(cli, source: str, vocab: int, tmp: Path, env: dict) -> list[dic
 
 
 def resume_check(command: list[str], whole: Path, out: Path, env: dict, found: dict) -> dict:
-    """SIGKILL the same preparation (into `out`) halfway, run it again: seconds, and whether it equals `whole`."""
+    """SIGKILL the same preparation (into `out`) halfway and run it again: seconds, and whether it
+    equals `whole`."""
     command = [
         *command[: command.index("--out") + 1],
         str(out),
@@ -193,7 +196,16 @@ def resume_check(command: list[str], whole: Path, out: Path, env: dict, found: d
     }
 
 
-def main(argv: list[str]) -> int:
+NOTE = (
+    "seconds: the whole `data/prepare.py --force` command (startup, reading, tokenizer training, "
+    "encoding, writing) with the corpus already fetched; peak_rss_gb: the kernel's ru_maxrss of "
+    "that process; cpu_seconds: its user + system time (less disturbed by other work on the "
+    "machine than the wall time); disk_bytes_per_token: every file of the output over all its "
+    "tokens"
+)
+
+
+def parse_args(argv: list[str]):
     p = common.parser(__doc__, "data", models=False)
     p.add_argument(
         "--source", default="shakespeare", help="what data/prepare.py reads (default shakespeare)"
@@ -228,22 +240,12 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--cold",
         action="store_true",
-        help="fetch the shakespeare corpus into an empty cache (needs the network) instead of the user's",
+        help="fetch the shakespeare corpus into an empty cache (needs the network), not the user's",
     )
-    cli = common.parse(p, argv)
-    with tempfile.TemporaryDirectory(prefix="picollama-bench-data-") as tmp:
-        tmp = Path(tmp)
-        env = dict(os.environ)
-        if cli.cold:
-            env["PICOLLAMA_CACHE"] = str(tmp / "cache")
-        source, vocab = cli.source, cli.vocab_size
-        if cli.smoke:
-            source = str(write_smoke_corpus(tmp))
-            vocab = 320
-        elif cli.corpus_gb:
-            source = str(build_corpus(cli.corpus_dir, cli.corpus_gb))
-        timings = fetch_shakespeare(env) if source == "shakespeare" else {}
-        runs = prepare_runs(cli, source, vocab, tmp, env)
+    return common.parse(p, argv)
+
+
+def report(runs: list[dict]):
     common.print_table(
         ["source", "corpus MB", "tokens", "prepare s", "MB/s", "peak RSS GB", "disk B/token"],
         [
@@ -259,6 +261,24 @@ def main(argv: list[str]) -> int:
             for run in runs
         ],
     )
+
+
+def main(argv: list[str]) -> int:
+    cli = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="picollama-bench-data-") as tmp:
+        tmp = Path(tmp)
+        env = dict(os.environ)
+        if cli.cold:
+            env["PICOLLAMA_CACHE"] = str(tmp / "cache")
+        source, vocab = cli.source, cli.vocab_size
+        if cli.smoke:
+            source = str(write_smoke_corpus(tmp))
+            vocab = 320
+        elif cli.corpus_gb:
+            source = str(build_corpus(cli.corpus_dir, cli.corpus_gb))
+        timings = fetch_shakespeare(env) if source == "shakespeare" else {}
+        runs = prepare_runs(cli, source, vocab, tmp, env)
+    report(runs)
     common.write_results(
         cli,
         {
@@ -267,10 +287,7 @@ def main(argv: list[str]) -> int:
             "cold_cache": cli.cold,
             **timings,
             "runs": runs,
-            "note": "seconds: the whole `data/prepare.py --force` command (startup, reading, tokenizer training, "
-            "encoding, writing) with the corpus already fetched; peak_rss_gb: the kernel's ru_maxrss of that "
-            "process; cpu_seconds: its user + system time (less disturbed by other work on the machine than the wall "
-            "time); disk_bytes_per_token: every file of the output over all its tokens",
+            "note": NOTE,
         },
     )
     return 0

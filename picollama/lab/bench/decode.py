@@ -1,8 +1,10 @@
-"""Batch-1 greedy decoding on one model and prompt: HF's generate, ours (the plain model step, the fused step eager
-and compiled, bf16 and int8 weights), llama.cpp (f32, bf16, q8_0); the decode step by position; what bounds it."""
+"""Batch-1 greedy decoding on one model and prompt: HF's generate, ours (the plain model step, the
+fused step eager and compiled, bf16 and int8 weights), llama.cpp (f32, bf16, q8_0); the decode step
+by position; what bounds it."""
 
 import copy
 import dataclasses
+import functools
 import logging
 import statistics
 import sys
@@ -53,10 +55,11 @@ def hf_greedy(hf, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
 
 
 def variants(model, device, compiled: bool) -> dict:
-    """Our decoders, each (model, step) on its own copy of the weights: the plain model as its own step, the fused
-    step eager and compiled, and with int8 weights (bf16 activations where the CPU has bf16), each also on one
-    thread on a CPU (what generate.py's tune_threads picks on a busy one); compiled bf16 weights where the CPU has
-    bf16 units (elsewhere bf16 is emulated, slower than fp32)."""
+    """Our decoders, each (model, step) on its own copy of the weights: the plain model as its own
+    step, the fused step eager and compiled, and with int8 weights (bf16 activations where the CPU
+    has bf16), each also on one thread on a CPU (what generate.py's tune_threads picks on a busy
+    one); compiled bf16 weights where the CPU has bf16 units (elsewhere bf16 is emulated, slower
+    than fp32)."""
     found = {"ours_model_step": (model, None)}
 
     def fused(dtype, mode="none", compile_it=True, threads=None):
@@ -79,9 +82,10 @@ def variants(model, device, compiled: bool) -> dict:
 
 
 class LlamaCpp:
-    """A llama.cpp model and context (llama-cpp-python's C API) for greedy decoding at batch 1, with its defaults
-    (f16 KV cache, flash attention where it chooses) except the extra CPU buffer types: their AMX kernel crashes
-    on q8_0 weights on AMX CPUs (ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36)."""
+    """A llama.cpp model and context (llama-cpp-python's C API) for greedy decoding at batch 1, with
+    its defaults (f16 KV cache, flash attention where it chooses) except the extra CPU buffer types:
+    their AMX kernel crashes on q8_0 weights on AMX CPUs (ggml_backend_amx_mul_mat, llama-cpp-python
+    0.3.36)."""
 
     def __init__(self, path: Path, context: int, threads: int):
         import llama_cpp
@@ -121,7 +125,7 @@ class LlamaCpp:
 def llama_cpp_decoders(
     model, tokenizer_path: Path, context: int, folder: Path
 ) -> tuple[dict, str | None]:
-    """({name: LlamaCpp} for our model exported as f32, bf16 and q8_0 GGUF files, or {}, and why not)."""
+    """({name: LlamaCpp} of our model exported as f32, bf16 and q8_0 GGUF files, or {}; why not)."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -147,7 +151,7 @@ def llama_cpp_decoders(
 def step_seconds(
     model, step, positions: list[int], device, calls: int, repeats: int, progress
 ) -> dict[int, float]:
-    """Median seconds of one decode step (step, or the model) at each position, positions 0..p-1 already cached."""
+    """Median seconds of one decode step (step, or the model) at each position p, 0..p-1 cached."""
     step = model if step is None else step
     model.setup_cache(1, max(positions) + 2)  # +2: never the cache's last slot, as in generate()
     try:
@@ -177,8 +181,9 @@ def step_seconds(
 
 @torch.inference_mode()
 def decode_bounds(model, device, repeats: int, progress) -> dict:
-    """What bounds a batch-1 fp32 decode step: the bare matrix-vector products over every weight matrix (each
-    Linear once), and a plain streaming read (a sum over 512 MB) for the bandwidth the memory itself gives."""
+    """What bounds a batch-1 fp32 decode step: the bare matrix-vector products over every weight
+    matrix (each Linear once), and a plain streaming read (a sum over 512 MB) for the bandwidth the
+    memory itself gives."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     inputs = {w.shape[1]: torch.ones(1, w.shape[1], device=device, dtype=w.dtype) for w in weights}
@@ -247,7 +252,8 @@ def parse_args(argv: list[str]):
         "--tokenizer",
         type=Path,
         default=common.REPO_ROOT / "data" / "shakespeare" / "tokenizer.model",
-        help="the sentencepiece vocabulary of the GGUF files for llama.cpp (default: data/shakespeare's)",
+        help="the sentencepiece vocabulary of the GGUF files for llama.cpp "
+        "(default: data/shakespeare's)",
     )
     cli = common.parse(p, argv)
     if cli.smoke:
@@ -260,10 +266,11 @@ def parse_args(argv: list[str]):
 
 
 def build(cli, device, dtype) -> tuple:
-    """Our model (its context raised to fit the run), a random prompt, our decoders {name: (model, step)}, and every
-    method to time {name: run(n) -> n greedy tokens}: HF's generate, ours without a cache, and our decoders."""
+    """Our model (its context raised to fit the run), a random prompt, our decoders
+    {name: (model, step)}, and every method to time {name: run(n) -> n greedy tokens}: HF's
+    generate, ours without a cache, and our decoders."""
     margs = common.model_args(cli.config)
-    # RoPE is computed for any position: raise the context so the prompt, the new tokens and the positions all fit
+    # RoPE is computed for any position: raise the context to fit the prompt, new tokens, positions
     context = max(margs.max_seq_len, cli.prompt_len + cli.new_tokens, max(cli.positions) + 2)
     ours = common.build_ours(dataclasses.replace(margs, max_seq_len=context), device, dtype).eval()
     hf = common.build_hf(ours).eval()
@@ -277,15 +284,15 @@ def build(cli, device, dtype) -> tuple:
         return lambda n: generate(model, prompt.tolist(), Sampling(n, temperature=0), step=step)[0]
 
     methods = {
-        "hf_generate": lambda n: hf_greedy(hf, prompt, n),
-        "ours_no_cache": lambda n: greedy_without_cache(ours, prompt, n),
+        "hf_generate": functools.partial(hf_greedy, hf, prompt),
+        "ours_no_cache": functools.partial(greedy_without_cache, ours, prompt),
         **{name: ours_greedy(model, step) for name, (model, step) in decoders.items()},
     }
     return ours, prompt, decoders, methods
 
 
 def recording(methods: dict, outputs: dict, n: int) -> dict:
-    """Each method as a call generating n tokens that keeps them in outputs[name]: what interleaved_medians times."""
+    """Each method as a call keeping its n greedy tokens in outputs[name]: what gets timed."""
 
     def record(name):
         def run():
@@ -297,8 +304,8 @@ def recording(methods: dict, outputs: dict, n: int) -> dict:
 
 
 def time_ours(cli, ours, decoders: dict, methods: dict, device) -> Measured:
-    """Compile (warm up) the compiled decoders, then time the whole greedy runs of every method interleaved, the
-    one-token step of a few decoders at each position, and the bounds."""
+    """Compile (warm up) the compiled decoders, then time the whole greedy runs of every method
+    interleaved, the one-token step of a few decoders at each position, and the bounds."""
     compile_seconds = {
         name: warm_up(run, cli.new_tokens) for name, run in methods.items() if "compiled" in name
     }
@@ -328,9 +335,9 @@ def time_ours(cli, ours, decoders: dict, methods: dict, device) -> Measured:
 
 
 def time_llama_cpp(cli, ours, prompt: torch.Tensor, device, measured: Measured):
-    """Add llama.cpp's greedy runs (f32, bf16, q8_0 GGUF exports of our model) to `measured`, or why it was skipped.
-    On its own (its contexts freed after): its idle worker threads keep polling for work between calls, which
-    slowed the torch decoders run between them by up to 40% here."""
+    """Add llama.cpp's greedy runs (f32, bf16, q8_0 GGUF exports of our model) to `measured`, or why
+    it was skipped. On its own (its contexts freed after): its idle worker threads keep polling for
+    work between calls, which slowed the torch decoders run between them by up to 40% here."""
     if cli.smoke:
         measured.why_not = "not in --smoke"
         return
@@ -339,7 +346,7 @@ def time_llama_cpp(cli, ours, prompt: torch.Tensor, device, measured: Measured):
         llama_cpp, measured.why_not = llama_cpp_decoders(ours, cli.tokenizer, context, Path(folder))
         try:
             theirs = {
-                name: lambda n, d=decoder: d.greedy(prompt[0].tolist(), n)
+                name: functools.partial(decoder.greedy, prompt[0].tolist())
                 for name, decoder in llama_cpp.items()
             }
             for run in theirs.values():
@@ -352,9 +359,10 @@ def time_llama_cpp(cli, ours, prompt: torch.Tensor, device, measured: Measured):
 
 
 def time_ours_again(cli, methods: dict, device, measured: Measured):
-    """Run our fastest fp32 and int8 decoders again after llama.cpp (its threads gone), pooling these runs with
-    their first ones: a VM's speed can drift over minutes (llama.cpp f32 from 472 to 778 tok/s in five runs on one),
-    so the decoders compared with llama.cpp are timed on both sides of its runs."""
+    """Run our fastest fp32 and int8 decoders again after llama.cpp (its threads gone), pooling
+    these runs with their first ones: a VM's speed can drift over minutes (llama.cpp f32 from 472 to
+    778 tok/s in five runs on one), so the decoders compared with llama.cpp are timed on both sides
+    of its runs."""
     if measured.why_not:
         return
     again = [best(measured.seconds, FP32_DECODERS), best(measured.seconds, ("ours_int8",))]
@@ -370,25 +378,23 @@ def best(seconds: dict, prefixes: tuple) -> str:
 
 
 def agreement(measured: Measured, n: int, dtype) -> dict[str, int]:
-    """How many greedy tokens of each method agree with the plain model step's; UserError if an fp32 one differs."""
+    """How many greedy tokens of each method agree with the plain model step's; UserError if an
+    fp32 one differs."""
     reference = measured.outputs["ours_model_step"]
     agree = {
         name: sum(a == b for a, b in zip(reference, t, strict=False))
         for name, t in measured.outputs.items()
     }
-    exact = [
-        "ours_no_cache",
-        "ours_fused_eager",
-        "ours_compiled",
-    ]  # fp32 throughout: the same tokens
+    exact = ["ours_no_cache", "ours_fused_eager", "ours_compiled"]  # fp32 throughout: same tokens
     if dtype == torch.float32 and any(agree[name] != n for name in exact if name in agree):
         raise UserError(f"fp32 decoders disagree with the plain model's greedy tokens: {agree}")
     return agree
 
 
 def ratios_of(measured: Measured, n: int, positions: list[int]) -> dict[str, float]:
-    """The headline ratios: our fastest fp32 and int8 decoders against HF, the read bound and llama.cpp; the plain
-    step against no cache; each timed step's growth from the first position to the last."""
+    """The headline ratios: our fastest fp32 and int8 decoders against HF, the read bound and
+    llama.cpp; the plain step against no cache; each timed step's growth from the first position to
+    the last."""
     seconds, steps, bounds = measured.seconds, measured.steps, measured.bounds
     first, last = positions[0], positions[-1]
     best_fp32, best_int8 = best(seconds, FP32_DECODERS), best(seconds, ("ours_int8",))
@@ -420,8 +426,8 @@ def report(cli, margs: ModelArgs, measured: Measured, agree: dict, ratios: dict)
     bounds = measured.bounds
     n = cli.new_tokens
     print(
-        f"batch 1, {cli.prompt_len}-token prompt, {n} greedy new tokens, {margs.dim}-dim {margs.n_layers}-layer "
-        f"model, context raised to {margs.max_seq_len}, {cpu_isa()} CPU"
+        f"batch 1, {cli.prompt_len}-token prompt, {n} greedy new tokens, {margs.dim}-dim "
+        f"{margs.n_layers}-layer model, context raised to {margs.max_seq_len}, {cpu_isa()} CPU"
         + (f"; llama.cpp skipped: {measured.why_not}" if measured.why_not else "")
     )
     rows = [

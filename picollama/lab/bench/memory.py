@@ -1,4 +1,5 @@
-"""Peak memory of training steps (forward + backward + AdamW), ours vs HF's Llama, each in a fresh process."""
+"""Peak memory of training steps (forward + backward + AdamW), ours vs HF's Llama, each in a fresh
+process."""
 
 import argparse
 import gc
@@ -13,10 +14,8 @@ from tqdm import tqdm
 from picollama.cli import UserError, positive, run_command
 from picollama.lab.bench import common
 
-DEFAULT_SHAPES = {
-    "small": (16, 256),
-    "base": (4, 512),
-}  # (batch, seq_len): base at B=4, T=512 fits 24 GB easily
+# (batch, seq_len): base at B=4, T=512 fits 24 GB easily
+DEFAULT_SHAPES = {"small": (16, 256), "base": (4, 512)}
 MIB = 2**20
 
 
@@ -28,7 +27,8 @@ def proc_status_bytes(field: str) -> int:
 
 
 def reset_cpu_peak() -> bool:
-    """Reset VmHWM (the peak resident set) to the current resident set (Linux >= 4.0); False if not allowed."""
+    """Reset VmHWM (the peak resident set) to the current resident set (Linux >= 4.0); False if not
+    allowed."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
         return True
@@ -37,7 +37,8 @@ def reset_cpu_peak() -> bool:
 
 
 def measure_child(cli, device, dtype) -> dict:
-    """In this (fresh) process: the model's resident/allocated bytes, then the extra peak of two training steps."""
+    """In this (fresh) process: the model's resident/allocated bytes, then the extra peak of two
+    training steps."""
     (name,) = cli.config
     margs = common.model_args(name)
     ours = common.build_ours(margs, device, dtype).train()
@@ -56,15 +57,11 @@ def measure_child(cli, device, dtype) -> dict:
         peak_reset = True
     else:
         baseline = proc_status_bytes("VmRSS")
-        peak_reset = (
-            reset_cpu_peak()
-        )  # if not, the peak may include building the model (an overestimate)
+        # if not reset, the peak may include building the model (an overestimate)
+        peak_reset = reset_cpu_peak()
+    loss_fn = common.ours_loss if cli.child == "ours" else common.hf_loss
     for _ in range(2):  # the second step holds AdamW's state as well as activations and gradients
-        loss = (
-            model(x, targets=y)
-            if cli.child == "ours"
-            else model(input_ids=x, labels=y, shift_labels=y).loss
-        )
+        loss = loss_fn(model, x, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -111,7 +108,7 @@ def run_case(config: str, who: str, batch: int, seq_len: int, cli) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]):
     p = common.parser(__doc__, "memory")
     common.add_configs(p, "small,base")
     p.add_argument(
@@ -122,10 +119,13 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--seq-len", type=positive(), help="tokens per sequence (default: small 256, base 512)"
     )
-    p.add_argument(
-        "--child", choices=["ours", "hf"], help=argparse.SUPPRESS
-    )  # internal: measure in this process
-    cli = common.parse(p, argv)
+    # internal: measure in this process
+    p.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    return common.parse(p, argv)
+
+
+def main(argv: list[str]) -> int:
+    cli = parse_args(argv)
     device, dtype = common.setup(cli)
     if cli.child:
         print(json.dumps(measure_child(cli, device, dtype)))

@@ -1,5 +1,5 @@
-"""Validation perplexity of a trained run with fp32, bf16 and int8 weights (generate.py's --dtype and --quantize),
-over the whole validation split of its dataset."""
+"""Validation perplexity of a trained run with fp32, bf16 and int8 weights (generate.py's --dtype
+and --quantize), over the whole validation split of its dataset."""
 
 import math
 import sys
@@ -33,38 +33,43 @@ def mean_loss(model: Transformer, batches: list) -> float:
     return total / count
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]):
     p = common.parser(__doc__, "quantize")
-    add_run(p, required=False)  # required but in --smoke: checked below
+    add_run(p, required=False)  # required but in --smoke: checked in evaluation_data
     p.add_argument(
         "--seq-len", type=positive(), help="window length (default: the run's train.seq_len)"
     )
     p.add_argument(
         "--batch-size", type=positive(), default=16, help="windows per forward (default 16)"
     )
-    cli = common.parse(p, argv)
-    device, _ = common.setup(cli)
+    return common.parse(p, argv)
+
+
+def evaluation_data(cli, device) -> tuple:
+    """(the fp32 model, its (x, y) batches, bytes per token or None, window length, where from):
+    the trained run's whole validation split, or for --smoke the tiny model on random tokens."""
     if cli.smoke:
         torch.manual_seed(0)
         original = Transformer(common.model_args("smoke"))
-        bytes_per_token = None
         seq_len = 32
         vocab = original.args.vocab_size
         tokens = torch.randint(
             0, vocab, (4, seq_len + 1), generator=torch.Generator().manual_seed(0)
         )
-        batches = [(tokens[:, :-1], tokens[:, 1:])]
-        where = "random tokens"
-    else:
-        if cli.run is None:
-            raise UserError("--run RUN_DIR is required (a trained run)")
-        original, config = load_model(cli.run, device)
-        data_dir = Path(config.get("data", {}).get("dir", "data/shakespeare"))
-        data_dir = data_dir if data_dir.is_absolute() else common.REPO_ROOT / data_dir
-        bytes_per_token = load_meta(data_dir)["bytes_per_token"]
-        seq_len = cli.seq_len or config.get("train", {}).get("seq_len") or original.args.max_seq_len
-        batches = list(eval_batches(data_dir, "val", cli.batch_size, seq_len, device=device))
-        where = f"{data_dir}'s validation split"
+        return original, [(tokens[:, :-1], tokens[:, 1:])], None, seq_len, "random tokens"
+    if cli.run is None:
+        raise UserError("--run RUN_DIR is required (a trained run)")
+    original, config = load_model(cli.run, device)
+    data_dir = Path(config.get("data", {}).get("dir", "data/shakespeare"))
+    data_dir = data_dir if data_dir.is_absolute() else common.REPO_ROOT / data_dir
+    bytes_per_token = load_meta(data_dir)["bytes_per_token"]
+    seq_len = cli.seq_len or config.get("train", {}).get("seq_len") or original.args.max_seq_len
+    batches = list(eval_batches(data_dir, "val", cli.batch_size, seq_len, device=device))
+    return original, batches, bytes_per_token, seq_len, f"{data_dir}'s validation split"
+
+
+def evaluate(original: Transformer, batches: list, bytes_per_token, device) -> dict:
+    """{precision: its loss, perplexity (also over fp32's) and bits per byte where known}."""
     results = {}
     for name, (dtype, mode) in tqdm(PRECISIONS.items(), desc="precisions", disable=None):
         model = Transformer(original.args).eval()
@@ -81,6 +86,14 @@ def main(argv: list[str]) -> int:
             results[name]["bits_per_byte"] = loss / math.log(2) / bytes_per_token
     for r in results.values():
         r["perplexity_over_fp32"] = r["perplexity"] / results["fp32"]["perplexity"]
+    return results
+
+
+def main(argv: list[str]) -> int:
+    cli = parse_args(argv)
+    device, _ = common.setup(cli)
+    original, batches, bytes_per_token, seq_len, where = evaluation_data(cli, device)
+    results = evaluate(original, batches, bytes_per_token, device)
     targets = sum(y.numel() for _, y in batches)
     print(f"{targets:,} target tokens of {where}, windows of {seq_len}")
     common.print_table(

@@ -1,5 +1,6 @@
-"""The seed lectures' architecture table, measured: each switch trained by train.py, one at a time from a config,
-for the same wall-clock budget; parameters, tokens/s, final validation bits/byte and whether training was stable."""
+"""The seed lectures' architecture table, measured: each switch trained by train.py, one at a time
+from a config, for the same wall-clock budget; parameters, tokens/s, final validation bits/byte and
+whether training was stable."""
 
 import json
 import math
@@ -39,7 +40,8 @@ PROBE_STEPS = 12
 
 
 def train(config: str, overrides: list[str], out_dir: Path) -> list[dict]:
-    """Run train.py and return its metrics.jsonl entries; UserError with its last stderr line if it fails."""
+    """Run train.py and return its metrics.jsonl entries, then {"failed": its last stderr line} if
+    it failed."""
     command = [
         sys.executable,
         "train.py",
@@ -61,7 +63,8 @@ def train(config: str, overrides: list[str], out_dir: Path) -> list[dict]:
 
 
 def stability(entries: list[dict]) -> str:
-    """'stable', 'spikes' (a logged loss more than 1 nat above the best so far, past the first tenth) or the error."""
+    """'stable', 'spikes' (a logged loss more than 1 nat above the best so far, past the first
+    tenth) or the error."""
     if entries and "failed" in entries[-1]:
         return entries[-1]["failed"].removeprefix("error: ")
     losses = [e["loss"] for e in entries if "loss" in e]
@@ -74,7 +77,8 @@ def stability(entries: list[dict]) -> str:
 
 
 def run_switch(config: str, overrides: list[str], seed: int, budget: float, tmp: Path) -> dict:
-    """Measure the switch's throughput in a short run, then train it for `budget` seconds' worth of steps."""
+    """Measure the switch's throughput in a short run, then train it for `budget` seconds' worth of
+    steps."""
     cfg, _ = parse_cli(["--config", config, *overrides])
     with torch.device("meta"):
         params = Transformer(cfg.model).num_params()
@@ -106,7 +110,7 @@ def run_switch(config: str, overrides: list[str], seed: int, budget: float, tmp:
     }
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]):
     p = common.parser(__doc__, "switches", models=False)
     p.add_argument(
         "--config", default="configs/default.toml", help="the config every switch starts from"
@@ -123,32 +127,23 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--only",
         type=comma_list(choices=[*SWITCHES, *OPTIMIZERS]),
-        help="comma-separated switch names (default: all, and the optimizer the config does not use)",
+        help="comma-separated switches (default: all, and the optimizer the config does not use)",
     )
-    args = common.parse(p, argv)
-    seeds = args.seeds
-    cfg, _ = parse_cli(["--config", args.config])
-    other = next(name for name in OPTIMIZERS if name != cfg.optim.name)
-    switches = {**SWITCHES, **{name: [f"--optim.name={name}"] for name in OPTIMIZERS}}
-    names = [*SWITCHES, other] if args.only is None else args.only
-    budget = 3.0 if args.smoke else args.budget
+    return common.parse(p, argv)
+
+
+def run_switches(args, switches: dict, names: list[str], budget: float) -> dict:
+    """{switch: its overrides, its run_switch of each seed, their mean and spread of val_bpb}."""
     results = {}
     with (
         tempfile.TemporaryDirectory(prefix="picollama-switches-") as tmp,
-        tqdm(total=len(names) * len(seeds), desc="switches", unit="run", disable=None) as bar,
+        tqdm(total=len(names) * len(args.seeds), desc="switches", unit="run", disable=None) as bar,
     ):
         for name in names:
             runs = []
-            for seed in seeds:
-                runs.append(
-                    run_switch(
-                        args.config,
-                        switches[name],
-                        seed,
-                        budget,
-                        Path(tmp) / f"{len(results)}-{seed}",
-                    )
-                )
+            for seed in args.seeds:
+                folder = Path(tmp) / f"{len(results)}-{seed}"
+                runs.append(run_switch(args.config, switches[name], seed, budget, folder))
                 bar.update()
             bpbs = [r["val_bpb"] for r in runs if r.get("val_bpb") is not None]
             results[name] = {
@@ -157,24 +152,33 @@ def main(argv: list[str]) -> int:
                 "val_bpb_mean": statistics.mean(bpbs) if bpbs else None,
                 "val_bpb_std": statistics.stdev(bpbs) if len(bpbs) > 1 else None,
             }
+    return results
+
+
+def report(results: dict):
     rows = []
     for name, r in results.items():
         first = r["runs"][0]
         spread = f" ± {r['val_bpb_std']:.3f}" if r["val_bpb_std"] is not None else ""
         bpb = f"{r['val_bpb_mean']:.3f}{spread}" if r["val_bpb_mean"] is not None else "-"
         rate = f"{first['tokens_per_s']:,.0f}" if first.get("tokens_per_s") else "-"
-        rows.append(
-            [
-                name,
-                f"{first['params']:,}",
-                rate,
-                bpb,
-                ", ".join(sorted({x["stability"] for x in r["runs"]})),
-            ]
-        )
+        stable = ", ".join(sorted({x["stability"] for x in r["runs"]}))
+        rows.append([name, f"{first['params']:,}", rate, bpb, stable])
     common.print_table(["switch", "params", "tokens/s", "val bits/byte", "training"], rows)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    cfg, _ = parse_cli(["--config", args.config])
+    other = next(name for name in OPTIMIZERS if name != cfg.optim.name)
+    switches = {**SWITCHES, **{name: [f"--optim.name={name}"] for name in OPTIMIZERS}}
+    names = [*SWITCHES, other] if args.only is None else args.only
+    budget = 3.0 if args.smoke else args.budget
+    results = run_switches(args, switches, names, budget)
+    report(results)
     common.write_results(
-        args, {"config": args.config, "budget_seconds": budget, "seeds": seeds, "switches": results}
+        args,
+        {"config": args.config, "budget_seconds": budget, "seeds": args.seeds, "switches": results},
     )
     return 0
 

@@ -1,5 +1,5 @@
-"""Training throughput (forward + backward + AdamW): ours vs HF's LlamaForCausalLM, same weights, interleaved; in
-fp32 and in bf16 (both models under the same torch.autocast, fp32 weights)."""
+"""Training throughput (forward + backward + AdamW): ours vs HF's LlamaForCausalLM, same weights,
+interleaved; in fp32 and in bf16 (both models under the same torch.autocast, fp32 weights)."""
 
 import math
 import sys
@@ -13,16 +13,15 @@ from picollama.device import keep_freed_memory
 from picollama.lab.bench import common
 from picollama.metrics import flops_per_token
 
-PRECISIONS = (
-    "float32",
-    "bfloat16",
-)  # bfloat16: both models under torch.autocast to bf16, fp32 weights
+PRECISIONS = ("float32", "bfloat16")  # bfloat16: both models autocast to bf16, fp32 weights
 
 
-def train_step(model, optimizer, loss_fn, autocast):
+def train_step(model, optimizer, loss_fn, x, y, autocast):
+    """One training step of the model on (x, y): what interleaved_medians times."""
+
     def step():
         with autocast:
-            loss = loss_fn(model)
+            loss = loss_fn(model, x, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -31,45 +30,40 @@ def train_step(model, optimizer, loss_fn, autocast):
     return step
 
 
+def initial_losses(name: str, ours, hf, x, y, autocast, bf16: bool) -> tuple[float, float]:
+    """Both models' loss on the batch; UserError unless they agree (same weights, same batch)
+    before anything is timed."""
+    with torch.no_grad(), autocast:
+        loss_ours = common.ours_loss(ours, x, y).item()
+        loss_hf = common.hf_loss(hf, x, y).item()
+    if not math.isclose(loss_ours, loss_hf, rel_tol=1e-2 if bf16 else 1e-4):
+        raise UserError(
+            f"{name}: our loss {loss_ours:.5f} != Hugging Face's {loss_hf:.5f}; "
+            "the comparison is off"
+        )
+    return loss_ours, loss_hf
+
+
 def bench_config(name, margs, batch, seq_len, device, dtype, precision, cli, progress):
+    """Time our model's and HF's training steps, interleaved, on one config in one precision."""
     ours = common.build_ours(margs, device, dtype).train()
     hf = common.build_hf(ours).train()
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, margs.vocab_size, (batch, seq_len + 1), generator=generator).to(
-        device
-    )
+    tokens = torch.randint(0, margs.vocab_size, (batch, seq_len + 1), generator=generator)
+    tokens = tokens.to(device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     ours_c, hf_c = common.maybe_compile(ours, cli.compile), common.maybe_compile(hf, cli.compile)
     bf16 = dtype == torch.bfloat16 or precision == "bfloat16"
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
-        if precision == "bfloat16"
-        else nullcontext()
-    )
-    with (
-        torch.no_grad(),
-        autocast,
-    ):  # same weights, same batch: the two losses must agree before we time anything
-        loss_ours, loss_hf = (
-            ours_c(x, targets=y).item(),
-            hf_c(input_ids=x, labels=y, shift_labels=y).loss.item(),
-        )
-    if not math.isclose(loss_ours, loss_hf, rel_tol=1e-2 if bf16 else 1e-4):
-        raise UserError(
-            f"{name}: our loss {loss_ours:.5f} != Hugging Face's {loss_hf:.5f}; the comparison is off"
-        )
+    autocast = nullcontext()
+    if precision == "bfloat16":
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    loss_ours, loss_hf = initial_losses(name, ours_c, hf_c, x, y, autocast, bf16)
     steps = {
         "ours": train_step(
-            ours_c,
-            torch.optim.AdamW(ours.parameters(), lr=1e-4),
-            lambda m: m(x, targets=y),
-            autocast,
+            ours_c, torch.optim.AdamW(ours.parameters(), lr=1e-4), common.ours_loss, x, y, autocast
         ),
         "hf": train_step(
-            hf_c,
-            torch.optim.AdamW(hf.parameters(), lr=1e-4),
-            lambda m: m(input_ids=x, labels=y, shift_labels=y).loss,
-            autocast,
+            hf_c, torch.optim.AdamW(hf.parameters(), lr=1e-4), common.hf_loss, x, y, autocast
         ),
     }
     seconds = common.interleaved_medians(steps, device, cli.warmup, cli.steps, progress)
@@ -101,7 +95,8 @@ def parse_args(argv: list[str]):
     p.add_argument(
         "--peak-tflops",
         type=positive(float),
-        help="the device's peak for MFU (default: a measured matmul in the run's dtype on CPU, a table of GPUs)",
+        help="the device's peak for MFU (default: a matmul measured in the run's dtype on CPU, "
+        "a table of GPUs)",
     )
     common.add_configs(p, "small,default")
     p.add_argument("--batch-size", type=positive(), help="sequences per step (default 16)")
@@ -112,19 +107,13 @@ def parse_args(argv: list[str]):
         "--precisions",
         type=comma_list(choices=PRECISIONS),
         default=",".join(PRECISIONS),
-        help="comma-separated: float32, bfloat16 (= autocast to bf16 for both models); default both",
+        help="comma-separated: float32, bfloat16 (= both models autocast to bf16); default both",
     )
     p.add_argument(
-        "--warmup",
-        type=positive(zero=True),
-        default=2,
-        help="untimed steps of each model first (default 2)",
+        "--warmup", type=positive(zero=True), default=2, help="untimed steps per model (default 2)"
     )
     p.add_argument(
-        "--steps",
-        type=positive(),
-        default=7,
-        help="timed steps of each model, interleaved (default 7)",
+        "--steps", type=positive(), default=7, help="timed steps per model, interleaved (default 7)"
     )
     cli = common.parse(p, argv)
     if cli.smoke:
@@ -134,7 +123,8 @@ def parse_args(argv: list[str]):
 
 
 def cases(cli) -> list[tuple]:
-    """(config name, ModelArgs, batch size, sequence length) of each --config (or of --smoke's tiny model)."""
+    """(config name, ModelArgs, batch size, sequence length) of each --config, or of --smoke's
+    tiny model."""
     if cli.smoke:
         return [("smoke", common.model_args("smoke"), 2, 32)]
     found = []
@@ -144,9 +134,8 @@ def cases(cli) -> list[tuple]:
         except UserError as e:
             if name != "default":
                 raise
-            print(
-                f"skipping default: {e}"
-            )  # configs/default.toml is written by the training engineer
+            # configs/default.toml is written by the training engineer
+            print(f"skipping default: {e}")
             continue
         found.append((name, margs, cli.batch_size or 16, cli.seq_len or margs.max_seq_len))
     return found
