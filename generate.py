@@ -1,6 +1,6 @@
-"""Sample from a picollama run directory: batched, KV-cached, streaming (`python generate.py extrapolate` runs the
-length-extrapolation study of extrapolate.py)."""
+"""Sample from a run directory: batched, KV-cached, streaming; and the one door to the lab."""
 
+import importlib
 import math
 import sys
 import time
@@ -29,54 +29,13 @@ from picollama.inference import (
     quantize,
     tune_threads,
 )
-from picollama.lab import extrapolate, study
 
-
-def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decode=None):
-    """Yield (pos, logits (B, vocab) predicting tokens[:, pos]) for pos = first_pos .. tokens.shape[1]-1.
-
-    The caller writes tokens[:, pos] before asking for the next step. The first step prefills tokens[:, :first_pos]
-    into the KV cache (set up by the caller), later ones feed one token through `decode` (default: the model).
-    Dynamic NTK past its original context changes every position's rotation at each new length, so there the
-    whole prefix is re-run: the logits are exactly those of model(tokens[:, :pos]) at every step.
-    """
-    decode = model if decode is None else decode
-    recompute_after = (
-        model.args.original_seq_len if model.args.length_dependent else tokens.shape[1]
-    )
-    cached = 0  # positions 0..cached-1 hold valid keys and values
-    for pos in range(first_pos, tokens.shape[1]):
-        if pos > recompute_after:
-            cached = 0
-        step = decode if pos - cached == 1 else model
-        logits = step(tokens[:, cached:pos], start_pos=cached)[:, -1]
-        cached = pos
-        yield pos, logits
-
-
-def sample(
-    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator=None
-):
-    """One token id per row of logits (B, vocab), on their device: greedy at temperature 0, else top-k/top-p
-    sampling."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does
-        drop = probs.cumsum(-1) - probs >= top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+SCALING_METHODS = "|".join(m for m in ROPE_SCALINGS if m != "none")  # for messages
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How generate() chooses new tokens, checked once on creation (its messages name the command-line flags)."""
+    """How generate() chooses new tokens, checked on creation (its messages name the flags)."""
 
     max_new_tokens: int = 200
     temperature: float = 0.8  # 0: greedy
@@ -95,18 +54,132 @@ class Sampling:
             raise UserError(f"--top-p must be in (0, 1], not {self.top_p}")
 
 
+def sample(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator=None
+):
+    """One token id per row of logits (B, vocab), on their device: greedy at temperature 0, else
+    top-k/top-p sampling."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # the smallest prefix whose mass reaches top_p: drop a token once the mass before it does
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def prefill(model: Transformer, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+    """Logits (B, vocab) predicting tokens[:, pos], running tokens[:, :pos] into the KV cache."""
+    return model(tokens[:, :pos], start_pos=0)[:, -1]
+
+
+def decode_one_token(decode, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+    """Logits (B, vocab) predicting tokens[:, pos] from the one token before it (the KV cache holds
+    the others)."""
+    return decode(tokens[:, pos - 1 : pos], start_pos=pos - 1)[:, -1]
+
+
+def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decode=None):
+    """Yield (pos, logits (B, vocab) predicting tokens[:, pos]) for pos = first_pos .. T-1.
+
+    The caller writes tokens[:, pos] before asking for the next step. The first step prefills
+    tokens[:, :first_pos] into the KV cache (set up by the caller), later ones feed one token
+    through `decode` (default: the model). Dynamic NTK past its original context changes every
+    position's rotation at each new length, so there the whole prefix is re-run: the logits are
+    exactly those of model(tokens[:, :pos]) at every step.
+    """
+    decode = model if decode is None else decode
+    recompute_after = (
+        model.args.original_seq_len if model.args.length_dependent else tokens.shape[1]
+    )
+    cached = 0  # positions 0..cached-1 hold valid keys and values
+    for pos in range(first_pos, tokens.shape[1]):
+        if pos > recompute_after:
+            cached = 0
+        if cached == pos - 1:
+            logits = decode_one_token(decode, tokens, pos)
+        else:
+            logits = prefill(model, tokens, pos)
+        cached = pos
+        yield pos, logits
+
+
+def hand_over(chosen, emit, finished, on_token) -> bool:
+    """Call on_token(row, token) for the rows that emit; whether every row is finished.
+
+    One device-to-host copy carries everything the host needs: the tokens, which rows emit, and
+    whether all are done. Separate .item() calls would each stall the GPU.
+    """
+    rows = len(chosen)
+    host = torch.cat([chosen, emit.long(), finished.long()[None]]).tolist()
+    if on_token is not None:
+        for row, token in enumerate(host[:rows]):
+            if host[rows + row]:
+                on_token(row, token)
+    return bool(host[-1])
+
+
+def decode_n_tokens(
+    model, tokens, lengths, sampling: Sampling, eos_id, on_token, step, vocab_limit
+):
+    """Write each row's new tokens into `tokens` (B, prompt + new), the prompts already there."""
+    device = tokens.device
+    prompt_len = torch.tensor(lengths, device=device)
+    end = prompt_len + sampling.max_new_tokens  # each row's own stop position (exclusive)
+    done = torch.zeros(len(lengths), dtype=torch.bool, device=device)
+    generator = (
+        torch.Generator(device).manual_seed(sampling.seed) if sampling.seed is not None else None
+    )
+    for pos, logits in decode_steps(model, tokens, min(lengths), step):
+        if vocab_limit is not None:
+            logits[:, vocab_limit:] = float("-inf")
+        chosen = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)
+        # Every row samples at every position, but a row still inside its prompt keeps its prompt
+        # token there: that is what lets prompts of different lengths share one batch.
+        new = (pos >= prompt_len) & (pos < end) & ~done
+        tokens[:, pos] = torch.where(new, chosen, tokens[:, pos])
+        emit = new
+        if eos_id is not None:
+            done |= new & (chosen == eos_id)
+            emit = new & (chosen != eos_id)
+        if on_token is None and eos_id is None:
+            continue  # nothing to look at on the host, so no sync: the GPU runs ahead
+        if hand_over(chosen, emit, (done | (pos + 1 >= end)).all(), on_token):
+            break
+
+
 def check_length(args, total: int):
-    """ValueError when the model cannot run `total` tokens (its length policy: ModelArgs.length_problem). ALiBi,
-    NoPE and sinusoidal positions run past their context (sinusoidal ones untrained there: sample_command warns)."""
+    """ValueError when the model cannot run `total` tokens (ModelArgs.length_problem). ALiBi, NoPE
+    and sinusoidal positions run past their context (sinusoidal ones untrained there: a warning)."""
     problem = args.length_problem(total)
     if problem:
-        methods = "|".join(m for m in ROPE_SCALINGS if m != "none")
         hint = (
-            f" or choose a RoPE scaling method (--rope-scaling {methods})"
+            f" or choose a RoPE scaling method (--rope-scaling {SCALING_METHODS})"
             if args.needs_scaling(total)
             else ""
         )
         raise ValueError(f"prompt + new tokens: {problem}; generate fewer tokens{hint}")
+
+
+def prompt_tokens(model: Transformer, prompts: list[list[int]], new: int) -> torch.Tensor:
+    """(B, longest prompt + new) token ids on the model's device, each prompt at its row's start."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (e.g. BOS)")
+    if any(not 0 <= t < model.args.vocab_size for p in prompts for t in p):
+        raise ValueError(f"prompt token ids must lie in 0..{model.args.vocab_size - 1}")
+    longest = max(map(len, prompts))
+    check_length(model.args, longest + new)
+    device = model.tok_embeddings.weight.device
+    tokens = torch.zeros(len(prompts), longest + new, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    return tokens
 
 
 @torch.inference_mode()
@@ -119,82 +192,35 @@ def generate(
     step=None,
     vocab_limit: int | None = None,
 ) -> list[list[int]]:
-    """New tokens for each prompt (at most sampling.max_new_tokens; stops after EOS, which is not included).
+    """New tokens for each prompt (at most sampling.max_new_tokens; stops after EOS, not included).
 
-    Prompts of different lengths share one batch: all rows advance one position per step from the shortest
-    prompt's end, a row feeding its own prompt token while still inside its prompt, so greedy output per row is
-    the same as alone. on_token(row, token_id) is called as each new token is chosen (for streaming).
-    step computes the one-token decode steps (an inference.DecodeStep of the model; default: the model itself).
-    vocab_limit: choose only ids below it (a tokenizer with fewer pieces than the model has embeddings cannot
-    decode the others).
+    Prompts of different lengths share one batch: all rows advance one position per step from the
+    shortest prompt's end, a row feeding its own prompt token while still inside its prompt, so
+    greedy output per row is the same as alone. on_token(row, token_id) is called as each new token
+    is chosen (for streaming). step computes the one-token decode steps (an inference.DecodeStep of
+    the model; default: the model itself). vocab_limit: choose only ids below it (a tokenizer with
+    fewer pieces than the model has embeddings cannot decode the others).
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token (e.g. BOS)")
-    if any(not 0 <= t < model.args.vocab_size for p in prompts for t in p):
-        raise ValueError(f"prompt token ids must lie in 0..{model.args.vocab_size - 1}")
-    lengths = [len(p) for p in prompts]
     new = sampling.max_new_tokens
-    check_length(model.args, max(lengths) + new)
+    tokens = prompt_tokens(model, prompts, new)
     if new == 0:
         return [[] for _ in prompts]
-    tokens = torch.zeros(
-        len(prompts),
-        max(lengths) + new,
-        dtype=torch.long,
-        device=model.tok_embeddings.weight.device,
-    )
-    for row, prompt in enumerate(prompts):
-        tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    lengths = [len(p) for p in prompts]
     model.setup_cache(*tokens.shape)
     try:
-        fill(model, tokens, lengths, sampling, eos_id, on_token, step, vocab_limit)
+        decode_n_tokens(model, tokens, lengths, sampling, eos_id, on_token, step, vocab_limit)
     finally:
         model.reset_cache()
     rows = [tokens[row, length : length + new].tolist() for row, length in enumerate(lengths)]
     return [row[: row.index(eos_id)] if eos_id in row else row for row in rows]
 
 
-def fill(model, tokens, lengths, sampling: Sampling, eos_id, on_token, step, vocab_limit):
-    """Write each row's new tokens into `tokens` (B, prompt + new), the prompts already in place (generate())."""
-    device = tokens.device
-    prompt_len = torch.tensor(lengths, device=device)
-    end = prompt_len + sampling.max_new_tokens  # each row's own stop position (exclusive)
-    done = torch.zeros(len(lengths), dtype=torch.bool, device=device)
-    generator = (
-        torch.Generator(device).manual_seed(sampling.seed) if sampling.seed is not None else None
-    )
-    for pos, logits in decode_steps(model, tokens, min(lengths), step):
-        if vocab_limit is not None:
-            logits[:, vocab_limit:] = float("-inf")
-        chosen = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)
-        # Every row samples at every position, but a row still inside its prompt keeps its prompt token there:
-        # that is what lets prompts of different lengths share one batch.
-        new = (pos >= prompt_len) & (pos < end) & ~done
-        tokens[:, pos] = torch.where(new, chosen, tokens[:, pos])
-        emit = new
-        if eos_id is not None:
-            done |= new & (chosen == eos_id)
-            emit = new & (chosen != eos_id)
-        if on_token is None and eos_id is None:
-            continue  # nothing to look at on the host, so no sync: the GPU runs ahead
-        # One device-to-host copy a step carries everything the host needs: the tokens, which rows emit, and
-        # whether every row is done. Separate .item() calls would each stall the GPU.
-        finished = (done | (pos + 1 >= end)).all()
-        host = torch.cat([chosen, emit.long(), finished.long()[None]]).tolist()
-        if on_token is not None:
-            for row, token in enumerate(host[: len(lengths)]):
-                if host[len(lengths) + row]:
-                    on_token(row, token)
-        if host[-1]:
-            break
-
-
 # ---------------------------------------------------------------- sampling command
 
 
 class TextStream:
-    """Print a row's text as its tokens arrive: decode the whole sequence, print the new suffix, hold back an
-    incomplete UTF-8 character (a trailing U+FFFD) until its next bytes come."""
+    """Print a row's text as its tokens arrive: decode the whole sequence, print the new suffix, and
+    hold back an incomplete UTF-8 character (a trailing U+FFFD) until its next bytes come."""
 
     def __init__(self, tokenizer, prompt: list[int], out=None):
         self.tokenizer = tokenizer
@@ -206,6 +232,10 @@ class TextStream:
     def add(self, token: int):
         self.ids.append(token)
         self.flush_new(final=False)
+
+    def on_token(self, row: int, token: int):
+        """generate()'s on_token for a batch of this one row."""
+        self.add(token)
 
     def flush_new(self, final: bool):
         text = self.tokenizer.decode(self.ids)
@@ -246,21 +276,20 @@ def check_rope_flags(args):
     if args.rope_factor is None:
         return
     if args.rope_scaling in (None, "none"):
-        methods = "|".join(m for m in ROPE_SCALINGS if m != "none")
-        raise UserError(f"--rope-factor needs a scaling method: --rope-scaling {methods}")
+        raise UserError(f"--rope-factor needs a scaling method: --rope-scaling {SCALING_METHODS}")
     if not (math.isfinite(args.rope_factor) and args.rope_factor >= 1):
         raise UserError(f"--rope-factor must be a finite number >= 1, not {args.rope_factor}")
 
 
 def load_model(args, device: torch.device) -> tuple[Transformer, object, torch.dtype]:
-    """The run's model (quantized and cast as the flags say), its tokenizer, and the activation dtype."""
+    """The run's model (quantized and cast as the flags say), its tokenizer and activation dtype."""
     dtype = pick_dtype(args.dtype, device)
     model, _, tokenizer = load_run(args.run, device, torch.float32)
     return quantize(model, args.quantize).to(dtype), tokenizer, dtype
 
 
 def fit_length(model: Transformer, args, total: int):
-    """Give the model the --rope-scaling asked for `total` tokens, then check it can run them (ModelArgs' policy)."""
+    """Give the model the --rope-scaling asked for `total` tokens, then check it can run them."""
     if args.rope_scaling is not None:
         try:
             model.args = model.args.stretched(args.rope_scaling, total, args.rope_factor)
@@ -275,9 +304,9 @@ def fit_length(model: Transformer, args, total: int):
 
 
 def fast_step(model: Transformer, compile: bool, batch: int) -> DecodeStep | None:
-    """The fused one-token step for `batch` rows on its fastest thread count (and compiled unless that measures
-    slower), or None where the model itself decodes: dynamic NTK re-runs the prefix as it grows, and the fused step
-    is LLaMA's."""
+    """The fused one-token step for `batch` rows on its fastest thread count (compiled unless that
+    measures slower), or None where the model itself decodes: dynamic NTK re-runs the prefix as it
+    grows, and the fused step is LLaMA's."""
     if not model.is_llama() or model.args.length_dependent:
         return None
     step = DecodeStep(model)
@@ -293,7 +322,7 @@ def fast_step(model: Transformer, compile: bool, batch: int) -> DecodeStep | Non
 def print_samples(
     model, tokenizer, prompts: list[list[int]], sampling: Sampling, step
 ) -> list[list[int]]:
-    """Generate and print: one row streams its text as it comes, several are printed when all are done."""
+    """Generate and print: one row streams its text as it comes, several are printed at the end."""
     stream = TextStream(tokenizer, prompts[0]) if len(prompts) == 1 else None
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
     pieces = tokenizer.get_piece_size()
@@ -302,7 +331,7 @@ def print_samples(
         prompts,
         sampling,
         eos,
-        on_token=(lambda row, token: stream.add(token)) if stream else None,
+        on_token=stream.on_token if stream else None,
         step=step,
         vocab_limit=pieces if pieces < model.args.vocab_size else None,
     )
@@ -314,6 +343,19 @@ def print_samples(
             print(f"--- sample {i + 1}/{len(prompts)} ---")
             print(tokenizer.decode(prompt + new))
     return outputs
+
+
+def summary(args, model, prompts, outputs, seconds: float, device, dtype) -> str:
+    """The closing line: tokens, speed, and what ran them."""
+    new_tokens = sum(map(len, outputs))
+    weights = ", int8 weights" if args.quantize == "int8" else ""
+    rope = model.args.rope_scaling
+    rope = f", rope {rope}" if rope != "none" else ""
+    return (
+        f"{sum(map(len, prompts))} prompt tokens, {new_tokens} new tokens in {seconds:.2f} s: "
+        f"{new_tokens / seconds:.1f} tokens/s ({len(prompts)} rows, {device.type}, "
+        f"{str(dtype)[6:]}{weights}{rope})"
+    )
 
 
 def sample_command(args) -> int:
@@ -339,23 +381,43 @@ def sample_command(args) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    new_tokens = sum(map(len, outputs))
-    print(
-        f"{sum(map(len, prompts))} prompt tokens, {new_tokens} new tokens in {seconds:.2f} s: "
-        f"{new_tokens / seconds:.1f} tokens/s ({len(prompts)} rows, {device.type}, {str(dtype)[6:]}"
-        f"{', int8 weights' if args.quantize == 'int8' else ''}"
-        f"{', rope ' + model.args.rope_scaling if model.args.rope_scaling != 'none' else ''})",
-        file=sys.stderr,
-    )
+    print(summary(args, model, prompts, outputs, seconds, device, dtype), file=sys.stderr)
     return 0
 
 
-def parser() -> ArgumentParser:
-    """Sampling flags at the top level; the study's commands as subcommands."""
-    parser = ArgumentParser(
-        prog="python generate.py",
-        description="Sample from a run directory; `extrapolate` measures how far its positions stretch.",
-    )
+# ---------------------------------------------------------------- command line; the lab's door
+
+# The study's commands live in picollama.lab, which the core never imports: this is its one door,
+# opened only when one of them is chosen, so that sampling never loads the lab.
+LAB_COMMANDS = {
+    "extrapolate": "perplexity and retrieval past the training context, per method",
+    "study": "the retrieval study: every position encoding, compared",
+}
+
+
+def lab(command: str):
+    """The lab module behind a LAB_COMMANDS command (picollama.lab.<command>), imported now."""
+    return importlib.import_module(f"picollama.lab.{command}")
+
+
+class LabCommand(ArgumentParser):
+    """A subcommand whose flags (add_arguments) and work (run) are its lab module's, imported only
+    when this subcommand is parsed."""
+
+    def __init__(self, *args, command: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.command = command
+        self.has_flags = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self.has_flags:
+            lab(self.command).add_arguments(self)
+            self.has_flags = True
+        return super().parse_known_args(args, namespace)
+
+
+def add_sampling_flags(parser: ArgumentParser):
+    """The flags of `python generate.py --run DIR [...]`."""
     add_run(parser, required=False)  # required for sampling only: sample_command checks
     parser.add_argument("--prompt", help="the text to continue (default: empty, i.e. only BOS)")
     parser.add_argument(
@@ -391,26 +453,31 @@ def parser() -> ArgumentParser:
         "--quantize",
         choices=QUANTIZATIONS,
         default="none",
-        help="int8: weight-only int8 with per-channel scales (default none; bfloat16 weights: --dtype bfloat16)",
+        help="int8: weight-only int8 with per-channel scales "
+        "(default none; bfloat16 weights: --dtype bfloat16)",
     )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    extrapolate.add_arguments(
-        commands.add_parser(
-            "extrapolate", help="perplexity and retrieval past the training context, per method"
-        )
+
+
+def parser() -> ArgumentParser:
+    """Sampling flags at the top level; the lab's commands as subcommands."""
+    parser = ArgumentParser(
+        prog="python generate.py",
+        description="Sample from a run directory; "
+        "`extrapolate` measures how far its positions stretch.",
     )
-    study.add_arguments(
-        commands.add_parser("study", help="the retrieval study: every position encoding, compared")
-    )
+    add_sampling_flags(parser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=LabCommand)
+    for command, what in LAB_COMMANDS.items():
+        commands.add_parser(command, help=what, command=command)
     return parser
 
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.command == "extrapolate":
-        return extrapolate.run(args, argv)
+        return lab("extrapolate").run(args, argv)
     if args.command == "study":
-        return study.run(args)
+        return lab("study").run(args)
     return sample_command(args)
 
 

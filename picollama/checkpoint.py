@@ -1,5 +1,4 @@
-"""Run directories (model.safetensors + config.json + tokenizer.model), what generate.py and convert.py read; and
-train.py's resumable state beside them, train_state/step_N (torch.distributed.checkpoint, any number of ranks)."""
+"""Run directories (model.safetensors, config.json, tokenizer.model) and train_state/ to resume."""
 
 import json
 import random
@@ -36,12 +35,13 @@ from picollama.cli import (
     replace,
     write_failure,
 )
+from picollama.config import model_args_from_dict
 
 
 def save_model(model: Transformer, run_dir, config: dict | None = None, tokenizer=None) -> Path:
-    """Write model.safetensors, config.json ({"model": ModelArgs, **config, and the tokenizer's sha256}) and a copy of
-    tokenizer.model, all atomically together (see model_files); UserError, writing nothing, if a weight is NaN or
-    infinite or the disk has too little space."""
+    """Write model.safetensors, config.json ({"model": ModelArgs, **config, and the tokenizer's
+    sha256}) and a copy of tokenizer.model, all atomically together (see model_files); UserError,
+    writing nothing, if a weight is NaN or infinite or the disk has too little space."""
     with model_files(model, run_dir, config, tokenizer):
         pass
     return Path(run_dir)
@@ -49,9 +49,9 @@ def save_model(model: Transformer, run_dir, config: dict | None = None, tokenize
 
 @contextmanager
 def model_files(model: Transformer, run_dir, config: dict | None = None, tokenizer=None):
-    """save_model's files, each written to a temporary name before the block and all renamed into place after it
-    (in the order tokenizer, config, weights), so that a failed write (a full disk) or a failed block leaves the
-    previous model, config and tokenizer as they were, consistent with each other."""
+    """save_model's files, each written to a temporary name before the block and all renamed into
+    place after it (in the order tokenizer, config, weights), so that a failed write (a full disk)
+    or a failed block leaves the previous model, config and tokenizer as they were, consistent."""
     run_dir = Path(run_dir)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     bad = non_finite(state.items())
@@ -81,13 +81,13 @@ def model_files(model: Transformer, run_dir, config: dict | None = None, tokeniz
 
 
 def model_bytes(model: Transformer) -> int:
-    """About the size of model.safetensors: the weights (a tied output counted once) and a header."""
+    """About the size of model.safetensors: the weights (a tied output counted once), a header."""
     params = {id(p): p for p in model.parameters()}.values()
     return sum(p.numel() * p.element_size() for p in params) + 64 * 1024
 
 
 def non_finite(named_tensors) -> list[str]:
-    """The names of the floating-point tensors among (name, tensor) pairs that hold a NaN or an infinity."""
+    """The names of the floating-point tensors among (name, tensor) pairs that hold a NaN or inf."""
     return [
         name
         for name, t in named_tensors
@@ -104,14 +104,15 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
         )
     if is_hf_directory(run_dir):
         raise UserError(
-            f"{run_dir} is a Hugging Face model directory; import it first: python -m picollama.convert from-hf --hf-dir {run_dir} --out RUN_DIR"
+            f"{run_dir} is a Hugging Face model directory; import it first: "
+            f"python -m picollama.convert from-hf --hf-dir {run_dir} --out RUN_DIR"
         )
     for name in ("model.safetensors", "config.json"):
         if not (run_dir / name).is_file():
             raise UserError(f"{run_dir} is not a picollama run directory: {name} is missing")
     try:
         config = json.loads((run_dir / "config.json").read_text())
-        args = ModelArgs.from_dict(config["model"])
+        args = model_args_from_dict(config["model"])
         check_type("tokenizer_sha256", config.get("tokenizer_sha256"), str | None)
         state = load_file(run_dir / "model.safetensors", device=str(device))
     except UserError as e:
@@ -121,8 +122,8 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
     bad = non_finite(state.items())
     if bad:
         raise UserError(
-            f"{run_dir}/model.safetensors holds NaN or infinite weights ({', '.join(bad[:3])}): the run diverged; "
-            "use an earlier checkpoint"
+            f"{run_dir}/model.safetensors holds NaN or infinite weights ({', '.join(bad[:3])}): "
+            "the run diverged; use an earlier checkpoint"
         )
     try:
         return model_from_state_dict(args, state), config
@@ -131,7 +132,7 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
 
 
 def is_hf_directory(path: Path) -> bool:
-    """Whether path holds a Hugging Face config.json (a model_type, no picollama "model" section)."""
+    """Whether path holds a Hugging Face config.json (a model_type, no picollama "model" key)."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
@@ -142,9 +143,9 @@ def is_hf_directory(path: Path) -> bool:
 def load_run(
     run_dir, device, dtype: torch.dtype
 ) -> tuple[Transformer, dict, spm.SentencePieceProcessor]:
-    """(model in dtype and eval mode, config, sentencepiece tokenizer) from a run directory; UserError naming what is
-    wrong. The tokenizer may have fewer pieces than the model has embeddings (padded vocabularies): generate.py then
-    samples only ids it can decode."""
+    """(model in dtype and eval mode, config, sentencepiece tokenizer) from a run directory;
+    UserError naming what is wrong. The tokenizer may have fewer pieces than the model has
+    embeddings (padded vocabularies): generate.py then samples only ids it can decode."""
     model, config = load_model(run_dir, device)
     tokenizer_path = Path(run_dir) / "tokenizer.model"
     if not tokenizer_path.is_file():
@@ -154,8 +155,8 @@ def load_run(
     recorded = config.get("tokenizer_sha256")
     if not same_tokenizer(recorded, tokenizer_path):
         raise UserError(
-            f"{tokenizer_path} is not the tokenizer the model was saved with (config.json records sha256 "
-            f"{recorded[:12]}); copy the dataset's tokenizer.model there"
+            f"{tokenizer_path} is not the tokenizer the model was saved with (config.json records "
+            f"sha256 {recorded[:12]}); copy the dataset's tokenizer.model there"
         )
     tokenizer = read_tokenizer(tokenizer_path)
     if tokenizer.get_piece_size() > model.args.vocab_size:
@@ -174,18 +175,17 @@ def read_tokenizer(path: Path) -> spm.SentencePieceProcessor:
 
 
 def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
-    """A Transformer of args holding state's tensors as they are (dtype, device), without a random init."""
+    """A Transformer of args holding state's tensors as they are (dtype, device), uninitialized."""
     layers = len({key.split(".")[1] for key in state if key.startswith("layers.")})
     rows, columns = (
         state["tok_embeddings.weight"].shape if "tok_embeddings.weight" in state else (None, None)
     )
+    # checked before the model is built: a corrupt size could take minutes
     for key, found in (("n_layers", layers), ("vocab_size", rows), ("dim", columns)):
-        if found not in (
-            None,
-            getattr(args, key),
-        ):  # before the model is built: a corrupt size could take minutes
+        if found not in (None, getattr(args, key)):
             raise UserError(
-                f"weights do not match config.json: model.{key} is {getattr(args, key)} there, {found} in the weights"
+                f"weights do not match config.json: model.{key} is {getattr(args, key)} there, "
+                f"{found} in the weights"
             )
     if args.tie_embeddings:
         state = {**state, "output.weight": state["tok_embeddings.weight"]}
@@ -193,7 +193,7 @@ def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
         model = Transformer(args)
     try:
         model.load_state_dict(state, assign=True)
-    except RuntimeError as e:  # one line per wrong weight; the first, with its shapes, says enough
+    except RuntimeError as e:  # a line per wrong weight; the first, with its shapes, says enough
         problems = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
         first = re.sub(
             r"copying a param with shape torch\.Size\((.*?)\) from checkpoint, "
@@ -208,13 +208,13 @@ def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
     return model
 
 
-# ---------------------------------------------------------------- train_state: what --resume continues
-# The functions below are called by every rank; `dist` is train.py's Dist (rank, world_size, main, device, barrier).
+# ---------------------------------------------------------------- train_state: what --resume reads
+# Called by every rank; `dist` is train.py's Dist (rank, world_size, main, device, barrier).
 
 
 @contextmanager
 def single_process_quiet():
-    """Silence DCP's warning that it runs without a process group: that is what a single process means."""
+    """Silence DCP's warning that it runs without a process group: a single process has none."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
@@ -244,7 +244,7 @@ def set_rng_state(state: dict, device: torch.device):
 
 
 def checkpoints(run_dir) -> list[Path]:
-    """Finished train_state/step_* directories, oldest first (unfinished .step_*.tmp ones are ignored)."""
+    """Finished train_state/step_* directories, oldest first (not the unfinished .step_*.tmp)."""
     found = [
         p
         for p in (Path(run_dir) / "train_state").glob("step_*")
@@ -256,17 +256,17 @@ def checkpoints(run_dir) -> list[Path]:
 def save_checkpoint(
     run_dir, step: int, model, optimizer, loader, dist, config: dict, tokenizer, keep: int
 ):
-    """train_state/step_N (DCP model and optimizer shards, each rank's loader and RNG state, meta.json), written
-    into a temporary directory, and the run directory's model export (save_model with `config` and `tokenizer`)
-    written beside it; both are renamed into place only once all is written, so that a failed save (a full disk:
-    checked first, and reported as one line) removes its temporary files and leaves the previous checkpoint and
-    model, consistent with each other. The last `keep` checkpoints are kept."""
+    """train_state/step_N (DCP model and optimizer shards, each rank's loader and RNG state,
+    meta.json), written into a temporary directory, and the run directory's model export (save_model
+    with `config` and `tokenizer`) written beside it; both are renamed into place only once all is
+    written, so that a failed save (a full disk: checked first, and reported as one line) removes
+    its temporary files and leaves the previous checkpoint and model, consistent with each other.
+    The last `keep` checkpoints are kept."""
     check_finite(model, optimizer, dist, f"at step {step}", run_dir)
     state_dir = Path(run_dir) / "train_state"
     final = state_dir / f"step_{step:06d}"
-    tmp = (
-        state_dir / f".{final.name}.tmp"
-    )  # one name on every rank, all writing into it (not atomic_output's)
+    # one name on every rank, all writing into it (not atomic_output's)
+    tmp = state_dir / f".{final.name}.tmp"
     needed = dist.world_size * local_state_bytes(model, optimizer) + model_bytes(model)
     if dist.main:
         for stale in state_dir.glob(".step_*.tmp"):  # left by a crash
@@ -274,6 +274,9 @@ def save_checkpoint(
         check_free_space(run_dir, needed, f"checkpoint {final} and the model export")
         tmp.mkdir(parents=True)
     dist.barrier()
+
+    def write():
+        write_train_state(tmp, step, model, optimizer, loader, dist, config, tokenizer)
 
     def export():
         if dist.main:
@@ -284,11 +287,7 @@ def save_checkpoint(
                 remove(old)
 
     try:
-        together(
-            dist,
-            lambda: write_train_state(tmp, step, model, optimizer, loader, dist, config, tokenizer),
-            final,
-        )
+        together(dist, write, final)
         full = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
@@ -314,9 +313,10 @@ def cause_of(e: BaseException) -> BaseException:
 
 
 def together(dist, work, final: Path):
-    """work() on this rank, then the ranks agree: if it failed on any, every rank raises (the failing rank its own
-    exception, the others a UserError naming that rank and its one-line reason), so that no rank waits in a
-    collective for one that gave up (a disk full on rank 1 only), and rank 0, the one that prints, says why."""
+    """work() on this rank, then the ranks agree: if it failed on any, every rank raises (the
+    failing rank its own exception, the others a UserError naming that rank and its one-line
+    reason), so that no rank waits in a collective for one that gave up (a disk full on rank 1
+    only), and rank 0, the one that prints, says why."""
     try:
         work()
         failure = None
@@ -340,12 +340,12 @@ def together(dist, work, final: Path):
 def write_train_state(
     tmp: Path, step: int, model, optimizer, loader, dist, config: dict, tokenizer
 ):
-    """This rank's part of a checkpoint in `tmp`: DCP shards, rank{R}.json; and rank 0's meta.json, which records
-    the model, the tokenizer and the settings a resume must keep (EXACT_KEYS)."""
+    """This rank's part of a checkpoint in `tmp`: DCP shards, rank{R}.json; and rank 0's meta.json,
+    which records the model, the tokenizer and the settings a resume must keep (EXACT_KEYS)."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    # One process saves without DCP's collectives: after a save with them, training ran ~25% slower ever after, the
-    # cores idle in OpenMP barrier waits (most likely gloo's threads start a second OpenMP team, and libgomp, seeing
-    # more threads than cores, stops spinning).
+    # One process saves without DCP's collectives: after a save with them, training ran ~25% slower
+    # ever after, the cores idle in OpenMP barrier waits (most likely gloo's threads start a second
+    # OpenMP team, and libgomp, seeing more threads than cores, stops spinning).
     with single_process_quiet():
         dcp.save(
             {"model": model_state, "optim": optim_state},
@@ -364,7 +364,7 @@ def write_train_state(
 
 
 def local_state_bytes(model, optimizer) -> int:
-    """About the bytes this rank's shard of a checkpoint takes: its weights, its optimizer state, and JSON."""
+    """About the bytes this rank's shard of a checkpoint takes: weights, optimizer state, JSON."""
     tensors = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     for state in optimizer.state.values():
         tensors += [
@@ -376,8 +376,8 @@ def local_state_bytes(model, optimizer) -> int:
 
 
 def check_finite(model, optimizer, dist, when: str, run_dir):
-    """Stop (on every rank) when this rank's shard of the weights or of the optimizer state holds a NaN or an
-    infinity, anywhere: such a state is never saved."""
+    """Stop (on every rank) when this rank's shard of the weights or of the optimizer state holds a
+    NaN or an infinity, anywhere: such a state is never saved."""
     local = [
         (name, p.to_local() if hasattr(p, "to_local") else p)
         for name, p in model.named_parameters()
@@ -395,13 +395,13 @@ def check_finite(model, optimizer, dist, when: str, run_dir):
 
 
 def stopped(problem: str, run_dir) -> UserError:
-    """The error that stops a run whose numbers are no longer finite, naming the checkpoint to go back to."""
+    """The error stopping a run whose numbers are no longer finite, naming the checkpoint to use."""
     found = checkpoints(run_dir)
     if not found:
         return UserError(f"{problem}. Try a lower optim.lr or a smaller model")
     return UserError(
-        f"{problem}. The last good checkpoint is {found[-1]}: continue it with --resume and a lower optim.lr, or "
-        "start again with a smaller model"
+        f"{problem}. The last good checkpoint is {found[-1]}: continue it with --resume and a "
+        "lower optim.lr, or start again with a smaller model"
     )
 
 
@@ -418,7 +418,7 @@ def unusable(path: Path, problem: str) -> UserError:
 
 
 def load_checkpoint(path: Path, model, optimizer, loader, dist) -> int:
-    """Restore a checkpoint written by save_checkpoint (with any number of ranks); returns its step."""
+    """Restore a checkpoint save_checkpoint wrote (by any number of ranks); returns its step."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     try:
@@ -431,10 +431,7 @@ def load_checkpoint(path: Path, model, optimizer, loader, dist) -> int:
         extra = json.loads((own if own.is_file() else path / "rank0.json").read_text())
         loader.load_state_dict(extra["loader"])
         set_rng_state(extra["rng"], dist.device)
-    except (
-        Exception,
-        CheckpointException,
-    ) as e:  # DCP and torch raise many kinds; the user needs one line
+    except (Exception, CheckpointException) as e:  # DCP and torch raise many kinds: one line
         if isinstance(e, CheckpointException):
             e = next(iter(e.failures.values()))[0]
         message = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
@@ -442,8 +439,9 @@ def load_checkpoint(path: Path, model, optimizer, loader, dist) -> int:
     return int(extra["step"])
 
 
-# What a resume must keep to continue exactly (the model, data and tokenizer are checked on their own); a checkpoint
-# records them in meta.json's "settings". The schedule (max_steps, learning rates) may change.
+# What a resume must keep to continue exactly (the model, data and tokenizer are checked on their
+# own); a checkpoint records them in meta.json's "settings". The schedule (max_steps, learning
+# rates) may change.
 EXACT_KEYS = (
     "train.batch_size",
     "train.seq_len",
@@ -456,10 +454,8 @@ EXACT_KEYS = (
     "data.retrieval_pairs",
     "data.retrieval_filler",
 )
-RUN_FILES = (
-    "model.safetensors",
-    "config.json",
-)  # what makes a directory a run, with or without train_state/
+# what makes a directory a run, with or without train_state/
+RUN_FILES = ("model.safetensors", "config.json")
 
 
 def setting(config: dict, key: str):
@@ -469,9 +465,9 @@ def setting(config: dict, key: str):
 
 
 def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = None) -> Path | None:
-    """The checkpoint to continue from, after checking it holds a model of `args`, that `config` (the run's settings
-    as save_checkpoint gets them) keeps its EXACT_KEYS and has steps left to do; None for a fresh run, which is
-    refused in a directory that holds a run."""
+    """The checkpoint to continue from, after checking it holds a model of `args`, that `config`
+    (the run's settings as save_checkpoint gets them) keeps its EXACT_KEYS and has steps left to do;
+    None for a fresh run, which is refused in a directory that holds a run."""
     run_dir = Path(run_dir)
     found = checkpoints(run_dir)
     if not resume:
@@ -480,17 +476,18 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
         )
         if held:
             raise UserError(
-                f"{run_dir} already holds a run ({held[0]}); pass --resume to continue it, or choose "
-                "another train.out_dir"
+                f"{run_dir} already holds a run ({held[0]}); pass --resume to continue it, "
+                "or choose another train.out_dir"
             )
         return None
     if not found:
         raise UserError(
-            f"nothing to resume: {run_dir / 'train_state'} holds no checkpoint; run without --resume"
+            f"nothing to resume: {run_dir / 'train_state'} holds no checkpoint; "
+            "run without --resume"
         )
     latest = found[-1]
     meta = read_meta(latest)
-    saved = ModelArgs.from_dict(meta["model"]).to_dict()  # keys added since read as their defaults
+    saved = model_args_from_dict(meta["model"]).to_dict()  # keys added since read as their defaults
     differences = [
         f"model.{k} {saved.get(k)!r} → {v!r}"
         for k, v in args.to_dict().items()
@@ -498,7 +495,8 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
     ]
     if differences:
         raise UserError(
-            f"cannot resume from {latest}: it was trained with a different model ({', '.join(differences)})"
+            f"cannot resume from {latest}: it was trained with a different model "
+            f"({', '.join(differences)})"
         )
     if config is None:
         return latest
@@ -511,16 +509,16 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
     ]
     if changed:
         raise UserError(
-            f"cannot resume from {latest} exactly: {', '.join(changed)}; resume with the checkpoint's values, or "
-            "start a new run (train.init_from takes its weights)"
+            f"cannot resume from {latest} exactly: {', '.join(changed)}; resume with the "
+            "checkpoint's values, or start a new run (train.init_from takes its weights)"
         )
     max_steps = setting(config, "train.max_steps")
     if setting(config, "train.max_minutes"):  # the length its budget chose
         max_steps = recorded_max_steps(latest)
     if max_steps is not None and meta["step"] >= max_steps:
         raise UserError(
-            f"nothing to do: {latest} is at step {meta['step']} and train.max_steps is {max_steps}; raise "
-            "train.max_steps to train on"
+            f"nothing to do: {latest} is at step {meta['step']} and train.max_steps is "
+            f"{max_steps}; raise train.max_steps to train on"
         )
     return latest
 
@@ -534,7 +532,7 @@ def read_meta(checkpoint: Path) -> dict:
         for key, kind in (("step", int), ("world_size", int), ("tokenizer_sha256", str | None)):
             check_type(key, meta.get(key), kind)
         check_type("settings", meta.get("settings"), dict | None)
-        ModelArgs.from_dict(meta["model"])
+        model_args_from_dict(meta["model"])
     except UserError as e:
         raise unusable(checkpoint, f"meta.json: {e}") from None
     except (OSError, ValueError, KeyError, TypeError):
@@ -547,14 +545,15 @@ def recorded_max_steps(checkpoint: Path) -> int:
     steps = (read_meta(checkpoint).get("settings") or {}).get("train.max_steps")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise UserError(
-            f"{checkpoint} records no step count for train.max_minutes; resume with --train.max_steps=N"
+            f"{checkpoint} records no step count for train.max_minutes; "
+            "resume with --train.max_steps=N"
         )
     return steps
 
 
 def check_tokenizer(checkpoint: Path, tokenizer: Path):
-    """UserError unless `tokenizer` (the dataset's) is the one the checkpoint was trained with, as its meta.json
-    records, or as the run's tokenizer.model says for checkpoints that record none."""
+    """UserError unless `tokenizer` (the dataset's) is the one the checkpoint was trained with, as
+    its meta.json records, or as the run's tokenizer.model says for checkpoints that record none."""
     meta = read_meta(checkpoint)
     run_tokenizer = checkpoint.parent.parent / "tokenizer.model"
     expected = meta.get("tokenizer_sha256")
@@ -562,7 +561,8 @@ def check_tokenizer(checkpoint: Path, tokenizer: Path):
         expected = tokenizer_sha256(run_tokenizer)
     if not same_tokenizer(expected, tokenizer):
         raise UserError(
-            f"cannot resume from {checkpoint}: it was trained with another tokenizer (sha256 {expected[:12]}) than "
-            f"{tokenizer} (sha256 {tokenizer_sha256(tokenizer)[:12]}); resume with the dataset it was trained on, or "
-            "start a new run"
+            f"cannot resume from {checkpoint}: it was trained with another tokenizer "
+            f"(sha256 {expected[:12]}) than {tokenizer} "
+            f"(sha256 {tokenizer_sha256(tokenizer)[:12]}); resume with the dataset it was trained "
+            "on, or start a new run"
         )

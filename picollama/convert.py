@@ -1,5 +1,4 @@
-"""Hugging Face Llama export and import, and GGUF export for llama.cpp: weight and config mapping, and the to-hf /
-from-hf / to-gguf command line."""
+"""Hugging Face Llama export and import, and GGUF export for llama.cpp (to-hf, from-hf, to-gguf)."""
 
 import argparse
 import json
@@ -31,6 +30,7 @@ from picollama.cli import (
     check_writable,
     run_command,
 )
+from picollama.config import checked_model_args
 
 # picollama name -> Hugging Face name, per layer
 LAYER_KEYS = {
@@ -58,29 +58,31 @@ GGUF_LAYER_KEYS = {
 }
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 # ModelArgs key -> the LlamaConfig key it is read from
-HF_KEYS = dict(
-    dim="hidden_size",
-    n_layers="num_hidden_layers",
-    n_heads="num_attention_heads",
-    vocab_size="vocab_size",
-)
-HF_KEYS |= dict(
-    n_kv_heads="num_key_value_heads", max_seq_len="max_position_embeddings", rope_factor="factor"
-)
-HF_KEYS |= dict(
-    ffn_hidden_dim="intermediate_size", norm_eps="rms_norm_eps", rope_theta="rope_theta"
-)
-# What --force may replace, beside an empty directory: a GGUF file (its magic), or a directory holding
-# model.safetensors and config.json and nothing picollama does not write there (a run's train_state/, metrics.jsonl
-# and extrapolation/; an export's tokenizer files; what an interrupted save left): never a user's own files.
+HF_KEYS = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "vocab_size": "vocab_size",
+    "n_kv_heads": "num_key_value_heads",
+    "max_seq_len": "max_position_embeddings",
+    "rope_factor": "factor",
+    "ffn_hidden_dim": "intermediate_size",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+}
+# What --force may replace, beside an empty directory: a GGUF file (its magic), or a directory
+# holding model.safetensors and config.json and nothing picollama does not write there (a run's
+# train_state/, metrics.jsonl and extrapolation/; an export's tokenizer files; what an interrupted
+# save left): never a user's own files.
 OWN_NAMES = {
     "model.safetensors",
     "config.json",
     "tokenizer.model",
     "tokenizer_config.json",
     "metrics.jsonl",
+    "train_state",
+    "extrapolation",
 }
-OWN_NAMES |= {"train_state", "extrapolation"}
 LEFTOVER = re.compile(r"\..+\.(tmp|old)-\d+")
 
 
@@ -97,12 +99,12 @@ def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def check_llama(args: ModelArgs, target: str = "Hugging Face's Llama"):
-    """The one export gate, asked by every exporter: UserError naming the first switch of args away from LLaMA's
-    defaults, which `target` cannot compute."""
+    """The one export gate, asked by every exporter: UserError naming the first switch of args away
+    from LLaMA's defaults, which `target` cannot compute."""
     for key in args.non_llama():
         raise UserError(
-            f"{target} has no model.{key} = {getattr(args, key)!r} (only {getattr(ModelArgs, key)!r}): "
-            "this model cannot be exported"
+            f"{target} has no model.{key} = {getattr(args, key)!r} "
+            f"(only {getattr(ModelArgs, key)!r}): this model cannot be exported"
         )
 
 
@@ -140,9 +142,7 @@ def hf_config(args: ModelArgs) -> dict:
         )
     elif args.rope_scaling in ("linear", "dynamic"):
         rope.update(rope_type=args.rope_scaling, factor=args.rope_factor)
-        if (
-            args.rope_scaling == "dynamic"
-        ):  # Hugging Face scales dynamic NTK from max_position_embeddings
+        if args.rope_scaling == "dynamic":  # HF scales dynamic NTK from max_position_embeddings
             max_positions = original_len
     elif args.rope_scaling == "yarn":
         rope.update(
@@ -186,7 +186,7 @@ def hf_config(args: ModelArgs) -> dict:
 
 
 def model_args_from_hf(config) -> ModelArgs:
-    """ModelArgs for a LlamaConfig (or its dict); ValueError for what picollama does not implement."""
+    """ModelArgs for a LlamaConfig (or its dict); ValueError for what picollama does not run."""
     c = config if isinstance(config, dict) else config.to_dict()
     if c.get("model_type", "llama") != "llama" or any(
         a != "LlamaForCausalLM" for a in c.get("architectures") or []
@@ -208,33 +208,9 @@ def model_args_from_hf(config) -> ModelArgs:
         or {}
     )
     rope_value = hf_reader(rope, "config.json rope_parameters")
-    rope_type = rope_value("rope_type", str, rope_value("type", str, "default"))
-    kwargs = {}
-    if rope_type == "default":
-        kwargs["rope_scaling"] = "none"
-    elif rope_type in ("linear", "dynamic", "yarn", "llama3"):
-        kwargs.update(rope_scaling=rope_type, rope_factor=rope_value("factor", float))
-        if rope_type in ("yarn", "llama3"):
-            kwargs["rope_original_max_seq_len"] = rope_value(
-                "original_max_position_embeddings", int | None, None
-            )
-        if rope_type == "yarn" and (
-            rope.get("beta_fast") not in (None, 32)
-            or rope.get("beta_slow") not in (None, 1)
-            or rope.get("attention_factor") is not None
-            or rope.get("mscale")
-            or rope.get("mscale_all_dim")
-        ):
-            raise ValueError(
-                "yarn is implemented with beta_fast=32, beta_slow=1 and the default attention factor only"
-            )
-        if rope_type == "llama3":
-            low, high = rope_value("low_freq_factor", float), rope_value("high_freq_factor", float)
-            kwargs.update(rope_low_freq_factor=low, rope_high_freq_factor=high)
-    else:
-        raise ValueError(f"RoPE type {rope_type!r} is not implemented")
+    scaling = rope_scaling_from_hf(rope, rope_value)
     theta = rope_value("rope_theta", float, value("rope_theta", float, 10000.0))
-    return ModelArgs(
+    return checked_model_args(
         dim=dim,
         n_layers=value("num_hidden_layers", int),
         n_heads=n_heads,
@@ -245,13 +221,42 @@ def model_args_from_hf(config) -> ModelArgs:
         rope_theta=theta,
         max_seq_len=value("max_position_embeddings", int, 2048),
         tie_embeddings=value("tie_word_embeddings", bool, False),
-        **kwargs,
+        **scaling,
     )
 
 
+def rope_scaling_from_hf(rope: dict, value) -> dict:
+    """ModelArgs' RoPE scaling keys for a LlamaConfig's rope_parameters (`value`: its hf_reader)."""
+    rope_type = value("rope_type", str, value("type", str, "default"))
+    if rope_type == "default":
+        return {"rope_scaling": "none"}
+    if rope_type not in ("linear", "dynamic", "yarn", "llama3"):
+        raise ValueError(f"RoPE type {rope_type!r} is not implemented")
+    kwargs = {"rope_scaling": rope_type, "rope_factor": value("factor", float)}
+    if rope_type in ("yarn", "llama3"):
+        kwargs["rope_original_max_seq_len"] = value(
+            "original_max_position_embeddings", int | None, None
+        )
+    if rope_type == "yarn" and (
+        rope.get("beta_fast") not in (None, 32)
+        or rope.get("beta_slow") not in (None, 1)
+        or rope.get("attention_factor") is not None
+        or rope.get("mscale")
+        or rope.get("mscale_all_dim")
+    ):
+        raise ValueError(
+            "yarn is implemented with beta_fast=32, beta_slow=1 and the default attention factor "
+            "only"
+        )
+    if rope_type == "llama3":
+        kwargs["rope_low_freq_factor"] = value("low_freq_factor", float)
+        kwargs["rope_high_freq_factor"] = value("high_freq_factor", float)
+    return kwargs
+
+
 def hf_reader(config: dict, where: str):
-    """value(key, type, default): config[key] checked for its type (UserError naming the key); KeyError when a
-    key without a default is missing."""
+    """value(key, type, default): config[key] checked for its type (UserError naming the key);
+    KeyError when a key without a default is missing."""
     if not isinstance(config, dict):
         raise UserError(f"{where} must be a JSON object, not {type(config).__name__}")
 
@@ -269,7 +274,8 @@ def from_hf_state_dict(state_dict: dict, config) -> Transformer:
     missing = [theirs for _, theirs, _ in weight_names(args) if theirs not in state_dict]
     if missing:
         raise ValueError(
-            f"not a Llama state dict for this config: {len(missing)} weights missing, e.g. {missing[0]}"
+            f"not a Llama state dict for this config: {len(missing)} weights missing, "
+            f"e.g. {missing[0]}"
         )
     ours = {
         ours: (
@@ -284,15 +290,15 @@ def from_hf_state_dict(state_dict: dict, config) -> Transformer:
 
 
 def check_replaceable(out: Path):
-    """UserError unless `out` is absent, empty or something convert.py wrote (OWN_NAMES), so that --force never
-    deletes what picollama did not write."""
+    """UserError unless `out` is absent, empty or something picollama wrote (OWN_NAMES), so that
+    --force never deletes what picollama did not write."""
     if out.is_file():
         with open(out, "rb") as file:
             magic = file.read(4)
         if magic not in (b"", b"GGUF"):
             raise UserError(
-                f"not replacing {out}: it is not a GGUF file, so picollama did not write it (--force replaces only "
-                "a GGUF file); choose another output"
+                f"not replacing {out}: it is not a GGUF file, so picollama did not write it "
+                "(--force replaces only a GGUF file); choose another output"
             )
         return
     names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
@@ -300,13 +306,14 @@ def check_replaceable(out: Path):
     if names and (foreign or not {"model.safetensors", "config.json"} <= set(names)):
         held = f"holds {foreign[0]}" if foreign else "holds no model.safetensors and config.json"
         raise UserError(
-            f"not replacing {out}: it {held}, so picollama did not write it (--force replaces only a run or export "
-            f"directory: model.safetensors, config.json and only files picollama writes); choose another output"
+            f"not replacing {out}: it {held}, so picollama did not write it (--force replaces only "
+            "a run or export directory: model.safetensors, config.json and only files picollama "
+            "writes); choose another output"
         )
 
 
 def export_hf(run_dir: Path, hf_dir: Path):
-    """Write run_dir as a Hugging Face Llama directory (config.json, model.safetensors, tokenizer)."""
+    """Write run_dir as a Hugging Face Llama directory (config, safetensors weights, tokenizer)."""
     check_replaceable(hf_dir)
     model, _ = load_model(run_dir)
     check_llama(model.args)
@@ -346,14 +353,14 @@ def export_hf(run_dir: Path, hf_dir: Path):
 
 
 def has_dummy_prefix(tokenizer) -> bool:
-    """Whether sentencepiece puts a space before the text ("a" → "▁a"); ours do not, while Hugging Face's and
-    llama.cpp's Llama tokenizers add one unless told."""
+    """Whether sentencepiece puts a space before the text ("a" → "▁a"); ours do not, while Hugging
+    Face's and llama.cpp's Llama tokenizers add one unless told."""
     return tokenizer.encode_as_pieces("a")[0].startswith("\u2581")
 
 
 def gguf_rope(args: ModelArgs) -> tuple[float, torch.Tensor | None]:
-    """(rope_freq_base, per-dimension frequency divisors or None) reproducing our RoPE in llama.cpp: static NTK is a
-    larger base; linear and llama3 scaling divide each frequency (its rope_freqs tensor)."""
+    """(rope_freq_base, per-dimension frequency divisors or None) reproducing our RoPE in llama.cpp:
+    static NTK is a larger base; linear and llama3 scaling divide each frequency (rope_freqs)."""
     d = args.head_dim
     if args.rope_scaling == "none":
         return args.rope_theta, None
@@ -363,7 +370,8 @@ def gguf_rope(args: ModelArgs) -> tuple[float, torch.Tensor | None]:
         plain = 1.0 / args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
         return args.rope_theta, plain / rope_frequencies(args, args.max_seq_len)[0]
     raise UserError(
-        f"RoPE scaling {args.rope_scaling!r} is not exported to GGUF (none, ntk, linear and llama3 are)"
+        f"RoPE scaling {args.rope_scaling!r} is not exported to GGUF "
+        "(none, ntk, linear and llama3 are)"
     )
 
 
@@ -379,8 +387,8 @@ def export_gguf(run_dir: Path, out: Path, type_: str):
 
 
 def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
-    """Write a llama.cpp GGUF file: the llama architecture, the sentencepiece vocabulary with scores and token
-    types, and the weights in f32, f16, bf16 or q8_0 (norms and rope_freqs stay f32)."""
+    """Write a llama.cpp GGUF file: the llama architecture, the sentencepiece vocabulary with scores
+    and token types, and the weights in f32, f16, bf16 or q8_0 (norms and rope_freqs stay f32)."""
     try:
         import gguf
     except ImportError:
@@ -437,8 +445,8 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
 
 
 def add_gguf_vocab(writer, tokenizer, vocab_size: int, gguf):
-    """The sentencepiece vocabulary as llama.cpp's "llama" tokenizer: pieces, scores, token types, special ids; rows
-    past the tokenizer (a padded embedding) as unused [PADn] tokens."""
+    """The sentencepiece vocabulary as llama.cpp's "llama" tokenizer: pieces, scores, token types,
+    special ids; rows past the tokenizer (a padded embedding) as unused [PADn] tokens."""
     pieces, scores, types = [], [], []
     for i in range(vocab_size):
         if i >= tokenizer.get_piece_size():
@@ -477,7 +485,7 @@ def add_gguf_vocab(writer, tokenizer, vocab_size: int, gguf):
 
 
 def read_hf_weights(hf_dir: Path) -> dict:
-    """The state dict of model.safetensors, or of the shards named by model.safetensors.index.json."""
+    """The state dict of model.safetensors, or of the shards model.safetensors.index.json names."""
     index = hf_dir / "model.safetensors.index.json"
     if (hf_dir / "model.safetensors").is_file():
         files = [hf_dir / "model.safetensors"]
@@ -504,7 +512,7 @@ def read_hf_weights(hf_dir: Path) -> dict:
 
 
 def import_hf(hf_dir: Path, run_dir: Path):
-    """Write a Hugging Face Llama directory (sentencepiece tokenizer.model, safetensors) as a run directory."""
+    """Write a Hugging Face Llama directory (safetensors, sentencepiece tokenizer) as a run."""
     check_replaceable(run_dir)
     try:
         config = json.loads((hf_dir / "config.json").read_text())
@@ -522,9 +530,7 @@ def import_hf(hf_dir: Path, run_dir: Path):
         raise UserError(
             f"{hf_dir}/config.json is not a Hugging Face Llama config ({type(e).__name__}: {e})"
         ) from None
-    except (
-        ValueError
-    ) as e:  # what picollama does not run, in ModelArgs' words: name the key as the file does
+    except ValueError as e:  # what picollama does not run, in ModelArgs' words: name the file's key
         theirs = HF_KEYS.get(str(e).split()[0])
         raise UserError(
             f"{hf_dir}/config.json: {e}" + (f" ({theirs} there)" if theirs else "")
@@ -532,15 +538,14 @@ def import_hf(hf_dir: Path, run_dir: Path):
     tokenizer_path = hf_dir / "tokenizer.model"
     if not tokenizer_path.is_file():
         raise UserError(
-            f"{hf_dir} has no sentencepiece tokenizer.model (tokenizer.json-only tokenizers are not supported)"
+            f"{hf_dir} has no sentencepiece tokenizer.model "
+            "(tokenizer.json-only tokenizers are not supported)"
         )
     pieces = read_tokenizer(tokenizer_path).get_piece_size()
-    if (
-        pieces > args.vocab_size
-    ):  # generate could not decode what the model never embeds: refused before writing
+    if pieces > args.vocab_size:  # generate could not decode what the model never embeds
         raise UserError(
-            f"{hf_dir}: tokenizer.model has {pieces} pieces but config.json vocab_size is {args.vocab_size}: not "
-            "this model's tokenizer; copy the one it was trained with"
+            f"{hf_dir}: tokenizer.model has {pieces} pieces but config.json vocab_size is "
+            f"{args.vocab_size}: not this model's tokenizer; copy the one it was trained with"
         )
     weights = read_hf_weights(hf_dir)
     try:
@@ -557,7 +562,8 @@ def import_hf(hf_dir: Path, run_dir: Path):
 
 
 class OldPaths(argparse.Action):
-    """The old spelling `convert.py COMMAND IN OUT`, kept for one release: IN and OUT fill the flags, with a note."""
+    """The old positional spelling `COMMAND IN OUT`, kept one more release: IN and OUT fill the
+    flags, with a note naming the new spelling."""
 
     def __init__(self, *args, source: str, **kwargs):
         super().__init__(*args, **kwargs)
@@ -570,7 +576,8 @@ class OldPaths(argparse.Action):
         if len(values) != 2:
             parser.error(f"give {flag} and --out")
         print(
-            f"note: convert.py's positional IN OUT is now {flag} IN --out OUT; it goes in the next release",
+            f"note: the positional IN OUT is now {flag} IN --out OUT ({parser.prog} {flag} IN "
+            "--out OUT); the old spelling goes in the next release",
             file=sys.stderr,
         )
         setattr(namespace, self.source, values[0])

@@ -1,8 +1,11 @@
-"""generate(): seeded sampling, batching prompts of different lengths, EOS, context limits, exact dynamic NTK with
-the KV cache; the sampling command line (streaming, errors)."""
+"""generate.py: sampling, batching, EOS, length limits, exact dynamic NTK, errors, the lab door."""
 
+import ast
 import io
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +24,8 @@ PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 
 
 def make_model(std=None, **overrides) -> Transformer:
-    """A random tiny model; std sharpens its weight matrices so that small numeric differences show in the logits."""
+    """A random tiny model; std sharpens its weight matrices so that small numeric differences show
+    in the logits."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs(**TINY | overrides)).eval()
     if std is not None:
@@ -56,21 +60,18 @@ def test_top_k_and_top_p_restrict_the_support():
     assert set(sample(logits, 1.0, None, None, generator).tolist()) == {0, 1, 2, 3}
     assert set(sample(logits, 1.0, 2, None, generator).tolist()) == {0, 1}
     assert set(sample(logits, 1.0, None, 0.7, generator).tolist()) == {0, 1}
-    assert set(sample(logits, 1.0, None, 0.5, generator).tolist()) == {
-        0
-    }  # the top token alone holds 0.5
+    # the top token alone holds 0.5
+    assert set(sample(logits, 1.0, None, 0.5, generator).tolist()) == {0}
     assert set(sample(logits, 1.0, 3, 0.99, generator).tolist()) == {0, 1, 2}
     counts = torch.bincount(sample(logits, 1.0, None, 0.9, generator), minlength=4) / 4000
-    assert torch.allclose(
-        counts, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=0.03
-    )  # renormalised
+    renormalised = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
+    assert torch.allclose(counts, renormalised, atol=0.03)
 
 
 @pytest.mark.parametrize("rope", ["none", "dynamic"])
 def test_batch_of_different_lengths_equals_one_by_one(rope):
-    model = make_model(
-        rope_scaling=rope, max_seq_len=16 if rope == "dynamic" else 32
-    )  # dynamic: past its context
+    # dynamic: past its context
+    model = make_model(rope_scaling=rope, max_seq_len=16 if rope == "dynamic" else 32)
     batch = generate.generate(model, PROMPTS, Sampling(20, temperature=0))
     alone = [
         generate.generate(model, [prompt], Sampling(20, temperature=0))[0] for prompt in PROMPTS
@@ -104,7 +105,7 @@ def test_too_long_needs_rope_scaling():
 
 
 def test_dynamic_ntk_with_cache_is_exact():
-    """Past the original context every step re-runs the prefix: the same logits as a full forward at each step."""
+    """Past the original context every step re-runs the prefix: the logits of a full forward."""
     model = make_model(std=0.3, rope_scaling="dynamic", max_seq_len=16)
     tokens = torch.zeros(1, 48, dtype=torch.long)
     tokens[0, :5] = torch.tensor([1, 5, 6, 7, 8])
@@ -136,16 +137,10 @@ class ByteTokenizer:
 
 def test_ids_beyond_the_tokenizer_are_never_chosen():
     model = make_model()
-    with torch.no_grad():
-        model.output.weight[60:] *= (
-            50  # the ids a 60-piece tokenizer could not decode dominate the logits
-        )
-    assert (
-        max(
-            t for row in generate.generate(model, PROMPTS, Sampling(12, temperature=0)) for t in row
-        )
-        >= 60
-    )
+    with torch.no_grad():  # the ids a 60-piece tokenizer could not decode dominate the logits
+        model.output.weight[60:] *= 50
+    rows = generate.generate(model, PROMPTS, Sampling(12, temperature=0))
+    assert max(t for row in rows for t in row) >= 60
     for temperature in (0, 1.0):
         rows = generate.generate(
             model, PROMPTS, Sampling(12, temperature=temperature, seed=0), vocab_limit=60
@@ -158,9 +153,8 @@ def test_text_stream_holds_back_incomplete_characters():
     stream = TextStream(ByteTokenizer(), list(b"> "), out)
     for byte in text.encode():
         stream.add(byte)
-        assert ("> " + text).startswith(
-            out.getvalue()
-        )  # never a U+FFFD for a character still arriving
+        # never a U+FFFD for a character still arriving
+        assert ("> " + text).startswith(out.getvalue())
     stream.flush_new(final=True)
     assert out.getvalue() == "> " + text
 
@@ -171,21 +165,8 @@ def run_dir(make_tiny_run, one_thread):
 
 
 def test_command_streams_and_summarises(run_dir, capsys):
-    assert (
-        generate.main(
-            [
-                "--run",
-                str(run_dir),
-                "--prompt",
-                "ab cd",
-                "--max-new-tokens",
-                "20",
-                "--temperature",
-                "0",
-            ]
-        )
-        == 0
-    )
+    argv = ["--run", str(run_dir), "--prompt", "ab cd", "--max-new-tokens", "20"]
+    assert generate.main([*argv, "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("ab cd") and len(out) > len("ab cd\n")
     assert "prompt tokens" in err and "20 new tokens" in err and "tokens/s" in err
@@ -193,58 +174,31 @@ def test_command_streams_and_summarises(run_dir, capsys):
 
 def test_command_batches_a_prompt_file(run_dir, tmp_path, capsys):
     (tmp_path / "prompts.txt").write_text("ab\n\nab cd ef gh\nx\n")
-    argv = [
-        "--run",
-        str(run_dir),
-        "--prompt-file",
-        str(tmp_path / "prompts.txt"),
-        "--max-new-tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--num-samples",
-        "2",
-    ]
-    assert generate.main(argv) == 0
+    argv = ["--run", str(run_dir), "--max-new-tokens", "8", "--temperature", "0"]
+    prompt_file = ["--prompt-file", str(tmp_path / "prompts.txt"), "--num-samples", "2"]
+    assert generate.main([*argv, *prompt_file]) == 0
     samples = capsys.readouterr().out.split("--- sample ")[1:]
     assert len(samples) == 6 and samples[-1].startswith("6/6")
     texts = [s.split("---\n", 1)[1].rstrip("\n") for s in samples]
     assert texts[0] == texts[1] and texts[2].startswith("ab cd ef gh")
-    assert (
-        generate.main(
-            ["--run", str(run_dir), "--prompt", "ab", "--max-new-tokens", "8", "--temperature", "0"]
-        )
-        == 0
-    )
+    assert generate.main([*argv, "--prompt", "ab"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == texts[0]  # greedy in a batch = alone
 
 
 def test_a_tokenizer_with_fewer_pieces_than_the_model(run_dir, tmp_path, capsys):
-    # a model with spare embeddings (a padded vocabulary) that it would rather choose: the text is still printed
+    # a model with spare embeddings (a padded vocabulary) that it would rather choose: the text is
+    # still printed
     model, config = load_model(run_dir)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    for name in ("tok_embeddings.weight", "output.weight"):
-        state[name] = torch.cat(
-            [state[name], 50 * state[name][:80]]
-        )  # ids 320..399, louder copies of 0..79
+    for name in ("tok_embeddings.weight", "output.weight"):  # ids 320..399: louder 0..79
+        state[name] = torch.cat([state[name], 50 * state[name][:80]])
     wide = model_from_state_dict(ModelArgs(**config["model"] | {"vocab_size": 400}), state)
     save_model(wide, tmp_path / "wide", tokenizer=run_dir / "tokenizer.model")
-    argv = [
-        "--run",
-        str(tmp_path / "wide"),
-        "--prompt",
-        "ab",
-        "--max-new-tokens",
-        "10",
-        "--temperature",
-        "0",
-    ]
-    assert run_command(generate.main, argv) == 0
+    argv = ["--run", str(tmp_path / "wide"), "--prompt", "ab", "--max-new-tokens", "10"]
+    assert run_command(generate.main, [*argv, "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("ab") and len(out.strip()) > len("ab") and "10 new tokens" in err, (
-        out,
-        err,
-    )
+    assert out.startswith("ab") and len(out.strip()) > len("ab"), (out, err)
+    assert "10 new tokens" in err, err
     # another, smaller tokenizer in place of the run's own: refused
     shutil.copytree(run_dir, tmp_path / "swapped")
     (tmp_path / "swapped" / "tokenizer.model").write_bytes(
@@ -252,9 +206,8 @@ def test_a_tokenizer_with_fewer_pieces_than_the_model(run_dir, tmp_path, capsys)
     )
     assert run_command(generate.main, ["--run", str(tmp_path / "swapped")]) == 2
     out, err = capsys.readouterr()
-    assert (
-        out == "" and err.count("\n") == 1 and "not the tokenizer the model was saved with" in err
-    ), err
+    assert out == "" and err.count("\n") == 1, err
+    assert "not the tokenizer the model was saved with" in err
 
 
 def test_command_context_limit_names_rope_scaling(run_dir, capsys):
@@ -270,8 +223,8 @@ def test_command_context_limit_names_rope_scaling(run_dir, capsys):
 def test_sampling_past_the_context_is_the_position_encodings_to_allow(
     run_dir, tmp_path, capsys, position
 ):
-    """ALiBi and NoPE sample 4× their context (a cache sized for the request), sinusoidal with a warning; a learned
-    table cannot, and says how large it is; none of them takes a RoPE scaling."""
+    """ALiBi and NoPE sample 4× their context (a cache sized for the request), sinusoidal with a
+    warning; a learned table cannot, and says how large it is; none takes a RoPE scaling."""
     torch.manual_seed(0)
     args = ModelArgs(
         dim=32, n_layers=2, n_heads=4, vocab_size=320, max_seq_len=32, position=position
@@ -283,22 +236,15 @@ def test_sampling_past_the_context_is_the_position_encodings_to_allow(
     status = run_command(generate.main, argv)
     out, err = capsys.readouterr()
     if position == "learned":
-        assert (
-            status == 2
-            and out == ""
-            and err.count("\n") == 1
-            and "learned position table of 32 positions" in err
-        )
+        assert status == 2 and out == "" and err.count("\n") == 1, err
+        assert "learned position table of 32 positions" in err
     else:
         assert status == 0 and "128 new tokens" in err, err
         assert ("warning: sinusoidal positions past 32" in err) == (position == "sinusoidal")
     assert run_command(generate.main, argv + ["--rope-scaling", "yarn"]) == 2
     err = capsys.readouterr().err
-    assert (
-        err.startswith("error: --rope-scaling")
-        and "position = 'rope' only" in err
-        and err.count("\n") == 1
-    )
+    assert err.startswith("error: --rope-scaling") and err.count("\n") == 1, err
+    assert "position = 'rope' only" in err
 
 
 @pytest.mark.parametrize(
@@ -334,3 +280,57 @@ def test_command_refuses_a_bad_rope_factor(run_dir, capsys, rope):
     assert run_command(generate.main, argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("error: --rope-factor") and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- the core and the lab
+
+REPO = Path(__file__).resolve().parent.parent
+# the core: the top-level scripts, data/ and picollama/ outside picollama/lab/
+CORE = sorted(
+    [REPO / "model.py", REPO / "train.py", REPO / "generate.py"]
+    + list((REPO / "data").glob("*.py"))
+    + list((REPO / "picollama").glob("*.py"))
+)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module the file's import statements name, anywhere (`from a import b`: a and a.b)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_no_core_module_imports_the_lab():
+    for path in CORE:
+        lab = {name for name in imported_modules(path) if name.startswith("picollama.lab")}
+        assert not lab, f"{path.relative_to(REPO)} imports {lab}"
+
+
+def test_only_generates_lab_commands_load_the_lab():
+    """Importing the whole core, and parsing a sampling command, loads nothing of picollama.lab;
+    generate.py's `extrapolate` and `study` open it (their flags are the lab's)."""
+    modules = [
+        ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        for path in CORE
+    ]
+    script = f"""
+import importlib, sys
+for name in {modules!r}:
+    importlib.import_module(name)
+import generate
+generate.parser().parse_args(["--run", "r", "--prompt", "extrapolate"])
+print(sorted(m for m in sys.modules if m.startswith("picollama.lab")))
+generate.parser().parse_args(["extrapolate", "--run", "r", "--lengths", "64"])
+print("picollama.lab.extrapolate" in sys.modules)
+generate.parser().parse_args(["study", "--quick"])
+print("picollama.lab.study" in sys.modules)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]", "True", "True"], result.stdout
