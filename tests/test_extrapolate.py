@@ -1,10 +1,13 @@
-"""`python generate.py extrapolate` on tiny models trained in the fixture: files, keys, finite numbers, invariants,
-the copy probe, the effective context, several runs side by side, errors before any work, and all outputs or none."""
+"""`python generate.py extrapolate` on tiny models trained in the fixture: files, keys, finite
+numbers, invariants, the copy probe, the effective context, several runs side by side, errors
+before any work, and all outputs or none; its options as the flags, and the scalings of each
+position encoding."""
 
 import hashlib
 import json
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,9 +16,9 @@ import torch
 
 import generate
 from data.loader import load_meta
-from model import ROPE_SCALINGS
+from model import POSITIONS, ROPE_SCALINGS, ModelArgs
 from picollama.checkpoint import load_run
-from picollama.cli import run_command
+from picollama.cli import ArgumentParser, run_command
 from picollama.lab import extrapolate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,73 +34,80 @@ def extrapolate_argv(run_dir, *more):
     return ["extrapolate", "--run", str(run_dir), "--probe-span", str(SPAN), "--probes", "4", *more]
 
 
+def check_method(report: dict, method: str):
+    """The numbers of one method of the tiny run, scored on 3 windows and 4 probes."""
+    [run] = report["runs"]
+    for n in report["lengths"]:
+        cell = run["perplexity"][method][str(n)]
+        assert math.isfinite(cell["perplexity"])
+        assert cell["loss"]["n"] == 3 and cell["loss"]["sem"] >= 0
+    # at the training length every method is plain RoPE: the same targets give the same numbers
+    assert run["perplexity"][method]["32"]["perplexity"] == pytest.approx(
+        run["perplexity"]["none"]["32"]["perplexity"], rel=1e-5
+    )
+    assert run["perplexity"][method]["32"]["ratio"] == pytest.approx(1.0)
+    losses = run["per_position"][method]["loss_mean"]
+    assert len(losses) == len(report["per_position_edges"]) - 1 and all(map(math.isfinite, losses))
+    for d in report["probe"]["distances"]:
+        cell = run["probe"][method][str(d)]
+        assert 0 <= cell["accuracy"]["mean"] <= 1 and cell["accuracy"]["n"] == 4
+        assert math.isfinite(cell["loss_drop"]["mean"])
+    effective = run["effective_context"][method]
+    assert effective["tokens"] in report["lengths"]
+    assert effective["basis"].startswith("perplexity only")  # no copying yet
+
+
 def test_extrapolation_writes_report(tiny_run, capsys):
     run_dir, _ = tiny_run
     assert generate.main(extrapolate_argv(run_dir, "--num-windows", "3")) == 0
     out_dir = run_dir / "extrapolation"
-    assert {p.name for p in out_dir.iterdir()} == {
-        "extrapolation.json",
-        "extrapolation.md",
-        "extrapolation.png",
-    }
+    files = {"extrapolation.json", "extrapolation.md", "extrapolation.png"}
+    assert {p.name for p in out_dir.iterdir()} == files
     printed = capsys.readouterr().out.strip().splitlines()
-    assert printed[-1].startswith(f"wrote {out_dir}") and printed[-2].startswith(
-        f"effective context of {run_dir}"
-    )
+    assert printed[-1].startswith(f"wrote {out_dir}")
+    assert printed[-2].startswith(f"effective context of {run_dir}")
     report = json.loads((out_dir / "extrapolation.json").read_text())
     methods, lengths = list(ROPE_SCALINGS), [32, 64, 128, 256]
     [run] = report["runs"]
     assert run["methods"] == methods and report["lengths"] == lengths
     assert run["train_context"] == 32 and run["position"] == "rope"  # the tiny run's context
-    assert {
-        "model",
-        "name",
-        "perplexity",
-        "probe",
-        "per_position",
-        "effective_context",
-    } <= run.keys()
-    assert {
-        "command",
-        "protocol",
-        "num_windows",
-        "probe",
-        "per_position_tokens",
-        "seconds",
-    } <= report.keys()
-    # the probe reads at a quarter and half of the context, and at the farthest repeat that fits each length
+    assert {"model", "name", "perplexity", "probe", "per_position", "effective_context"} <= set(run)
+    keys = {"command", "protocol", "num_windows", "probe", "per_position_tokens", "seconds"}
+    assert keys <= set(report)
+    # the probe reads at a quarter and half of the context, and at the farthest repeat that fits
+    # each length
     assert report["probe"]["distances"] == [8, 16, 24, 56, 120, 248]
     edges = report["per_position_edges"]
     assert edges[0] == 0 and edges[-1] == 255 and sum(report["per_position_tokens"]) == 255 * 3
     for method in methods:
-        for n in lengths:
-            cell = run["perplexity"][method][str(n)]
-            assert (
-                math.isfinite(cell["perplexity"])
-                and cell["loss"]["n"] == 3
-                and cell["loss"]["sem"] >= 0
-            )
-        # at the training length every method is plain RoPE: the same targets give the same numbers
-        assert run["perplexity"][method]["32"]["perplexity"] == pytest.approx(
-            run["perplexity"]["none"]["32"]["perplexity"], rel=1e-5
-        )
-        assert run["perplexity"][method]["32"]["ratio"] == pytest.approx(1.0)
-        losses = run["per_position"][method]["loss_mean"]
-        assert len(losses) == len(edges) - 1 and all(map(math.isfinite, losses))
-        for d in report["probe"]["distances"]:
-            cell = run["probe"][method][str(d)]
-            assert 0 <= cell["accuracy"]["mean"] <= 1 and cell["accuracy"]["n"] == 4
-            assert math.isfinite(cell["loss_drop"]["mean"])
-        effective = run["effective_context"][method]
-        assert effective["tokens"] in lengths and effective["basis"].startswith(
-            "perplexity only"
-        )  # no copying yet
+        check_method(report, method)
     # a few dozen steps already beat a uniform guess over the vocabulary by far
     assert run["perplexity"]["none"]["32"]["perplexity"] < 320 / 4
     table = (out_dir / "extrapolation.md").read_text()
     assert all(f"| {m} |" in table for m in methods) and "| method | 32 | 64 | 128 | 256 |" in table
     assert "d=248" in table and "Effective context" in table and "from 24 (the first)" in table
     assert (out_dir / "extrapolation.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_position_runs_with_the_scalings_its_args_accept():
+    for position in POSITIONS:
+        args = ModelArgs(dim=32, n_heads=4, max_seq_len=32, position=position)
+        expected = list(ROPE_SCALINGS) if position == "rope" else ["none"]
+        assert extrapolate.scalings(args) == expected, position
+
+
+def test_options_are_the_flags_and_their_command_reads_back_the_same():
+    parser = ArgumentParser(prog="extrapolate")
+    extrapolate.add_arguments(parser)
+    assert extrapolate.Options.from_args(parser.parse_args(["--run", "a"])) == (
+        extrapolate.Options()
+    )
+    options = extrapolate.Options([32, 64], ["none", "yarn"], retrieval_rows=32, seed=3)
+    command = options.command([Path("a"), Path("b")], Path("c"))
+    assert command[:3] == ["python", "generate.py", "extrapolate"]
+    args = parser.parse_args(command[3:])
+    assert extrapolate.Options.from_args(args) == options
+    assert args.run == [Path("a"), Path("b")] and args.out == Path("c")
 
 
 def test_probe_places_the_span_twice_and_scores_the_repeat():
@@ -108,20 +118,20 @@ def test_probe_places_the_span_twice_and_scores_the_repeat():
     assert (sequences[:, :4] == spans).all() and (sequences[:, 10:] == spans).all()
     assert (sequences[:, 4:10] == np.arange(104, 110)).all()  # real text between
 
-    def copier(
-        tokens,
-    ):  # predicts, at each position, the token 9 places back: a perfect copy at distance 10
+    def copier(tokens):
+        """Predicts, at each position, the token 9 places back: a perfect copy at distance 10."""
         logits = torch.full((*tokens.shape, 200), -10.0)
         logits[:, 9:].scatter_(2, tokens[:, :-9, None], 10.0)
         return logits
 
     accuracy, drop = extrapolate.probe_scores(copier, sequences, 10, "cpu")
-    assert accuracy.tolist() == [1.0, 1.0] and np.allclose(
-        drop, math.log(200)
-    )  # from a uniform guess to ~0
-    accuracy, drop = extrapolate.probe_scores(
-        lambda t: torch.zeros(*t.shape, 200), sequences, 10, "cpu"
-    )
+    # from a uniform guess to ~0
+    assert accuracy.tolist() == [1.0, 1.0] and np.allclose(drop, math.log(200))
+
+    def uniform(tokens):
+        return torch.zeros(*tokens.shape, 200)
+
+    accuracy, drop = extrapolate.probe_scores(uniform, sequences, 10, "cpu")
     assert accuracy.tolist() == [0.0, 0.0] and np.allclose(drop, 0)
 
 
@@ -129,9 +139,8 @@ def test_probe_spans_are_seeded_and_never_special(tiny_run):
     _, data_dir = tiny_run
     meta = load_meta(data_dir)
     spans = extrapolate.probe_spans(meta, 50, 16, seed=0)
-    assert spans.shape == (50, 16) and np.array_equal(
-        spans, extrapolate.probe_spans(meta, 50, 16, seed=0)
-    )
+    assert spans.shape == (50, 16)
+    assert np.array_equal(spans, extrapolate.probe_spans(meta, 50, 16, seed=0))
     special = [meta[k] for k in ("unk_id", "bos_id", "eos_id")]
     assert not np.isin(spans, special).any() and spans.max() < meta["vocab_size"]
     assert len(np.unique(spans)) > 200  # uniform over the vocabulary, not its frequent tokens
@@ -156,16 +165,13 @@ def test_effective_context_needs_perplexity_and_probe():
         "probe_in_context": 0.9,
     }
     perplexity, probe = cells({256: 1, 512: 1.06, 1024: 1.0}, {240: 0.9, 496: 0.9, 1008: 0.9})
-    assert (
-        extrapolate.effective_context(perplexity, probe, 256, 16)["tokens"] == 256
-    )  # "stays": the first miss ends it
+    # "stays": the first miss ends it
+    assert extrapolate.effective_context(perplexity, probe, 256, 16)["tokens"] == 256
     # a probe that never copies is left out, and said so
     perplexity, probe = cells({256: 1, 512: 1.01, 1024: 1.02}, {240: 0.1, 496: 0.0, 1008: 0.0})
     result = extrapolate.effective_context(perplexity, probe, 256, 16)
-    assert (
-        result["tokens"] == 1024
-        and result["basis"] == "perplexity only: the probe reads 10% in context"
-    )
+    assert result["tokens"] == 1024
+    assert result["basis"] == "perplexity only: the probe reads 10% in context"
     # n/a (a learned table's end) stops it
     perplexity, probe = cells({256: 1, 512: None}, {240: 0.9, 496: None})
     assert extrapolate.effective_context(perplexity, probe, 256, 16)["tokens"] == 256
@@ -200,10 +206,8 @@ def test_several_runs_share_windows_and_spans(tiny_run, second_run, tmp_path, ca
     )
     assert generate.main([*alone, "--data", str(data_dir), "--out", str(tmp_path / "alone")]) == 0
     [single] = json.loads((tmp_path / "alone" / "extrapolation.json").read_text())["runs"]
-    assert (
-        single["perplexity"] == report["runs"][1]["perplexity"]
-        and single["probe"] == report["runs"][1]["probe"]
-    )
+    assert single["perplexity"] == report["runs"][1]["perplexity"]
+    assert single["probe"] == report["runs"][1]["probe"]
     assert (tmp_path / "both" / "extrapolation.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -220,9 +224,8 @@ def test_runs_with_other_tokenizers_are_refused(tiny_run, tmp_path, capsys):
     )
     shutil.copy(tmp_path / "spm.model", other / "tokenizer.model")
     config = json.loads((other / "config.json").read_text())  # a run saved with that tokenizer
-    config["tokenizer_sha256"] = hashlib.sha256(
-        (other / "tokenizer.model").read_bytes()
-    ).hexdigest()
+    tokenizer = (other / "tokenizer.model").read_bytes()
+    config["tokenizer_sha256"] = hashlib.sha256(tokenizer).hexdigest()
     (other / "config.json").write_text(json.dumps(config))
     argv = extrapolate_argv(f"{run_dir},{other}", "--out", str(tmp_path / "out"))
     assert run_command(generate.main, argv) == 2
@@ -242,10 +245,8 @@ def test_other_position_encodings_get_none_alone(make_tiny_run, tmp_path, capsys
     capsys.readouterr()
     assert run_command(generate.main, [*argv, "--methods", "none,ntk"]) == 2
     err = capsys.readouterr().err
-    assert (
-        err.startswith("error: --methods ntk: RoPE scaling applies to RoPE models only")
-        and err.count("\n") == 1
-    )
+    assert err.startswith("error: --methods ntk: RoPE scaling applies to RoPE models only")
+    assert err.count("\n") == 1
 
 
 def test_learned_positions_past_their_table_are_not_available(make_tiny_run, tmp_path):
@@ -255,13 +256,10 @@ def test_learned_positions_past_their_table_are_not_available(make_tiny_run, tmp
     )
     assert generate.main(argv) == 0
     [run] = json.loads((tmp_path / "extrapolation.json").read_text())["runs"]
-    assert (
-        run["perplexity"]["none"]["64"] is None and run["probe"]["none"]["56"] is None
-    )  # 64 > max_seq_len 32
-    assert (
-        run["perplexity"]["none"]["32"]["ratio"] == 1
-        and run["effective_context"]["none"]["tokens"] == 32
-    )
+    # 64 > max_seq_len 32
+    assert run["perplexity"]["none"]["64"] is None and run["probe"]["none"]["56"] is None
+    assert run["perplexity"]["none"]["32"]["ratio"] == 1
+    assert run["effective_context"]["none"]["tokens"] == 32
     assert run["per_position"] == {}  # no curve: the whole window does not fit
     assert "n/a" in (tmp_path / "extrapolation.md").read_text()
 
@@ -271,12 +269,8 @@ def test_sliding_protocol_scores_every_token(tiny_run, tmp_path):
     argv = extrapolate_argv(
         run_dir, "--protocol", "sliding", "--methods", "none,ntk", "--lengths", "32,64"
     )
-    assert (
-        generate.main(
-            [*argv, "--num-windows", "2", "--data", str(data_dir), "--out", str(tmp_path)]
-        )
-        == 0
-    )
+    argv += ["--num-windows", "2", "--data", str(data_dir), "--out", str(tmp_path)]
+    assert generate.main(argv) == 0
     report = json.loads((tmp_path / "extrapolation.json").read_text())
     assert report["lengths"] == [32, 64] and report["protocol"] == "sliding"
     perplexity = report["runs"][0]["perplexity"]
@@ -294,9 +288,8 @@ def test_sliding_losses_match_one_forward_when_the_window_fits(tiny_run):
         assert torch.allclose(extrapolate.sliding_losses(model, tokens, 48), full)
         sliding = extrapolate.sliding_losses(model, tokens, 16)
     assert sliding.shape == full.shape  # every token scored exactly once
-    assert torch.allclose(
-        sliding[:, :15], full[:, :15], atol=1e-5
-    )  # the first window is the same forward
+    # the first window is the same forward
+    assert torch.allclose(sliding[:, :15], full[:, :15], atol=1e-5)
 
 
 def test_bad_extrapolation_input_is_one_line(tiny_run, tmp_path, capsys):
@@ -328,7 +321,11 @@ def test_bad_extrapolation_input_is_one_line(tiny_run, tmp_path, capsys):
 
 def test_unwritable_out_fails_before_the_evaluation(tiny_run, tmp_path, capsys, monkeypatch):
     run_dir, _ = tiny_run
-    monkeypatch.setattr(extrapolate, "evaluate_run", lambda *a, **k: pytest.fail("evaluated"))
+
+    def evaluated(*args):
+        pytest.fail("evaluated")
+
+    monkeypatch.setattr(extrapolate, "evaluate_run", evaluated)
     (tmp_path / "file").write_text("not a directory")
     argv = ["extrapolate", "--run", str(run_dir), "--out", str(tmp_path / "file")]
     assert run_command(generate.main, argv) == 2
@@ -345,11 +342,8 @@ def test_a_failed_write_leaves_no_outputs(tiny_run, tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(extrapolate, "plot_report", disk_full)
     argv = extrapolate_argv(run_dir, "--methods", "none", "--lengths", "64", "--num-windows", "1")
-    assert (
-        run_command(generate.main, [*argv, "--data", str(data_dir), "--out", str(tmp_path / "out")])
-        == 2
-    )
+    argv += ["--data", str(data_dir), "--out", str(tmp_path / "out")]
+    assert run_command(generate.main, argv) == 2
     assert "No space left on device" in capsys.readouterr().err
-    assert (
-        list((tmp_path / "out").iterdir()) == []
-    )  # neither the report files nor their temporary copies
+    # neither the report files nor their temporary copies
+    assert list((tmp_path / "out").iterdir()) == []

@@ -1,5 +1,5 @@
-"""data/retrieval.py: rows deterministic for a seed, targets only where retrieval is possible, exact resume, and
-train.py training the task and validating its accuracy."""
+"""data/retrieval.py: rows deterministic for a seed, targets only where retrieval is possible,
+exact resume, and train.py training the task and validating its accuracy."""
 
 import json
 
@@ -15,7 +15,8 @@ TASK = RetrievalTask(keys=16, values=16, pairs=4)
 
 
 def earlier_value(row: np.ndarray, position: int) -> tuple[int, int]:
-    """The value after the latest earlier occurrence of row[position]'s key, and that occurrence's distance."""
+    """The value after the latest earlier occurrence of row[position]'s key, and that
+    occurrence's distance."""
     earlier = np.flatnonzero(row[:position] == row[position])
     return int(row[earlier[-1] + 1]), position - int(earlier[-1])
 
@@ -62,9 +63,7 @@ def test_evaluation_queries_sit_at_the_given_distance_from_their_key(length, dis
 
 def test_evaluation_rows_without_a_distance_query_at_the_end_of_the_row():
     rows, targets = TASK.eval_rows(np.random.default_rng(1), 16, 128)
-    assert (
-        targets[:, -2 * TASK.pairs :].sum() == 16 * TASK.pairs and targets.sum() == 16 * TASK.pairs
-    )
+    assert targets[:, -2 * TASK.pairs :].sum() == targets.sum() == 16 * TASK.pairs
 
 
 def test_the_loader_resumes_exactly_from_its_state():
@@ -153,9 +152,8 @@ def test_train_py_trains_the_task_validates_its_accuracy_and_resumes_exactly(tmp
     assert set(accuracy) == {4, 8} and all(0 <= a <= 1 for a in accuracy.values())
     assert not (tmp_path / "whole" / "tokenizer.model").exists()
     assert run(tmp_path, "cut", "--train.max_steps=4") == 0
-    assert (
-        run(tmp_path, "cut", "--resume", "--data.retrieval_filler=0.25") == 2
-    )  # another row stream: refused
+    # another row stream: refused
+    assert run(tmp_path, "cut", "--resume", "--data.retrieval_filler=0.25") == 2
     assert "data.retrieval_filler 0.0 → 0.25" in capsys.readouterr().err
     assert run(tmp_path, "cut", "--resume") == 0
     assert logged(tmp_path / "cut", "loss") == logged(tmp_path / "whole", "loss")

@@ -1,5 +1,6 @@
-"""The retrieval study (study.py) and extrapolate's retrieval track: distances, the effective-context rule, scoring
-on a model that retrieves perfectly, and the --quick study trained end to end."""
+"""The retrieval study (study.py) and extrapolate's retrieval track: the recipe
+(configs/study/retrieval.toml) and the configs it trains, distances, the effective-context rule,
+scoring on a model that retrieves perfectly, and the --quick study trained end to end."""
 
 import json
 
@@ -9,7 +10,7 @@ import torch
 import generate
 from data.retrieval import RetrievalTask
 from model import ROPE_SCALINGS
-from picollama.cli import ArgumentParser, run_command
+from picollama.cli import ArgumentParser, UserError, run_command
 from picollama.lab import extrapolate, study
 
 TASK = RetrievalTask(keys=16, values=16, pairs=4)
@@ -22,22 +23,18 @@ def test_retrieval_distances_reach_every_doubling_in_rows_of_the_longest_length(
 
 def test_retrieval_effective_context_keeps_half_the_in_context_accuracy():
     cells = {"32": {"mean": 0.9}, "64": {"mean": 0.46}, "128": {"mean": 0.44}, "256": {"mean": 0.5}}
-    assert extrapolate.retrieval_effective(cells, 32) == {
-        "tokens": 64,
-        "in_context": 0.9,
-    }  # the first miss ends it
-    assert (
-        extrapolate.retrieval_effective({"32": {"mean": 0.9}, "64": None}, 32)["tokens"] == 32
-    )  # a table's end
+    # the first miss ends it
+    assert extrapolate.retrieval_effective(cells, 32) == {"tokens": 64, "in_context": 0.9}
+    # a table's end
+    assert extrapolate.retrieval_effective({"32": {"mean": 0.9}, "64": None}, 32)["tokens"] == 32
     # a run that does not retrieve in context has no effective context
-    assert (
-        extrapolate.retrieval_effective({"32": {"mean": 0.3}, "64": {"mean": 0.3}}, 32)["tokens"]
-        is None
-    )
+    cells = {"32": {"mean": 0.3}, "64": {"mean": 0.3}}
+    assert extrapolate.retrieval_effective(cells, 32)["tokens"] is None
 
 
 def recall(tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of a perfect retriever: at each position, the value after the latest earlier occurrence of its key."""
+    """Logits of a perfect retriever: at each position, the value after the latest earlier
+    occurrence of its key."""
     logits = torch.zeros(*tokens.shape, TASK.vocab_size)
     for b, row in enumerate(tokens.tolist()):
         for i, token in enumerate(row):
@@ -47,12 +44,14 @@ def recall(tokens: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def never(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(*tokens.shape, TASK.vocab_size)
+
+
 def test_retrieval_scores_read_every_query_of_each_row():
     batches = TASK.fixed_batches(2, 4, 64)
     assert extrapolate.retrieval_scores(recall, batches, "cpu").tolist() == [1.0] * 8
-    wrong = extrapolate.retrieval_scores(
-        lambda x: torch.zeros(*x.shape, TASK.vocab_size), batches, "cpu"
-    )
+    wrong = extrapolate.retrieval_scores(never, batches, "cpu")
     assert wrong.tolist() == [0.0] * 8  # argmax 0 is the filler, never a value
 
 
@@ -66,47 +65,131 @@ def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys):
     assert report["lengths"] == [32, 64, 128] and report["task"]["chance"] == 1 / 64
     assert runs["rope"]["methods"] == list(ROPE_SCALINGS)
     in_context = runs["rope"]["accuracy"]["none"]["32"]["mean"]
-    assert in_context > 0.5, (
-        in_context
-    )  # chance is 1/64; guessing among the row's 4 values gives 1/4
+    # chance is 1/64; guessing among the row's 4 values gives 1/4
+    assert in_context > 0.5, in_context
     assert runs["rope-yarn"]["train_context"] == 128 and runs["rope-yarn"]["original_context"] == 32
+    rows = study.load_recipe(study.REPO_ROOT / study.RECIPE).quick.rows
     for run in runs.values():
         for method in run["methods"]:
             cells = [c for c in run["accuracy"][method].values() if c is not None]
-            assert cells and all(0 <= c["mean"] <= 1 and c["n"] == study.QUICK_ROWS for c in cells)
+            assert cells and all(0 <= c["mean"] <= 1 and c["n"] == rows for c in cells)
     trained = json.loads((out / "study.json").read_text())["runs"]
     assert set(trained) == {"rope", "rope-yarn"} and all(t["cpu_s"] > 0 for t in trained.values())
     assert trained["rope"]["steps"] == 400  # --quick's steps win over the study's 1,500
     table = (out / "study.md").read_text()
-    assert (
-        "| `rope` | RoPE |" in table
-        and "By key-query distance" in table
-        and "rope-yarn` | yarn |" in table
-    )
+    assert "| `rope` | RoPE |" in table and "By key-query distance" in table
+    assert "rope-yarn` | yarn |" in table
+
+
+def planned(tmp_path, *flags: str):
+    """study.plan on the default recipe: train.py's arguments and the config of every run."""
+    parser = ArgumentParser(prog="study")
+    study.add_arguments(parser)
+    args = parser.parse_args([*flags, "--out", str(tmp_path)])
+    return study.plan(study.load_recipe(args.recipe), args)
 
 
 @pytest.mark.parametrize(
-    "flags, steps",
+    "flags, steps, fine_tune",
     [
-        ([], "2000"),
-        (["--quick"], "400"),
-        (["--steps", "7"], "7"),
-        (["--quick", "--steps", "7"], "7"),
+        ([], 2000, 150),
+        (["--quick"], 400, 30),
+        (["--steps", "7"], 7, 150),
+        (["--quick", "--steps", "7"], 7, 30),
     ],
 )
 def test_a_runs_own_steps_beat_the_study_s_and_quick_and_steps_beat_both(
-    tmp_path, monkeypatch, flags, steps
+    tmp_path, flags, steps, fine_tune
 ):
-    seen = {}
-    monkeypatch.setattr(
-        study, "train_run", lambda name, overrides, out: seen.setdefault(name, overrides)
+    """--steps sets every run's but a fine-tune's, which keeps its own (and --quick's own)."""
+    commands, configs = planned(tmp_path, *flags)
+    assert configs["learned"].train.max_steps == steps
+    assert [f for f in commands["learned"] if f.startswith("--train.max_steps=")] == [
+        f"--train.max_steps={steps}"
+    ]
+    assert configs["rope-yarn"].train.max_steps == fine_tune
+
+
+def test_every_run_of_the_recipe_is_the_config_train_py_reads(tmp_path):
+    commands, configs = planned(tmp_path)
+    assert list(commands) == [
+        "rope",
+        "alibi",
+        "nope",
+        "sinusoidal",
+        "learned",
+        "rope-random",
+        "rope-logn",
+        "rope-yarn",
+    ]
+    assert commands["rope"][:2] == ["--config", "configs/retrieval.toml"]
+    assert all(config.optim.min_lr == 1e-4 for config in configs.values())
+    assert configs["nope"].model.qk_norm and configs["nope"].data.retrieval_filler == 0.25
+    assert configs["sinusoidal"].optim.name == "muon" and configs["rope"].train.max_steps == 1500
+    yarn = configs["rope-yarn"]
+    assert yarn.train.init_from == str(tmp_path / "rope") and yarn.train.out_dir == str(
+        tmp_path / "rope-yarn"
     )
-    parser = ArgumentParser(prog="study")
-    study.add_arguments(parser)
-    study.train_all(study.chosen_runs(["learned"]), tmp_path, parser.parse_args(flags), [])
-    assert [f for f in seen["learned"] if f.startswith("--train.max_steps=")][
-        -1
-    ] == f"--train.max_steps={steps}"
+    # 4 × the RoPE run's context, at YaRN's factor 4
+    assert yarn.train.seq_len == yarn.model.max_seq_len == 128 and yarn.model.rope_factor == 4
+    assert (yarn.model.rope_scaling, yarn.train.batch_size, yarn.optim.warmup_steps) == (
+        "yarn",
+        32,
+        15,
+    )
+    _, quick = planned(tmp_path, "--quick")
+    assert quick["rope-yarn"].train.batch_size == 16 and quick["rope"].eval.interval == 0
+
+
+RECIPE = """config = "configs/retrieval.toml"
+multiples = [1, 2]
+rows = 8
+[[runs]]
+name = "rope"
+what = "RoPE"
+"""
+
+
+@pytest.mark.parametrize(
+    "more, message",
+    [
+        ("", None),
+        ("setting = 1", "runs[0] (rope): unknown key 'setting' (valid: name, what"),
+        ('[[runs]]\nwhat = "x"', "runs[1]: name is missing"),
+        ('[[runs]]\nname = "rope"\nwhat = "again"', "two runs are named rope"),
+        ('[[runs]]\nname = "b"\nwhat = "x"\nfrom = "c"', "from 'c' names no earlier run"),
+        ('[[runs]]\nname = "../b"\nwhat = "x"', "name '../b' must be a folder name"),
+        ("stretch = 2", "stretch needs from"),
+        (
+            '[[runs]]\nname = "b"\nwhat = "x"\nfrom = "rope"\nsettings.train = { seq_len = 64 }',
+            "(b): settings train.seq_len: from and stretch set it",
+        ),
+        ("steps = 0", "steps must be a positive integer, not 0"),
+        ("settings.train = { max_steps = 5 }", "settings train.max_steps: steps sets it"),
+        ("settings.model = { n_head = 4 }", "unknown config key model.n_head"),
+        ('settings.optim = { name = "sgd" }', "optim.name"),
+        ("settings.train = { seq_len = 64 }", "train.seq_len (64) exceeds"),
+        ("settings = 3", "settings must be a table of config sections"),
+        ("quick.rows = 2", "(rope) quick: unknown key 'rows' (valid: steps, settings)"),
+        ("what = [", "is not valid TOML"),
+    ],
+)
+def test_a_bad_recipe_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, more, message):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(RECIPE + more + "\n")
+    out = tmp_path / "out"
+
+    def stop(*args):
+        raise UserError("stopped before training")
+
+    monkeypatch.setattr(study, "train_all", stop)
+    status = run_command(study.main, ["--recipe", str(recipe), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("error: ") and err.count("\n") == 1
+    if message is None:  # the good recipe gets as far as training
+        assert "stopped before training" in err
+    else:
+        assert message in err and not out.exists()
 
 
 @pytest.mark.parametrize(
@@ -127,12 +210,7 @@ def test_runs_of_different_tasks_are_not_compared(tmp_path, capsys):
     for name, task in (("a", "retrieval"), ("b", "text")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({"data": {"task": task}}))
-    argv = [
-        "extrapolate",
-        "--run",
-        f"{tmp_path / 'a'},{tmp_path / 'b'}",
-        "--out",
-        str(tmp_path / "c"),
-    ]
+    runs = f"{tmp_path / 'a'},{tmp_path / 'b'}"
+    argv = ["extrapolate", "--run", runs, "--out", str(tmp_path / "c")]
     assert run_command(generate.main, argv) == 2
     assert "trained on different tasks" in capsys.readouterr().err and not (tmp_path / "c").exists()

@@ -1,6 +1,6 @@
-"""The length-extrapolation study's report (extrapolate.py computes it): Markdown tables, the effective-context
-line and the plots, of perplexity and the copy probe (runs trained on text) or of retrieval accuracy (runs trained on
-the retrieval task)."""
+"""The length-extrapolation report (extrapolate.py computes it): Markdown tables, the effective-
+context line and the plots, of perplexity and the copy probe (runs trained on text) or of retrieval
+accuracy (runs trained on the retrieval task)."""
 
 import math
 from pathlib import Path
@@ -10,6 +10,10 @@ import numpy as np
 from model import ROPE_SCALINGS
 
 BINS_PER_OCTAVE, MIN_BIN = 3, 8  # of the loss-by-position curve
+METHODS_TEXT = (
+    "RoPE runs: static methods use factor n / the context RoPE was trained at, `dynamic` factor 1; "
+    "other position encodings are scored as they are (`none`)"
+)
 
 
 def short_number(x: float) -> str:
@@ -24,7 +28,8 @@ def ratio_text(x: float) -> str:
 
 
 def perplexity_cell(row: dict | None) -> str:
-    """Perplexity ± its standard error over windows (as a percentage), and the ratio to the training length."""
+    """Perplexity ± its standard error over windows (as a percentage), and the ratio to the
+    training length."""
     if row is None:
         return "n/a"
     error = 100 * math.expm1(row["loss"]["sem"])
@@ -39,6 +44,11 @@ def probe_cell(cell: dict | None) -> str:
     return f"{accuracy['mean']:.0%} ±{100 * accuracy['sem']:.0f} ({cell['loss_drop']['mean']:+.1f})"
 
 
+def accuracy_cell(cell: dict | None) -> str:
+    """Accuracy ± its standard error over rows."""
+    return "n/a" if cell is None else f"{cell['mean']:.0%} ±{100 * cell['sem']:.0f}"
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + [
         "| " + " | ".join(r) + " |" for r in rows
@@ -46,8 +56,8 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def run_rows(runs: list[dict]):
-    """(first header columns, [(run, method)], label(run, method)): one row per run and method, with the run column
-    only when there are several runs."""
+    """(first header columns, [(run, method)], label(run, method)): one row per run and method,
+    with the run column only when there are several runs."""
     several = len(runs) > 1
 
     def label(run, method):
@@ -60,68 +70,69 @@ def run_rows(runs: list[dict]):
     )
 
 
+def run_table(report: dict, columns: list[str], key: str, xs: list[int], cell) -> list[str]:
+    """A table of a line per run and method: cell(run[key][method][str(x)]) for each x of xs,
+    under `columns`."""
+    first, keys, label = run_rows(report["runs"])
+    rows = [label(run, m) + [cell(run[key][m][str(x)]) for x in xs] for run, m in keys]
+    return table(first + columns, rows)
+
+
 def protocol_text(report: dict) -> str:
     windows = report["num_windows"]
     longest = max(report["lengths"])
     if report["protocol"] == "fixed-target":
         return (
-            f"the last {report['score_tokens']} tokens of {windows} validation windows of {longest} tokens (each "
-            "inside one document), scored with the last n tokens as context"
+            f"the last {report['score_tokens']} tokens of {windows} validation windows of "
+            f"{longest} tokens (each inside one document), scored with the last n tokens as context"
         )
     return (
-        f"every token of {windows} validation windows of {longest} tokens, scored through windows of n tokens "
-        "moving by n/2"
+        f"every token of {windows} validation windows of {longest} tokens, scored through windows "
+        "of n tokens moving by n/2"
     )
+
+
+def names(runs: list[dict]) -> str:
+    return ", ".join(f"`{run['name']}`" for run in runs)
 
 
 def markdown_report(report: dict) -> str:
     runs, lengths, probe = report["runs"], report["lengths"], report["probe"]
-    first, keys, label = run_rows(runs)
     contexts = sorted({run["train_context"] for run in runs})
     windows = report["num_windows"]
-    lines = [
-        "# Length extrapolation of " + ", ".join(f"`{run['name']}`" for run in runs),
-        "",
-        f"Training context {', '.join(map(str, contexts))} tokens. Protocol `{report['protocol']}`: "
-        f"{protocol_text(report)}. RoPE runs: static methods use factor n / the context RoPE was trained at, "
-        "`dynamic` factor 1; other position encodings are scored as they are (`none`).",
-        "",
-        f"Perplexity ± its standard error over the {windows} windows (ratio to the run's training length):",
-        "",
-        *table(
-            first + [f"{n}" for n in lengths],
-            [
-                label(run, m) + [perplexity_cell(run["perplexity"][m][str(n)]) for n in lengths]
-                for run, m in keys
-            ],
-        ),
-    ]
     distances, span = probe["distances"], probe["span"]
     inside = [d for d in distances if d + span <= min(contexts)]
-    lines += [
+    tokens = report["per_position_tokens"]
+
+    lines = [
+        f"# Length extrapolation of {names(runs)}",
         "",
-        f"Copy probe: a span of {span} random token ids (uniform over the non-special vocabulary) at the start of "
-        f"real validation text, repeated d tokens later; top-1 accuracy on the repeat after its first token ± its "
-        f"standard error over {probe['count']} probes, and (in brackets) the loss drop in nats from the first "
-        f"occurrence to the repeat. d ≤ {max(inside, default=0)} lies inside the training context.",
+        f"Training context {', '.join(map(str, contexts))} tokens. Protocol "
+        f"`{report['protocol']}`: {protocol_text(report)}. {METHODS_TEXT}.",
         "",
-        *table(
-            first + [f"d={d}" for d in distances],
-            [
-                label(run, m) + [probe_cell(run["probe"][m][str(d)]) for d in distances]
-                for run, m in keys
-            ],
-        ),
+        f"Perplexity ± its standard error over the {windows} windows (ratio to the run's training "
+        "length):",
         "",
-        "Effective context: the longest tested length up to which perplexity stays within 5% of its training-length "
-        "value and the probe (its farthest repeat that fits) within 10 points of its in-context accuracy:",
+        *run_table(report, [f"{n}" for n in lengths], "perplexity", lengths, perplexity_cell),
+        "",
+        f"Copy probe: a span of {span} random token ids (uniform over the non-special vocabulary) "
+        "at the start of real validation text, repeated d tokens later; top-1 accuracy on the "
+        f"repeat after its first token ± its standard error over {probe['count']} probes, and (in "
+        "brackets) the loss drop in nats from the first occurrence to the repeat. "
+        f"d ≤ {max(inside, default=0)} lies inside the training context.",
+        "",
+        *run_table(report, [f"d={d}" for d in distances], "probe", distances, probe_cell),
+        "",
+        "Effective context: the longest tested length up to which perplexity stays within 5% of "
+        "its training-length value and the probe (its farthest repeat that fits) within 10 points "
+        "of its in-context accuracy:",
         "",
         *effective_table(report, with_basis=True),
         "",
-        f"Loss by position (the plot), over the {windows} windows of {max(lengths)} tokens: {BINS_PER_OCTAVE} bins "
-        f"per doubling of the position, at least {MIN_BIN} positions wide; each point averages its bin's width × "
-        f"{windows} tokens, from {report['per_position_tokens'][0]:,} (the first) to "
-        f"{report['per_position_tokens'][-1]:,} (the last).",
+        f"Loss by position (the plot), over the {windows} windows of {max(lengths)} tokens: "
+        f"{BINS_PER_OCTAVE} bins per doubling of the position, at least {MIN_BIN} positions wide; "
+        f"each point averages its bin's width × {windows} tokens, from {tokens[0]:,} (the first) "
+        f"to {tokens[-1]:,} (the last).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -136,14 +147,8 @@ def effective_table(report: dict, with_basis: bool) -> list[str]:
             + [str(run["train_context"]), str(effective["tokens"] or "none")]
             + ([effective["basis"]] if with_basis else [])
         )
-    return table(
-        first + ["training context", "effective context"] + (["basis"] if with_basis else []), rows
-    )
-
-
-def accuracy_cell(cell: dict | None) -> str:
-    """Accuracy ± its standard error over rows."""
-    return "n/a" if cell is None else f"{cell['mean']:.0%} ±{100 * cell['sem']:.0f}"
+    columns = ["training context", "effective context"] + (["basis"] if with_basis else [])
+    return table(first + columns, rows)
 
 
 def retrieval_markdown(report: dict) -> str:
@@ -153,52 +158,35 @@ def retrieval_markdown(report: dict) -> str:
         report["distances"],
         report["task"],
     )
-    first, keys, label = run_rows(runs)
     context = min(run["train_context"] for run in runs)
-    return (
-        "\n".join(
-            [
-                "# Retrieval past the training context of "
-                + ", ".join(f"`{run['name']}`" for run in runs),
-                "",
-                f"Multi-query associative recall (data/retrieval.py): {task['pairs']} key-value pairs from "
-                f"{task['keys']} keys and {task['values']} values, each key queried once later in the row; accuracy "
-                f"(top-1 on the queried value; chance {task['chance']:.1%}) ± its standard error over "
-                f"{report['rows']} seeded rows per cell, the same rows for every run and method. RoPE runs: static "
-                "methods use factor n / the context RoPE was trained at, `dynamic` factor 1; other position encodings "
-                "are scored as they are (`none`); learned positions read n/a past their table.",
-                "",
-                f"By length n (training context {context}): the key block anywhere in the row, the queries at its end, "
-                "so that distances run up to n:",
-                "",
-                *table(
-                    first + [f"{n} ({n / context:g}×)" for n in lengths],
-                    [
-                        label(run, m) + [accuracy_cell(run["accuracy"][m][str(n)]) for n in lengths]
-                        for run, m in keys
-                    ],
-                ),
-                "",
-                f"By key-query distance d, in rows of {max(lengths)} tokens:",
-                "",
-                *table(
-                    first + [f"d={d}" for d in distances],
-                    [
-                        label(run, m)
-                        + [accuracy_cell(run["by_distance"][m][str(d)]) for d in distances]
-                        for run, m in keys
-                    ],
-                ),
-                "",
-                f"Effective context from retrieval: the longest tested length up to which every tested length keeps at "
-                f"least {report['keeps']:.0%} of the run's accuracy at its training length (none where that accuracy "
-                f"is under {report['keeps']:.0%}):",
-                "",
-                *effective_table(report, with_basis=False),
-            ]
-        )
-        + "\n"
-    )
+    keeps = f"{report['keeps']:.0%}"
+    by_length = [f"{n} ({n / context:g}×)" for n in lengths]
+
+    lines = [
+        f"# Retrieval past the training context of {names(runs)}",
+        "",
+        f"Multi-query associative recall (data/retrieval.py): {task['pairs']} key-value pairs "
+        f"from {task['keys']} keys and {task['values']} values, each key queried once later in "
+        f"the row; accuracy (top-1 on the queried value; chance {task['chance']:.1%}) ± its "
+        f"standard error over {report['rows']} seeded rows per cell, the same rows for every run "
+        f"and method. {METHODS_TEXT}; learned positions read n/a past their table.",
+        "",
+        f"By length n (training context {context}): the key block anywhere in the row, the "
+        "queries at its end, so that distances run up to n:",
+        "",
+        *run_table(report, by_length, "accuracy", lengths, accuracy_cell),
+        "",
+        f"By key-query distance d, in rows of {max(lengths)} tokens:",
+        "",
+        *run_table(report, [f"d={d}" for d in distances], "by_distance", distances, accuracy_cell),
+        "",
+        "Effective context from retrieval: the longest tested length up to which every tested "
+        f"length keeps at least {keeps} of the run's accuracy at its training length (none where "
+        f"that accuracy is under {keeps}):",
+        "",
+        *effective_table(report, with_basis=False),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def effective_line(report: dict) -> str:
@@ -212,89 +200,97 @@ def effective_line(report: dict) -> str:
     )
 
 
-def plot_report(report: dict, path: Path):
-    """Small multiples: a row of panels per run (perplexity by length, loss by position, copy probe by distance), a
-    line per method, the training context dashed."""
+# ---------------------------------------------------------------- plots
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files, no display), imported when first plotting."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
-    runs, lengths = report["runs"], report["lengths"]
-    distances, span = report["probe"]["distances"], report["probe"]["span"]
-    edges = np.asarray(report["per_position_edges"])
-    centers = np.sqrt((edges[:-1] + 1) * edges[1:])  # index i predicts the token at position i+1
-    fig, grid = plt.subplots(len(runs), 3, figsize=(14, 3.4 * len(runs) + 0.8), squeeze=False)
-    for (ppl_ax, pos_ax, probe_ax), run in zip(grid, runs):
-        for method in run["methods"]:
-            style = method_style(method)
-            cells = [(n, run["perplexity"][method][str(n)]) for n in lengths]
-            cells = [(n, c["perplexity"]) for n, c in cells if c is not None]
-            ppl_ax.plot(*zip(*cells), **style)
-            if method in run["per_position"]:
-                pos_ax.plot(
-                    centers,
-                    run["per_position"][method]["loss_mean"],
-                    color=style["color"],
-                    label=method,
-                )
-            reads = [(d, run["probe"][method][str(d)]) for d in distances]
-            reads = [(d, c["accuracy"]["mean"]) for d, c in reads if c is not None]
-            if reads:
-                probe_ax.plot(*zip(*reads), **style)
-        for ax, at in (
-            (ppl_ax, run["train_context"]),
-            (pos_ax, run["train_context"]),
-            (probe_ax, run["train_context"] - span),
-        ):
-            ax.axvline(at, color="black", linestyle="--", linewidth=1)
-            ax.set_xscale("log", base=2)
-            ax.grid(alpha=0.3)
-        name = f"{run_title(run)}: " if len(runs) > 1 else ""
-        ppl_ax.set(
-            yscale="log", ylabel="perplexity", title=f"{name}perplexity ({report['protocol']})"
-        )
-        pos_ax.set(ylabel="loss (nats)", title=f"{name}loss by position, {max(lengths)} tokens")
-        probe_ax.set(
-            ylabel="top-1 on the repeat",
-            ylim=(-0.02, 1.02),
-            title=f"{name}copy probe, {span} tokens",
-        )
-        # ticks at 1, 1.5, 2, 3, 5, 7 per decade, labelled 90, 100, 150 rather than 9×10^1
-        ppl_ax.yaxis.set_major_locator(
-            matplotlib.ticker.LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0))
-        )
-        ppl_ax.yaxis.set_major_formatter(
-            matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
-        )
-        ppl_ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    for ax, label in zip(
-        grid[-1], ("context length (tokens)", "position in the window", "distance to the repeat")
-    ):
-        ax.set_xlabel(label)
-    save_figure(
-        fig,
-        list(grid.flat),
-        path,
-        "dashed: the training context (for the probe, the farthest repeat in it)",
-    )
+    return plt
 
 
 def method_style(method: str) -> dict:
     """The same marker, line and colour for a RoPE scaling method in every panel."""
-    import matplotlib.pyplot as plt
-
     index = ROPE_SCALINGS.index(method)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = pyplot().rcParams["axes.prop_cycle"].by_key()["color"]
     return dict(marker="os^Dvx<>ph"[index % 10], color=colors[index % len(colors)], label=method)
+
+
+def run_title(run: dict) -> str:
+    return Path(run["name"]).name or run["name"]
+
+
+def plain_tick(value: float, _) -> str:
+    return f"{value:g}"
+
+
+def times_tick(value: float, _) -> str:
+    return f"{value:g}×"
+
+
+def plain_log_ticks(axis):
+    """Ticks at 1, 1.5, 2, 3, 5, 7 per decade, labelled 90, 100, 150 rather than 9×10^1."""
+    import matplotlib.ticker
+
+    subs = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
+    axis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=subs))
+    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(plain_tick))
+    axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
+def text_panels(axes, run: dict, report: dict, title: str):
+    """One text run's panels: perplexity by length, loss by position in the longest windows and
+    copy probe by distance, a line per method, the training context dashed."""
+    ppl_ax, pos_ax, probe_ax = axes
+    lengths, span = report["lengths"], report["probe"]["span"]
+    edges = np.asarray(report["per_position_edges"])
+    centers = np.sqrt((edges[:-1] + 1) * edges[1:])  # index i predicts the token at position i+1
+    for method in run["methods"]:
+        style = method_style(method)
+        cells = [(n, run["perplexity"][method][str(n)]) for n in lengths]
+        ppl_ax.plot(*zip(*[(n, c["perplexity"]) for n, c in cells if c is not None]), **style)
+        if method in run["per_position"]:
+            losses = run["per_position"][method]["loss_mean"]
+            pos_ax.plot(centers, losses, color=style["color"], label=method)
+        reads = [(d, run["probe"][method][str(d)]) for d in report["probe"]["distances"]]
+        reads = [(d, c["accuracy"]["mean"]) for d, c in reads if c is not None]
+        if reads:
+            probe_ax.plot(*zip(*reads), **style)
+    context = run["train_context"]
+    for ax, at in ((ppl_ax, context), (pos_ax, context), (probe_ax, context - span)):
+        ax.axvline(at, color="black", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    ppl_ax.set(yscale="log", ylabel="perplexity", title=f"{title}perplexity ({report['protocol']})")
+    pos_ax.set(ylabel="loss (nats)", title=f"{title}loss by position, {max(lengths)} tokens")
+    probe_title = f"{title}copy probe, {span} tokens"
+    probe_ax.set(ylabel="top-1 on the repeat", ylim=(-0.02, 1.02), title=probe_title)
+    plain_log_ticks(ppl_ax.yaxis)
+
+
+def plot_report(report: dict, path: Path):
+    """Small multiples: a row of panels per run (perplexity by length, loss by position, copy
+    probe by distance), a line per method, the training context dashed."""
+    runs = report["runs"]
+    fig, grid = pyplot().subplots(len(runs), 3, figsize=(14, 3.4 * len(runs) + 0.8), squeeze=False)
+    for axes, run in zip(grid, runs):
+        text_panels(axes, run, report, f"{run_title(run)}: " if len(runs) > 1 else "")
+    labels = ("context length (tokens)", "position in the window", "distance to the repeat")
+    for ax, label in zip(grid[-1], labels):
+        ax.set_xlabel(label)
+    note = "dashed: the training context (for the probe, the farthest repeat in it)"
+    save_figure(fig, list(grid.flat), path, note)
 
 
 def accuracy_panel(
     ax, run: dict, key: str, xs: list[int], chance: float, mark: float, title: str, scale: int = 1
 ):
-    """One run's accuracy (report key "accuracy" or "by_distance") against xs / scale, a line per method; chance
-    dotted, the training context (at mark) dashed."""
+    """One run's accuracy (report key "accuracy" or "by_distance") against xs / scale, a line per
+    method; chance dotted, the training context (at mark) dashed."""
     for method in run["methods"]:
         points = [(x, run[key][method][str(x)]) for x in xs]
         points = [(x / scale, cell["mean"]) for x, cell in points if cell is not None]
@@ -307,66 +303,46 @@ def accuracy_panel(
     ax.grid(alpha=0.3)
 
 
-def run_title(run: dict) -> str:
-    return Path(run["name"]).name or run["name"]
-
-
 def save_figure(fig, axes, path: Path, note: str = ""):
-    """Tight layout, one legend of every method shown beneath the panels, and the note above them."""
-    import matplotlib.pyplot as plt
-
+    """Tight layout, one legend of every method shown beneath the panels, and the note above
+    them."""
     handles = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
     if note:
         fig.suptitle(note, fontsize="medium")
-    height = (
-        fig.get_figheight()
-    )  # inches: the legend takes 0.5 below the panels, the note 0.35 above
+    height = fig.get_figheight()  # inches: the legend takes 0.5 below the panels, the note 0.35
     fig.tight_layout(rect=(0, 0.5 / height, 1, 1 - (0.35 / height if note else 0)))
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles))
     fig.savefig(path, format="png", dpi=80)
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def retrieval_plot(report: dict, path: Path):
-    """Small multiples: for each run, accuracy by length above accuracy by distance (a line per method)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Small multiples: for each run, accuracy by length above accuracy by distance (a line per
+    method)."""
     runs, chance = report["runs"], report["task"]["chance"]
+    lengths, distances = report["lengths"], report["distances"]
     columns = min(4, len(runs))
     blocks = math.ceil(len(runs) / columns)
-    fig, grid = plt.subplots(
+    fig, grid = pyplot().subplots(
         2 * blocks, columns, figsize=(3.6 * columns, 5.2 * blocks), squeeze=False, sharey=True
     )
     for index in range(len(runs), blocks * columns):
         grid[2 * (index // columns), index % columns].set_visible(False)
         grid[2 * (index // columns) + 1, index % columns].set_visible(False)
     for index, run in enumerate(runs):
-        top, bottom = (
-            grid[2 * (index // columns), index % columns],
-            grid[2 * (index // columns) + 1, index % columns],
-        )
+        top = grid[2 * (index // columns), index % columns]
+        bottom = grid[2 * (index // columns) + 1, index % columns]
         context = run["train_context"]
-        accuracy_panel(
-            top, run, "accuracy", report["lengths"], chance, context, f"{run_title(run)}: by length"
-        )
-        accuracy_panel(
-            bottom,
-            run,
-            "by_distance",
-            report["distances"],
-            chance,
-            context,
-            "by key-query distance",
-        )
+        title = f"{run_title(run)}: by length"
+        accuracy_panel(top, run, "accuracy", lengths, chance, context, title)
+        title = "by key-query distance"
+        accuracy_panel(bottom, run, "by_distance", distances, chance, context, title)
         top.set_xlabel("row length (tokens)", fontsize="small")
-        bottom.set_xlabel(f"distance in rows of {max(report['lengths'])}", fontsize="small")
-        for ax, xs in ((top, report["lengths"]), (bottom, report["distances"])):
+        bottom.set_xlabel(f"distance in rows of {max(lengths)}", fontsize="small")
+        for ax, xs in ((top, lengths), (bottom, distances)):
             ax.set_xlim(min(xs) / 1.3, max(xs) * 1.3)
     for row in grid:
         row[0].set_ylabel("retrieval accuracy")
@@ -374,8 +350,8 @@ def retrieval_plot(report: dict, path: Path):
 
 
 def ratio_panel(ax, run: dict, lengths: list[int], title: str):
-    """One text run's perplexity ratio to its training length against the length in multiples of the context it
-    was first trained at, a line per method."""
+    """One text run's perplexity ratio to its training length against the length in multiples of
+    the context it was first trained at, a line per method."""
     base = run["original_context"]
     for method in run["methods"]:
         points = [(n, run["perplexity"][method][str(n)]) for n in lengths]
@@ -390,69 +366,51 @@ def ratio_panel(ax, run: dict, lengths: list[int], title: str):
     ax.grid(alpha=0.3)
 
 
-def side_by_side_plot(text_report: dict, retrieval_report: dict, path: Path, columns: int = 3):
-    """Small multiples, one pair of panels per run name (a text study's run and a retrieval study's run of the same
-    name, e.g. `rope`): perplexity ratio by length beside retrieval accuracy by length, a line per method, the
-    training context dashed."""
-    import matplotlib
+def missing_panel(ax, title: str, study: str):
+    """An empty panel saying that the run is not in one of the two studies."""
+    where = f"not in the\n{study} study"
+    ax.text(0.5, 0.5, where, ha="center", va="center", transform=ax.transAxes)
+    ax.set(xticks=[], yticks=[], title=title)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def side_by_side_plot(text_report: dict, retrieval_report: dict, path: Path, columns: int = 3):
+    """Small multiples, one pair of panels per run name (a text study's run and a retrieval
+    study's run of the same name, e.g. `rope`): perplexity ratio by length beside retrieval
+    accuracy by length, a line per method, the training context dashed."""
     import matplotlib.ticker
 
     text = {run_title(run): run for run in text_report["runs"]}
     retrieval = {run_title(run): run for run in retrieval_report["runs"]}
     names = list(retrieval) + [name for name in text if name not in retrieval]
     rows = math.ceil(len(names) / columns)
-    fig, grid = plt.subplots(
-        rows, 2 * columns, figsize=(3.0 * 2 * columns, 2.9 * rows), squeeze=False
-    )
+    size = (3.0 * 2 * columns, 2.9 * rows)
+    fig, grid = pyplot().subplots(rows, 2 * columns, figsize=size, squeeze=False)
     for ax in grid.flat[2 * len(names) :]:
         ax.set_visible(False)
     chance = retrieval_report["task"]["chance"]
-    times = matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}×")
+    times = matplotlib.ticker.FuncFormatter(times_tick)
     for index, name in enumerate(names):
-        left, right = (
-            grid[index // columns, 2 * (index % columns)],
-            grid[index // columns, 2 * (index % columns) + 1],
-        )
+        left, right = grid.flat[2 * index], grid.flat[2 * index + 1]
         if name in text:
             ratio_panel(left, text[name], text_report["lengths"], f"{name}: perplexity ratio")
             left.yaxis.set_major_formatter(times)
         else:
-            left.text(
-                0.5,
-                0.5,
-                "not in the\nperplexity study",
-                ha="center",
-                va="center",
-                transform=left.transAxes,
-            )
-            left.set(xticks=[], yticks=[], title=f"{name}: perplexity ratio")
+            missing_panel(left, f"{name}: perplexity ratio", "perplexity")
         if name in retrieval:
             run = retrieval[name]
-            base = run["original_context"]
-            title = f"{name}: retrieval"
+            base, lengths = run["original_context"], retrieval_report["lengths"]
             mark = run["train_context"] / base
-            accuracy_panel(
-                right, run, "accuracy", retrieval_report["lengths"], chance, mark, title, base
-            )
+            title = f"{name}: retrieval"
+            accuracy_panel(right, run, "accuracy", lengths, chance, mark, title, base)
         else:
-            right.text(
-                0.5,
-                0.5,
-                "not in the\nretrieval study",
-                ha="center",
-                va="center",
-                transform=right.transAxes,
-            )
-            right.set(xticks=[], yticks=[], title=f"{name}: retrieval")
+            missing_panel(right, f"{name}: retrieval", "retrieval")
         for ax in (left, right):
             if ax.get_xscale() == "log":
                 ax.set_xlim(0.7, 23)
                 ax.xaxis.set_major_formatter(times)
     note = (
-        "x: length in multiples of the training context (of the base run for a fine-tune); dashed: the run's "
-        "training context; dotted: chance (retrieval) or the in-context perplexity"
+        "x: length in multiples of the training context (of the base run for a fine-tune); "
+        "dashed: the run's training context; dotted: chance (retrieval) or the in-context "
+        "perplexity"
     )
     save_figure(fig, [ax for ax in grid.flat if ax.get_visible()], path, note)

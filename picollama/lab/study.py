@@ -1,120 +1,270 @@
-"""The retrieval study: every position encoding trained on the synthetic retrieval task (configs/retrieval.toml) and
-compared past the training context, side by side (`python generate.py study`)."""
+"""The retrieval study (`python generate.py study`): the runs of a recipe (configs/study/),
+every position encoding trained on the synthetic retrieval task, compared past their context."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from picollama import REPO_ROOT
-from picollama.cli import (
-    ArgumentParser,
-    UserError,
-    add_device,
-    add_out,
-    atomic_output,
-    check_writable,
-    comma_list,
-    positive,
-)
+from picollama import REPO_ROOT, cli
+from picollama.cli import UserError, atomic_output, check_writable, comma_list, positive
+from picollama.config import Config, check_config, parse_cli
 from picollama.lab import extrapolate
-from picollama.lab.report import side_by_side_plot, table
+from picollama.lab.report import retrieval_markdown, side_by_side_plot, table
 
-CONFIG = "configs/retrieval.toml"
-FINE_TUNE = 4  # the YaRN run: the RoPE run fine-tuned at this multiple of its context
-
-# (run name, what it is, train.py overrides): the RoPE run comes first, the fine-tune starts from it. Every run trains
-# configs/retrieval.toml's recipe; where an encoding needs another to reach >= 90% in context (measured, README), its
-# overrides say what and why
-RUNS = [
-    ("rope", "RoPE", []),
-    # 2 heads give ALiBi slopes 1/16 and 1/256 only, too flat to single out the previous token (69-71% at 800-1,400
-    # steps); with 4, 1/4 .. 1/256 (86-91% from step 700 on a constant lr)
-    ("alibi", "ALiBi (4 heads)", ["--model.position=alibi", "--model.n_heads=4"]),
-    # NoPE finds positions from the causal mask alone: 1 head learns faster than 2 (76% against 60% at step 900) or 4
-    # (22% at 800). Validation rows have filler between keys and queries, which training rows lacked: a quarter of the
-    # training slots after the key block as filler, 80% against 74% at 1,500 steps (15%: 79%, half: 15%). It then
-    # plateaued short of 90% (83% at dim 128, lr held or 2,000 steps: 80%) until QK-norm (its learned gains plausibly
-    # sharpen the attention faster): 91% at dim 64 (2 heads: 83%), 95% at dim 80 (one thread each, two at a time: 122 s)
-    (
-        "nope",
-        "NoPE (1 head, QK-norm, dim 80, 25% filler)",
-        [
-            "--model.position=nope",
-            "--model.n_heads=1",
-            "--model.qk_norm=true",
-            "--model.dim=80",
-            "--data.retrieval_filler=0.25",
-        ],
-    ),
-    # on AdamW the sinusoid sat on the 1/pairs plateau (24-25%) to 2,500 steps, with model.py's √dim token scale too,
-    # and 4 heads or lr 3e-4 did not help; Muon's orthogonalised updates leave it by step 300 (96%), 3× the CPU a step
-    (
-        "sinusoidal",
-        "sinusoidal (Muon, 600 steps)",
-        ["--model.position=sinusoidal", "--optim.name=muon", "--train.max_steps=600"],
-    ),
-    # learned positions leave the 1/pairs plateau late (~step 1,300 of 1,500 on this decay): 2,000 steps, 91% from 1,600
-    # (2,500 steps gave no more and took 196 s, over the 3-minute aim)
-    ("learned", "learned (2,000 steps)", ["--model.position=learned", "--train.max_steps=2000"]),
-    # positions from 4× the context: at 16× the gap between neighbouring tokens averages 16, the previous token sits at
-    # any offset up to ~60, and training stayed near 50%; at 4× it reached 94-96% from step 700
-    ("rope-random", "RoPE + random positions (4×)", ["--train.random_positions=4"]),
-    ("rope-logn", "RoPE + log-n attention", ["--model.logn_attention=true"]),
-    ("rope-yarn", f"RoPE fine-tuned at {FINE_TUNE}× with YaRN", None),  # overrides: fine_tune()
-]
-# every run of the study, beyond the config's 800 steps on a constant lr (RoPE's recipe, ~100% by step 500): 1,500 steps
-# with a cosine decay to 1e-4, for the encodings that leave the plateau later and then wander by a few points on a
-# constant lr (ALiBi 4 heads: 85-91% from step 1,000 to 1,400); RoPE still reads 100% (about 1.7 CPU-minutes a run)
-STUDY = ["--train.max_steps=1500", "--optim.min_lr=1e-4"]
-# --quick: just past the step where RoPE leaves the 1/pairs plateau (300-400 steps; 93% at 400 on a constant lr of
-# 1e-3), no validation on the way, fewer evaluation rows, lengths to 4× and fewer fine-tuning steps: the whole
-# pipeline in a test's time
-QUICK = ["--train.max_steps=400", "--optim.min_lr=1e-3", "--eval.interval=0"]
-QUICK_ROWS, FULL_ROWS = 32, 128
-QUICK_MULTIPLES = (1, 2, 4)  # of the context, where the full study scores extrapolate's 1-16×
+RECIPE = Path("configs/study/retrieval.toml")  # in the repository
 
 
-def fine_tune(out: Path, context: int, quick: bool) -> list[str]:
-    """The overrides of the YaRN fine-tune: the RoPE run's weights at FINE_TUNE × its context."""
-    length = FINE_TUNE * context
-    steps = 30 if quick else 150
-    return [
-        f"--train.init_from={out / 'rope'}",
-        f"--train.seq_len={length}",
-        f"--model.max_seq_len={length}",
-        "--model.rope_scaling=yarn",
-        f"--model.rope_factor={FINE_TUNE}",
-        f"--train.batch_size={16 if quick else 32}",
-        f"--train.max_steps={steps}",
-        f"--optim.warmup_steps={steps // 10}",
-    ]
+# ---------------------------------------------------------------- the recipe
 
 
-def train_run(name: str, overrides: list[str], out: Path) -> dict:
-    """Train one run with `python train.py` on one thread (its output in OUT/logs/NAME.log): wall and CPU seconds,
-    and its last validation accuracy (metrics.jsonl); UserError naming the log's last line when training fails."""
+def is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def is_counts(value) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(map(is_count, value))
+
+
+def is_text(value) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+def is_table(value) -> bool:
+    return isinstance(value, dict)
+
+
+def is_tables(value) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(map(is_table, value))
+
+
+# Every key of a recipe: what it must be, and the check
+KEYS = {
+    "config": ("a config file", is_text),
+    "multiples": ("a list of positive integers", is_counts),
+    "rows": ("a positive integer", is_count),
+    "steps": ("a positive integer", is_count),
+    "settings": ("a table of config sections", is_table),
+    "quick": ("a table", is_table),
+    "runs": ("a list of [[runs]] tables", is_tables),
+    "name": ("a name", is_text),
+    "what": ("a description", is_text),
+    "from": ("a run's name", is_text),
+    "stretch": ("a positive integer", is_count),
+}
+# The keys of each table of a recipe, the required ones first
+TABLES = {
+    "recipe": ("config", "multiples", "rows", "runs", "steps", "settings", "quick"),
+    "quick": ("multiples", "rows", "steps", "settings"),
+    "run": ("name", "what", "from", "stretch", "steps", "settings", "quick"),
+    "run quick": ("steps", "settings"),
+}
+REQUIRED = {"recipe": 4, "quick": 0, "run": 2, "run quick": 0}
+# The config keys the study sets itself, and from what
+OWN_KEYS = {
+    "train.out_dir": "the study (OUT/NAME)",
+    "train.init_from": "from",
+    "train.max_steps": "steps",
+    "train.device": "--device",
+    "train.dtype": "--dtype",
+}
+FINE_TUNE_KEYS = ("train.seq_len", "model.max_seq_len")  # a fine-tune's, from `from` and `stretch`
+
+
+@dataclass
+class Level:
+    """Steps and settings ({"section.key": value}) of the study, of a run, or of either's --quick;
+    the study's also the lengths compared (× the context) and the rows at each."""
+
+    steps: int | None = None
+    settings: dict = field(default_factory=dict)
+    multiples: list[int] | None = None
+    rows: int | None = None
+
+    def config_keys(self) -> dict:
+        """The config keys this level sets."""
+        return self.settings | ({"train.max_steps": self.steps} if self.steps else {})
+
+
+@dataclass
+class Run:
+    name: str
+    what: str
+    own: Level
+    quick: Level
+    source: str | None = None  # `from`: a fine-tune of that run's weights, once it is trained
+    stretch: int = 1  # at this multiple of that run's context
+
+
+@dataclass
+class Recipe:
+    path: Path
+    config: str  # the config file every run trains, in the repository
+    full: Level
+    quick: Level
+    runs: list[Run]
+
+
+def check_table(table: dict, kind: str, where: str) -> dict:
+    """table, with the keys of TABLES[kind] only, the required ones, each what KEYS says."""
+    keys = TABLES[kind]
+    for key in keys[: REQUIRED[kind]]:
+        if key not in table:
+            raise UserError(f"{where}: {key} is missing")
+    for key, value in table.items():
+        if key not in keys:
+            raise UserError(f"{where}: unknown key {key!r} (valid: {', '.join(keys)})")
+        what, check = KEYS[key]
+        if not check(value):
+            raise UserError(f"{where}: {key} must be {what}, not {value!r}")
+    return table
+
+
+def level(table: dict, where: str) -> Level:
+    """A checked table's steps, settings (flattened to config keys), multiples and rows."""
+    settings = {}
+    for section, values in table.get("settings", {}).items():
+        if not isinstance(values, dict):
+            raise UserError(f"{where}: settings.{section} must be a table of {section}'s keys")
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            if dotted in OWN_KEYS:
+                raise UserError(f"{where}: settings {dotted}: {OWN_KEYS[dotted]} sets it")
+            if not isinstance(value, (bool, int, float, str)):
+                raise UserError(f"{where}: settings {dotted} must be one value, not {value!r}")
+            settings[dotted] = value
+    return Level(table.get("steps"), settings, table.get("multiples"), table.get("rows"))
+
+
+def read_run(table: dict, where: str) -> Run:
+    if is_text(table.get("name")):
+        where = f"{where} ({table['name']})"
+    check_table(table, "run", where)
+    name, source, stretch = table["name"], table.get("from"), table.get("stretch", 1)
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*", name) or name in ("logs", "compare"):
+        raise UserError(f"{where}: name {name!r} must be a folder name other than logs or compare")
+    if source is None and "stretch" in table:
+        raise UserError(f"{where}: stretch needs from (the run it fine-tunes)")
+    quick = check_table(table.get("quick", {}), "run quick", f"{where} quick")
+    run = Run(name, table["what"], level(table, where), level(quick, where), source, stretch)
+    given = run.own.settings | run.quick.settings
+    fixed = [key for key in FINE_TUNE_KEYS if key in given]
+    if source is not None and fixed:
+        raise UserError(f"{where}: settings {fixed[0]}: from and stretch set it")
+    return run
+
+
+def load_recipe(path: Path) -> Recipe:
+    """The study's recipe, checked; UserError naming the file and the key otherwise."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read the recipe {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path} is not valid TOML: {e}") from None
+    check_table(raw, "recipe", str(path))
+    quick = check_table(raw.get("quick", {}), "quick", f"{path} [quick]")
+    runs = [read_run(table, f"{path} runs[{i}]") for i, table in enumerate(raw["runs"])]
+    seen = set()
+    for run in runs:
+        if run.name in seen:
+            raise UserError(f"{path}: two runs are named {run.name}")
+        if run.source is not None and run.source not in seen:
+            raise UserError(f"{path}: run {run.name}: from {run.source!r} names no earlier run")
+        seen.add(run.name)
+    return Recipe(path, raw["config"], level(raw, str(path)), level(quick, str(path)), runs)
+
+
+def run_keys(recipe: Recipe, run: Run, args, configs: dict[str, Config]) -> dict:
+    """The config keys one run trains with: the study's, the run's, --quick's, the run's own
+    --quick, --steps (but for a fine-tune), then a fine-tune's start and context (from `from`'s
+    config, in configs)."""
+    keys = recipe.full.config_keys() | run.own.config_keys()
+    if args.quick:
+        keys |= recipe.quick.config_keys() | run.quick.config_keys()
+    if run.source is None and args.steps:
+        keys["train.max_steps"] = args.steps
+    if run.source is not None:
+        context = run.stretch * configs[run.source].train.seq_len
+        keys["train.init_from"] = str(Path(args.out) / run.source)
+        keys |= dict.fromkeys(FINE_TUNE_KEYS, context)
+    return keys
+
+
+def flag(key: str, value) -> str:
+    """--section.key=VALUE, as train.py reads it back."""
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    return f"--{key}={value}"
+
+
+def plan(recipe: Recipe, args) -> tuple[dict[str, list[str]], dict[str, Config]]:
+    """train.py's arguments for each run of the recipe, and the config each trains, checked as
+    train.py checks them: a run it would refuse fails here, before any training."""
+    commands, configs = {}, {}
+    for run in recipe.runs:
+        keys = run_keys(recipe, run, args, configs)
+        rest = [f"--train.out_dir={Path(args.out) / run.name}"]
+        rest += [flag(key, value) for key, value in keys.items()]
+        rest += ["--device", args.device, "--dtype", args.dtype]
+        try:
+            configs[run.name], _ = parse_cli(["--config", str(REPO_ROOT / recipe.config), *rest])
+            check_config(configs[run.name], 1)
+        except UserError as e:
+            raise UserError(f"run {run.name} of {recipe.path}: {e}") from None
+        commands[run.name] = ["--config", recipe.config, *rest]
+    return commands, configs
+
+
+def chosen_runs(recipe: Recipe, names: list[str] | None) -> list[Run]:
+    """The recipe's runs that --runs names (all of them without it)."""
+    if names is None:
+        return recipe.runs
+    known = [run.name for run in recipe.runs]
+    for name in names:
+        if name not in known:
+            raise UserError(f"--runs: unknown {name!r} (choose from {', '.join(known)})")
+    runs = [run for run in recipe.runs if run.name in names]
+    for run in runs:
+        if run.source is not None and run.source not in names:
+            raise UserError(
+                f"--runs: {run.name} is fine-tuned from {run.source}; name {run.source} too"
+            )
+    return runs
+
+
+# ---------------------------------------------------------------- training and comparing
+
+
+def train_run(name: str, command: list[str], out: Path) -> dict:
+    """Train one run with `python train.py COMMAND` on one thread (its output in OUT/logs/NAME.log):
+    wall and CPU seconds, and its last validation accuracy (metrics.jsonl); UserError naming the
+    log's last line when training fails."""
+    # A process of its own, not train.train() here: runs train side by side, and training holds
+    # process-wide state (torch.distributed's default group, the global RNGs it seeds, torch's
+    # thread count, stdout for its log); and its CPU seconds are the child's own.
     log = out / "logs" / f"{name}.log"
-    command = [
-        sys.executable,
-        "train.py",
-        "--config",
-        CONFIG,
-        f"--train.out_dir={out / name}",
-        *overrides,
-    ]
     start = time.perf_counter()
-    # one thread a run, runs side by side: tiny models gain nothing from a second thread, and lose much to a busy one
+    # one thread a run, runs side by side: tiny models gain nothing from a second thread, and lose
+    # much to a busy one
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "w") as stream:
         process = subprocess.Popen(
-            command, cwd=REPO_ROOT, stdout=stream, stderr=subprocess.STDOUT, env=env
+            [sys.executable, "train.py", *command],
+            cwd=REPO_ROOT,
+            stdout=stream,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)
@@ -126,7 +276,7 @@ def train_run(name: str, overrides: list[str], out: Path) -> dict:
     metrics = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     accuracy = [m["val_acc"] for m in metrics if "val_acc" in m]
     return {
-        "command": ["python", "train.py", *command[2:]],
+        "command": ["python", "train.py", *command],
         "wall_s": round(time.perf_counter() - start, 1),
         "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
         "steps": max((m["step"] for m in metrics if "step" in m), default=0),
@@ -134,54 +284,107 @@ def train_run(name: str, overrides: list[str], out: Path) -> dict:
     }
 
 
-def train_all(runs: list[tuple], out: Path, args, device: list[str]) -> dict:
-    """Train the runs, args.jobs at a time (the fine-tune once the RoPE run is done): {name: train_run's numbers}."""
+def train_all(runs: list[Run], commands: dict[str, list[str]], out: Path, jobs: int) -> dict:
+    """Train the runs, `jobs` at a time (a fine-tune once the run it starts from is done): {name:
+    train_run's numbers}."""
     futures = {}
-    # a run's own recipe over the study's, --quick and --steps over both, the fine-tune's steps over everything
-    last = (QUICK if args.quick else []) + (
-        [f"--train.max_steps={args.steps}"] if args.steps else []
-    )
 
-    def one(name: str, overrides: list[str] | None) -> dict:
-        if overrides is None:
-            futures["rope"].result()  # submitted first, so running or done by now: no deadlock
-            flags = STUDY + last + fine_tune(out, trained_context(out / "rope"), args.quick)
-        else:
-            flags = STUDY + overrides + last
-        return train_run(name, flags + device, out)
+    def one(run: Run) -> dict:
+        if run.source is not None:
+            futures[run.source].result()  # submitted earlier, so running or done: no deadlock
+        return train_run(run.name, commands[run.name], out)
 
     with (
-        ThreadPoolExecutor(args.jobs) as pool,
+        ThreadPoolExecutor(jobs) as pool,
         tqdm(total=len(runs), desc="retrieval study", unit="run") as bar,
     ):
-        for name, _, overrides in runs:
-            futures[name] = pool.submit(one, name, overrides)
+        for run in runs:
+            futures[run.name] = pool.submit(one, run)
         for future in as_completed(futures.values()):
-            future.result()  # the first failure ends the study (the pool finishes the runs under way)
+            future.result()  # the first failure ends the study (the runs under way finish)
             bar.update()
     return {name: future.result() for name, future in futures.items()}
 
 
-def add_arguments(parser: ArgumentParser):
-    """The flags of `python generate.py study` (generate.py builds the parser; main() here builds its own)."""
+@contextmanager
+def one_thread():
+    """torch on one thread, as in training: a tiny model gains little from two, and loses much to a
+    busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def compare(recipe: Recipe, runs: list[Run], configs: dict[str, Config], args) -> dict:
+    """The extrapolation report of the trained runs side by side, written to OUT/compare."""
+    chosen = recipe.quick if args.quick else recipe.full
+    multiples = chosen.multiples or recipe.full.multiples
+    context = min(configs[run.name].train.seq_len for run in runs)
+    options = extrapolate.Options(
+        lengths=[context * k for k in multiples],
+        retrieval_rows=chosen.rows or recipe.full.rows,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    names = [Path(args.out) / run.name for run in runs]
+    compared = Path(args.out) / "compare"
+    with one_thread():
+        return extrapolate.extrapolation(names, compared, options, options.command(names, compared))
+
+
+def summary(recipe: Recipe, runs: list[Run], trained: dict, report: dict, seconds: float) -> str:
+    """The study's Markdown: what each run is and cost, then the comparison."""
+    rows = []
+    for run in runs:
+        numbers = trained[run.name]
+        accuracy = numbers["val_acc"]
+        rows.append(
+            [f"`{run.name}`", run.what, str(numbers["steps"])]
+            + [f"{accuracy:.1%}" if accuracy is not None else "-"]
+            + [f"{numbers['wall_s']:.0f}", f"{numbers['cpu_s'] / 60:.1f}"]
+        )
+    header = ["run", "what", "steps", "val accuracy", "train wall s", "train CPU min"]
+    lines = [
+        f"# The retrieval study ({seconds / 60:.1f} min)",
+        "",
+        f"Each run: `python train.py --config {recipe.config}` with its overrides (study.json has "
+        "the commands).",
+        "",
+        *table(header, rows),
+        "",
+        retrieval_markdown(report).replace("# ", "## ", 1),
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def add_arguments(parser: cli.ArgumentParser):
+    """The flags of `python generate.py study` (generate.py builds the parser; main() here builds
+    its own)."""
     parser.description = (
-        "The retrieval study: RoPE, ALiBi, NoPE, sinusoidal and learned positions, RoPE with random positions, with "
-        f"log-n attention and fine-tuned with YaRN, trained on the synthetic retrieval task ({CONFIG}) and compared "
-        "at 1-16× their context."
+        "The retrieval study: the runs of a recipe (every position encoding, in "
+        f"{RECIPE}) trained on the synthetic retrieval task and compared past their context."
     )
-    add_out(
-        parser,
-        "output directory (default out/retrieval-study)",
-        default=Path("out/retrieval-study"),
+    parser.add_argument(
+        "--recipe",
+        type=Path,
+        default=REPO_ROOT / RECIPE,
+        help=f"the study's runs and their settings (default {RECIPE})",
     )
+    default = Path("out/retrieval-study")
+    cli.add_out(parser, f"output directory (default {default})", default=default)
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="400 steps a run, fewer rows, lengths to 4×: a smoke test",
+        help="the recipe's [quick]: fewer steps, rows and lengths, a smoke test",
     )
-    names = [name for name, _, _ in RUNS]
     parser.add_argument(
-        "--runs", type=comma_list(choices=names), help="a subset of: " + ",".join(names)
+        "--runs", type=comma_list(), help="a subset of the recipe's runs, comma-separated"
     )
     parser.add_argument(
         "--beside",
@@ -191,7 +394,7 @@ def add_arguments(parser: ArgumentParser):
     parser.add_argument(
         "--steps",
         type=positive(),
-        help="training steps of each base run (default 1500; sinusoidal 600, learned 2000)",
+        help="training steps of each run but fine-tunes (default: the recipe's)",
     )
     parser.add_argument(
         "--jobs",
@@ -199,94 +402,38 @@ def add_arguments(parser: ArgumentParser):
         default=2,
         help="runs trained side by side, one thread each (default 2)",
     )
-    add_device(parser)
-
-
-def chosen_runs(names: list[str] | None) -> list[tuple]:
-    if names is None:
-        return RUNS
-    if "rope-yarn" in names and "rope" not in names:
-        raise UserError("--runs: rope-yarn is fine-tuned from rope; name rope too")
-    return [run for run in RUNS if run[0] in names]
-
-
-def summary(runs: list[tuple], trained: dict, report: dict, out: Path, seconds: float) -> str:
-    """The study's Markdown: what each run is and cost, then the comparison."""
-    rows = [
-        [
-            f"`{name}`",
-            what,
-            str(t["steps"]),
-            f"{t['val_acc']:.1%}" if t["val_acc"] is not None else "-",
-        ]
-        + [f"{t['wall_s']:.0f}", f"{t['cpu_s'] / 60:.1f}"]
-        for (name, what, _), t in ((run, trained[run[0]]) for run in runs)
-    ]
-    header = ["run", "what", "steps", "val accuracy", "train wall s", "train CPU min"]
-    lines = [
-        f"# The retrieval study ({seconds / 60:.1f} min)",
-        "",
-        f"Each run: `python train.py --config {CONFIG}` with its overrides (study.json has the commands).",
-        "",
-        *table(header, rows),
-        "",
-        (out / "compare" / "extrapolation.md").read_text().replace("# ", "## ", 1),
-    ]
-    return "\n".join(lines)
+    cli.add_device(parser)
 
 
 def run(args) -> int:
     """The `study` command, on parsed flags (add_arguments)."""
-    runs, out = chosen_runs(args.runs), Path(args.out)
+    recipe = load_recipe(args.recipe)
+    runs, out = chosen_runs(recipe, args.runs), Path(args.out)
+    commands, configs = plan(recipe, args)
     beside = json.loads(args.beside.read_text()) if args.beside else None
     check_writable(out / "study.json")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    trained = train_all(runs, out, args, ["--device", args.device, "--dtype", args.dtype])
-    compare = [
-        "--run",
-        ",".join(str(out / name) for name, _, _ in runs),
-        "--out",
-        str(out / "compare"),
-    ]
-    compare += ["--retrieval-rows", str(QUICK_ROWS if args.quick else FULL_ROWS)]
-    if args.quick:
-        context = trained_context(out / runs[0][0])
-        compare += ["--lengths", ",".join(str(context * k) for k in QUICK_MULTIPLES)]
-    compare += ["--device", args.device, "--dtype", args.dtype]
-    flags = ArgumentParser(prog="python generate.py extrapolate")
-    extrapolate.add_arguments(flags)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(
-        1
-    )  # as in training: a tiny model gains little from 2 threads, and loses much to a busy CPU
-    try:
-        extrapolate.run(flags.parse_args(compare), ["extrapolate", *compare])
-    finally:
-        torch.set_num_threads(threads)
-    report = json.loads((out / "compare" / "extrapolation.json").read_text())
+    trained = train_all(runs, commands, out, args.jobs)
+    report = compare(recipe, runs, configs, args)
     seconds = time.perf_counter() - started
     with atomic_output(out / "study.json") as json_path, atomic_output(out / "study.md") as md_path:
-        json_path.write_text(
-            json.dumps({"quick": args.quick, "seconds": round(seconds, 1), "runs": trained}) + "\n"
-        )
-        md_path.write_text(summary(runs, trained, report, out, seconds))
+        numbers = {"quick": args.quick, "seconds": round(seconds, 1), "runs": trained}
+        json_path.write_text(json.dumps(numbers) + "\n")
+        md_path.write_text(summary(recipe, runs, trained, report, seconds))
     if beside is not None:
         with atomic_output(out / "study.png") as png_path:
             side_by_side_plot(beside, report, png_path)
     figure = f", {out}/study.png" if beside is not None else ""
     print(
-        f"wrote {out}/study.md, study.json{figure}, the runs in {out}/NAME and the comparison in {out}/compare"
+        f"wrote {out}/study.md, study.json{figure}, the runs in {out}/NAME and the comparison in "
+        f"{out}/compare"
     )
     return 0
 
 
 def main(argv: list[str]) -> int:
     """The `study` command on its own argv (what follows `python generate.py study`)."""
-    parser = ArgumentParser(prog="python generate.py study")
+    parser = cli.ArgumentParser(prog="python generate.py study")
     add_arguments(parser)
     return run(parser.parse_args(argv))
-
-
-def trained_context(run_dir: Path) -> int:
-    return json.loads((run_dir / "config.json").read_text())["train"]["seq_len"]
