@@ -1,4 +1,5 @@
-"""Training configuration: the sections of a TOML config, `--section.key=value` overrides, and their validation."""
+"""Training configuration: a TOML config's sections, `--section.key=value` overrides, and their
+validation (ModelArgs' included)."""
 
 import difflib
 import math
@@ -9,7 +10,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from model import ModelArgs
+from model import ACTIVATIONS, NORMS, PLACEMENTS, POSITIONS, ROPE_SCALINGS, ModelArgs
 from picollama import REPO_ROOT
 from picollama.cli import (
     ArgumentParser,
@@ -26,25 +27,25 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
 
 @dataclass
 class DataConfig:
-    dir: str = "data/shakespeare"  # a prepared dataset (data/prepare.py); prepared from `source` if missing
+    dir: str = "data/shakespeare"  # a prepared dataset (data/prepare.py), else made from `source`
     source: str = "shakespeare"  # shakespeare | PATH | hf:NAME, as for data/prepare.py --source
     vocab_size: int | None = None  # tokenizer size when preparing; None: model.vocab_size
-    # synthetic copy data (data/loader.py's RandomBatches, Bi-Induct-style): this fraction of training windows get a
-    # random span and copies of it later in the window, for induction heads to form on; 0: none
+    # synthetic copy data (data/loader.py's RandomBatches, Bi-Induct-style): this fraction of
+    # training windows get a random span and copies of it later in the window, for induction heads
+    # to form on; 0: none
     copy_fraction: float = 0.0
     copy_span: int = 8  # tokens in the span
     copy_repeats: int = 4  # copies of it in the window
-    # text: the dataset in `dir`; retrieval: the synthetic key-value recall task of data/retrieval.py, generated from
-    # train.seed (no dataset, no tokenizer), validated by its accuracy on fixed rows
+    # text: the dataset in `dir`; retrieval: the synthetic key-value recall task of
+    # data/retrieval.py, generated from train.seed (no dataset, no tokenizer), validated by its
+    # accuracy on fixed rows
     task: str = "text"
     retrieval_keys: int = 64  # the keys' alphabet (token ids 1..keys)
-    retrieval_values: int = (
-        64  # the values' alphabet (the next ids); model.vocab_size must hold 1 + keys + values
-    )
+    # the values' alphabet (the next ids); model.vocab_size must hold 1 + keys + values
+    retrieval_values: int = 64
     retrieval_pairs: int = 8  # key-value pairs per row, each key queried from later in the row
-    retrieval_filler: float = (
-        0.0  # the fraction of training slots after the key block left as filler, not queries
-    )
+    # the fraction of training slots after the key block left as filler, not queries
+    retrieval_filler: float = 0.0
 
     def copy_options(self) -> dict:
         """The copy-data keyword arguments of RandomBatches."""
@@ -59,27 +60,26 @@ class DataConfig:
 class TrainConfig:
     out_dir: str = "out/default"  # the run directory
     max_steps: int = 1000  # the run's length, unless max_minutes sizes it
-    # a wall-clock budget (data preparation, evaluations, checkpoints and the final sample included): a probe of the
-    # first warmup steps measures this machine, then fixes max_steps so that the run fits; none: max_steps as given
+    # a wall-clock budget (data preparation, evaluations, checkpoints and the final sample
+    # included): a probe of the first warmup steps measures this machine, then fixes max_steps so
+    # that the run fits; none: max_steps as given
     max_minutes: float | None = None
     batch_size: int = 16  # sequences per optimizer step, over all ranks and micro-steps
     grad_accum: int = 1  # micro-steps per optimizer step
     seq_len: int = 256
     seed: int = 1337
     device: str = "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | mps
-    dtype: str = "auto"  # float32 | bfloat16 | auto: bfloat16 where the device computes it natively (FSDP2 policy)
+    # float32 | bfloat16 | auto: bfloat16 where the device computes it natively (FSDP2 policy)
+    dtype: str = "auto"
     compile: bool = False  # torch.compile each block
     activation_checkpointing: bool = False
     log_interval: int = 10
     peak_tflops: float | None = None  # per device, for MFU; None: the GPU table (nothing on CPU)
     sample_tokens: int = 200  # a sample printed at the end (0: none)
     sample_prompt: str = ""
-    init_from: str | None = (
-        None  # a run directory whose weights (not optimizer or step) start this run
-    )
-    random_positions: int = (
-        0  # k > 0: each sequence at sorted random positions from [0, k·seq_len); 0: off
-    )
+    init_from: str | None = None  # a run directory whose weights start this run (not its optimizer)
+    # k > 0: each sequence at sorted random positions from [0, k·seq_len); 0: off
+    random_positions: int = 0
 
 
 @dataclass
@@ -132,8 +132,8 @@ class Config:
         return {f.name: asdict(getattr(self, f.name)) for f in fields(self)}
 
 
-# The range of each key that has one, checked as the key is read so that the error names it. Every float must also
-# be finite; ModelArgs checks how its fields fit together.
+# The range of each key that has one, checked as the key is read so that the error names it. Every
+# float must also be finite; ModelArgs checks how its fields fit together.
 POSITIVE = {
     "model.multiple_of",
     "model.ffn_dim_multiplier",
@@ -190,6 +190,81 @@ CHOICES = {
 }
 
 
+# Far past any published model (the largest: dim 16384, 126 layers, 256k vocabulary, 10M context):
+# a size beyond its limit is a corrupt or mistyped config, refused naming the key before anything
+# is allocated.
+SIZE_LIMITS = dict(
+    dim=1 << 16, n_layers=1 << 10, n_heads=1 << 10, n_kv_heads=1 << 10, vocab_size=1 << 22
+)
+SIZE_LIMITS |= dict(max_seq_len=1 << 24, ffn_hidden_dim=1 << 20)
+
+
+def checked_model_args(**values) -> ModelArgs:
+    """ModelArgs(**values), refused (ValueError naming the key) where a size is past any
+    published model's or the architecture's switches do not fit together."""
+    args = ModelArgs(**values)
+    for key, limit in SIZE_LIMITS.items():
+        if (value := getattr(args, key)) is not None and not 1 <= value <= limit:
+            problem = f"at most {limit:,}" if value > 0 else "positive"
+            raise ValueError(f"{key} must be {problem}, not {value!r}")
+    if args.dim % args.n_heads:
+        raise ValueError(f"dim ({args.dim}) must be divisible by n_heads ({args.n_heads})")
+    if args.n_heads % args.n_kv_heads:
+        raise ValueError(
+            f"n_heads ({args.n_heads}) must be divisible by n_kv_heads ({args.n_kv_heads})"
+        )
+    choices = {"norm": NORMS, "norm_placement": PLACEMENTS, "activation": ACTIVATIONS}
+    choices["position"] = POSITIONS
+    choices |= dict.fromkeys(("parallel_block", "qk_norm", "logn_attention"), (False, True))
+    choices["rope_scaling"] = ROPE_SCALINGS
+    for key, allowed in choices.items():
+        if (value := getattr(args, key)) not in allowed:
+            allowed = ", ".join(map(str, allowed))
+            raise ValueError(f"{key} must be one of {allowed}, not {value!r}")
+    for key, ok, allowed in [
+        ("rope_factor", args.rope_factor >= 1, ">= 1"),
+        ("rope_fraction", 0 < args.rope_fraction <= 1, "in (0, 1]"),
+        ("nope_every", args.nope_every >= 0, ">= 0"),
+        ("logit_softcap", 0 <= args.logit_softcap < math.inf, "a finite number >= 0"),
+    ]:
+        if not ok:
+            raise ValueError(f"{key} must be {allowed}, not {getattr(args, key)!r}")
+    check_rope_keys(args)
+    return args
+
+
+def check_rope_keys(args: ModelArgs):
+    """ValueError for RoPE's keys on a model without RoPE, and for a RoPE model whose heads (or
+    their rotated part) have an odd size: RoPE turns pairs of dimensions."""
+    for key, off in (("rope_scaling", "none"), ("rope_fraction", 1.0), ("nope_every", 0)):
+        if args.position != "rope" and getattr(args, key) != off:
+            raise ValueError(
+                f"{key} applies to position = 'rope' only, not to position = {args.position!r}"
+            )
+    pairs = args.head_dim * args.rope_fraction / 2
+    odd = args.head_dim % 2 or pairs < 1 or abs(pairs - round(pairs)) > 1e-6
+    if args.position == "rope" and odd:
+        raise ValueError(
+            f"head_dim ({args.head_dim}) and head_dim·rope_fraction ({2 * pairs:g}) must be even"
+        )
+
+
+def model_args_from_dict(d: dict) -> ModelArgs:
+    """ModelArgs from a dict read from a file: each value checked for its field's type (UserError
+    naming model.KEY), unknown keys refused."""
+    if not isinstance(d, dict):
+        raise UserError(f"model must be a table of settings, not {type(d).__name__}")
+    unknown = set(d) - {f.name for f in fields(ModelArgs)}
+    if unknown:
+        raise ValueError(f"unknown model argument(s): {', '.join(sorted(unknown))}")
+    hints = typing.get_type_hints(ModelArgs)
+    values = {key: check_type(f"model.{key}", value, hints[key]) for key, value in d.items()}
+    try:
+        return checked_model_args(**values)
+    except ValueError as e:  # a size or combination no model has: name it like a type error
+        raise UserError(f"model.{e}") from None
+
+
 def section_types() -> dict[str, type]:
     return {f.name: typing.get_type_hints(Config)[f.name] for f in fields(Config)}
 
@@ -229,8 +304,9 @@ def range_problem(key: str, value) -> str | None:
 
 
 def check_value(key: str, name: str, value, annotation):
-    """value converted to the field's type (int → float is allowed) and checked against its range; UserError
-    naming the key (as `name`: "config key K" in a file, "--K" on the command line) otherwise."""
+    """value converted to the field's type (int → float is allowed) and checked against its range;
+    UserError naming the key (as `name`: "config key K" in a file, "--K" on the command line)
+    otherwise."""
     value = check_type(name, value, annotation)
     if value is None:
         return None
@@ -259,7 +335,8 @@ def parse_override(key: str, text: str, annotation):
 
 
 def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
-    """A Config from TOML sections plus (section.key, string) overrides; UserError names any bad key or value."""
+    """A Config from TOML sections plus (section.key, string) overrides; UserError names any bad key
+    or value."""
     sections = section_types()
     values = {name: {} for name in sections}
     for name, table in raw.items():
@@ -294,7 +371,7 @@ def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
     built = {}
     for name, cls in sections.items():
         try:
-            built[name] = cls(**values[name])
+            built[name] = (checked_model_args if cls is ModelArgs else cls)(**values[name])
         except ValueError as e:
             raise UserError(f"[{name}] {e}") from None
     return Config(**built)
@@ -331,9 +408,9 @@ SHORTHANDS = {
 
 
 def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, bool]:
-    """The Config of `[--config F.toml] [--out DIR --device D --dtype T --compile --seed N] [--section.key=value
-    ...] [--resume]`, and whether to resume. The shorthands are the flags other commands share (cli.py): they set
-    the train keys of SHORTHANDS."""
+    """The Config of `[--config F.toml] [--out DIR --device D --dtype T --compile --seed N]
+    [--section.key=value ...] [--resume]`, and whether to resume. The shorthands are the flags other
+    commands share (cli.py): they set the train keys of SHORTHANDS."""
     parser = ArgumentParser(
         prog="python train.py",
         description=description,
@@ -369,7 +446,8 @@ def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, 
 
 
 def check_config(cfg: Config, world_size: int) -> None:
-    """Refuse, before any work, configs whose batch or context does not fit (single keys are checked as read)."""
+    """Refuse, before any work, configs whose batch or context does not fit (single keys are checked
+    as read)."""
     t = cfg.train
     m = cfg.model
     if t.batch_size % (t.grad_accum * world_size):
@@ -379,8 +457,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         )
     if t.seq_len > m.max_seq_len:
         raise UserError(
-            f"train.seq_len ({t.seq_len}) exceeds the model's context model.max_seq_len ({m.max_seq_len}); "
-            "lower train.seq_len or raise model.max_seq_len"
+            f"train.seq_len ({t.seq_len}) exceeds the model's context model.max_seq_len "
+            f"({m.max_seq_len}); lower train.seq_len or raise model.max_seq_len"
         )
     check_training_options(cfg)
     if cfg.data.task == "retrieval":
@@ -388,22 +466,26 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 
 def check_retrieval(cfg: Config) -> None:
-    """Refuse a retrieval task the model's vocabulary or the row cannot hold, and a sample it has no tokenizer for."""
+    """Refuse a retrieval task the model's vocabulary or the row cannot hold, and a sample it has no
+    tokenizer for."""
     d = cfg.data
     needed = 1 + d.retrieval_keys + d.retrieval_values
     if cfg.model.vocab_size < needed:
         raise UserError(
-            f"model.vocab_size ({cfg.model.vocab_size}) cannot hold the retrieval task's 1 + {d.retrieval_keys} keys "
-            f"+ {d.retrieval_values} values; set --model.vocab_size={needed}"
+            f"model.vocab_size ({cfg.model.vocab_size}) cannot hold the retrieval task's "
+            f"1 + {d.retrieval_keys} keys + {d.retrieval_values} values; "
+            f"set --model.vocab_size={needed}"
         )
     if d.retrieval_pairs > d.retrieval_keys:
         raise UserError(
-            f"data.retrieval_pairs ({d.retrieval_pairs}) exceeds data.retrieval_keys: keys are distinct"
+            f"data.retrieval_pairs ({d.retrieval_pairs}) exceeds data.retrieval_keys: "
+            "keys are distinct"
         )
     if 4 * d.retrieval_pairs > cfg.train.seq_len + 1:
         raise UserError(
-            f"train.seq_len ({cfg.train.seq_len}) cannot hold {d.retrieval_pairs} retrieval pairs and their queries; "
-            f"lower data.retrieval_pairs or raise train.seq_len to {4 * d.retrieval_pairs}"
+            f"train.seq_len ({cfg.train.seq_len}) cannot hold {d.retrieval_pairs} retrieval pairs "
+            "and their queries; lower data.retrieval_pairs or raise train.seq_len to "
+            f"{4 * d.retrieval_pairs}"
         )
     if cfg.train.sample_tokens:
         raise UserError(
@@ -412,14 +494,15 @@ def check_retrieval(cfg: Config) -> None:
 
 
 def check_training_options(cfg: Config) -> None:
-    """Refuse random positions the model cannot use, an init_from run that would be overwritten, and a budget
-    without the warmup steps its probe times."""
+    """Refuse random positions the model cannot use, an init_from run that would be overwritten, and
+    a budget without the warmup steps its probe times."""
     t = cfg.train
     m = cfg.model
     if t.max_minutes and cfg.optim.warmup_steps < 4:
         raise UserError(
-            f"train.max_minutes needs optim.warmup_steps of 4 or more (not {cfg.optim.warmup_steps}): it times the "
-            "first warmup steps, whose learning rate does not depend on the run's length, to size the run"
+            "train.max_minutes needs optim.warmup_steps of 4 or more "
+            f"(not {cfg.optim.warmup_steps}): it times the first warmup steps, whose learning rate "
+            "does not depend on the run's length, to size the run"
         )
     if t.random_positions and m.position == "nope":
         raise UserError(
@@ -427,8 +510,9 @@ def check_training_options(cfg: Config) -> None:
         )
     if m.position == "learned" and t.random_positions * t.seq_len > m.max_seq_len:
         raise UserError(
-            f"train.random_positions ({t.random_positions}) × train.seq_len ({t.seq_len}) exceeds the learned "
-            f"position table model.max_seq_len ({m.max_seq_len}); raise model.max_seq_len or lower random_positions"
+            f"train.random_positions ({t.random_positions}) × train.seq_len ({t.seq_len}) exceeds "
+            f"the learned position table model.max_seq_len ({m.max_seq_len}); "
+            "raise model.max_seq_len or lower random_positions"
         )
     if t.init_from is not None and Path(t.init_from).resolve() == Path(t.out_dir).resolve():
         raise UserError(

@@ -1,6 +1,6 @@
-"""Inference-only speed-ups built from a trained Transformer at load time: weight-only int8 (`quantize`) and a lean
-one-token decode step (`DecodeStep`: fused projections, a real-valued RoPE table, compiled ahead of time by AOTInductor
-on request)."""
+"""Inference-only speed-ups built from a trained Transformer at load time: weight-only int8
+(`quantize`) and a lean one-token decode step (`DecodeStep`: fused projections, a real-valued RoPE
+table, compiled ahead of time by AOTInductor on request)."""
 
 import copy
 import hashlib
@@ -20,10 +20,11 @@ from picollama.cli import atomic_output
 from picollama.device import cpu_has_bf16
 
 QUANTIZATIONS = ("none", "int8")
-# Inductor options for the compiled decode step (DecodeStep.compile_step): the weights stay out of the package (the
-# step reads the model's own); realize_acc_reads_threshold=1 stores point-wise results that read more than one
-# buffer instead of inlining them into their readers: 2.3-2.4 against 2.5-2.7 ms a step on 2 AVX2 cores (measured
-# with torch.compile). Where the compiled step is slower than eager, pick_step keeps eager.
+# Inductor options for the compiled decode step (DecodeStep.compile_step): the weights stay out of
+# the package (the step reads the model's own); realize_acc_reads_threshold=1 stores point-wise
+# results that read more than one buffer instead of inlining them into their readers: 2.3-2.4
+# against 2.5-2.7 ms a step on 2 AVX2 cores (measured with torch.compile). Where the compiled step
+# is slower than eager, pick_step keeps eager.
 COMPILE_OPTIONS = {"aot_inductor.package_constants_in_so": False, "realize_acc_reads_threshold": 1}
 ISA_FLAGS = (
     ("amx", "amx_tile"),
@@ -34,36 +35,35 @@ ISA_FLAGS = (
 
 
 class Int8Linear(nn.Module):
-    """A bias-free linear layer whose weight is stored as int8 with one scale per output row (absmax / 127)."""
+    """A bias-free linear layer whose weight is int8, one scale (absmax / 127) per output row."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
-        self.register_buffer(
-            "scale_bf16", scale.to(torch.bfloat16), persistent=False
-        )  # the CPU kernel's
+        # the CPU kernel's
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self.scale_bf16 = self.scale_bf16.to(
-            torch.bfloat16
-        )  # the kernel's dtype, whatever .to(dtype) cast it to
+        # the kernel's dtype, whatever .to(dtype) cast it to
+        self.scale_bf16 = self.scale_bf16.to(torch.bfloat16)
         return self
 
     @classmethod
     def quantized(cls, weight: torch.Tensor) -> "Int8Linear":
-        """weight (out, in) rounded to int8 per output row (float32 scales: .to(dtype) casts them)."""
+        """weight (out, in) rounded to int8 per row (float32 scales: .to(dtype) casts them)."""
         w = weight.detach().float()
         scale = w.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127
         return cls((w / scale[:, None]).round().to(torch.int8), scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # PyTorch's int8 kernel (gpt-fast's on CPU) reads a quarter of fp32's bytes. With bf16 inputs it is fast on
-        # every CPU, AVX2 too (bf16 → fp32 is a shift): the matrix-vector products of a decode step took 0.87 ms
-        # against 2.2-3.3 ms in fp32 on one AVX2 core; with fp32 inputs it is 4-6x slower than F.linear. So CPU
-        # inputs go in as bf16 (coarser than fp32, finer than llama.cpp's q8_0, which rounds them to 8 bits). It
-        # returns garbage unless in_features is a multiple of 16 (torch 2.13): those, and other devices, dequantize.
+        # PyTorch's int8 kernel (gpt-fast's on CPU) reads a quarter of fp32's bytes. With bf16
+        # inputs it is fast on every CPU, AVX2 too (bf16 → fp32 is a shift): the matrix-vector
+        # products of a decode step took 0.87 ms against 2.2-3.3 ms in fp32 on one AVX2 core; with
+        # fp32 inputs it is 4-6x slower than F.linear. So CPU inputs go in as bf16 (coarser than
+        # fp32, finer than llama.cpp's q8_0, which rounds them to 8 bits). It returns garbage unless
+        # in_features is a multiple of 16 (torch 2.13): those, and other devices, dequantize.
         if x.device.type == "cpu" and self.weight.shape[1] % 16 == 0:
             rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
             out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale_bf16)
@@ -72,7 +72,7 @@ class Int8Linear(nn.Module):
 
 
 def isa_class(flags: set[str]) -> str:
-    """The vector ISA class of a CPU with these /proc/cpuinfo flags: amx, avx512_bf16, avx512, avx2 or other."""
+    """The vector ISA class of /proc/cpuinfo flags: amx, avx512_bf16, avx512, avx2 or other."""
     return next((isa for isa, flag in ISA_FLAGS if flag in flags), "other")
 
 
@@ -90,15 +90,16 @@ def cpu_isa() -> str:
 
 
 def int8_dtype(device: torch.device) -> torch.dtype:
-    """The activation dtype for int8 weights: bf16 where the hardware has it, else float32 (norms and attention in
-    emulated bf16 are slow; Int8Linear feeds its kernel bf16 on any CPU)."""
+    """The activation dtype for int8 weights: bf16 where the hardware has it, else float32 (norms
+    and attention in emulated bf16 are slow; Int8Linear feeds its kernel bf16 on any CPU)."""
     return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
 
 
 def quantize(model: Transformer, mode: str) -> Transformer:
-    """The model for inference with its weights as `mode` says, changed in place: "none" leaves them as they are,
-    "int8" replaces every linear layer (not the embedding or the norms) by an Int8Linear. Quantize before casting
-    the model to its activation dtype (.to(torch.bfloat16)): the int8 weights are rounded from the given ones."""
+    """The model for inference with its weights as `mode` says, changed in place: "none" leaves them
+    as they are, "int8" replaces every linear layer (not the embedding or the norms) by an
+    Int8Linear. Quantize before casting the model to its activation dtype (.to(torch.bfloat16)): the
+    int8 weights are rounded from the given ones."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {mode!r}")
     if mode == "int8":
@@ -110,10 +111,11 @@ def quantize(model: Transformer, mode: str) -> Transformer:
 
 
 class RowDot(nn.Module):
-    """A bias-free linear layer for compiled CPU decode steps: each output is a reduction over its contiguous weight
-    row (out, in), so Inductor writes the loop itself, vectorized and split over the threads, where F.linear calls
-    MKL's sgemv, which stays on one core (a step's matrix-vector products: 1.0-1.2 ms on 2 AVX2 cores, against
-    2.2-3.3 ms through MKL). Eager it would materialize x·w: it is for compiled steps only."""
+    """A bias-free linear layer for compiled CPU decode steps: each output is a reduction over its
+    contiguous weight row (out, in), so Inductor writes the loop itself, vectorized and split over
+    the threads, where F.linear calls MKL's sgemv, which stays on one core (a step's matrix-vector
+    products: 1.0-1.2 ms on 2 AVX2 cores, against 2.2-3.3 ms through MKL). Eager it would
+    materialize x·w: it is for compiled steps only."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -124,16 +126,16 @@ class RowDot(nn.Module):
 
 
 def stored_transposed(weight: torch.Tensor) -> torch.Tensor:
-    """A dense weight (out, in) as a view of an (in, out) contiguous copy where it lives on the CPU: at batch 1, MKL
-    then streams W^T's rows for x @ W^T, 1.3-1.5x faster than reading W's rows (the matrix-vector products of a
-    decode step: 2.2 against 3.3 ms on one AVX2 core)."""
+    """A dense weight (out, in) as a view of an (in, out) contiguous copy where it lives on the CPU:
+    at batch 1, MKL then streams W^T's rows for x @ W^T, 1.3-1.5x faster than reading W's rows (the
+    matrix-vector products of a decode step: 2.2 against 3.3 ms on one AVX2 core)."""
     cpu_dense = weight.device.type == "cpu" and weight.is_floating_point()
     return weight.t().contiguous().t() if cpu_dense and not weight.t().is_contiguous() else weight
 
 
 def dense(weight: torch.Tensor, rows: bool) -> nn.Module:
-    """A bias-free linear layer on weight (out, in): a RowDot where `rows` (a compiled step) and on the CPU, else an
-    nn.Linear on the weight stored_transposed."""
+    """A bias-free linear layer on weight (out, in): a RowDot where `rows` (a compiled step) and on
+    the CPU, else an nn.Linear on the weight stored_transposed."""
     if rows and weight.device.type == "cpu":
         return RowDot(weight)
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -142,9 +144,10 @@ def dense(weight: torch.Tensor, rows: bool) -> nn.Module:
 
 
 def projection(layers: list[nn.Module], rows: bool) -> tuple[nn.Module, list]:
-    """One layer computing the outputs of `layers` (which read the same input) concatenated, on its own copy of their
-    weights in the layout its product reads fastest: int8 as it is, dense weights as dense(rows) lays them out. And
-    [(layer, name, view)]: each layer's tensors as views of that copy, for DecodeStep.share_weights."""
+    """One layer computing the outputs of `layers` (which read the same input) concatenated, on its
+    own copy of their weights in the layout its product reads fastest: int8 as it is, dense weights
+    as dense(rows) lays them out. And [(layer, name, view)]: each layer's tensors as views of that
+    copy, for DecodeStep.share_weights."""
     int8 = isinstance(layers[0], Int8Linear)
     names = ("weight", "scale") if int8 else ("weight",)
     tensors = {
@@ -163,8 +166,9 @@ def projection(layers: list[nn.Module], rows: bool) -> tuple[nn.Module, list]:
 
 
 def rope_table(args: ModelArgs, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE as real arithmetic on interleaved pairs, x·cos + swap_pairs(x)·sin, for positions 0..length-1: cos and
-    sin (length, head_dim) in float32, sin signed (−, +) per pair; the same rotation as model.apply_rotary."""
+    """RoPE as real arithmetic on interleaved pairs, x·cos + swap_pairs(x)·sin, for positions
+    0..length-1: cos and sin (length, head_dim) in float32, sin signed (−, +) per pair; the same
+    rotation as model.apply_rotary."""
     inv_freq, scale = rope_frequencies(args, length)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     cos, sin = scale * angles.cos(), scale * angles.sin()
@@ -172,7 +176,7 @@ def rope_table(args: ModelArgs, length: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 class FusedBlock(nn.Module):
-    """A TransformerBlock for one token per row, with wq/wk/wv as one matrix and w1/w3 as one (projection(rows))."""
+    """A TransformerBlock for one token per row, wq/wk/wv one matrix and w1/w3 one (projection)."""
 
     def __init__(self, block, rows: bool):
         super().__init__()
@@ -197,9 +201,8 @@ class FusedBlock(nn.Module):
         qk = qk.float()
         qk = (qk * cos + qk.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).type_as(v)
         q, k = qk.split((heads, kv_heads), 1)
-        k_cache[:batch, :, pos : pos + 1] = k.unsqueeze(
-            2
-        )  # a slice, not [pos]: one compiled graph for every pos
+        # a slice, not [pos]: one compiled graph for every pos
+        k_cache[:batch, :, pos : pos + 1] = k.unsqueeze(2)
         v_cache[:batch, :, pos : pos + 1] = v.unsqueeze(2)
         keys, values = k_cache[:batch, :, : pos + 1], v_cache[:batch, :, : pos + 1]
         out = F.scaled_dot_product_attention(
@@ -211,38 +214,38 @@ class FusedBlock(nn.Module):
 
 
 class DecodeStep(nn.Module):
-    """`model(tokens, start_pos=pos)` for one token per row, tokens (B, 1), built for speed at batch 1: wq/wk/wv
-    and w1/w3 fused, RoPE from a table computed once, reading and writing the model's KV cache (set up by the
-    caller). Logits (B, 1, vocab), equal to the model's within float rounding. Built for model.args as they are
-    (RoPE scaling included). The model's linear layers are pointed at the step's weights, so no weight is stored
-    twice. threads: torch's thread count while it runs (None: as set; a compiled step keeps the count it was
-    compiled with). compiled: the step compiled ahead of time into one C++ library at its first call with each
-    batch size, its matrix-vector products RowDots on the CPU (see compile_step)."""
+    """`model(tokens, start_pos=pos)` for one token per row, tokens (B, 1), built for speed at batch
+    1: wq/wk/wv and w1/w3 fused, RoPE from a table computed once, reading and writing the model's KV
+    cache (set up by the caller). Logits (B, 1, vocab), equal to the model's within float rounding.
+    Built for model.args as they are (RoPE scaling included). The model's linear layers are pointed
+    at the step's weights, so no weight is stored twice. threads: torch's thread count while it runs
+    (None: as set; a compiled step keeps the count it was compiled with). compiled: the step
+    compiled ahead of time into one C++ library at its first call with each batch size, its
+    matrix-vector products RowDots on the CPU (see compile_step)."""
 
     def __init__(self, model: Transformer, threads: int | None = None, compiled: bool = False):
         super().__init__()
         self.threads = threads
-        self.compiled = (
-            {} if compiled else None
-        )  # (batch, cache batch) -> its step compiled (compile_step)
+        # (batch, cache batch) -> its step compiled (compile_step)
+        self.compiled = {} if compiled else None
         if model.args.length_dependent:
             raise ValueError(
-                "dynamic NTK rescales every cached position as the sequence grows: no fused decode step"
+                "dynamic NTK rescales every cached position as the sequence grows: "
+                "no fused decode step"
             )
         if not model.is_llama():
             raise ValueError(
-                "the fused decode step is LLaMA's: a model with other switches decodes with its forward"
+                "the fused decode step is LLaMA's: "
+                "a model with other switches decodes with its forward"
             )
         self.attentions = [
             block.attention for block in model.layers
-        ]  # whose KV caches generation sets up
+        ]  # generation sets their caches
         self.tok_embeddings = model.tok_embeddings
         self.norm = model.norm
         self.layers = nn.ModuleList(FusedBlock(block, compiled) for block in model.layers)
         self.shared = [view for layer in self.layers for view in layer.shared]
-        if (
-            model.output.weight is model.tok_embeddings.weight
-        ):  # tied: kept shared, laid out as it is
+        if model.output.weight is model.tok_embeddings.weight:  # tied: kept shared, as laid out
             self.output = dense(model.output.weight, rows=True) if compiled else model.output
         else:
             self.output, views = projection([model.output], compiled)
@@ -252,16 +255,15 @@ class DecodeStep(nn.Module):
         self.tables(model.args.max_seq_len)
 
     def tables(self, length: int):
-        """RoPE's cos and sin (rope_table) and the positions as 0-d tensors (for a compiled step), for `length`
-        positions."""
-        with torch.inference_mode(
-            False
-        ):  # an inference tensor would be a new kind of input to a compiled step
+        """RoPE's cos and sin (rope_table) and the positions as 0-d tensors (for a compiled step),
+        for `length` positions."""
+        # an inference tensor would be a new kind of input to a compiled step
+        with torch.inference_mode(False):
             self.cos, self.sin = rope_table(self.args, length)
             self.positions = torch.arange(length, device=self.cos.device)
 
     def share_weights(self):
-        """Point the model's linear layers at this step's copies of their weights (views into them)."""
+        """Point the model's linear layers at this step's copies of their weights (views)."""
         for layer, name, view in self.shared:
             setattr(
                 layer,
@@ -301,18 +303,18 @@ class DecodeStep(nn.Module):
         return self.output(self.norm(x))
 
     def compile_step(self, ids, cos, sin, caches):
-        """self.step compiled ahead of time by AOTInductor (torch.export, then one C++ library) for this batch and
-        cache batch, every cache length and position: called from C++ with no guards to check, where a
-        torch.compile'd step spent ~0.3 ms a call in dynamo's frame on 2 AVX2 cores. The library reads the weights
-        where they are (user-managed constants, not a copy). It takes [ids, position (a 0-d tensor from
-        self.positions), cos, sin, then each layer's keys and values] and returns [logits]."""
+        """self.step compiled ahead of time by AOTInductor (torch.export, then one C++ library) for
+        this batch and cache batch, every cache length and position: called from C++ with no guards
+        to check, where a torch.compile'd step spent ~0.3 ms a call in dynamo's frame on 2 AVX2
+        cores. The library reads the weights where they are (user-managed constants, not a copy). It
+        takes [ids, position (a 0-d tensor from self.positions), cos, sin, then each layer's keys
+        and values] and returns [logits]."""
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
         length = torch.export.Dim("cache_length", min=2, max=1 << 24)
         dims = [({2: length}, {2: length}) for _ in caches]
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", ".*LeafSpec", FutureWarning
-            )  # torch's own use of its pytree API
+            # torch's own use of its pytree API
+            warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
             program = torch.export.export(
                 _PositionAsTensor(self),
                 (ids, self.positions[1], cos, sin, caches),
@@ -323,22 +325,21 @@ class DecodeStep(nn.Module):
         constants = program.state_dict | program.constants
         weights = {name: constants[name] for name in runner.get_constant_fqns()}
         runner.load_constants(weights, check_full_update=True, user_managed=True)
-        # The library's own entry on flat inputs: calling the runner re-parses its input spec from JSON and flattens
-        # the arguments, ~0.08 ms a call on an AVX2 core (a tenth of an int8 step).
+        # The library's own entry on flat inputs: calling the runner re-parses its input spec
+        # from JSON and flattens the arguments, ~0.08 ms a call on an AVX2 core (a tenth of an
+        # int8 step).
         return runner.loader.boxed_run
 
 
 def compiled_package(program: torch.export.ExportedProgram, device: torch.device) -> Path:
-    """The AOTInductor package of `program` (weights left out), compiled once (~20-30 s on 2 cores) and kept in
-    Inductor's cache folder, keyed by the program's printed graph (shapes and operations, not weight values), the
-    device, this CPU's ISA class, the thread count (Inductor writes no parallel loops for one), torch's version and
-    the options."""
-    key = f"{program}|{device}|{cpu_isa()}|{torch.get_num_threads()}|{torch.__version__}|{COMPILE_OPTIONS}"
-    path = (
-        Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-        / "aoti"
-        / f"{hashlib.sha256(key.encode()).hexdigest()}.pt2"
-    )
+    """The AOTInductor package of `program` (weights left out), compiled once (~20-30 s on 2 cores)
+    and kept in Inductor's cache folder, keyed by the program's printed graph (shapes and
+    operations, not weight values), the device, this CPU's ISA class, the thread count (Inductor
+    writes no parallel loops for one), torch's version and the options."""
+    key = f"{program}|{device}|{cpu_isa()}|{torch.get_num_threads()}|{torch.__version__}"
+    key += f"|{COMPILE_OPTIONS}"
+    name = f"{hashlib.sha256(key.encode()).hexdigest()}.pt2"
+    path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "aoti" / name
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_output(path) as tmp, open(tmp, "wb") as out:
@@ -367,9 +368,9 @@ class _PositionAsTensor(nn.Module):
 def step_seconds(
     model: Transformer, steps: dict, batch: int = 1, calls: int = 16, repeats: int = 5
 ) -> dict:
-    """Median seconds of one decode step of `batch` rows through each of `steps` ({name: step of model}), timed
-    interleaved after a warm-up call (where a compiled step compiles), on a cache of model's set up here and reset
-    after."""
+    """Median seconds of one decode step of `batch` rows through each of `steps` ({name: step of
+    model}), timed interleaved after a warm-up call (where a compiled step compiles), on a cache of
+    model's set up here and reset after."""
     model.setup_cache(batch, calls + 1)
     device = model.tok_embeddings.weight.device
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -391,32 +392,34 @@ def step_seconds(
 
 
 def pick_step(model: Transformer, eager: DecodeStep, compiled: DecodeStep, batch: int = 1) -> tuple:
-    """(step, note): the compiled step, or the eager one where a short interleaved timing at `batch` rows
-    (step_seconds) finds the compiled one slower on this machine, with a one-line note saying so (else None)."""
+    """(step, note): the compiled step, or the eager one where a short interleaved timing at `batch`
+    rows (step_seconds) finds the compiled one slower on this machine, with a one-line note saying
+    so (else None)."""
     seconds = step_seconds(model, {"eager": eager, "compiled": compiled}, batch)
     if seconds["compiled"] <= seconds["eager"]:
         return compiled, None
+    times = f"{seconds['compiled'] * 1e3:.2f} vs {seconds['eager'] * 1e3:.2f} ms a token"
     return eager, (
-        f"--compile: the compiled decode step ran slower than eager here ({seconds['compiled'] * 1e3:.2f} vs "
-        f"{seconds['eager'] * 1e3:.2f} ms a token, {cpu_isa()} CPU): decoding eager"
+        f"--compile: the compiled decode step ran slower than eager here ({times}, {cpu_isa()} "
+        "CPU): decoding eager"
     )
 
 
 def compiled_unless_slower(
     model: Transformer, step: DecodeStep, batch: int = 1
 ) -> tuple[DecodeStep, str | None]:
-    """pick_step between `step` (eager) and a compiled step of the model on the same threads, at the batch size it
-    will decode (which it is compiled for). The model's layers then share the chosen step's weights: the other's
-    copy goes with it."""
+    """pick_step between `step` (eager) and a compiled step of the model on the same threads, at the
+    batch size it will decode (which it is compiled for). The model's layers then share the chosen
+    step's weights: the other's copy goes with it."""
     chosen, note = pick_step(model, step, DecodeStep(model, step.threads, compiled=True), batch)
     chosen.share_weights()
     return chosen, note
 
 
 def tune_threads(model: Transformer, step: DecodeStep, batch: int = 1) -> str | None:
-    """Set step.threads to 1 where a short interleaved timing at `batch` rows finds one thread faster than torch's
-    count (a batch-1 step is ~100 small kernels: on a busy 2-core CPU every parallel region waits for a descheduled
-    thread); a one-line note when it does, else None."""
+    """Set step.threads to 1 where a short interleaved timing at `batch` rows finds one thread
+    faster than torch's count (a batch-1 step is ~100 small kernels: on a busy 2-core CPU every
+    parallel region waits for a descheduled thread); a one-line note when it does, else None."""
     threads = torch.get_num_threads()
     if threads == 1 or model.tok_embeddings.weight.device.type != "cpu":
         return None
@@ -426,7 +429,5 @@ def tune_threads(model: Transformer, step: DecodeStep, batch: int = 1) -> str | 
     if seconds["one"] >= seconds["all"]:
         return None
     step.threads = 1
-    return (
-        f"decoding on 1 thread: {seconds['one'] * 1e3:.2f} ms a token against {seconds['all'] * 1e3:.2f} on "
-        f"{threads} here"
-    )
+    one_ms, all_ms = seconds["one"] * 1e3, seconds["all"] * 1e3
+    return f"decoding on 1 thread: {one_ms:.2f} ms a token against {all_ms:.2f} on {threads} here"

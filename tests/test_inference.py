@@ -1,4 +1,5 @@
-"""inference.py: the fused decode step (eager and compiled) and int8 weights compute what the plain model does."""
+"""inference.py: the fused decode step (eager and compiled) and int8 weights compute what the plain
+model does."""
 
 import copy
 import time
@@ -26,7 +27,8 @@ STATIC_SCALINGS = [
 
 
 def make_model(sharp=True, **overrides) -> Transformer:
-    """A random tiny model; sharp: with weights N(0, 0.3), so that numeric differences show in the logits."""
+    """A random tiny model; sharp: with weights N(0, 0.3), so that numeric differences show in the
+    logits."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs(**TINY | overrides)).eval()
     with torch.no_grad():
@@ -44,7 +46,8 @@ def copy_of(model: Transformer) -> Transformer:
 
 @torch.inference_mode()
 def step_logits(model: Transformer, decode, tokens: torch.Tensor, prefill: int) -> torch.Tensor:
-    """Logits (B, T - prefill, vocab) of one-token steps through `decode` after prefilling through the model."""
+    """Logits (B, T - prefill, vocab) of one-token steps through `decode` after prefilling through
+    the model."""
     model.setup_cache(tokens.shape[0], tokens.shape[1])
     try:
         model(tokens[:, :prefill], start_pos=0)
@@ -70,10 +73,8 @@ def test_the_real_rope_table_rotates_like_the_complex_one(scaling):
 @pytest.mark.parametrize("scaling", STATIC_SCALINGS, ids=lambda d: d["rope_scaling"])
 def test_fused_step_gives_the_models_logits(scaling):
     model = make_model(**scaling)
-    reference, tokens = (
-        copy_of(model),
-        torch.randint(0, 97, (2, 48)),
-    )  # past max_seq_len: the table grows
+    # past max_seq_len: the table grows
+    reference, tokens = copy_of(model), torch.randint(0, 97, (2, 48))
     expected = step_logits(reference, reference, tokens, 5)
     got = step_logits(model, DecodeStep(model), tokens, 5)
     torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
@@ -91,10 +92,8 @@ def test_fusing_keeps_one_copy_of_each_weight():
     )
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     tied = make_model(tie_embeddings=True)
-    for compiled in (
-        False,
-        True,
-    ):  # the output keeps reading the embeddings (a compiled step compiles when called)
+    # the output keeps reading the embeddings (a compiled step compiles when called)
+    for compiled in (False, True):
         assert (
             DecodeStep(tied, compiled=compiled).output.weight.data_ptr()
             == tied.tok_embeddings.weight.data_ptr()
@@ -116,32 +115,27 @@ def test_generate_with_the_fused_step_gives_the_same_tokens():
 
 
 def test_int8_weights_round_per_output_row():
-    weight = (
-        torch.randn(48, 64) * torch.logspace(-3, 1, 48)[:, None]
-    )  # rows of very different sizes
+    # rows of very different sizes
+    weight = torch.randn(48, 64) * torch.logspace(-3, 1, 48)[:, None]
     layer = Int8Linear.quantized(weight)
     assert layer.weight.dtype == torch.int8 and layer.weight.abs().amax(1).eq(127).all()
     dequantized = layer.weight.float() * layer.scale[:, None]
-    assert (
-        (dequantized - weight).abs() <= layer.scale[:, None] / 2 + 1e-7
-    ).all()  # half a step per row
+    # half a step per row
+    assert ((dequantized - weight).abs() <= layer.scale[:, None] / 2 + 1e-7).all()
     x = torch.randn(3, 5, 64)
     expected = x @ dequantized.T
-    error = (
-        (layer(x) - expected).abs().amax((0, 1))
-    )  # per output row: their sizes differ 10,000-fold
-    assert (
-        error <= 0.01 * expected.abs().amax((0, 1))
-    ).all()  # the CPU kernel takes bf16 inputs: ~0.4% each
+    # per output row: their sizes differ 10,000-fold
+    error = (layer(x) - expected).abs().amax((0, 1))
+    # the CPU kernel takes bf16 inputs: ~0.4% each
+    assert (error <= 0.01 * expected.abs().amax((0, 1))).all()
     unaligned = Int8Linear.quantized(weight[:, :40])  # not a multiple of 16: dequantized in fp32
     torch.testing.assert_close(
         unaligned(x[..., :40]), x[..., :40] @ (unaligned.weight * unaligned.scale[:, None]).T
     )
 
 
-@pytest.mark.parametrize(
-    "in_features", [64, 40]
-)  # 40: not a multiple of 16, which the int8 kernel gets wrong
+# 40: not a multiple of 16, which the int8 kernel gets wrong
+@pytest.mark.parametrize("in_features", [64, 40])
 def test_int8_in_bf16_matches_dequantized_weights(in_features):
     layer = Int8Linear.quantized(torch.randn(17, in_features)).to(torch.bfloat16)
     x = torch.randn(1, in_features, dtype=torch.bfloat16)
@@ -167,8 +161,8 @@ def test_int8_model_stays_close_and_its_fused_step_matches_it(sharp):
 
 
 def test_int8_layer_cast_to_float32_keeps_its_kernel():
-    """generate.py casts a quantized model to its activation dtype: that must not move its CPU kernel's scales off
-    bf16 (which sent fp32 models back to dequantizing every weight)."""
+    """generate.py casts a quantized model to its activation dtype: that must not move its CPU
+    kernel's scales off bf16 (which sent fp32 models back to dequantizing every weight)."""
     layer = Int8Linear.quantized(torch.randn(24, 32))
     x = torch.randn(2, 32)
     torch.testing.assert_close(copy.deepcopy(layer).to(torch.float32)(x), layer(x), atol=0, rtol=0)
@@ -187,19 +181,16 @@ def test_quantize_refuses_an_unknown_mode():
 
 
 def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
-    """The step compiled ahead of time: one library serves every position and cache length (the RoPE table
-    growing too), a batch of two gets one of its own, the KV caches and tables stay inputs (not stale constants)."""
+    """The step compiled ahead of time: one library serves every position and cache length (the RoPE
+    table growing too), a batch of two gets one of its own, the KV caches and tables stay inputs
+    (not stale constants)."""
     model = make_model(n_layers=1, max_seq_len=16, rope_scaling="linear", rope_factor=4.0)
     reference = copy_of(model)
     step = DecodeStep(model, compiled=True)
-    assert isinstance(
-        step.layers[0].w13, inference.RowDot
-    )  # on the CPU: products written by Inductor
-    for prompts, new in (
-        ([[1, 5, 6, 7]], 13),
-        ([[1, 9]], 40),
-        ([[1, 2, 3]], 13),
-    ):  # cache lengths 17, 42, 16
+    # on the CPU: products written by Inductor
+    assert isinstance(step.layers[0].w13, inference.RowDot)
+    # cache lengths 17, 42, 16
+    for prompts, new in (([[1, 5, 6, 7]], 13), ([[1, 9]], 40), ([[1, 2, 3]], 13)):
         expected = generate.generate(reference, prompts, Sampling(new, temperature=0))
         assert (
             generate.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
@@ -212,16 +203,15 @@ def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
             generate.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
         )
     assert list(step.compiled) == [(1, 1), (2, 2)]
-    tokens = torch.randint(
-        0, 97, (1, 12)
-    )  # up to the cache's last slot, whose keys are the whole cache
+    # up to the cache's last slot, whose keys are the whole cache
+    tokens = torch.randint(0, 97, (1, 12))
     expected = step_logits(reference, reference, tokens, 5)
     torch.testing.assert_close(step_logits(model, step, tokens, 5), expected, atol=1e-4, rtol=0)
 
 
 def test_compiled_int8_step_reads_the_model_weights(one_thread):
-    """int8 weights compiled: the same logits as the eager int8 step, and the library reads the step's tensors
-    (user-managed constants), so a weight changed in place shows in its next call."""
+    """int8 weights compiled: the same logits as the eager int8 step, and the library reads the
+    step's tensors (user-managed constants), so a weight changed in place shows in its next call."""
     reference, model = (quantize(make_model(n_layers=1), "int8") for _ in range(2))
     step = DecodeStep(model, compiled=True)
     tokens = torch.randint(0, 97, (1, 12))
@@ -259,9 +249,8 @@ def test_pick_step_keeps_the_faster_step_and_says_when_it_is_eager(one_thread):
     )
     fast = DecodeStep(model)
     assert inference.pick_step(model, slowed(step, 0.002), fast) == (fast, None)
-    assert all(
-        attention.cache is None for attention in step.attentions
-    )  # the timing's cache is gone
+    # the timing's cache is gone
+    assert all(attention.cache is None for attention in step.attentions)
 
 
 def test_step_threads_hold_while_it_runs_and_are_restored(one_thread):
@@ -274,9 +263,8 @@ def test_step_threads_hold_while_it_runs_and_are_restored(one_thread):
     expected = step_logits(reference, reference, tokens, 5)
     torch.testing.assert_close(step_logits(model, step, tokens, 5), expected, atol=1e-5, rtol=0)
     assert set(seen) == {2} and torch.get_num_threads() == 1
-    assert (
-        inference.tune_threads(model, DecodeStep(model)) is None
-    )  # on one thread there is nothing to choose
+    # on one thread there is nothing to choose
+    assert inference.tune_threads(model, DecodeStep(model)) is None
 
 
 def test_compiled_unless_slower_decodes_like_the_model(one_thread):
@@ -286,6 +274,6 @@ def test_compiled_unless_slower_decodes_like_the_model(one_thread):
     assert note is None or note.startswith("--compile:")
     assert generate.generate(model, PROMPTS[:2], Sampling(12, temperature=0), step=step) == expected
     assert step.compiled is None or list(step.compiled) == [(2, 2)]  # timed at the batch it decodes
-    # the model's layers hold views of the chosen step's weights (the other step's copy went with it)
+    # the model's layers hold views of the chosen step's weights (the other's copy went with it)
     storage = step.layers[0].wqkv.weight.untyped_storage().data_ptr()
     assert model.layers[0].attention.wv.weight.untyped_storage().data_ptr() == storage

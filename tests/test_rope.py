@@ -1,5 +1,5 @@
-"""RoPE scaling: our inverse frequencies and attention scale against transformers' own RoPE functions; the KV
-cache stays exact past the training length."""
+"""RoPE scaling: our inverse frequencies and attention scale against transformers' own RoPE
+functions; the KV cache stays exact past the training length."""
 
 import dataclasses
 
@@ -19,7 +19,8 @@ def hf_rope(args: ModelArgs, seq_len: int):
     config = transformers.LlamaConfig(**hf_config(args))
     rope_type = config.rope_parameters["rope_type"]
     if rope_type == "default":
-        fn = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters
+        rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding
+        fn = rotary.compute_default_rope_parameters
     else:
         fn = ROPE_INIT_FUNCTIONS[rope_type]
     return fn(config=config, device="cpu", seq_len=seq_len)
@@ -30,9 +31,7 @@ def hf_rope(args: ModelArgs, seq_len: int):
     [
         dict(rope_scaling="none"),
         dict(rope_scaling="linear", rope_factor=4.0),
-        dict(
-            rope_scaling="ntk", rope_factor=4.0
-        ),  # exported as plain RoPE with the equivalent base
+        dict(rope_scaling="ntk", rope_factor=4.0),  # exported as plain RoPE, its base changed
         dict(rope_scaling="dynamic", rope_factor=1.0),
         dict(rope_scaling="dynamic", rope_factor=2.0),
         dict(rope_scaling="yarn", rope_factor=8.0),
@@ -61,9 +60,8 @@ def test_frequencies_match_transformers(scaling, seq_len):
 @pytest.mark.parametrize(
     "scaling",
     [
-        dict(
-            rope_scaling="linear", rope_factor=1.0
-        ),  # none: transformers' default RoPE has no partial rotary
+        # not "none": transformers' default RoPE has no partial rotary
+        dict(rope_scaling="linear", rope_factor=1.0),
         dict(rope_scaling="linear", rope_factor=4.0),
         dict(rope_scaling="dynamic", rope_factor=2.0),
         dict(rope_scaling="yarn", rope_factor=8.0),
@@ -77,9 +75,8 @@ def test_partial_rotary_frequencies_match_transformers(scaling, fraction):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     args = ModelArgs(**{**BASE, **scaling}, rope_fraction=fraction)
-    config = hf_config(
-        dataclasses.replace(args, rope_fraction=1.0)
-    )  # Llama has no partial rotary: add it
+    # Llama has no partial rotary: add it
+    config = hf_config(dataclasses.replace(args, rope_fraction=1.0))
     config["rope_parameters"]["partial_rotary_factor"] = fraction
     config = transformers.LlamaConfig(**config)
     hf_inv_freq, hf_scale = ROPE_INIT_FUNCTIONS[args.rope_scaling](
@@ -93,9 +90,8 @@ def test_partial_rotary_frequencies_match_transformers(scaling, fraction):
         full = rope_frequencies(
             dataclasses.replace(args, rope_fraction=1.0, rope_scaling="none"), 1500
         )[0]
-        assert not torch.equal(
-            inv_freq, full[: len(inv_freq)]
-        )  # the rotated part keeps the full spectrum's range
+        # the rotated part keeps the full spectrum's range
+        assert not torch.equal(inv_freq, full[: len(inv_freq)])
         torch.testing.assert_close(
             inv_freq, 10000.0 ** -(torch.arange(0, 64 * fraction, 2) / (64 * fraction))
         )
@@ -123,9 +119,8 @@ def test_cache_equals_full_forward_past_training_length(method):
         rope_fraction=0.5 if method.endswith("-partial") else 1.0,
     )
     model = Transformer(args).eval()
-    with (
-        torch.no_grad()
-    ):  # larger weights than the init's, so that attention is sharp and positions matter
+    # larger weights than the init's, so that attention is sharp and positions matter
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.3)

@@ -1,5 +1,6 @@
-"""model.py's architecture switches and position encodings: each against its definition or the seed lectures' numbers,
-and every one against itself (cached decode, chunked prefill, causality, given positions)."""
+"""model.py's architecture switches and position encodings: each against its definition or the seed
+lectures' numbers, and every one against itself (cached decode, chunked prefill, causality, given
+positions)."""
 
 import math
 
@@ -12,16 +13,17 @@ from model import (
     MLP,
     NORMS,
     SWITCHES,
+    ALiBi,
     FeedForward,
     ModelArgs,
-    Sinusoid,
+    Sinusoidal,
     Transformer,
-    alibi_bias,
     apply_rotary,
 )
 from picollama import convert
 from picollama.checkpoint import save_model
 from picollama.cli import run_command
+from picollama.config import checked_model_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,7 +55,8 @@ POSITIONS = ["llama", "alibi", "sinusoidal", "learned", "rope_fraction", "nope_e
 
 
 def make_model(seed=0, std=0.3, **overrides) -> Transformer:
-    """A tiny model with larger weights than the init's, so that attention is sharp and positions matter."""
+    """A tiny model with larger weights than the init's, so that attention is sharp and positions
+    matter."""
     torch.manual_seed(seed)
     model = Transformer(ModelArgs(**{**TINY, **overrides})).eval()
     with torch.no_grad():
@@ -63,6 +66,22 @@ def make_model(seed=0, std=0.3, **overrides) -> Transformer:
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)  # LayerNorm's β, away from its zero init
     return model
+
+
+def rotations(model: Transformer, end: int) -> torch.Tensor:
+    """RoPE's rotations of positions 0..end-1 in the model."""
+    return model.pos_embeddings.rotations(model.args, end, "cpu")
+
+
+def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sinusoidal encoding of `positions`: what it adds to all-zero token embeddings."""
+    return Sinusoidal(ModelArgs(dim=dim, n_heads=1)).embed(torch.zeros(dim), positions)
+
+
+def alibi_bias(n_heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """ALiBi's bias ([B,] heads, T, S) for queries at q_pos over keys at k_pos."""
+    args = ModelArgs(dim=8 * n_heads, n_heads=n_heads, position="alibi")
+    return ALiBi(args)(args, q_pos, k_pos, None, None)[1]
 
 
 # ---------------------------------------------------------------- the seed lectures' worked numbers
@@ -83,8 +102,9 @@ def test_layernorm_has_its_bias():
 
 
 def test_relu_ffn_worked_example():
-    # the lecture's scalar FFN: x=1.5, W1=2.0, b1=0.5, W2=3.0, b2=0 -> W2·ReLU(W1·x + b1) = 3·3.5 = 10.5, where
-    # SwiGLU with the same numbers gives 15.28 (tests/test_model.py). The bias rides on a constant input of 1.
+    # the lecture's scalar FFN: x=1.5, W1=2.0, b1=0.5, W2=3.0, b2=0 -> W2·ReLU(W1·x + b1) = 3·3.5 =
+    # 10.5, where SwiGLU with the same numbers gives 15.28 (tests/test_model.py). The bias rides on
+    # a constant input of 1.
     ffn = MLP(dim=2, hidden_dim=1, act=F.relu)
     with torch.no_grad():
         ffn.w1.weight.copy_(torch.tensor([[2.0, 0.5]]))
@@ -92,7 +112,7 @@ def test_relu_ffn_worked_example():
     assert abs(ffn(torch.tensor([1.5, 1.0]))[0].item() - 10.5) < 1e-3
 
 
-# ---------------------------------------------------------------- each switch against its definition
+# ------------------------------------------------------------ each switch against its definition
 
 DEFINITIONS = {
     "swiglu": lambda z: z * torch.sigmoid(z),
@@ -132,14 +152,12 @@ def test_gated_and_plain_ffns_have_comparable_parameter_counts(capsys):
             "\nFFN per layer at dim 192:",
             ", ".join(f"{k} hidden {h}: {n:,}" for k, (h, n) in counts.items()),
         )
-    assert (
-        counts["swiglu"] == counts["geglu"] == counts["reglu"] == (512, 3 * 192 * 512)
-    )  # 2/3·4·dim
+    # 2/3·4·dim
+    assert counts["swiglu"] == counts["geglu"] == counts["reglu"] == (512, 3 * 192 * 512)
     assert counts["relu"] == counts["gelu"] == counts["relu2"] == (768, 2 * 192 * 768)  # 4·dim
     assert 3 * 192 * 512 == 2 * 192 * 768
-    tiny = {
-        name: ModelArgs(**TINY, activation=name).hidden_dim for name in ("swiglu", "relu")
-    }  # rounding to 16
+    # rounding to 16
+    tiny = {name: ModelArgs(**TINY, activation=name).hidden_dim for name in ("swiglu", "relu")}
     assert tiny == {"swiglu": 96, "relu": 128}
     assert ModelArgs(**TINY, activation="relu", ffn_dim_multiplier=1.5).hidden_dim == 192
 
@@ -148,15 +166,13 @@ def test_gated_and_plain_ffns_have_comparable_parameter_counts(capsys):
 def test_post_norm_output_is_normalised(norm):
     model = make_model(norm_placement="post", norm=norm)
     block = model.layers[0]
-    for p in (
-        block.attention_norm.weight,
-        block.ffn_norm.weight,
-    ):  # γ = 1 (and β = 0): the plain norm
+    # γ = 1 (and β = 0): the plain norm
+    for p in (block.attention_norm.weight, block.ffn_norm.weight):
         assert torch.equal(p, torch.ones_like(p))
     if norm == "layernorm":
         torch.nn.init.zeros_(block.ffn_norm.bias)
     x = torch.randn(2, 5, 32) * 3 + 1
-    freqs_cis = model.rope(0, 5, "cpu")
+    freqs_cis = rotations(model, 5)
     with torch.no_grad():
         out = block(x, freqs_cis, None, None, None)
     if norm == "layernorm":
@@ -196,7 +212,7 @@ def test_block_equals_its_formula(switches, formula):
     model = make_model(norm="layernorm", **switches)
     block = model.layers[0]
     x = torch.randn(2, 6, 32)
-    freqs_cis = model.rope(0, 6, "cpu")
+    freqs_cis = rotations(model, 6)
     with torch.no_grad():
         expected = formula(block, x, lambda h: block.attention(h, freqs_cis, None, None))
         torch.testing.assert_close(block(x, freqs_cis, None, None, None), expected)
@@ -233,7 +249,7 @@ def test_logit_softcap_is_cap_tanh_logits_over_cap():
 
 
 def test_sinusoid_equals_the_formula():
-    pe = Sinusoid(dim=4)(torch.tensor([0, 1, 2, 1000]))  # any position: no table to run past
+    pe = sinusoid(torch.tensor([0, 1, 2, 1000]), dim=4)  # any position: no table to run past
     expected = [
         [0.0, 1.0, 0.0, 1.0],
         [0.841, 0.540, 0.010, 1.000],  # sin 1, cos 1, sin(1/100), cos(1/100)
@@ -249,9 +265,8 @@ def test_alibi_slopes_and_bias():
     # 6 heads, as Press et al.'s get_slopes(6): those of 4 heads, then every other one of 8 heads'
     six = -alibi_bias(6, torch.arange(2), torch.arange(2))[:, 1, 0]
     torch.testing.assert_close(six, torch.tensor([2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]))
-    bias = alibi_bias(
-        4, torch.arange(3, 6), torch.arange(6)
-    )  # queries at 3..5 over keys 0..5 (a cached chunk)
+    # queries at 3..5 over keys 0..5 (a cached chunk)
+    bias = alibi_bias(4, torch.arange(3, 6), torch.arange(6))
     assert bias.shape == (4, 3, 6)
     torch.testing.assert_close(bias[0, 0, :4], torch.tensor([-0.75, -0.5, -0.25, 0.0]))  # slope 1/4
     assert torch.isinf(bias[:, 0, 4:]).all() and not torch.isinf(bias[:, 2]).any()
@@ -259,20 +274,14 @@ def test_alibi_slopes_and_bias():
 
 def test_nope_every_k_th_layer():
     model = make_model(n_layers=6, nope_every=3)
-    rotary = [layer.attention.rotate is apply_rotary for layer in model.layers]
-    assert rotary == [
-        True,
-        True,
-        False,
-        True,
-        True,
-        False,
-    ]  # layers i with (i+1) % 3 == 0 have no positions
+    rotary = [layer.attention.rotary for layer in model.layers]
+    # layers i with (i+1) % 3 == 0 have no positions
+    assert rotary == [True, True, False, True, True, False]
 
 
 def test_partial_rotary_leaves_the_last_dimensions_alone():
     model = make_model(rope_fraction=0.25)
-    freqs_cis = model.rope(0, 5, "cpu")
+    freqs_cis = rotations(model, 5)
     assert freqs_cis.shape == (5, 1)  # 8-dim heads: one pair of dimensions rotates
     x = torch.randn(1, 5, 4, 8)
     rotated = apply_rotary(x, freqs_cis)
@@ -293,14 +302,12 @@ def test_logn_scales_queries_past_the_training_context(monkeypatch):
     with torch.no_grad():
         logn(tokens)
         plain(tokens)
-    ratio = (queries[0] / queries[len(queries) // 2])[
-        0, 0, :, 0
-    ]  # layer 0 of each model, per position
+    # layer 0 of each model, per position
+    ratio = (queries[0] / queries[len(queries) // 2])[0, 0, :, 0]
     n = torch.arange(1, 21, dtype=torch.float32)  # 1-based position
     torch.testing.assert_close(ratio, (n.log() / math.log(8)).clamp(min=1))
-    assert (
-        ratio[:8].sub(1).abs().max() < 1e-6 and ratio[8] > 1.05
-    )  # n = 8 = L_train is the last unscaled one
+    # n = 8 = L_train is the last unscaled one
+    assert ratio[:8].sub(1).abs().max() < 1e-6 and ratio[8] > 1.05
 
 
 # ---------------------------------------------------------------- every switch against itself
@@ -313,10 +320,8 @@ def test_cached_decode_equals_full_forward(name):
     model.setup_cache(max_batch_size=2, max_seq_len=32)
     with torch.no_grad():
         full = model(tokens)
-        chunks = [
-            model(tokens[:, :9], start_pos=0),
-            model(tokens[:, 9:20], start_pos=9),
-        ]  # prefill, chunked prefill
+        # prefill, chunked prefill
+        chunks = [model(tokens[:, :9], start_pos=0), model(tokens[:, 9:20], start_pos=9)]
         chunks += [model(tokens[:, p : p + 1], start_pos=p) for p in range(20, 30)]
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-4, rtol=0)
 
@@ -356,8 +361,8 @@ def test_shifted_positions_change_nothing_for_relative_encodings(name):
 
 
 def test_given_positions_are_the_rotary_positions():
-    # linear RoPE scaling divides every angle by its factor, so positions 0, 2, 4, ... under factor 2 are the
-    # default positions 0, 1, 2, ... unscaled
+    # linear RoPE scaling divides every angle by its factor, so positions 0, 2, 4, ... under factor
+    # 2 are the default positions 0, 1, 2, ... unscaled
     plain, stretched = make_model(), make_model(rope_scaling="linear", rope_factor=2.0)
     tokens = torch.randint(0, 50, (2, 20))
     with torch.no_grad():
@@ -393,13 +398,12 @@ def test_absolute_positions_are_added_to_the_embeddings(name, monkeypatch):
     with torch.no_grad():
         model(tokens, positions=positions)
         table = (
-            Sinusoid(32)(positions)
+            sinusoid(positions, 32)
             if name == "sinusoidal"
             else model.pos_embeddings.weight[positions]
         )
-        scale = (
-            math.sqrt(32) if name == "sinusoidal" else 1.0
-        )  # the Transformer's √dim on tokens beside a sinusoid
+        # the Transformer's √dim on tokens beside a sinusoid
+        scale = math.sqrt(32) if name == "sinusoidal" else 1.0
         torch.testing.assert_close(seen[0], model.tok_embeddings(tokens) * scale + table)
 
 
@@ -464,11 +468,11 @@ def test_positions_and_the_kv_cache_do_not_mix():
 )
 def test_bad_switches_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        ModelArgs(**{**TINY, **kwargs})
+        checked_model_args(**{**TINY, **kwargs})
 
 
 def test_a_non_rope_model_needs_no_even_head_size():
-    assert ModelArgs(dim=15, n_heads=5, position="alibi").head_dim == 3
+    assert checked_model_args(dim=15, n_heads=5, position="alibi").head_dim == 3
     make_model(dim=12, n_heads=4, n_kv_heads=4, position="sinusoidal")(
         torch.zeros(1, 3, dtype=torch.long)
     )

@@ -26,6 +26,7 @@ from picollama.cli import (
     comma_list,
     positive,
 )
+from picollama.config import model_args_from_dict
 from picollama.convert import hf_config, to_hf_state_dict
 from picollama.device import cpu_has_bf16, peak_flops, pick_device, pick_dtype
 
@@ -112,7 +113,7 @@ def model_args(name: str) -> ModelArgs:
         section = tomllib.loads(path.read_text()).get("model")
         if not isinstance(section, dict):
             raise UserError(f"{path} has no [model] section")
-        return ModelArgs.from_dict(section)
+        return model_args_from_dict(section)
     except (tomllib.TOMLDecodeError, ValueError, TypeError) as e:
         raise UserError(f"{path}: {e}") from None
 
