@@ -1,1 +1,1 @@
-"""Dataset preparation (data/prepare.py) and the token loader shared by training and evaluation (data/loader.py)."""
+"""Dataset preparation (prepare.py) and the token loader of training and evaluation (loader.py)."""

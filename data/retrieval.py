@@ -1,4 +1,4 @@
-"""A synthetic retrieval task (multi-query associative recall, Zoology's MQAR): rows generated from a seed."""
+"""A synthetic retrieval task (multi-query associative recall, Zoology's MQAR), rows from a seed."""
 
 import numpy as np
 import torch
@@ -12,14 +12,15 @@ EVAL_SEED = 20231208  # the validation rows are the same for every run and seed
 
 
 class RetrievalTask:
-    """Rows of 2-token slots: a block of `pairs` key–value slots (distinct keys), filler, and query slots that repeat
-    a key and its value. Only a query's value is a target: it is predictable from the key's earlier occurrence and
-    nothing else (chance is 1/values)."""
+    """Rows of 2-token slots: a block of `pairs` key–value slots (distinct keys), filler, and query
+    slots that repeat a key and its value. Only a query's value is a target: it is predictable from
+    the key's earlier occurrence and nothing else (chance is 1/values)."""
 
     def __init__(self, keys: int, values: int, pairs: int):
         if pairs > keys:
             raise UserError(
-                f"data.retrieval_pairs ({pairs}) exceeds data.retrieval_keys ({keys}): keys are distinct"
+                f"data.retrieval_pairs ({pairs}) exceeds data.retrieval_keys ({keys}): keys are "
+                "distinct"
             )
         self.keys, self.values, self.pairs = keys, values, pairs
 
@@ -31,6 +32,14 @@ class RetrievalTask:
         """The shortest row: the key block and one query of each key."""
         return 4 * self.pairs
 
+    def check_length(self, length: int):
+        """UserError unless a row of `length` tokens is at least min_length()."""
+        if length < self.min_length():
+            raise UserError(
+                f"a retrieval row of {length} tokens cannot hold {self.pairs} pairs and their "
+                "queries"
+            )
+
     def _block(self, rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(count, pairs) keys, distinct in a row, and their values."""
         keys = np.argsort(rng.random((count, self.keys)), axis=1)[:, : self.pairs] + 1
@@ -38,14 +47,12 @@ class RetrievalTask:
         return keys, values
 
     def train_rows(self, rng: np.random.Generator, count: int, length: int, filler: float = 0.0):
-        """(count, length) rows and the mask of their targets: the key block starts at a random slot in the first half
-        of the row, and every slot after it is a query of one of its keys, drawn at random (many queries per row), or
-        with probability `filler` filler (gaps between the keys and their queries, as evaluation rows have)."""
+        """(count, length) rows and the mask of their targets: the key block starts at a random slot
+        in the first half of the row, and every slot after it is a query of one of its keys, drawn
+        at random (many queries per row), or with probability `filler` filler (gaps between the keys
+        and their queries, as evaluation rows have)."""
+        self.check_length(length)
         slots = length // 2
-        if slots < 2 * self.pairs:
-            raise UserError(
-                f"a retrieval row of {length} tokens cannot hold {self.pairs} pairs and their queries"
-            )
         keys, values = self._block(rng, count)
         starts = rng.integers(0, (slots - self.pairs) // 2 + 1, size=count)
         picks = rng.integers(0, self.pairs, size=(count, slots))
@@ -66,21 +73,20 @@ class RetrievalTask:
     def eval_rows(
         self, rng: np.random.Generator, count: int, length: int, distance: int | None = None
     ):
-        """(count, length) rows and their target mask: the key block, then each key queried once in the same order,
-        at `distance` tokens from its key (even, at least 2·pairs); None: the key block anywhere and the queries in
-        the last slots, so that distances run up to the row's length. Filler elsewhere."""
+        """(count, length) rows and their target mask: the key block, then each key queried once in
+        the same order, at `distance` tokens from its key (even, at least 2·pairs); None: the key
+        block anywhere and the queries in the last slots, so that distances run up to the row's
+        length. Filler elsewhere."""
         slots, block = length // 2, self.pairs
         if distance is None:
-            if slots < 2 * block:
-                raise UserError(
-                    f"a retrieval row of {length} tokens cannot hold {block} pairs and their queries"
-                )
+            self.check_length(length)
             starts = rng.integers(0, slots - 2 * block + 1, size=count)
             query_starts = np.full(count, slots - block)
         else:
             if distance % 2 or distance < 2 * block or distance + 2 * block > 2 * slots:
                 raise UserError(
-                    f"a query distance must be even, at least {2 * block} and fit a row of {length}, not {distance}"
+                    f"a query distance must be even, at least {2 * block} and fit a row of "
+                    f"{length}, not {distance}"
                 )
             starts = rng.integers(0, slots - block - distance // 2 + 1, size=count)
             query_starts = starts + distance // 2
@@ -107,8 +113,7 @@ class RetrievalTask:
     def fixed_batches(
         self, count: int, batch_size: int, length: int, distance=None, seed=EVAL_SEED
     ) -> list:
-        """`count` fixed (x, y) evaluation batches (x of `length` tokens), the same for a seed on
-        any machine."""
+        """`count` fixed (x, y) evaluation batches, x of `length` tokens, the same for a seed."""
         rows, targets = self.eval_rows(
             np.random.default_rng(seed), count * batch_size, length + 1, distance
         )
@@ -119,8 +124,9 @@ class RetrievalTask:
 
 
 class RetrievalBatches:
-    """Training batches of the retrieval task, like RandomBatches: seeded, resumable, the same global batch on every
-    rank (train.py keeps each rank's rows). y is -100 but at the queries' values."""
+    """Training batches of the retrieval task, like RandomBatches: seeded, resumable, the same
+    global batch on every rank (train.py keeps each rank's rows). y is -100 but at the queries'
+    values."""
 
     def __init__(
         self,
@@ -131,16 +137,9 @@ class RetrievalBatches:
         device="cpu",
         filler=0.0,
     ):
-        task.train_rows(
-            np.random.default_rng(0), 1, seq_len + 1
-        )  # UserError now if a row cannot hold the task
-        self.task, self.batch_size, self.seq_len, self.device, self.filler = (
-            task,
-            batch_size,
-            seq_len,
-            device,
-            filler,
-        )
+        task.check_length(seq_len + 1)
+        self.task, self.batch_size, self.seq_len = task, batch_size, seq_len
+        self.device, self.filler = device, filler
         self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0])))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +154,8 @@ class RetrievalBatches:
     def load_state_dict(self, state: dict) -> None:
         if state.get("task") != "retrieval":
             raise UserError(
-                "the checkpoint's loader state is not the retrieval task's; resume with its data.task"
+                "the checkpoint's loader state is not the retrieval task's; resume with its "
+                "data.task"
             )
         self.rng.bit_generator.state = state["rng"]
 

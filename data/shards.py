@@ -1,13 +1,12 @@
-"""Token shards on disk: encoding documents on all cores, writing fixed-size resumable shards, listing them."""
+"""Token shards: documents encoded on all cores, written to fixed-size resumable shards, listed."""
 
 import os
 from pathlib import Path
 
 import numpy as np
 
-ENCODE_PIECE_CHARS = (
-    1 << 10
-)  # documents are encoded in pieces cut after a newline: ~25% faster than 8k pieces
+# documents are encoded in pieces cut after a newline: ~25% faster than 8k pieces
+ENCODE_PIECE_CHARS = 1 << 10
 
 
 def shard_name(split: str, index: int) -> str:
@@ -15,31 +14,30 @@ def shard_name(split: str, index: int) -> str:
 
 
 def docs_name(shard_file: str) -> str:
-    """The document offsets beside a shard: train-00000.bin -> train-00000.docs.npy, train.bin -> train.docs.npy."""
+    """The document offsets beside a shard: train-00000.bin -> train-00000.docs.npy."""
     return str(Path(shard_file).with_suffix(".docs.npy"))
 
 
 def split_shards(meta: dict, split: str) -> list[dict]:
-    """[{"file", "tokens"}, ...] of a split in order; a format-2 dataset is one shard, <split>.bin."""
+    """[{"file", "tokens"}, ...] of a split, in order; format 2 has one shard, <split>.bin."""
     info = meta["splits"][split]
-    return (
-        info["shards"] if "shards" in info else [{"file": f"{split}.bin", "tokens": info["tokens"]}]
-    )
+    if "shards" in info:
+        return info["shards"]
+    return [{"file": f"{split}.bin", "tokens": info["tokens"]}]
 
 
 def cuts_after_newlines(tokenizer) -> bool:
-    """Whether cutting a text after a newline changes no id: no piece holds a newline (so none spans one) and the
-    tokenizer adds nothing at the start of a text."""
+    """Whether cutting a text after a newline changes no id: no piece holds a newline (so none spans
+    one) and the tokenizer adds nothing at the start of a text."""
     pieces = (tokenizer.id_to_piece(i) for i in range(tokenizer.get_piece_size()))
     no_newline_piece = not any("\n" in piece for piece in pieces)
-    return no_newline_piece and tokenizer.encode("a\nb") == tokenizer.encode(
-        "a\n"
-    ) + tokenizer.encode("b")
+    encode = tokenizer.encode
+    return no_newline_piece and encode("a\nb") == encode("a\n") + encode("b")
 
 
 def pieces_of(text: str, cut_at_newlines: bool):
-    """The text in pieces of about ENCODE_PIECE_CHARS characters, each cut just after a newline (a longer line stays
-    whole), or whole if not cut_at_newlines."""
+    """The text in pieces of about ENCODE_PIECE_CHARS characters, each cut just after a newline (a
+    longer line stays whole), or whole if not cut_at_newlines."""
     if not cut_at_newlines:
         yield text
         return
@@ -67,13 +65,14 @@ def document_pieces(texts: list[str], cut_at_newlines: bool) -> tuple[list[str],
 
 
 def encode_pieces(tokenizer, pieces: list[str], threads: int) -> list[np.ndarray]:
-    """The ids of each piece (int32), encoded by sentencepiece on `threads` threads without the GIL; they do not
-    depend on the number of threads."""
+    """The ids of each piece (int32), encoded by sentencepiece on `threads` threads without the GIL;
+    they do not depend on the number of threads."""
     return tokenizer.encode(pieces, num_threads=threads, return_type="numpy") if pieces else []
 
 
 def join_documents(tokenizer, encoded: list[np.ndarray], counts: list[int]):
-    """(ids, lengths): BOS + ids + EOS of each text from its pieces' ids, concatenated (int32), and each one's length.
+    """(ids, lengths): BOS + ids + EOS of each text from its pieces' ids, concatenated (int32), and
+    each one's length.
 
     The EOS teaches the model to end a text, so that generation can stop."""
     bos = np.array([tokenizer.bos_id()], dtype=np.int32)
@@ -82,20 +81,19 @@ def join_documents(tokenizer, encoded: list[np.ndarray], counts: list[int]):
     lengths = []
     first = 0
     for count in counts:
-        parts += [bos, *encoded[first : first + count], eos]
-        lengths.append(
-            len(bos) + len(eos) + sum(len(ids) for ids in encoded[first : first + count])
-        )
+        pieces = encoded[first : first + count]
+        parts += [bos, *pieces, eos]
+        lengths.append(len(bos) + len(eos) + sum(len(ids) for ids in pieces))
         first += count
     ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
     return ids, np.array(lengths, dtype=np.int64)
 
 
 class ShardWriter:
-    """Appends a split's documents to shard files <split>-NNNNN.bin of exactly shard_tokens tokens (the last one
-    fewer; documents run on across shards), and each document's start, relative to its shard, to a raw int64 file in
-    progress/. state() is what a run resumed from it needs: the files are cut back to it, so that whatever was
-    written after it is written again, identically."""
+    """Appends a split's documents to shard files <split>-NNNNN.bin of exactly shard_tokens tokens
+    (the last one fewer; documents run on across shards), and each document's start, relative to its
+    shard, to a raw int64 file in progress/. state() is what a run resumed from it needs: the files
+    are cut back to it, so that whatever was written after it is written again, identically."""
 
     def __init__(
         self,
@@ -139,11 +137,9 @@ class ShardWriter:
                 )
         if open_tokens:
             self._raw_docs(open_index).touch()
+            shard = self.folder / shard_name(self.split, open_index)
             for path, size in (
-                (
-                    self.folder / shard_name(self.split, open_index),
-                    open_tokens * self.dtype.itemsize,
-                ),
+                (shard, open_tokens * self.dtype.itemsize),
                 (self._raw_docs(open_index), self.shard_docs[open_index] * 8),
             ):
                 if not path.is_file() or path.stat().st_size < size:
@@ -195,15 +191,14 @@ class ShardWriter:
         return self.tokens // self.shard_tokens
 
     def finish(self) -> dict:
-        """Close the last shard, save each shard's document offsets as .docs.npy; the split's manifest entry."""
+        """Close the last shard, save each shard's document offsets (.docs.npy); the manifest."""
         self.close()
         shards = []
         for index in range(-(-self.tokens // self.shard_tokens)):
             name = shard_name(self.split, index)
             raw = self._raw_docs(index)
-            offsets = (
-                np.fromfile(raw, dtype=np.int64) if raw.is_file() else np.zeros(0, dtype=np.int64)
-            )
+            empty = np.zeros(0, dtype=np.int64)
+            offsets = np.fromfile(raw, dtype=np.int64) if raw.is_file() else empty
             np.save(self.folder / docs_name(name), offsets)
             tokens = min(self.shard_tokens, self.tokens - index * self.shard_tokens)
             shards.append({"file": name, "tokens": tokens, "docs": self.shard_docs[index]})

@@ -1,4 +1,4 @@
-"""A tokenizer's identity: the sha256 of its tokenizer.model, which datasets, run directories and checkpoints record."""
+"""A tokenizer's identity: the sha256 of its tokenizer.model, which datasets and runs record."""
 
 import hashlib
 from pathlib import Path
@@ -11,5 +11,5 @@ def tokenizer_sha256(tokenizer: Path | str | bytes) -> str:
 
 
 def same_tokenizer(recorded: str | None, tokenizer: Path | str | bytes) -> bool:
-    """Whether `tokenizer` (a file or its bytes) is the one whose sha256 was recorded; True when none was."""
+    """Whether `tokenizer` (a file or bytes) has the recorded sha256; True when none is recorded."""
     return not recorded or recorded == tokenizer_sha256(tokenizer)

@@ -1,5 +1,4 @@
-"""What every command shares: the one error type for user mistakes, an argument parser raising it, the `error:` exit
-(signals included), type checks of values read from files, atomic outputs, free-space checks and the one-writer lock."""
+"""What every command shares: UserError and its `error:` exit, the flags, checks, outputs, locks."""
 
 import argparse
 import errno
@@ -19,12 +18,12 @@ from pathlib import Path
 
 
 class UserError(ValueError):
-    """A mistake the user fixes by changing the command, config, data or paths: one `error:` line, exit status 2."""
+    """A mistake the user fixes in the command, config, data or paths: one `error:` line, exit 2."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are UserErrors, so that run_command prints them as one `error:` line, and whose
-    flags come from the vocabulary below, shared by every command."""
+    """argparse whose usage errors are UserErrors, so that run_command prints them as one `error:`
+    line, and whose flags come from the vocabulary below, shared by every command."""
 
     def error(self, message):
         raise UserError(f"{message} (see --help)")
@@ -41,7 +40,7 @@ class ArgumentParser(argparse.ArgumentParser):
         return namespace, rest
 
 
-# ---- the command-line vocabulary: each shared flag is defined once here (README: "One set of flags")
+# ---- the command-line vocabulary: each shared flag is defined once here (README: One set of flags)
 
 
 def positive(kind=int, zero: bool = False):
@@ -58,8 +57,8 @@ def positive(kind=int, zero: bool = False):
 
 
 def comma_list(item=str, choices=None):
-    """An argparse type: a non-empty comma-separated list, each item through `item` and, given `choices`, one of
-    them."""
+    """An argparse type: a non-empty comma-separated list, each item through `item` (and one of
+    `choices`, if given)."""
 
     def parse(text: str) -> list:
         values = []
@@ -126,8 +125,8 @@ def add_device(parser: ArgumentParser, default: str | None = "auto"):
     parser.add_argument(
         "--dtype",
         default=default,
-        help=f"auto (bfloat16 where the device computes it natively, else float32), float32, bfloat16 or float16 "
-        f"({said})",
+        help="auto (bfloat16 where the device computes it natively, else float32), float32, "
+        f"bfloat16 or float16 ({said})",
     )
 
 
@@ -155,13 +154,19 @@ def one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         where = f"{e.filename}: " if e.filename else ""
         return f"{where}{e.strerror}"
-    if (
-        isinstance(e, MemoryError)
-        or "can't allocate memory" in str(e)
-        or "out of memory" in str(e).lower()
-    ):
+    if out_of_memory(e):
         return "out of memory: choose a smaller model, batch or length"
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` reports exhausted memory (torch's failed allocations are RuntimeErrors)."""
+    text = str(e)
+    return (
+        isinstance(e, MemoryError)
+        or "can't allocate memory" in text
+        or "out of memory" in text.lower()
+    )
 
 
 class Interrupted(KeyboardInterrupt):
@@ -169,22 +174,24 @@ class Interrupted(KeyboardInterrupt):
 
 
 def run_command(main, argv=None) -> int:
-    """main(argv)'s exit status; user mistakes, OS errors and exhausted memory become one `error:` line and
-    status 2; Ctrl-C (130) and SIGTERM (143) at any moment become one `error:` line too, even where Python would
-    swallow the KeyboardInterrupt (in a __del__ or a callback). Only rank 0 of a torchrun job prints."""
+    """main(argv)'s exit status; user mistakes, OS errors and exhausted memory become one `error:`
+    line and status 2; Ctrl-C (130) and SIGTERM (143) at any moment become one `error:` line too,
+    even where Python would swallow the KeyboardInterrupt (in a __del__ or a callback). Only rank 0
+    of a torchrun job prints."""
     received = []
     with interrupt_handlers(received):
         try:
             status = main(sys.argv[1:] if argv is None else list(argv)) or 0
             if not received:
                 return status
-            message = "interrupted"  # a signal whose KeyboardInterrupt was swallowed: the work may be incomplete
+            # a signal whose KeyboardInterrupt was swallowed: the work may be incomplete
+            message = "interrupted"
         except KeyboardInterrupt as e:
             message, status = str(e) or "interrupted", 128 + signal.SIGINT
         except (ValueError, OSError, MemoryError) as e:
             message, status = one_line(e), 2
-        except RuntimeError as e:  # torch reports a failed allocation as a RuntimeError
-            if "can't allocate memory" not in str(e) and "out of memory" not in str(e).lower():
+        except RuntimeError as e:
+            if not out_of_memory(e):
                 raise
             message, status = one_line(e), 2
     if received:
@@ -196,8 +203,9 @@ def run_command(main, argv=None) -> int:
 
 @contextmanager
 def interrupt_handlers(received: list):
-    """SIGINT and SIGTERM raise KeyboardInterrupt and are recorded in `received`; a KeyboardInterrupt that Python
-    reports as "Exception ignored" is not printed (the caller sees it in `received`). Main thread only."""
+    """SIGINT and SIGTERM raise KeyboardInterrupt and are recorded in `received`; a
+    KeyboardInterrupt that Python reports as "Exception ignored" is not printed (the caller sees it
+    in `received`). Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -243,9 +251,10 @@ def replace(src: Path, dst: Path):
 
 @contextmanager
 def atomic_output(path, needed: int | None = None):
-    """Yield a temporary path beside `path`; when the block succeeds it is renamed to `path` (file or directory),
-    otherwise it is removed and `path` keeps what it held. `path` must be absent, a regular file or a directory;
-    `needed` bytes (where the size is known) must be free first. A full disk ends in a UserError naming the path."""
+    """Yield a temporary path beside `path`; when the block succeeds it is renamed to `path` (file
+    or directory), otherwise it is removed and `path` keeps what it held. `path` must be absent, a
+    regular file or a directory; `needed` bytes (where the size is known) must be free first. A full
+    disk ends in a UserError naming the path."""
     path = Path(path)
     check_output_kind(path)
     if needed is not None:
@@ -264,8 +273,8 @@ def atomic_output(path, needed: int | None = None):
 
 
 def write_failure(path, e: BaseException, needed: int | None = None) -> "UserError | None":
-    """The one-line error for an exception that means the disk is full while writing `path` (an OSError ENOSPC or
-    EDQUOT, or torch's and safetensors' reports of one); None for any other exception."""
+    """The one-line error for an exception that means the disk is full while writing `path` (an
+    OSError ENOSPC or EDQUOT, or torch's and safetensors' reports of one); None otherwise."""
     text = str(e)
     full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
     full = full or "No space left on device" in text or "Disk quota exceeded" in text
@@ -274,9 +283,8 @@ def write_failure(path, e: BaseException, needed: int | None = None) -> "UserErr
     )
     if not full:
         return None
-    return UserError(
-        f"cannot write {path}: No space left on device ({space_note(path, needed)}); free some space"
-    )
+    note = space_note(path, needed)
+    return UserError(f"cannot write {path}: No space left on device ({note}); free some space")
 
 
 def space_note(path, needed: int | None) -> str:
@@ -305,8 +313,8 @@ FILE_KINDS = {
 
 
 def file_kind(path) -> str | None:
-    """What `path` is when it exists but is neither a regular file nor a directory ("a FIFO", "a character device",
-    "a symbolic link loop", ...; links are followed); None otherwise (absent included)."""
+    """What `path` is when it exists but is neither a regular file nor a directory ("a FIFO", "a
+    character device", "a symbolic link loop", ...; links are followed); None otherwise."""
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
@@ -315,23 +323,25 @@ def file_kind(path) -> str | None:
 
 
 def check_output_kind(path):
-    """UserError unless path is absent, a regular file or a directory (a symbolic link is followed: to one of those
-    it is fine; into a loop, a device, a FIFO or a socket it is refused, and nothing is replaced). Absent includes a
-    dangling link (replaced as a link) and a folder that is not one (check_writable says)."""
+    """UserError unless path is absent, a regular file or a directory (a symbolic link is followed:
+    to one of those it is fine; into a loop, a device, a FIFO or a socket it is refused, and nothing
+    is replaced). Absent includes a dangling link (replaced as a link) and a folder that is not one
+    (check_writable says)."""
     kind = file_kind(path)
     if kind == "a symbolic link loop":
         raise UserError(f"cannot write {path}: a symbolic link loop; choose another output")
     if kind is not None:
         raise UserError(
-            f"cannot write {path}: it is {kind}, not a regular file or directory; choose another output"
+            f"cannot write {path}: it is {kind}, not a regular file or directory; choose another "
+            "output"
         )
 
 
 def check_writable(path, inputs=(), directory: bool = False):
-    """UserError unless `path` (a directory if `directory`, else a file) can be created or replaced: it is absent,
-    a regular file or a directory (check_output_kind), its folder can be made and written to, and it is not, does
-    not contain, and does not lie inside any of `inputs`. Called before long work starts, so that it never ends in
-    a failed write."""
+    """UserError unless `path` (a directory if `directory`, else a file) can be created or replaced:
+    it is absent, a regular file or a directory (check_output_kind), its folder can be made and
+    written to, and it is not, does not contain, and does not lie inside any of `inputs`. Called
+    before long work starts, so that it never ends in a failed write."""
     check_output_kind(path)
     path = resolved(path)
     for given in inputs:
@@ -340,9 +350,8 @@ def check_writable(path, inputs=(), directory: bool = False):
             raise UserError(f"the output {path} overlaps the input {given}; choose another output")
     if path.exists() and path.is_dir() != directory:
         raise UserError(f"cannot write {path}: it is {'a file' if directory else 'a directory'}")
-    existing = next(
-        p for p in path.parents if p.exists()
-    )  # test there: creating folders would leave them behind
+    # test there: creating folders would leave them behind
+    existing = next(p for p in path.parents if p.exists())
     if not existing.is_dir():
         raise UserError(f"cannot write {path}: {existing} is a file, not a directory")
     try:
@@ -361,10 +370,10 @@ def resolved(path) -> Path:
 
 @contextmanager
 def exclusive(path):
-    """Hold the one-writer lock of `path` (a run or dataset directory) for the block: an advisory fcntl.flock on
-    the lock file .NAME.lock beside it, which records the holder's pid and which the OS releases on any exit, even
-    SIGKILL. UserError, naming that pid, when another process holds it. Folders made for the lock file are removed
-    again if left empty."""
+    """Hold the one-writer lock of `path` (a run or dataset directory) for the block: an advisory
+    fcntl.flock on the lock file .NAME.lock beside it, which records the holder's pid and which the
+    OS releases on any exit, even SIGKILL. UserError, naming that pid, when another process holds
+    it. Folders made for the lock file are removed again if left empty."""
     path = resolved(path)
     lock_path = path.parent / f".{path.name}.lock"
     made = [p for p in path.parents if not p.exists()]
@@ -380,9 +389,12 @@ def exclusive(path):
             holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise UserError(
-                f"{path} is in use by another process (pid {holder}, lock file {lock_path}); wait for it to end"
+                f"{path} is in use by another process (pid {holder}, lock file {lock_path}); wait "
+                "for it to end"
             ) from None
-        try:  # the file may have been removed by its last holder between our open and our lock: lock the new one
+        # the file may have been removed by its last holder between our open and our lock: lock
+        # the new one
+        try:
             if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
                 break
         except FileNotFoundError:
@@ -393,9 +405,7 @@ def exclusive(path):
         os.write(fd, f"{os.getpid()}\n".encode())
         yield
     finally:
-        lock_path.unlink(
-            missing_ok=True
-        )  # before unlocking, so that no one locks a file that is going
+        lock_path.unlink(missing_ok=True)  # before unlocking: no one locks a file that is going
         os.close(fd)
         for folder in made:
             try:
@@ -405,8 +415,8 @@ def exclusive(path):
 
 
 def check_type(name: str, value, annotation):
-    """value, of the type `annotation` (int, float, str, bool, or one of those | None; an int passes as a float);
-    UserError naming `name` otherwise (a bool is not an int, a string is not a bool)."""
+    """value, of the type `annotation` (int, float, str, bool, or one of those | None; an int passes
+    as a float); UserError naming `name` otherwise (a bool is not an int, a string not a bool)."""
     options = (
         typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     )

@@ -1,12 +1,15 @@
-"""Where and in what precision to run: the device, the dtype, native bf16 on CPUs, peak FLOP/s for MFU, and how
-glibc should treat the memory a training step frees."""
+"""Where and how to run: the device, a job's ranks, the dtype, peak FLOP/s, glibc's memory reuse."""
 
 import ctypes
 import ctypes.util
+import gc
+import os
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as torch_dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from picollama.cli import UserError
 
@@ -30,6 +33,9 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+# Devices whose tensors neither gloo nor nccl can hold, even in a group of one (Apple's MPS): one
+# process trains there without a group, so without FSDP2 and its mixed precision
+UNGROUPED = ("mps",)
 
 
 def mps_available() -> bool:
@@ -37,8 +43,8 @@ def mps_available() -> bool:
 
 
 def pick_device(name: str | None = None) -> torch.device:
-    """The named device (cpu, cuda, cuda:1, mps), or what the machine has: cuda, else Apple's mps, else cpu;
-    UserError if unusable."""
+    """The named device (cpu, cuda, cuda:1, mps), or what the machine has: cuda, else Apple's mps,
+    else cpu; UserError if unusable."""
     if name in (None, "auto"):
         return torch.device(
             "cuda" if torch.cuda.is_available() else "mps" if mps_available() else "cpu"
@@ -55,14 +61,9 @@ def pick_device(name: str | None = None) -> torch.device:
         )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {name!r}: CUDA is not available on this machine")
-    if (
-        device.type == "cuda"
-        and device.index is not None
-        and device.index >= torch.cuda.device_count()
-    ):
-        raise UserError(
-            f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
-        )
+    count = torch.cuda.device_count() if device.type == "cuda" else None
+    if count is not None and device.index is not None and device.index >= count:
+        raise UserError(f"device {name!r}: this machine has {count} CUDA device(s)")
     if device.type == "mps" and not mps_available():
         raise UserError(
             f"device {name!r}: MPS (Apple's GPU) is not available on this machine; use cpu"
@@ -70,50 +71,105 @@ def pick_device(name: str | None = None) -> torch.device:
     return device
 
 
+class Dist:
+    """Rank, world size, device, device mesh and the collectives training needs. A single process is
+    a group of one (in-process, no port), so that it trains through the same FSDP2 code, mixed
+    precision included."""
+
+    def __init__(self, device_name: str):
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.device = pick_device(device_name)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+        self.mesh = None  # no group: a plain model, no FSDP2
+        if self.device.type in UNGROUPED:
+            if self.world_size > 1:
+                raise UserError(
+                    f"no collective backend serves {self.device.type} tensors: train there in one "
+                    "process"
+                )
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if "WORLD_SIZE" in os.environ:  # torchrun's
+            torch_dist.init_process_group(backend)
+        else:
+            store = torch_dist.HashStore()
+            torch_dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self):
+        if self.mesh is not None:
+            torch_dist.barrier()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.mesh is not None:
+            torch_dist.all_reduce(tensor)
+        return tensor
+
+    def mean(self, scalar: torch.Tensor) -> float:
+        """The mean over ranks of a scalar tensor, as a Python number (a host sync)."""
+        return self.all_reduce_sum(scalar).item() / self.world_size
+
+    def close(self):
+        """Destroy the process group once nothing references the model and optimizer
+        (pytorch#190489: gloo can abort at exit otherwise): drop the mesh, collect the freed FSDP
+        modules, then destroy."""
+        self.mesh = None
+        if torch_dist.is_initialized():
+            gc.collect()  # a full collection costs ~0.2 s: only when there is a group to destroy
+            torch_dist.destroy_process_group()
+
+
 def check_compiler():
-    """UserError unless torch.compile can build kernels here: Inductor needs a C++ compiler (g++, or $CXX)."""
+    """UserError unless torch.compile can build kernels: Inductor needs a C++ compiler."""
     from torch._inductor import cpp_builder  # imported only when compiling: it takes a while
 
     try:
         cpp_builder.get_cpp_compiler()
     except Exception:  # Inductor's InvalidCxxCompiler, or whatever its search runs into
         raise UserError(
-            "--compile needs a working C++ compiler for torch.compile (Inductor), and none was found (tried $CXX, "
-            "g++); install one or run without compiling"
+            "--compile needs a working C++ compiler for torch.compile (Inductor), and none was "
+            "found (tried $CXX, g++); install one or run without compiling"
         ) from None
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU does bf16 arithmetic natively (AVX-512 BF16 or AMX), where bf16 matmuls beat fp32."""
+def cpu_flags() -> set[str]:
+    """The feature flags of this CPU, from /proc/cpuinfo (none where it has no flags line)."""
     try:
-        flags = next(
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    line = next((line for line in lines if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): bf16 matmuls beat fp32."""
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 def keep_freed_memory():
-    """Make glibc keep the memory the training step frees for the next step (Linux; elsewhere nothing). By default it
-    returns large freed blocks to the OS and the next step faults them back in: ~110k page faults a step of the
-    default model on 2 cores, a quarter of its time (measured: 9.6k → 12.9k tokens/s with this). The cost: the
-    process holds on to its peak memory."""
+    """Make glibc keep the memory the training step frees for the next step (Linux; elsewhere
+    nothing). By default it returns large freed blocks to the OS and the next step faults them back
+    in: ~110k page faults a step of the default model on 2 cores, a quarter of its time (measured:
+    9.6k → 12.9k tokens/s with this). The cost: the process holds on to its peak memory."""
     if not sys.platform.startswith("linux") or (name := ctypes.util.find_library("c")) is None:
         return
     libc = ctypes.CDLL(name)
-    if hasattr(
-        libc, "mallopt"
-    ):  # glibc's M_TRIM_THRESHOLD (-1) and M_MMAP_THRESHOLD (-3), to 1 GiB
+    if hasattr(libc, "mallopt"):  # glibc's M_TRIM_THRESHOLD (-1) and M_MMAP_THRESHOLD (-3): 1 GiB
         libc.mallopt(-1, 1 << 30)
         libc.mallopt(-3, 1 << 30)
 
 
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """The named dtype; "auto" (or None) is bfloat16 where the device computes it natively (a GPU that supports it,
-    or a CPU with cpu_has_bf16()) and float32 elsewhere."""
+    """The named dtype; "auto" (or None) is bfloat16 where the device computes it natively (a GPU
+    that supports it, or a CPU with cpu_has_bf16()) and float32 elsewhere."""
     if name in (None, "auto"):
         native = (
             torch.cuda.is_bf16_supported()

@@ -1,5 +1,4 @@
-"""What a training run reports: tokens/s and MFU over training time alone, peak memory, metrics.jsonl, wandb and
-the progress bar."""
+"""What a training run reports: tokens/s, MFU, peak memory, metrics.jsonl, wandb, progress bar."""
 
 import json
 import math
@@ -24,13 +23,13 @@ def memory_gb(device: torch.device) -> float:
 
 
 def flops_per_token(model, seq_len: int) -> float:
-    """Training FLOPs per token of a Transformer: 6 per matmul weight, plus attention's 12·layers·dim·seq_len."""
+    """Training FLOPs per token: 6 per matmul weight, plus attention's 12·layers·dim·seq_len."""
     matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     return 6 * matmul_params + 12 * model.args.n_layers * model.args.dim * seq_len
 
 
 class Throughput:
-    """Tokens/s and MFU over training time alone: the clock stops while evaluating and checkpointing."""
+    """Tokens/s and MFU over training time alone: the clock stops to evaluate and checkpoint."""
 
     def __init__(
         self, tokens_per_step: int, flops_per_token: float, peak: float | None, device: torch.device
@@ -74,7 +73,7 @@ def logged_step(line: str) -> float:
 
 
 class RunLog:
-    """What rank 0 reports: metrics.jsonl (a resumed run first drops the steps it will redo), wandb, a progress bar."""
+    """What rank 0 reports: metrics.jsonl (resuming drops steps redone), wandb, a progress bar."""
 
     def __init__(self, cfg: Config, run_dir: Path, step: int, total: int | None, main: bool):
         """total: the run's steps, None while a train.max_minutes probe has not sized it yet."""
@@ -100,8 +99,8 @@ class RunLog:
             )
 
     def record(self, entry: dict):
-        """Append entry to metrics.jsonl (and wandb), with elapsed_s: wall seconds since this process began training,
-        evaluations and checkpoints included (the time axis of a validation curve)."""
+        """Append entry to metrics.jsonl (and wandb) with elapsed_s: wall seconds since training
+        began, evaluations and checkpoints included (the time axis of a validation curve)."""
         entry = {**entry, "elapsed_s": round(time.perf_counter() - self.start, 3)}
         if self.main:
             # JSON has no NaN or infinity: those are written as null

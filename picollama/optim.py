@@ -1,5 +1,4 @@
-"""The optimizers and the learning-rate schedule: AdamW, or Muon for the blocks' matrices beside AdamW; linear
-warmup, then cosine decay."""
+"""The optimizers (AdamW, or Muon for the blocks' matrices beside it) and the lr schedule."""
 
 import math
 
@@ -9,7 +8,7 @@ from picollama.config import Config
 
 
 class Optimizers(list):
-    """Several optimizers stepped as one; checkpoint.py's DCP state dicts take such a list as it is."""
+    """Several optimizers stepped as one; checkpoint.py's DCP state dicts take such a list as is."""
 
     @property
     def param_groups(self) -> list[dict]:
@@ -29,9 +28,10 @@ class Optimizers(list):
 
 
 def build_muon(model, cfg: Config) -> torch.optim.Muon | None:
-    """With optim.name muon, Muon for the blocks' 2-D matrices (modded-nanogpt's split), its learning rate scaled
-    by the schedule as AdamW's is (the group's lr_scale); None otherwise. Under FSDP2 the matrices are DTensors
-    sharded by rows, and Newton–Schulz runs on them as DTensor ops, which gather what each product needs."""
+    """With optim.name muon, Muon for the blocks' 2-D matrices (modded-nanogpt's split), its
+    learning rate scaled by the schedule as AdamW's is (the group's lr_scale); None otherwise. Under
+    FSDP2 the matrices are DTensors sharded by rows, and Newton–Schulz runs on them as DTensor ops,
+    which gather what each product needs."""
     o = cfg.optim
     if o.name != "muon":
         return None
@@ -44,8 +44,8 @@ def build_muon(model, cfg: Config) -> torch.optim.Muon | None:
 
 
 def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Optimizer | Optimizers:
-    """AdamW with weight decay on matrices only, fused where the device supports it; with optim.name muon, Muon
-    takes the blocks' matrices and AdamW the rest (embeddings, output head, norms)."""
+    """AdamW with weight decay on matrices only, fused where the device supports it; with optim.name
+    muon, Muon takes the blocks' matrices and AdamW the rest (embeddings, output head, norms)."""
     muon = build_muon(model, cfg)
     taken = {id(p) for p in muon.param_groups[0]["params"]} if muon else set()
     params = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
@@ -60,7 +60,7 @@ def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Opt
 
 
 def lr_at(step: int, cfg: Config) -> float:
-    """Linear warmup over warmup_steps, then cosine decay to min_lr at max_steps (step counts from 0)."""
+    """Linear warmup over warmup_steps, then cosine decay to min_lr at max_steps (from step 0)."""
     o = cfg.optim
     total = cfg.train.max_steps
     if step < o.warmup_steps:

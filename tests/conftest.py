@@ -1,5 +1,4 @@
-"""Shared test helpers: a tiny dataset with a briefly trained run directory, one torch thread for tiny models, and
-bench scripts' mains in this process."""
+"""Shared test helpers: a tiny dataset and trained run, one torch thread, bench mains in-process."""
 
 import importlib
 import importlib.util
@@ -34,8 +33,8 @@ def write_corpus(directory, num_docs=12, words_per_doc=2500, seed=0):
 
 
 def build_tiny_run(root, steps=60, **model_args) -> tuple:
-    """(run_dir, data_dir): a dataset prepared with data.prepare and a tiny model (ModelArgs changed by model_args)
-    trained on it for a few steps."""
+    """(run_dir, data_dir): a dataset prepared with data.prepare and a tiny model (ModelArgs changed
+    by model_args) trained on it for a few steps."""
     data_dir = prepare(
         str(write_corpus(root / "corpus")), vocab_size=320, out_dir=root / "data", command=["test"]
     )
@@ -70,7 +69,7 @@ def build_tiny_run(root, steps=60, **model_args) -> tuple:
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine two threads stall each other (10×)."""
+    """Tiny models gain nothing from threads; on a busy 2-core machine two stall each other."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -87,14 +86,16 @@ def make_tiny_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llama_cpp():
-    """llama-cpp-python (the `llama` extra: compiled from source, so not in `dev`), or a skip saying how to install
-    it. CI installs every extra, so there a missing module fails rather than skips: a skip never passes in CI."""
+    """llama-cpp-python (the `llama` extra: compiled from source, so not in `dev`), or a skip saying
+    how to install it. CI installs every extra, so there a missing module fails rather than skips: a
+    skip never passes in CI."""
     try:
         return importlib.import_module("llama_cpp")
     except ImportError:
         if os.environ.get("CI"):
             pytest.fail(
-                "llama_cpp is not installed, and CI must run the llama.cpp checks: pip install -e '.[llama]'"
+                "llama_cpp is not installed, and CI must run the llama.cpp checks: pip install -e "
+                "'.[llama]'"
             )
         pytest.skip(
             "llama-cpp-python is not installed: pip install -e '.[llama]' runs the llama.cpp checks"

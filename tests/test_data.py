@@ -106,9 +106,8 @@ def test_shards_hold_every_document_once_with_bos_and_eos(corpus):
         )
         assert int(tokens.max()) < meta["vocab_size"]
     train, val = split_texts(data_dir, "train"), split_texts(data_dir, "val")
-    assert sorted(train + val) == sorted(
-        documents
-    )  # whole documents, none lost, none in both splits
+    # whole documents, none lost, none in both splits
+    assert sorted(train + val) == sorted(documents)
     assert not set(train) & set(val) and len(val) >= 1
     val_bytes = sum(len(d.encode()) for d in val)
     assert val_bytes == meta["splits"]["val"]["bytes"]
@@ -146,9 +145,8 @@ def test_a_tokenizer_is_identified_by_the_sha256_its_dataset_records(corpus, tmp
     assert recorded == hashlib.sha256(path.read_bytes()).hexdigest()
     (tmp_path / "other.model").write_bytes(path.read_bytes() + b"\0")
     assert same_tokenizer(recorded, path) and not same_tokenizer(recorded, tmp_path / "other.model")
-    assert same_tokenizer(
-        None, tmp_path / "other.model"
-    )  # nothing recorded: nothing to hold it against
+    # nothing recorded: nothing to hold it against
+    assert same_tokenizer(None, tmp_path / "other.model")
 
 
 def test_random_batches_are_seeded_and_resumable(corpus, tmp_path):
@@ -178,9 +176,8 @@ def test_random_batches_are_seeded_and_resumable(corpus, tmp_path):
         resumed.load_state_dict(restored_state)
         for want, got in zip(expected, (resumed.next_batch() for _ in range(3))):
             assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-    resumed.load_state_dict(
-        {"rank": 0, "world_size": 1, "rng": state["rng"]}
-    )  # saved when the loader took a rank
+    # saved when the loader took a rank
+    resumed.load_state_dict({"rank": 0, "world_size": 1, "rng": state["rng"]})
     assert torch.equal(resumed.next_batch()[0], expected[0][0])
     with pytest.raises(UserError, match="not a text dataset's"):
         resumed.load_state_dict({"task": "retrieval", "rng": state["rng"]})
@@ -218,9 +215,8 @@ def test_plant_copies_repeats_a_random_span_inside_the_text(corpus):
     data_dir, _ = corpus
     meta = load_meta(data_dir)
     vocabulary = copy_vocabulary(meta)
-    assert (
-        len(vocabulary) == meta["vocab_size"] - 3 and not np.isin([0, 1, 2], vocabulary).any()
-    )  # unk, BOS, EOS
+    assert len(vocabulary) == meta["vocab_size"] - 3
+    assert not np.isin([0, 1, 2], vocabulary).any()  # unk, BOS, EOS
     windows = np.tile(np.arange(1000, 1040), (200, 1))  # "text" ids that no span can hold
     text = windows.copy()
     unpredictable = plant_copies(windows, np.random.default_rng(0), vocabulary, span=5, repeats=3)
@@ -232,13 +228,11 @@ def test_plant_copies_repeats_a_random_span_inside_the_text(corpus):
         planted = np.flatnonzero(row < 1000)
         assert len(planted) == 4 * 5 and np.isin(row[planted], vocabulary).all()
         occurrences = planted.reshape(4, 5)
-        assert (
-            np.diff(occurrences, axis=1) == 1
-        ).all()  # each occurrence is contiguous, and all are the same span
+        # each occurrence is contiguous, and all are the same span
+        assert (np.diff(occurrences, axis=1) == 1).all()
         assert (row[occurrences] == row[occurrences[0]]).all()
-        assert np.array_equal(
-            row[row >= 1000], original[row >= 1000]
-        )  # the text around keeps its order
+        # the text around keeps its order
+        assert np.array_equal(row[row >= 1000], original[row >= 1000])
         # unpredictable: the whole first occurrence and the first token of each copy, nothing else
         assert np.array_equal(np.flatnonzero(mask), np.union1d(occurrences[0], occurrences[1:, 0]))
         gaps += np.diff(occurrences[:, 0]).tolist()
@@ -268,15 +262,14 @@ def test_copy_mixing_is_seeded_respects_its_fraction_and_resumes_exactly(corpus,
         assert x.shape == y.shape == (16, 32) and x.dtype == y.dtype == torch.int64
         ignored = y == -100
         kept = ~ignored[:, :-1]
-        assert torch.equal(
-            x[:, 1:][kept], y[:, :-1][kept]
-        )  # y is x shifted wherever it is not ignored
+        # y is x shifted wherever it is not ignored
+        assert torch.equal(x[:, 1:][kept], y[:, :-1][kept])
         for row, mask in zip(x, ignored):
             if not mask.any():
                 continue
             copy_rows += 1
-            # window positions (y[j] is position j+1): the first occurrence, then each copy's first token; a
-            # first occurrence at position 0 has no target there
+            # window positions (y[j] is position j+1): the first occurrence, then each copy's first
+            # token; a first occurrence at position 0 has no target there
             positions = (np.flatnonzero(mask.numpy()) + 1).tolist()
             positions = [0] * (len(positions) == 4 + 2 - 1) + positions
             assert len(positions) == 4 + 2 and np.array_equal(np.diff(positions[:4]), [1, 1, 1])
@@ -339,9 +332,8 @@ def test_document_windows_stay_inside_one_document(corpus):
     longest = int(np.diff(np.append(starts, len(open_tokens(data_dir, "train")))).max())
     windows = document_windows(data_dir, "train", length=64, num_windows=50, seed=3)
     assert windows.shape == (50, 64) and windows.dtype == np.int64
-    assert (
-        windows[:, 1:] != meta["bos_id"]
-    ).all()  # a BOS after position 0 would mean a document boundary
+    # a BOS after position 0 would mean a document boundary
+    assert (windows[:, 1:] != meta["bos_id"]).all()
     assert np.array_equal(windows, document_windows(data_dir, "train", 64, 50, seed=3))
     assert not np.array_equal(windows, document_windows(data_dir, "train", 64, 50, seed=4))
     assert document_windows(data_dir, "train", longest, 2).shape == (2, longest)
@@ -392,9 +384,8 @@ def test_rerun_reuses_the_output_and_force_rebuilds_it(corpus, tmp_path, capsys)
     assert (out / "train-00000.bin").stat().st_mtime_ns == stamp
     prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=out, force=True)
     assert capsys.readouterr().out.startswith("wrote")
-    assert (
-        load_meta(out)["tokenizer_sha256"] == meta_before["tokenizer_sha256"]
-    )  # training is deterministic
+    # training is deterministic
+    assert load_meta(out)["tokenizer_sha256"] == meta_before["tokenizer_sha256"]
     with pytest.raises(UserError, match="different inputs"):
         prepare(str(tmp_path / "texts"), vocab_size=320, out_dir=out)
     reused = prepare(
@@ -460,6 +451,12 @@ def bad_input(tmp_path: Path, case: str) -> tuple[list[str], dict]:
     if case == "missing text field":
         (tmp_path / "records.jsonl").write_text('{"body": "hello"}\n')
         return ["--source", str(tmp_path / "records.jsonl")], {}
+    if case == "datasets not installed":  # an extra: .jsonl, .json, .parquet and hf: need it
+        (tmp_path / "records.jsonl").write_text('{"text": "hello"}\n')
+        (tmp_path / "hidden").mkdir()
+        (tmp_path / "hidden" / "datasets.py").write_text("raise ImportError('no datasets')\n")
+        env = {"PYTHONPATH": str(tmp_path / "hidden")}
+        return ["--source", str(tmp_path / "records.jsonl")], env
     if case == "not a tokenizer":
         (tmp_path / "tokenizer.model").write_bytes(b"not a model")
         return ["--source", str(texts), "--tokenizer", str(tmp_path / "tokenizer.model")], {}
@@ -494,6 +491,7 @@ def bad_input(tmp_path: Path, case: str) -> tuple[list[str], dict]:
         "vocab too large",
         "vocab too small",
         "missing text field",
+        "datasets not installed",
         "not a tokenizer",
         "bad option value",
         "pip cannot fetch",
@@ -514,6 +512,15 @@ def test_cli_rejects_bad_input_in_one_line(tmp_path, case):
         assert (
             "not a regular file" in result.stderr and "save the text to a file" in result.stderr
         ), result.stderr
+    if case == "datasets not installed":
+        assert "pip install -e '.[hf]'" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_hf_source_without_the_datasets_package_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    with pytest.raises(UserError, match=r"needs the datasets package.*pip install -e '\.\[hf\]'"):
+        prepare("hf:some/dataset", vocab_size=300, out_dir=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -572,8 +579,8 @@ def test_default_shakespeare_preparation(tmp_path):
 
 # ---------------------------------------------------------------- streaming, shards, resuming
 
-# Computed with the code before sharding (commit 7e96eaa) on the `corpus` fixture: the tokens, document offsets and
-# batches of a one-shard dataset must stay exactly these.
+# Computed with the code before sharding (commit 7e96eaa) on the `corpus` fixture: the tokens,
+# document offsets and batches of a one-shard dataset must stay exactly these.
 BEFORE_SHARDS = {
     "tokens": {"train": "df0d618fb51c4db1", "val": "a41214385f630eea"},
     "offsets": {"train": "c17a12e489874ad4", "val": "a586c546206ed611"},
@@ -629,7 +636,8 @@ def test_a_format_2_dataset_still_loads_and_asks_for_force(corpus, tmp_path):
 
 @pytest.fixture()
 def small_blocks(monkeypatch):
-    """Blocks of ~6 kB and a tokenizer sample of ~30 kB, so that a small corpus streams through many blocks."""
+    """Blocks of ~6 kB and a tokenizer sample of ~30 kB, so that a small corpus streams through many
+    blocks."""
     monkeypatch.setattr(prepare_module, "BLOCK_BYTES", 6_000)
     monkeypatch.setattr(prepare_module, "TOKENIZER_SAMPLE_BYTES", 30_000)
 
@@ -686,7 +694,7 @@ write, calls = ShardWriter.write, []
 def write_then_die(self, *args):
     write(self, *args)
     calls.append(1)
-    if len(calls) == 2 * 6 + 1:  # block 6's train tokens are written, its progress not yet committed
+    if len(calls) == 2 * 6 + 1:  # block 6's train tokens are written, its progress not committed
         os.kill(os.getpid(), signal.SIGKILL)
 ShardWriter.write = write_then_die
 prepare.prepare(sys.argv[1], 400, sys.argv[2], shard_tokens=700, command=["test"])
@@ -737,7 +745,8 @@ def test_random_windows_span_all_shards_in_proportion_and_resume(corpus, tmp_pat
     sharded = prepare(str(data_dir.parent / "texts"), 400, tmp_path / "sharded", shard_tokens=4000)
     shards = load_meta(sharded)["splits"]["train"]["shards"]
     assert len(shards) == 8
-    # the same token stream in eight shards: the same batches, windows crossing shard boundaries included
+    # the same token stream in eight shards: the same batches, windows crossing shard boundaries
+    # included
     assert loader_digests(sharded) == BEFORE_SHARDS
     tokens = np.asarray(open_tokens(sharded, "train"), dtype=np.int64)
     loader = RandomBatches(sharded, "train", batch_size=64, seq_len=32, seed=1)

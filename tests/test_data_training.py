@@ -1,5 +1,4 @@
-"""train.py over a dataset of many shards: two torchrun ranks read disjoint rows of each global batch, and a run
-resumes exactly."""
+"""train.py over many shards: two torchrun ranks read disjoint rows of each batch; exact resume."""
 
 import os
 import random
@@ -16,9 +15,12 @@ from data.loader import RandomBatches, load_meta, open_tokens
 from data.prepare import prepare
 
 REPO = Path(__file__).resolve().parent.parent
-WORDS = "the king queen lord lady sword crown night day love death speak hath thou thee my good noble fair".split()
+WORDS = (
+    "the king queen lord lady sword crown night day love death speak hath thou thee my good noble "
+    "fair"
+).split()
 
-# train.py on torchrun ranks, each saving the x of every step it trains on as rank<RANK>.npy in sys.argv[1]
+# train.py on torchrun ranks, each saving the x of each step it trains on to sys.argv[1]/rank<N>.npy
 RECORDING = """
 import os, sys
 sys.path.insert(0, {repo!r})
@@ -99,7 +101,8 @@ def test_two_torchrun_ranks_read_disjoint_rows_of_each_global_batch_over_all_sha
     ranks = [np.load(tmp_path / f"rank{rank}.npy") for rank in (0, 1)]
     batch, seq_len = TINY["train"]["batch_size"], TINY["train"]["seq_len"]
     assert all(rows.shape == (steps, batch // 2, seq_len) for rows in ranks)
-    # the global batch one process draws with the run's seed, row for row: rank 0 the first half, rank 1 the second
+    # the global batch one process draws with the run's seed, row for row: rank 0 the first half,
+    # rank 1 the second
     loader = RandomBatches(sharded, "train", batch, seq_len, seed=5)
     for step in range(steps):
         x, _ = loader.next_batch()

@@ -1,4 +1,4 @@
-"""train.py: learning, gradient accumulation, FSDP2 = one process, exact resume after SIGKILL, wandb, clear errors."""
+"""train.py: learning, accumulation, FSDP2 = one process, exact resume after SIGKILL, errors."""
 
 import dataclasses
 import itertools
@@ -22,7 +22,7 @@ import train
 from data.loader import RandomBatches
 from data.prepare import prepare, train_tokenizer
 from model import ModelArgs, Transformer
-from picollama import budget, checkpoint, metrics, optim
+from picollama import budget, checkpoint, device, metrics, optim
 from picollama.checkpoint import checkpoints, load_model, non_finite, save_model
 from picollama.cli import UserError, run_command
 from picollama.config import build_config, check_config, parse_cli
@@ -36,14 +36,18 @@ TINY = {
         "seq_len": 32,
         "log_interval": 1,
         "sample_tokens": 0,
-        "dtype": "float32",  # not auto: bf16 rounds differently for other batch splits, which tests compare
+        # not auto: bf16 rounds differently for other batch splits, which tests compare
+        "dtype": "float32",
     },
-    # constant after warmup, so a run's losses do not depend on max_steps (killed runs use a huge one)
+    # constant after warmup: a run's losses do not depend on max_steps (killed runs use a huge one)
     "optim": {"lr": 3e-3, "min_lr": 3e-3, "warmup_steps": 2},
     "eval": {"interval": 6, "batches": 2, "batch_size": 8},
     "checkpoint": {"interval": 4, "keep": 2},
 }
-WORDS = "the king queen lord lady sword crown night day love death speak hath thou thee my good noble fair".split()
+WORDS = (
+    "the king queen lord lady sword crown night day love death speak hath thou thee my good noble "
+    "fair"
+).split()
 
 
 @pytest.fixture(scope="session")
@@ -129,7 +133,8 @@ def descendants(pid: int) -> list[int]:
 def run_killed_then_resumed(
     nproc: int, config: Path, out_dir: Path, kill_after: int, max_steps: int
 ) -> int:
-    """Start a (practically endless) run, SIGKILL it once checkpoint kill_after exists, resume to max_steps.
+    """Start a (practically endless) run, SIGKILL it once checkpoint kill_after exists, resume to
+    max_steps.
 
     Returns the step it resumed from."""
     process = subprocess.Popen(
@@ -209,9 +214,8 @@ def test_tiny_model_overfits_a_few_batches(dataset):
 def test_grad_accumulation_equals_the_big_batch(dataset, tmp_path):
     config = config_file(tmp_path, dataset, train={"max_steps": 6}, checkpoint={"interval": 0})
     assert run_in_process(config, tmp_path / "big") == 0
-    assert (
-        run_in_process(config, tmp_path / "accum", "--train.grad_accum=4") == 0
-    )  # 4 micro-steps of 2
+    # 4 micro-steps of 2
+    assert run_in_process(config, tmp_path / "accum", "--train.grad_accum=4") == 0
     assert_close(losses(tmp_path / "big"), losses(tmp_path / "accum"), 1e-6)
     assert_close(losses(tmp_path / "big", "val_loss"), losses(tmp_path / "accum", "val_loss"), 1e-6)
 
@@ -241,9 +245,8 @@ def test_a_non_finite_gradient_norm_skips_the_update(dataset):
     dist = train.Dist("cpu")
     model, optimizer, _ = train.build_model(cfg, dist)
     with torch.no_grad():
-        model.norm.weight.to_local()[0] = float(
-            "nan"
-        )  # every logit, so the loss and every gradient, become NaN
+        # every logit, so the loss and every gradient, become NaN
+        model.norm.weight.to_local()[0] = float("nan")
     before = {name: p.to_local().clone() for name, p in model.named_parameters()}
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
     _, grad_norm, applied = train.train_step(model, optimizer, x, y, 1e-3, cfg, dist)
@@ -270,9 +273,8 @@ def test_an_infinite_loss_skips_the_update_even_with_finite_gradients(dataset):
         def forward(self, x, y):
             return self.model(x, y) + float("inf")
 
-        def set_requires_gradient_sync(
-            self, sync
-        ):  # train_step's FSDP2 call: this stand-in is not sharded
+        # train_step's FSDP2 call: this stand-in is not sharded
+        def set_requires_gradient_sync(self, sync):
             pass
 
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
@@ -294,16 +296,16 @@ def test_save_model_refuses_non_finite_weights(tmp_path):
     assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == saved
 
 
-@pytest.mark.parametrize(
-    "eval_interval", [1, 0]
-)  # caught by the validation loss, or else when saving
+# caught by the validation loss, or else when saving
+@pytest.mark.parametrize("eval_interval", [1, 0])
 def test_a_diverged_update_is_never_saved_nor_logged_as_a_number(
     dataset, tmp_path, capsys, eval_interval
 ):
     config = config_file(tmp_path, dataset, train={"max_steps": 2}, checkpoint={"interval": 1})
     assert run_in_process(config, tmp_path / "run") == 0
     capsys.readouterr()
-    # the first update at this rate makes every weight NaN or infinite, while its gradients are still finite
+    # the first update at this rate makes every weight NaN or infinite, while its gradients are
+    # still finite
     diverge = [
         "--resume",
         "--optim.lr=1e39",
@@ -329,9 +331,8 @@ def test_a_diverged_update_is_never_saved_nor_logged_as_a_number(
 
 def test_flops_per_token_counts_the_matmuls_not_the_embeddings():
     model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32))
-    assert (
-        metrics.flops_per_token(model, 32) > 6 * model.num_params() - 6 * 97 * 64
-    )  # embeddings are not matmuls
+    embeddings = 6 * 97 * 64  # not matmuls
+    assert metrics.flops_per_token(model, 32) > 6 * model.num_params() - embeddings
 
 
 def test_due_every_interval_and_after_the_last_step():
@@ -341,8 +342,9 @@ def test_due_every_interval_and_after_the_last_step():
 
 
 def test_tokens_per_s_counts_training_time_only(dataset, tmp_path, monkeypatch):
-    """On a clock where a step takes 1 s, an evaluation 100 s and a checkpoint 50 s, every logged rate is exactly
-    one batch per second, also for the intervals with an evaluation that falls between logging steps."""
+    """On a clock where a step takes 1 s, an evaluation 100 s and a checkpoint 50 s, every logged
+    rate is exactly one batch per second, also for the intervals with an evaluation that falls
+    between logging steps."""
     now = [0.0]
 
     def taking(seconds, function):
@@ -353,9 +355,8 @@ def test_tokens_per_s_counts_training_time_only(dataset, tmp_path, monkeypatch):
         return timed
 
     monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
-    monkeypatch.setattr(
-        RandomBatches, "next_batch", taking(1.0, RandomBatches.next_batch)
-    )  # once a step
+    # once a step
+    monkeypatch.setattr(RandomBatches, "next_batch", taking(1.0, RandomBatches.next_batch))
     monkeypatch.setattr(train, "evaluate", taking(100.0, train.evaluate))
     monkeypatch.setattr(train, "save_checkpoint", taking(50.0, train.save_checkpoint))
     config = config_file(
@@ -372,9 +373,8 @@ def test_tokens_per_s_counts_training_time_only(dataset, tmp_path, monkeypatch):
         40,
     ]
     assert all(rate == pytest.approx(8 * 32) for rate in rates.values()), rates
-    elapsed = losses(
-        tmp_path / "run", "elapsed_s"
-    )  # wall time: steps, evaluations and checkpoints alike
+    # wall time: steps, evaluations and checkpoints alike
+    elapsed = losses(tmp_path / "run", "elapsed_s")
     assert elapsed[10] == 10 and elapsed[30] == 30 + 100 + 50
 
 
@@ -383,8 +383,8 @@ def test_tokens_per_s_counts_training_time_only(dataset, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def runs(dataset, tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """Per precision, one process for 16 steps and 2 ranks for 12 steps: the runs the FSDP and resume tests compare
-    against."""
+    """Per precision, one process for 16 steps and 2 ranks for 12 steps: the runs the FSDP and
+    resume tests compare against."""
     root = tmp_path_factory.mktemp("runs")
     found = {}
     for dtype in ("float32", "bfloat16"):
@@ -412,9 +412,8 @@ def test_fsdp_two_ranks_match_one_process(runs):
     stdout = fp32["two_stdout"].read_text()
     counts = stdout.split("model: ")[1].split(" stored")[0].split(" parameters, ")
     total, stored = (int(n.replace(",", "")) for n in counts)
-    assert 0.45 * total <= stored <= 0.55 * total, (
-        stdout
-    )  # FSDP2 shards every parameter over the 2 ranks
+    # FSDP2 shards every parameter over the 2 ranks
+    assert 0.45 * total <= stored <= 0.55 * total, stdout
 
 
 def test_bf16_trains_in_bf16_with_fp32_master_weights(runs):
@@ -436,9 +435,8 @@ def test_resume_after_sigkill_is_exact_in_one_process(runs, tmp_path):
     )
     assert 4 <= resumed_at < 16
     expected, got = losses(run["single"]), losses(tmp_path / "run")
-    assert sorted(got) == list(
-        range(1, 17)
-    )  # steps past the checkpoint were dropped from the log and redone
+    # steps past the checkpoint were dropped from the log and redone
+    assert sorted(got) == list(range(1, 17))
     assert all(got[step] == expected[step] for step in range(1, 17)), (got, expected)
 
 
@@ -452,7 +450,8 @@ def test_resume_after_sigkill_with_two_ranks(runs, tmp_path):
 
 
 def test_one_process_checkpoint_resumes_on_two_ranks(runs, tmp_path):
-    """One process saves without DCP's collectives (checkpoint.py); the checkpoint is still one that 2 ranks resume."""
+    """One process saves without DCP's collectives (checkpoint.py); the checkpoint is still one that
+    2 ranks resume."""
     fp32 = runs["float32"]
     shutil.copytree(fp32["single"], tmp_path / "run")
     shutil.rmtree(tmp_path / "run" / "train_state" / "step_000016")  # resume from step 12
@@ -473,11 +472,11 @@ def test_two_rank_checkpoint_resumes_in_one_process(runs, tmp_path):
 def test_a_device_without_collectives_trains_the_plain_model_alike_and_resumes(
     dataset, tmp_path, monkeypatch
 ):
-    """Apple's MPS has no collective backend, so one process trains there without a group or FSDP2. That path, run
-    here on the CPU, gives the same losses as the grouped one and resumes exactly."""
+    """Apple's MPS has no collective backend, so one process trains there without a group or FSDP2.
+    That path, run here on the CPU, gives the same losses as the grouped one and resumes exactly."""
     config = config_file(tmp_path, dataset)
     assert run_in_process(config, tmp_path / "grouped") == 0
-    monkeypatch.setattr(train, "UNGROUPED", ("mps", "cpu"))
+    monkeypatch.setattr(device, "UNGROUPED", ("mps", "cpu"))
     assert run_in_process(config, tmp_path / "plain") == 0
     assert_close(losses(tmp_path / "grouped"), losses(tmp_path / "plain"), 1e-5, steps=range(1, 13))
     shutil.rmtree(tmp_path / "plain" / "train_state" / "step_000012")
@@ -598,9 +597,8 @@ def test_resume_refuses_a_dataset_made_with_another_tokenizer(dataset, tmp_path,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "it was trained with another tokenizer" in err, err
     assert (tmp_path / "run" / "tokenizer.model").read_bytes() == tokenizer
-    assert (
-        run_in_process(config, tmp_path / "run", *resume, f"--data.dir={tmp_path / 'same'}") == 0
-    )  # a copy: fine
+    same = f"--data.dir={tmp_path / 'same'}"  # a copy: fine
+    assert run_in_process(config, tmp_path / "run", *resume, same) == 0
 
 
 def test_corrupt_or_mismatched_checkpoint_is_one_line(dataset, tmp_path, capsys):
@@ -623,7 +621,7 @@ def test_corrupt_or_mismatched_checkpoint_is_one_line(dataset, tmp_path, capsys)
     )
 
 
-# ---------------------------------------------------------------- Muon, z-loss, random positions, init_from
+# --------------------------------------------------------------- Muon, z-loss, positions, init_from
 
 
 def test_muon_takes_the_blocks_matrices_and_the_schedule_scales_both(dataset):
@@ -669,11 +667,11 @@ def test_muon_under_fsdp_two_ranks_matches_one_process_and_resumes_there(dataset
     assert run_in_process(config, tmp_path / "one") == 0
     two = run_subprocess(2, config, tmp_path / "two", "--train.max_steps=5")
     assert two.returncode == 0, two.stderr
-    # Newton–Schulz runs in bf16 on the row shards, so the ranks round differently from one process: ~1e-4
+    # Newton–Schulz runs in bf16 on the row shards: the ranks round differently from one process
+    # (~1e-4)
     assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), 1e-3, steps=range(1, 6))
-    assert (
-        run_in_process(config, tmp_path / "two", "--resume") == 0
-    )  # its 2-rank Muon and AdamW state, resharded
+    # its 2-rank Muon and AdamW state, resharded
+    assert run_in_process(config, tmp_path / "two", "--resume") == 0
     assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), 1e-3, steps=range(6, 9))
 
 
@@ -695,9 +693,8 @@ def test_z_loss_adds_the_squared_log_normaliser_and_is_logged_beside_the_loss(da
         and all(0 < value < 1 for value in z.values())
         and not losses(tmp_path / "plain", "z_loss")
     )
-    assert losses(tmp_path / "z")[1] == pytest.approx(
-        plain[1], abs=1e-6
-    )  # "loss" stays the cross-entropy
+    # "loss" stays the cross-entropy
+    assert losses(tmp_path / "z")[1] == pytest.approx(plain[1], abs=1e-6)
     assert losses(tmp_path / "z")[3] != plain[3]  # and the z-loss's gradient changed the updates
 
 
@@ -706,9 +703,8 @@ def test_random_positions_are_sorted_distinct_in_range_and_seeded():
     positions = train.random_positions(16, 32, 4)
     assert positions.shape == (16, 32) and positions.dtype == torch.int64
     assert (positions.diff(dim=1) > 0).all() and positions.min() >= 0 and positions.max() < 128
-    assert (
-        positions.max() >= 96 and len(positions.unique(dim=0)) == 16
-    )  # they reach far, differently in every row
+    # they reach far, differently in every row
+    assert positions.max() >= 96 and len(positions.unique(dim=0)) == 16
     torch.manual_seed(0)
     assert torch.equal(train.random_positions(16, 32, 4), positions)
     assert torch.equal(train.random_positions(2, 8, 1), torch.arange(8).expand(2, 8))
@@ -803,9 +799,8 @@ def test_init_from_extends_the_context_starting_from_the_source_weights(dataset,
     x, y = RandomBatches(dataset, "train", 8, 64, seed=saved["train"]["seed"]).next_batch()
     curve = losses(tmp_path / "long")
     with torch.no_grad():
-        assert curve[1] == pytest.approx(
-            source(x, y).item(), abs=1e-5
-        )  # the source's weights, stretched by YaRN
+        # the source's weights, stretched by YaRN
+        assert curve[1] == pytest.approx(source(x, y).item(), abs=1e-5)
     assert curve[1] < losses(tmp_path / "source")[1] - 0.5 and curve[8] < curve[1]
     # --resume continues the run's own checkpoint; the source is only checked again
     assert (
@@ -837,11 +832,11 @@ def test_init_from_extends_the_context_starting_from_the_source_weights(dataset,
 
 def test_steps_in_budget_counts_steps_evaluations_and_saves():
     cfg = build_config({"eval": {"interval": 10}, "checkpoint": {"interval": 0}}, [])
-    # 100 s left after 5 steps: the last evaluation (4 s) first, then 0.5 s a step + 4 s every 10 steps = 0.9 s a step
+    # 100 s left after 5 steps: the last evaluation (4 s) first, then 0.5 s a step + 4 s every 10
+    # steps = 0.9 s a step
     assert budget.steps_in_budget(100.0, 5, 0.5, 4.0, 2.0, cfg) == 5 + int((100 - 4 - 2) / 0.9)
-    assert (
-        budget.steps_in_budget(-3.0, 5, 0.5, 4.0, 2.0, cfg) == 5
-    )  # over budget already: stop after the probe
+    # over budget already: stop after the probe
+    assert budget.steps_in_budget(-3.0, 5, 0.5, 4.0, 2.0, cfg) == 5
 
 
 @pytest.mark.parametrize(
@@ -870,8 +865,8 @@ def test_a_step_count_on_the_command_line_turns_off_the_files_budget():
         build_config({"train": {"max_minutes": 5.0, "max_steps": 7}}, [])
 
 
-# train.py on a fake clock that advances 0.1 s whenever it is read: the probe then sizes the run the same way on any
-# machine, however loaded
+# train.py on a fake clock that advances 0.1 s whenever it is read: the probe then sizes the run the
+# same way on any machine, however loaded
 ON_A_FAKE_CLOCK = (
     "import itertools, sys, types, train; from picollama import budget; "
     "from picollama.cli import run_command; ticks = itertools.count(); "
@@ -881,8 +876,9 @@ ON_A_FAKE_CLOCK = (
 
 
 def test_a_budgeted_run_killed_and_resumed_equals_the_same_steps_given_up_front(dataset, tmp_path):
-    """The probe's steps are warmup steps, so a run sized by max_minutes is the run of its chosen max_steps; the
-    checkpoint records that number, so a SIGKILLed run resumes on the same schedule (cosine to a min_lr ≠ lr)."""
+    """The probe's steps are warmup steps, so a run sized by max_minutes is the run of its chosen
+    max_steps; the checkpoint records that number, so a SIGKILLed run resumes on the same schedule
+    (cosine to a min_lr ≠ lr)."""
     budget = {"max_minutes": 0.2, "sample_tokens": 0, "log_interval": 1}
     schedule = {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 10}
     config = config_file(
@@ -932,8 +928,8 @@ def test_a_budgeted_run_killed_and_resumed_equals_the_same_steps_given_up_front(
 
 
 def test_a_second_training_into_one_run_directory_is_refused_at_once(dataset, tmp_path, capsys):
-    """Two train.py into one out_dir: the second exits 2 naming the first's pid; the first's outputs are those of a
-    run alone (a second, identical run into another directory, at the same time)."""
+    """Two train.py into one out_dir: the second exits 2 naming the first's pid; the first's outputs
+    are those of a run alone (a second, identical run into another directory, at the same time)."""
     config = config_file(tmp_path, dataset, train={"max_steps": 12})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     first, alone = (
@@ -1032,9 +1028,9 @@ def checkpoint_weights(path: Path, like: dict) -> dict:
 def test_a_full_disk_ends_the_run_in_one_line_with_checkpoint_and_model_consistent(
     dataset, small_disk, monkeypatch, capsys, checked_first
 ):
-    """Checkpoints every step into 2 MB: a save runs out of space (found by the free-space check before writing, or,
-    with that check off, by the write itself). One error line naming the path, no temporary file left, and the
-    model export is the latest checkpoint's weights."""
+    """Checkpoints every step into 2 MB: a save runs out of space (found by the free-space check
+    before writing, or, with that check off, by the write itself). One error line naming the path,
+    no temporary file left, and the model export is the latest checkpoint's weights."""
     if not checked_first:
         monkeypatch.setattr(checkpoint, "check_free_space", lambda *args, **kwargs: None)
     config = config_file(
@@ -1066,7 +1062,7 @@ def test_a_full_disk_during_to_hf_leaves_nothing(make_tiny_run, small_disk, monk
     (small_disk / "filler").write_bytes(b"\0" * (1900 * 1024))
     for checked_first in (True, False):
         if not checked_first:
-            monkeypatch.setattr("cli.check_free_space", lambda *args, **kwargs: None)
+            monkeypatch.setattr("picollama.cli.check_free_space", lambda *args, **kwargs: None)
         assert (
             run_command(
                 convert.main, ["to-hf", "--run", str(run_dir), "--out", str(small_disk / "hf")]
@@ -1084,7 +1080,7 @@ def test_a_full_disk_during_to_hf_leaves_nothing(make_tiny_run, small_disk, monk
 
 FULL_ON_RANK_1 = """
 import errno, os, pathlib
-if os.environ.get("RANK") == "1":  # rank 1's disk is full when it writes its part of the step-8 checkpoint
+if os.environ.get("RANK") == "1":  # rank 1's disk is full as it writes its part of checkpoint 8
     write_text = pathlib.Path.write_text
     def full(self, *args, **kwargs):
         if self.name == "rank1.json" and "step_000008" in str(self):
@@ -1097,10 +1093,11 @@ if os.environ.get("RANK") == "1":  # rank 1's disk is full when it writes its pa
 def test_a_full_disk_on_rank_1_ends_in_one_line_with_checkpoint_and_model_consistent(
     dataset, tmp_path
 ):
-    """torchrun, 2 ranks on gloo: rank 1 (only) finds its disk full while writing its part of a checkpoint, after
-    DCP's collective write. Once rank 0 went on to the next collective and died of a "Connection closed by peer"
-    traceback; now every rank stops, rank 0 prints one line naming rank 1's failure, and the previous checkpoint
-    and the model export are left, consistent. (The full disk is simulated: a sitecustomize on rank 1.)"""
+    """torchrun, 2 ranks on gloo: rank 1 (only) finds its disk full while writing its part of a
+    checkpoint, after DCP's collective write. Once rank 0 went on to the next collective and died of
+    a "Connection closed by peer" traceback; now every rank stops, rank 0 prints one line naming
+    rank 1's failure, and the previous checkpoint and the model export are left, consistent. (The
+    full disk is simulated: a sitecustomize on rank 1.)"""
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(FULL_ON_RANK_1)
     config = config_file(tmp_path, dataset)
@@ -1110,11 +1107,11 @@ def test_a_full_disk_on_rank_1_ends_in_one_line_with_checkpoint_and_model_consis
     )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    expected = f"error: rank 1 failed to save: cannot write {run / 'train_state' / 'step_000008'}: No space left on"
+    checkpoint = run / "train_state" / "step_000008"
+    expected = f"error: rank 1 failed to save: cannot write {checkpoint}: No space left on"
     assert len(errors) == 1 and errors[0].startswith(expected), result.stderr
-    assert "[rank" not in result.stderr and "Connection closed" not in result.stderr, (
-        result.stderr
-    )  # a worker's trace
+    # a worker's trace
+    assert "[rank" not in result.stderr and "Connection closed" not in result.stderr, result.stderr
     assert not [p for p in run.rglob("*") if ".tmp" in p.name]
     assert [p.name for p in checkpoints(run)] == ["step_000004"]
     model, _ = load_model(run)
