@@ -17,7 +17,7 @@ from torch import nn
 from model import ModelArgs, Transformer, rope_frequencies
 from picollama import REPO_ROOT
 from picollama.cli import atomic_output
-from picollama.device import cpu_has_bf16
+from picollama.device import cpu_flags, cpu_has_bf16
 
 QUANTIZATIONS = ("none", "int8")
 # Inductor options for the compiled decode step (DecodeStep.compile_step): the weights stay out of
@@ -78,15 +78,7 @@ def isa_class(flags: set[str]) -> str:
 
 def cpu_isa() -> str:
     """This machine's isa_class ("other" where /proc/cpuinfo has no flags line)."""
-    try:
-        line = next(
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return "other"
-    return isa_class(set(line.partition(":")[2].split()))
+    return isa_class(cpu_flags())
 
 
 def int8_dtype(device: torch.device) -> torch.dtype:
