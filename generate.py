@@ -2,6 +2,8 @@
 
 import importlib
 import math
+import os
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from picollama.cli import (
     add_device,
     add_run,
     add_seed,
+    file_kind,
     positive,
     run_command,
 )
@@ -31,6 +34,9 @@ from picollama.inference import (
 )
 
 SCALING_METHODS = "|".join(m for m in ROPE_SCALINGS if m != "none")  # for messages
+# cgroup v2 and v1: a container's memory limit
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+SEEDS = 2**32  # the seeds torch's CPU generator tells apart (it keeps a seed's low 32 bits)
 
 
 @dataclass(frozen=True)
@@ -52,16 +58,25 @@ class Sampling:
             raise UserError(f"--top-k must be >= 1, not {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise UserError(f"--top-p must be in (0, 1], not {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < SEEDS:
+            raise UserError(
+                f"--seed must be in 0..{SEEDS - 1} (torch's CPU generator keeps 32 bits: a larger "
+                f"seed would repeat a smaller one's samples), not {self.seed}"
+            )
 
 
 def sample(
     logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator=None
 ):
     """One token id per row of logits (B, vocab), on their device: greedy at temperature 0, else
-    top-k/top-p sampling."""
+    top-k/top-p sampling; greedy too where a tiny temperature overflows logits / temperature."""
     if temperature == 0:
         return logits.argmax(-1)
+    greedy = logits.argmax(-1)
     logits = logits.float() / temperature
+    # inf, or NaN (a temperature that is 0 in float32), which softmax cannot take: the limit of a
+    # temperature going to 0 is greedy. No branch: the check stays on the device.
+    overflow = ~logits.amax(-1).isfinite()
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -71,7 +86,9 @@ def sample(
         # the smallest prefix whose mass reaches top_p: drop a token once the mass before it does
         drop = probs.cumsum(-1) - probs >= top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    probs = torch.where(overflow[:, None], 1.0, logits.softmax(-1))
+    chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.where(overflow, greedy, chosen)
 
 
 def prefill(model: Transformer, tokens: torch.Tensor, pos: int) -> torch.Tensor:
@@ -252,23 +269,137 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return bos + tokenizer.encode(text)
 
 
-def read_prompts(args) -> list[str]:
+def check_prompt_flags(args):
+    """UserError for --prompt with --prompt-file, or a --prompt-file that is not a regular file."""
     if args.prompt is not None and args.prompt_file is not None:
         raise UserError("give --prompt or --prompt-file, not both")
-    if args.prompt_file is None:
-        return [args.prompt or ""]
+    if args.prompt_file is not None:
+        prompt_file_size(args.prompt_file)
+
+
+def prompt_file_size(path) -> int:
+    """The size of --prompt-file; UserError unless it is a regular file, which is never opened (a
+    device such as /dev/zero, a FIFO or a socket could be read forever, or block)."""
     try:
-        lines = Path(args.prompt_file).read_text(encoding="utf-8").splitlines()
+        info = os.stat(path)
     except OSError as e:
-        raise UserError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
+        raise UserError(f"--prompt-file {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else file_kind(path) or "not a file"
+        raise UserError(f"--prompt-file {path} is {kind}, not a regular file of prompts")
+    return info.st_size
+
+
+def read_prompts(args, max_bytes: int | None) -> list[str]:
+    """[--prompt], or --prompt-file's non-blank lines; UserError for text that is not UTF-8, and for
+    a file over max_bytes (None: no limit), refused before it is read."""
+    if args.prompt_file is None:
+        return [utf8_argument(args.prompt or "", "--prompt")]
+    path = args.prompt_file
+    size = prompt_file_size(path)
+    try:
+        with open(path, "rb") as file:  # no further than the limit: the file may be growing
+            data = file.read(-1 if max_bytes is None else max_bytes + 1)
+    except OSError as e:
+        raise UserError(f"--prompt-file {path}: {e.strerror or e}") from None
+    held = max(size, len(data))
+    if max_bytes is not None and held > max_bytes:
+        raise UserError(
+            f"--prompt-file {path} holds {held:,} bytes: more prompt text than this model could "
+            f"take in this machine's memory (at most {max_bytes:,} bytes)"
+        )
+    try:
+        lines = data.decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise UserError(
-            f"--prompt-file {args.prompt_file} is not UTF-8 text (byte {e.start}); re-save it"
+            f"--prompt-file {path} is not UTF-8 text (byte {e.start}); re-save it"
         ) from None
     prompts = [line for line in lines if line.strip()]
     if not prompts:
-        raise UserError(f"--prompt-file {args.prompt_file} has no prompts (one per line)")
+        raise UserError(f"--prompt-file {path} has no prompts (one per line)")
     return prompts
+
+
+def utf8_argument(text: str, flag: str) -> str:
+    """A command-line text, refused unless UTF-8: other bytes reach Python as lone surrogates,
+    which no tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = len(text[: e.start].encode("utf-8"))
+        raise UserError(
+            f"{flag} is not UTF-8 text (byte {byte}); set the terminal to UTF-8"
+        ) from None
+    return text
+
+
+# ---------------------------------------------------------------- what fits in memory
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """The memory the KV cache is made in: a GPU's own, else this machine's (its cgroup's limit when
+    lower); None where the system does not say."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+    for limit in CGROUP_LIMITS:
+        try:
+            total = min(total, int(Path(limit).read_text()))
+        except (OSError, ValueError):  # absent, or "max"
+            pass
+    return total
+
+
+def bytes_per_token(model: Transformer) -> int:
+    """What each token of a batch holds while it is sampled: its keys and values in every layer,
+    and its id."""
+    args = model.args
+    size = model.tok_embeddings.weight.element_size()  # the activations' (and the cache's) dtype
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * size + 8
+
+
+def free_bytes(model: Transformer, memory: int | None) -> int | None:
+    """The memory left beside the model's weights."""
+    if memory is None:
+        return None
+    tensors = [*model.parameters(), *model.buffers()]
+    return memory - sum(t.numel() * t.element_size() for t in tensors)
+
+
+def prompt_file_limit(model: Transformer, tokenizer, free: int | None) -> int | None:
+    """The most bytes of prompts whose tokens' KV cache could fit in `free` bytes, each token
+    spelling at most the tokenizer's longest piece."""
+    if free is None:
+        return None
+    pieces = range(tokenizer.get_piece_size())
+    longest = max(len(tokenizer.id_to_piece(i).encode()) for i in pieces)
+    return max(free, 0) // bytes_per_token(model) * longest
+
+
+def check_memory(model: Transformer, rows: int, lengths: tuple[int, int], sampled: bool, free):
+    """UserError, before anything is allocated, when `rows` rows of prompts (shortest, longest +
+    new tokens) = `lengths` cannot fit in `free` bytes: at least their KV cache and token ids, the
+    first step's logits over the shortest prompt (alive while the second step's are made), and
+    where `sampled` (a temperature above 0) the float32 logits and probabilities of a step."""
+    if free is None:
+        return
+    shortest, total = lengths
+    size = model.tok_embeddings.weight.element_size()
+    logits = rows * model.args.vocab_size * ((shortest + 1) * size + (8 if sampled else 0))
+    needed = rows * total * bytes_per_token(model) + logits
+    if needed > free:
+        raise UserError(
+            f"{rows:,} rows of up to {total:,} tokens need at least {gib(needed)} for their KV "
+            f"cache and logits, but {gib(free)} of memory is left beside the weights: lower "
+            "--num-samples or --max-new-tokens, or give fewer prompts"
+        )
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def check_rope_flags(args):
@@ -358,23 +489,37 @@ def summary(args, model, prompts, outputs, seconds: float, device, dtype) -> str
     )
 
 
+def batch_prompts(
+    args, model: Transformer, tokenizer, sampling: Sampling, device
+) -> list[list[int]]:
+    """Each prompt's token ids, args.num_samples times, once the model is fitted to the longest
+    (fit_length) and the batch is known to fit in memory."""
+    free = free_bytes(model, memory_bytes(device))
+    texts = read_prompts(args, prompt_file_limit(model, tokenizer, free))
+    encoded = [encode_prompt(tokenizer, text) for text in texts]
+    if not all(encoded):  # e.g. an imported model whose tokenizer has no BOS to start from
+        raise UserError(
+            f"{args.run}: its tokenizer has no BOS token to begin an empty prompt; give --prompt"
+        )
+    total = max(map(len, encoded)) + sampling.max_new_tokens
+    fit_length(model, args, total)
+    rows = len(encoded) * args.num_samples
+    check_memory(model, rows, (min(map(len, encoded)), total), sampling.temperature > 0, free)
+    return [prompt for prompt in encoded for _ in range(args.num_samples)]
+
+
 def sample_command(args) -> int:
     """`python generate.py --run DIR [...]`."""
     if args.run is None:
         raise UserError("the following arguments are required: --run (see --help)")
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     check_rope_flags(args)
-    texts = read_prompts(args)
+    check_prompt_flags(args)
     device = pick_device(args.device)
     if args.compile:
         check_compiler()
     model, tokenizer, dtype = load_model(args, device)
-    prompts = [encode_prompt(tokenizer, text) for text in texts for _ in range(args.num_samples)]
-    if not all(prompts):  # e.g. an imported model whose tokenizer has no BOS to start from
-        raise UserError(
-            f"{args.run}: its tokenizer has no BOS token to begin an empty prompt; give --prompt"
-        )
-    fit_length(model, args, max(map(len, prompts)) + sampling.max_new_tokens)
+    prompts = batch_prompts(args, model, tokenizer, sampling, device)
     step = fast_step(model, args.compile, len(prompts))
     start = time.perf_counter()
     outputs = print_samples(model, tokenizer, prompts, sampling, step)

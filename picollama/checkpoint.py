@@ -13,8 +13,8 @@ import sentencepiece as spm
 import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -36,6 +36,43 @@ from picollama.cli import (
     write_failure,
 )
 from picollama.config import model_args_from_dict
+
+# The model keys every picollama version has written to config.json and meta.json: one that is
+# missing was edited away, and its default would describe another model. Keys added since may be
+# absent: their defaults are what older versions computed.
+WRITTEN_KEYS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "multiple_of",
+    "ffn_dim_multiplier",
+    "ffn_hidden_dim",
+    "norm_eps",
+    "rope_theta",
+    "max_seq_len",
+    "tie_embeddings",
+    "rope_scaling",
+    "rope_factor",
+    "rope_original_max_seq_len",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+)
+# What config.json may change in the model its weights were saved with: the context and its RoPE
+# scaling (as train.init_from may, and generate.py's --rope-scaling does).
+CONTEXT_KEYS = (
+    "max_seq_len",
+    "rope_scaling",
+    "rope_factor",
+    "rope_original_max_seq_len",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+)
+# model.safetensors' metadata key recording the model its weights are for (ModelArgs as JSON):
+# config.json edited to another n_heads or activation would load the same shapes, computing
+# something else
+WEIGHTS_MODEL = "picollama.model"
 
 
 def save_model(model: Transformer, run_dir, config: dict | None = None, tokenizer=None) -> Path:
@@ -70,7 +107,7 @@ def model_files(model: Transformer, run_dir, config: dict | None = None, tokeniz
     run_dir.mkdir(parents=True, exist_ok=True)
     with ExitStack() as files:  # entered in this order, renamed in the reverse one
         weights = files.enter_context(atomic_output(run_dir / "model.safetensors", needed))
-        save_file(state, weights)
+        save_file(state, weights, metadata={WEIGHTS_MODEL: json.dumps(model.args.to_dict())})
         config_tmp = files.enter_context(atomic_output(run_dir / "config.json"))
         config_tmp.write_text(text)
         if copy:
@@ -112,9 +149,9 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
             raise UserError(f"{run_dir} is not a picollama run directory: {name} is missing")
     try:
         config = json.loads((run_dir / "config.json").read_text())
-        args = model_args_from_dict(config["model"])
+        args = saved_model_args(config["model"])
         check_type("tokenizer_sha256", config.get("tokenizer_sha256"), str | None)
-        state = load_file(run_dir / "model.safetensors", device=str(device))
+        state, saved = read_weights(run_dir / "model.safetensors", device)
     except UserError as e:
         raise UserError(f"{run_dir}/config.json is corrupt: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError, SafetensorError) as e:
@@ -126,9 +163,42 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
             "the run diverged; use an earlier checkpoint"
         )
     try:
+        check_saved_model(args, saved)
         return model_from_state_dict(args, state), config
     except UserError as e:
         raise UserError(f"{run_dir}: {e}") from None
+
+
+def saved_model_args(saved) -> ModelArgs:
+    """ModelArgs from config.json's or meta.json's "model": model_args_from_dict, and a UserError
+    naming a WRITTEN_KEYS key that is missing."""
+    missing = [key for key in WRITTEN_KEYS if key not in saved] if isinstance(saved, dict) else []
+    if missing:
+        raise UserError(f"model.{missing[0]} is missing")
+    return model_args_from_dict(saved)
+
+
+def read_weights(path: Path, device) -> tuple[dict, dict | None]:
+    """(state dict, the ModelArgs dict its metadata records, or None if saved before it did)."""
+    with safe_open(path, framework="pt", device=str(device)) as file:
+        state = {key: file.get_tensor(key) for key in file.keys()}
+        recorded = (file.metadata() or {}).get(WEIGHTS_MODEL)
+    saved = None if recorded is None else json.loads(recorded)
+    if saved is not None and not isinstance(saved, dict):
+        raise ValueError(f"its {WEIGHTS_MODEL} metadata is not a JSON object")
+    return state, saved
+
+
+def check_saved_model(args: ModelArgs, saved: dict | None):
+    """UserError naming the first model key (but CONTEXT_KEYS) in which config.json's model, `args`,
+    differs from the one the weights were saved with, `saved` (None: not recorded)."""
+    ours = args.to_dict()
+    for key, value in (saved or {}).items():
+        if key in ours and key not in CONTEXT_KEYS and ours[key] != value:
+            raise UserError(
+                f"weights do not match config.json: model.{key} is {ours[key]} there, {value} in "
+                "the weights"
+            )
 
 
 def is_hf_directory(path: Path) -> bool:
@@ -177,8 +247,9 @@ def read_tokenizer(path: Path) -> spm.SentencePieceProcessor:
 def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
     """A Transformer of args holding state's tensors as they are (dtype, device), uninitialized."""
     layers = len({key.split(".")[1] for key in state if key.startswith("layers.")})
+    embedding = state.get("tok_embeddings.weight")
     rows, columns = (
-        state["tok_embeddings.weight"].shape if "tok_embeddings.weight" in state else (None, None)
+        embedding.shape if embedding is not None and embedding.ndim == 2 else (None, None)
     )
     # checked before the model is built: a corrupt size could take minutes
     for key, found in (("n_layers", layers), ("vocab_size", rows), ("dim", columns)):
@@ -356,8 +427,10 @@ def write_train_state(
     (tmp / f"rank{dist.rank}.json").write_text(json.dumps(extra))
     if dist.main:
         meta = {"step": step, "world_size": dist.world_size, "model": model.args.to_dict()}
-        # what a resume must keep, and the run's length (which a train.max_minutes budget chose)
-        meta["settings"] = {key: setting(config, key) for key in (*EXACT_KEYS, "train.max_steps")}
+        # what a resume must keep, the run's length (which a train.max_minutes budget decides) and
+        # the wall seconds it has spent (which the budget goes on from until it has decided)
+        recorded = (*EXACT_KEYS, "train.max_steps", "train.spent_s")
+        meta["settings"] = {key: setting(config, key) for key in recorded}
         if tokenizer is not None:
             meta["tokenizer_sha256"] = tokenizer_sha256(tokenizer)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -432,17 +505,32 @@ def load_checkpoint(path: Path, model, optimizer, loader, dist) -> int:
         loader.load_state_dict(extra["loader"])
         set_rng_state(extra["rng"], dist.device)
     except (Exception, CheckpointException) as e:  # DCP and torch raise many kinds: one line
-        if isinstance(e, CheckpointException):
-            e = next(iter(e.failures.values()))[0]
+        e = cause_of(e)
         message = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+        if any(words in str(e) for words in MISMATCHES):  # readable, but saved by another setup
+            raise UserError(
+                f"cannot resume from {path}: it holds the state of another optimizer or model "
+                f"({message}), e.g. saved with another optim.name; resume with the settings it was "
+                f"saved with, or {NEW_RUN.format(run_dir=path.parent.parent)}"
+            ) from None
         raise unusable(path, f"the checkpoint is corrupt or incomplete ({message})") from None
     return int(extra["step"])
 
 
+# How DCP and torch.optim say that a readable checkpoint holds other state than the run's (not that
+# it is corrupt): every checkpoint of the run would say the same.
+MISMATCHES = (
+    "Missing key in checkpoint state_dict",
+    "Size mismatch between saved",
+    "parameter group",
+)
+
+
 # What a resume must keep to continue exactly (the model, data and tokenizer are checked on their
-# own); a checkpoint records them in meta.json's "settings". The schedule (max_steps, learning
-# rates) may change.
+# own): the data stream and the optimizer, whose state the checkpoint holds; a checkpoint records
+# them in meta.json's "settings". The schedule (max_steps, learning rates) may change.
 EXACT_KEYS = (
+    "optim.name",
     "train.batch_size",
     "train.seq_len",
     "train.random_positions",
@@ -454,6 +542,8 @@ EXACT_KEYS = (
     "data.retrieval_pairs",
     "data.retrieval_filler",
 )
+# what to do with a run that cannot be continued
+NEW_RUN = "start a new run from its weights: --train.init_from={run_dir} and another train.out_dir"
 # what makes a directory a run, with or without train_state/
 RUN_FILES = ("model.safetensors", "config.json")
 
@@ -470,15 +560,15 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
     None for a fresh run, which is refused in a directory that holds a run."""
     run_dir = Path(run_dir)
     found = checkpoints(run_dir)
-    if not resume:
-        held = (
-            [found[-1].name] if found else [name for name in RUN_FILES if (run_dir / name).exists()]
+    held = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if found and not resume:
+        raise UserError(
+            f"{run_dir} already holds a run ({found[-1].name}); pass --resume to continue it, "
+            "or choose another train.out_dir"
         )
-        if held:
-            raise UserError(
-                f"{run_dir} already holds a run ({held[0]}); pass --resume to continue it, "
-                "or choose another train.out_dir"
-            )
+    if not found and held:  # said alike with --resume or without: neither can go on here
+        raise without_checkpoint(run_dir, held)
+    if not resume:
         return None
     if not found:
         raise UserError(
@@ -487,7 +577,7 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
         )
     latest = found[-1]
     meta = read_meta(latest)
-    saved = model_args_from_dict(meta["model"]).to_dict()  # keys added since read as their defaults
+    saved = saved_model_args(meta["model"]).to_dict()  # keys added since read as their defaults
     differences = [
         f"model.{k} {saved.get(k)!r} → {v!r}"
         for k, v in args.to_dict().items()
@@ -510,7 +600,7 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
     if changed:
         raise UserError(
             f"cannot resume from {latest} exactly: {', '.join(changed)}; resume with the "
-            "checkpoint's values, or start a new run (train.init_from takes its weights)"
+            f"checkpoint's values, or {NEW_RUN.format(run_dir=run_dir)}"
         )
     max_steps = setting(config, "train.max_steps")
     if setting(config, "train.max_minutes"):  # the length its budget chose
@@ -523,6 +613,21 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
     return latest
 
 
+def without_checkpoint(run_dir: Path, held: list[str]) -> UserError:
+    """The error for a run directory holding RUN_FILES (`held`) but no checkpoint to resume."""
+    if "model.safetensors" not in held:
+        return UserError(
+            f"{run_dir} holds {', '.join(held)} but no model.safetensors and no checkpoint "
+            f"(train_state/): nothing to resume or start from; delete {run_dir}, or choose "
+            "another train.out_dir"
+        )
+    return UserError(
+        f"{run_dir} already holds a run ({', '.join(held)}) but no checkpoint to resume "
+        f"(train_state/): {NEW_RUN.format(run_dir=run_dir)}, or delete {run_dir} to start over "
+        "there"
+    )
+
+
 def read_meta(checkpoint: Path) -> dict:
     """A checkpoint's meta.json, each value checked for its type (UserError naming the key)."""
     try:
@@ -532,7 +637,7 @@ def read_meta(checkpoint: Path) -> dict:
         for key, kind in (("step", int), ("world_size", int), ("tokenizer_sha256", str | None)):
             check_type(key, meta.get(key), kind)
         check_type("settings", meta.get("settings"), dict | None)
-        model_args_from_dict(meta["model"])
+        saved_model_args(meta["model"])
     except UserError as e:
         raise unusable(checkpoint, f"meta.json: {e}") from None
     except (OSError, ValueError, KeyError, TypeError):

@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from picollama.cli import (
     atomic_output,
     check_type,
     check_writable,
+    resolved,
     run_command,
 )
 from picollama.config import checked_model_args
@@ -289,6 +291,26 @@ def from_hf_state_dict(state_dict: dict, config) -> Transformer:
 # ---------------------------------------------------------------- command line
 
 
+@contextmanager
+def output(path: Path, needed: int | None = None):
+    """atomic_output at the path `path` resolves to, so that a symbolic link's target is replaced
+    (the temporary beside it, on its disk), its missing folders made first and removed again if
+    the write fails."""
+    path = resolved(path)
+    made = [folder for folder in path.parents if not folder.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with atomic_output(path, needed) as tmp:
+            yield tmp
+    except BaseException:
+        for folder in made:  # the deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
 def check_replaceable(out: Path):
     """UserError unless `out` is absent, empty or something picollama wrote (OWN_NAMES), so that
     --force never deletes what picollama did not write."""
@@ -344,7 +366,7 @@ def export_hf(run_dir: Path, hf_dir: Path):
         "model_max_length": model.args.max_seq_len,
     }
     needed = model_bytes(model) + tokenizer_path.stat().st_size + 64 * 1024
-    with atomic_output(hf_dir, needed) as tmp:
+    with output(hf_dir, needed) as tmp:
         tmp.mkdir()
         save_file(to_hf_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -404,7 +426,7 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
         if type_ == "f32"
         else gguf.LlamaFileType[f"MOSTLY_{type_.upper()}"]
     )
-    with atomic_output(out) as tmp:
+    with output(out) as tmp:
         writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
         writer.add_name(name)
         writer.add_context_length(args.max_seq_len)
@@ -490,13 +512,7 @@ def read_hf_weights(hf_dir: Path) -> dict:
     if (hf_dir / "model.safetensors").is_file():
         files = [hf_dir / "model.safetensors"]
     elif index.is_file():
-        try:
-            files = [
-                hf_dir / name
-                for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            ]
-        except (json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise UserError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
+        files = [hf_dir / name for name in shard_names(index)]
     else:
         raise UserError(
             f"{hf_dir} has no model.safetensors or model.safetensors.index.json "
@@ -509,6 +525,19 @@ def read_hf_weights(hf_dir: Path) -> dict:
         except (OSError, SafetensorError) as e:
             raise UserError(f"{path}: unreadable weights ({e})") from None
     return state
+
+
+def shard_names(index: Path) -> list[str]:
+    """The shard files an index's weight_map names; UserError naming what is wrong."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:  # not JSON or UTF-8; not an object with the key
+        raise UserError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict):
+        raise UserError(f"{index}: weight_map must be an object, not {type(weight_map).__name__}")
+    for name, file in weight_map.items():
+        check_type(f"{index}: weight_map {name!r}", file, str)
+    return sorted(set(weight_map.values()))
 
 
 def import_hf(hf_dir: Path, run_dir: Path):
@@ -552,7 +581,7 @@ def import_hf(hf_dir: Path, run_dir: Path):
         model = from_hf_state_dict(weights, config)
     except UserError as e:  # weights of the wrong shapes
         raise UserError(f"{hf_dir}: {e}") from None
-    with atomic_output(run_dir) as tmp:
+    with output(run_dir) as tmp:
         save_model(
             model,
             tmp,

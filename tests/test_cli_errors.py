@@ -83,6 +83,22 @@ def add_broken_runs(ws: Path):
     (ws / "no_bos_run" / "tokenizer.model").write_bytes(
         without_bos((ws / "run" / "tokenizer.model").read_bytes())
     )
+    # config.json edited: the same weight shapes, another model (the weights record theirs)
+    heads = {"n_heads": 8, "n_kv_heads": 4}
+    edit_json(ws, "run", "n_heads_run", "config.json", lambda c: c["model"].update(heads))
+    edit_json(ws, "run", "no_context_run", "config.json", lambda c: c["model"].pop("max_seq_len"))
+    # a run saved before the weights recorded their model: config.json's values are checked
+    shutil.copytree(ws / "run", ws / "old_run")
+    save_file(load_file(ws / "old_run" / "model.safetensors"), ws / "old_run" / "model.safetensors")
+    for name, key, value in [
+        ("old_negative_theta_run", "rope_theta", -1.0),
+        ("old_zero_eps_run", "norm_eps", 0.0),
+    ]:
+        edit_json(
+            ws, "old_run", name, "config.json", lambda c, k=key, v=value: c["model"].update({k: v})
+        )
+    (ws / "config_only").mkdir()  # a run directory holding nothing to resume or start from
+    shutil.copy(ws / "run" / "config.json", ws / "config_only")
 
 
 def add_broken_data(ws: Path):
@@ -120,8 +136,23 @@ def add_wrong_json(ws: Path):
         ws, "hf", "hf_string_tie", "config.json", lambda c: c.update(tie_word_embeddings="false")
     )
     edit_json(ws, "hf", "hf_null_eps", "config.json", lambda c: c.update(rms_norm_eps=None))
+    edit_json(ws, "hf", "hf_zero_eps", "config.json", lambda c: c.update(rms_norm_eps=0.0))
+    edit_json(ws, "hf", "hf_negative_theta", "config.json", negative_theta)
+    shutil.copytree(ws / "hf", ws / "hf_number_shard")  # a shard index naming a number, not a file
+    (ws / "hf_number_shard" / "model.safetensors").unlink()
+    (ws / "hf_number_shard" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.embed_tokens.weight": 5}})
+    )
     meta = "train_state/step_000002/meta.json"
     edit_json(ws, "trained", "string_step_trained", meta, lambda m: m.update(step="2"))
+    # a checkpoint saved before meta.json recorded the optimizer
+    edit_json(
+        ws,
+        "trained",
+        "unrecorded_optim_trained",
+        meta,
+        lambda m: m["settings"].pop("optim.name", None),
+    )
     edit_json(
         ws, "trained", "huge_context_trained", meta, lambda m: m["model"].update(max_seq_len=10**12)
     )
@@ -147,6 +178,11 @@ def add_foreign_files(ws: Path):
     # an output that is not a file (never /dev/null itself: old code replaced it)
     make_device(ws / "null")
     (ws / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))  # not UTF-8
+
+
+def negative_theta(config: dict):
+    """An HF config.json with a negative RoPE base (in both places it is written)."""
+    config["rope_theta"] = config["rope_parameters"]["rope_theta"] = -10000.0
 
 
 def without_bos(model_proto: bytes) -> bytes:
@@ -220,8 +256,20 @@ train --train.out_dir={ws}/trained --resume --train.max_steps=3 --data.dir={ws}/
     => trained with another tokenizer
 train --data.dir={ws}/truncated_data => truncated
 # train.py: a run is continued only by --resume, never written into the dataset; --resume
-# is exact or refused
-train --train.out_dir={ws}/run => already holds a run (model.safetensors)
+# is exact or refused; a run without a checkpoint gets the same advice with --resume and without
+train --train.out_dir={ws}/run
+    => already holds a run (model.safetensors, config.json) but no checkpoint to resume
+train --train.out_dir={ws}/run --resume
+    => already holds a run (model.safetensors, config.json) but no checkpoint to resume
+train --train.out_dir={ws}/config_only
+    => holds config.json but no model.safetensors and no checkpoint (train_state/): nothing to
+train --train.out_dir={ws}/config_only --resume
+    => holds config.json but no model.safetensors and no checkpoint (train_state/): nothing to
+# train.py: another optimizer than the checkpoint's is a mismatch, not a corrupt checkpoint
+train --train.out_dir={ws}/trained --resume --train.max_steps=3 --optim.name=adamw
+    => optim.name 'muon' → 'adamw'; resume with the checkpoint's values, or start a new run from
+train --train.out_dir={ws}/unrecorded_optim_trained --resume --train.max_steps=3 --optim.name=adamw
+    => holds the state of another optimizer or model
 train --train.out_dir={ws}/data => overlaps the input
 train --train.out_dir={ws}/data/run => overlaps the input
 train --train.out_dir={ws}/trained --resume => nothing to do
@@ -254,6 +302,18 @@ generate --run {ws}/run --device mps => MPS (Apple's GPU) is not available
 generate --run {ws}/run --device meta => picollama runs on cpu, cuda
 generate --run {ws}/bool_as_string_run => model.tie_embeddings must be bool, not str 'yes'
 generate --run {ws}/null_dim_run => model.dim must be int, not NoneType None
+generate --run {ws}/n_heads_run
+    => weights do not match config.json: model.n_heads is 8 there, 4 in the weights
+generate --run {ws}/no_context_run => config.json is corrupt: model.max_seq_len is missing
+generate --run {ws}/old_negative_theta_run --max-new-tokens 8
+    => corrupt: model.rope_theta must be positive
+generate --run {ws}/old_zero_eps_run --max-new-tokens 8 => corrupt: model.norm_eps must be positive
+generate --run {ws}/run --prompt-file /dev/zero
+    => --prompt-file /dev/zero is a character device, not a regular file
+generate --run {ws}/run --prompt-file {ws} => is a directory, not a regular file
+generate --run {ws}/run --num-samples 1000000000 --max-new-tokens 8
+    => 1,000,000,000 rows of up to 9 tokens need at least
+generate --run {ws}/run --seed 9223372036854775809 => --seed must be in 0..4294967295
 # generate.py extrapolate
 generate extrapolate --run {ws}/run --out {ws}/file => is a file, not a directory
 generate extrapolate --run {ws}/run --out /proc/picollama => cannot write
@@ -278,6 +338,12 @@ convert from-hf --hf-dir {ws}/hf --out {ws}/hf --force => overlaps the input
 convert from-hf --hf-dir {ws}/hf_string_tie --out {ws}/out
     => tie_word_embeddings must be bool, not str 'false'
 convert from-hf --hf-dir {ws}/hf_null_eps --out {ws}/out => rms_norm_eps must be float, not NoneType
+convert from-hf --hf-dir {ws}/hf_zero_eps --out {ws}/zero_eps_out
+    => norm_eps must be positive, not 0.0 (rms_norm_eps there)
+convert from-hf --hf-dir {ws}/hf_negative_theta --out {ws}/theta_out
+    => rope_theta must be positive, not -10000.0
+convert from-hf --hf-dir {ws}/hf_number_shard --out {ws}/shard_out
+    => weight_map 'model.embed_tokens.weight' must be str, not int 5
 convert to-gguf --run {ws}/run --out {ws}/null --force => null: it is a
 convert to-hf --run {ws}/run --out {ws}/null --force => null: it is a
 convert to-hf --run {ws}/run --out {ws}/home --force => not replacing {ws}/home: it holds
