@@ -18,8 +18,8 @@ import generate
 from data.loader import load_meta
 from model import POSITIONS, ROPE_SCALINGS, ModelArgs
 from picollama.checkpoint import load_run
-from picollama.cli import ArgumentParser, run_command
-from picollama.lab import extrapolate
+from picollama.cli import ArgumentParser, UserError, run_command
+from picollama.lab import extrapolate, runs, text_track
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SPAN = 8  # the probe span in these tests: a quarter of the tiny runs' context
@@ -93,27 +93,25 @@ def test_each_position_runs_with_the_scalings_its_args_accept():
     for position in POSITIONS:
         args = ModelArgs(dim=32, n_heads=4, max_seq_len=32, position=position)
         expected = list(ROPE_SCALINGS) if position == "rope" else ["none"]
-        assert extrapolate.scalings(args) == expected, position
+        assert runs.scalings(args) == expected, position
 
 
 def test_options_are_the_flags_and_their_command_reads_back_the_same():
     parser = ArgumentParser(prog="extrapolate")
     extrapolate.add_arguments(parser)
-    assert extrapolate.Options.from_args(parser.parse_args(["--run", "a"])) == (
-        extrapolate.Options()
-    )
-    options = extrapolate.Options([32, 64], ["none", "yarn"], retrieval_rows=32, seed=3)
+    assert runs.Options.from_args(parser.parse_args(["--run", "a"])) == (runs.Options())
+    options = runs.Options([32, 64], ["none", "yarn"], retrieval_rows=32, seed=3)
     command = options.command([Path("a"), Path("b")], Path("c"))
     assert command[:3] == ["python", "generate.py", "extrapolate"]
     args = parser.parse_args(command[3:])
-    assert extrapolate.Options.from_args(args) == options
+    assert runs.Options.from_args(args) == options
     assert args.run == [Path("a"), Path("b")] and args.out == Path("c")
 
 
 def test_probe_places_the_span_twice_and_scores_the_repeat():
     text = np.arange(100, 140)[None].repeat(2, axis=0)
     spans = np.array([[5, 6, 7, 8], [9, 10, 11, 12]])
-    sequences = extrapolate.probe_sequences(text, spans, 10)
+    sequences = text_track.probe_sequences(text, spans, 10)
     assert sequences.shape == (2, 14)
     assert (sequences[:, :4] == spans).all() and (sequences[:, 10:] == spans).all()
     assert (sequences[:, 4:10] == np.arange(104, 110)).all()  # real text between
@@ -124,23 +122,23 @@ def test_probe_places_the_span_twice_and_scores_the_repeat():
         logits[:, 9:].scatter_(2, tokens[:, :-9, None], 10.0)
         return logits
 
-    accuracy, drop = extrapolate.probe_scores(copier, sequences, 10, "cpu")
+    accuracy, drop = text_track.probe_scores(copier, sequences, 10, "cpu")
     # from a uniform guess to ~0
     assert accuracy.tolist() == [1.0, 1.0] and np.allclose(drop, math.log(200))
 
     def uniform(tokens):
         return torch.zeros(*tokens.shape, 200)
 
-    accuracy, drop = extrapolate.probe_scores(uniform, sequences, 10, "cpu")
+    accuracy, drop = text_track.probe_scores(uniform, sequences, 10, "cpu")
     assert accuracy.tolist() == [0.0, 0.0] and np.allclose(drop, 0)
 
 
 def test_probe_spans_are_seeded_and_never_special(tiny_run):
     _, data_dir = tiny_run
     meta = load_meta(data_dir)
-    spans = extrapolate.probe_spans(meta, 50, 16, seed=0)
+    spans = text_track.probe_spans(meta, 50, 16, seed=0)
     assert spans.shape == (50, 16)
-    assert np.array_equal(spans, extrapolate.probe_spans(meta, 50, 16, seed=0))
+    assert np.array_equal(spans, text_track.probe_spans(meta, 50, 16, seed=0))
     special = [meta[k] for k in ("unk_id", "bos_id", "eos_id")]
     assert not np.isin(spans, special).any() and spans.max() < meta["vocab_size"]
     assert len(np.unique(spans)) > 200  # uniform over the vocabulary, not its frequent tokens
@@ -159,26 +157,26 @@ def test_effective_context_needs_perplexity_and_probe():
     perplexity, probe = cells(
         {256: 1, 512: 1.04, 1024: 1.04, 2048: 1.2}, {240: 0.9, 496: 0.85, 1008: 0.7}
     )
-    assert extrapolate.effective_context(perplexity, probe, 256, 16) == {
+    assert text_track.effective_context(perplexity, probe, 256, 16) == {
         "tokens": 512,
         "basis": "perplexity and probe",
         "probe_in_context": 0.9,
     }
     perplexity, probe = cells({256: 1, 512: 1.06, 1024: 1.0}, {240: 0.9, 496: 0.9, 1008: 0.9})
     # "stays": the first miss ends it
-    assert extrapolate.effective_context(perplexity, probe, 256, 16)["tokens"] == 256
+    assert text_track.effective_context(perplexity, probe, 256, 16)["tokens"] == 256
     # a probe that never copies is left out, and said so
     perplexity, probe = cells({256: 1, 512: 1.01, 1024: 1.02}, {240: 0.1, 496: 0.0, 1008: 0.0})
-    result = extrapolate.effective_context(perplexity, probe, 256, 16)
+    result = text_track.effective_context(perplexity, probe, 256, 16)
     assert result["tokens"] == 1024
     assert result["basis"] == "perplexity only: the probe reads 10% in context"
     # n/a (a learned table's end) stops it
     perplexity, probe = cells({256: 1, 512: None}, {240: 0.9, 496: None})
-    assert extrapolate.effective_context(perplexity, probe, 256, 16)["tokens"] == 256
+    assert text_track.effective_context(perplexity, probe, 256, 16)["tokens"] == 256
 
 
 def test_position_bins_are_log_spaced_and_cover_the_window():
-    edges = extrapolate.position_bins(2048)
+    edges = text_track.position_bins(2048)
     assert edges[0] == 0 and edges[-1] == 2047 and (np.diff(edges) > 0).all()
     widths = np.diff(edges)
     assert widths[-1] > 300 and widths.min() == 8  # wide bins late, where the curve is flat
@@ -284,9 +282,9 @@ def test_sliding_losses_match_one_forward_when_the_window_fits(tiny_run):
     model, _, _ = load_run(run_dir, torch.device("cpu"), torch.float32)
     tokens = torch.from_numpy(np.arange(48) * 7 % 300)[None]
     with torch.inference_mode():
-        full = extrapolate.token_losses(model, tokens)
-        assert torch.allclose(extrapolate.sliding_losses(model, tokens, 48), full)
-        sliding = extrapolate.sliding_losses(model, tokens, 16)
+        full = text_track.token_losses(model, tokens)
+        assert torch.allclose(text_track.sliding_losses(model, tokens, 48), full)
+        sliding = text_track.sliding_losses(model, tokens, 16)
     assert sliding.shape == full.shape  # every token scored exactly once
     # the first window is the same forward
     assert torch.allclose(sliding[:, :15], full[:, :15], atol=1e-5)
@@ -319,13 +317,16 @@ def test_bad_extrapolation_input_is_one_line(tiny_run, tmp_path, capsys):
         assert err.startswith("error:") and message in err and "\n" not in err
 
 
-def test_unwritable_out_fails_before_the_evaluation(tiny_run, tmp_path, capsys, monkeypatch):
-    run_dir, _ = tiny_run
-
+def never_evaluated(monkeypatch):
     def evaluated(*args):
         pytest.fail("evaluated")
 
-    monkeypatch.setattr(extrapolate, "evaluate_run", evaluated)
+    monkeypatch.setattr(text_track, "evaluate_run", evaluated)
+
+
+def test_unwritable_out_fails_before_the_evaluation(tiny_run, tmp_path, capsys, monkeypatch):
+    run_dir, _ = tiny_run
+    never_evaluated(monkeypatch)
     (tmp_path / "file").write_text("not a directory")
     argv = ["extrapolate", "--run", str(run_dir), "--out", str(tmp_path / "file")]
     assert run_command(generate.main, argv) == 2
@@ -347,3 +348,42 @@ def test_a_failed_write_leaves_no_outputs(tiny_run, tmp_path, capsys, monkeypatc
     assert "No space left on device" in capsys.readouterr().err
     # neither the report files nor their temporary copies
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_an_evaluation_too_long_is_refused_before_any_work(tiny_run, tmp_path, capsys, monkeypatch):
+    """A million windows would take hours: refused, with the estimate, before the windows are even
+    read; --max-minutes lets a long one run."""
+    run_dir, _ = tiny_run
+    never_evaluated(monkeypatch)
+    argv = ["extrapolate", "--run", str(run_dir), "--out", str(tmp_path / "out")]
+    assert run_command(generate.main, [*argv, "--num-windows", "1000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: this evaluation would take about ") and err.count("\n") == 1
+    assert " h (" in err and "over --max-minutes 60; use fewer --num-windows" in err
+    assert not (tmp_path / "out").exists()
+
+    def reached(*args):
+        raise UserError("reached the evaluation")
+
+    monkeypatch.setattr(text_track, "evaluate_run", reached)
+    argv += ["--num-windows", "20000", "--max-minutes", "100000"]
+    assert run_command(generate.main, argv) == 2
+    assert "reached the evaluation" in capsys.readouterr().err
+
+
+def test_a_forward_too_large_for_memory_is_refused(make_tiny_run, tmp_path, capsys, monkeypatch):
+    """ALiBi's bias is length² per head: 65,536 tokens need far more than any machine here."""
+    run_dir, _ = make_tiny_run(1, position="alibi")
+    never_evaluated(monkeypatch)
+
+    def long_documents(data_dir, split, length, count, seed=0):  # a corpus of long documents
+        return np.zeros((count, length), dtype=np.int64)
+
+    monkeypatch.setattr(text_track, "document_windows", long_documents)
+    argv = extrapolate_argv(run_dir, "--lengths", "32,65536", "--out", str(tmp_path / "out"))
+    assert run_command(generate.main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: this evaluation needs about ") and err.count("\n") == 1
+    assert "GB of memory" in err and f"a forward of 1 × 65,536 tokens of {run_dir}" in err
+    assert "mostly ALiBi's 65,536 × 65,536 attention bias per head" in err
+    assert err.strip().endswith("use shorter --lengths")

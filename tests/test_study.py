@@ -3,33 +3,36 @@
 scoring on a model that retrieves perfectly, and the --quick study trained end to end."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import generate
 from data.retrieval import RetrievalTask
-from model import ROPE_SCALINGS
+from model import ROPE_SCALINGS, ModelArgs, Transformer
+from picollama.checkpoint import save_model
 from picollama.cli import ArgumentParser, UserError, run_command
-from picollama.lab import extrapolate, study
+from picollama.lab import retrieval_track, study
 
 TASK = RetrievalTask(keys=16, values=16, pairs=4)
 
 
 def test_retrieval_distances_reach_every_doubling_in_rows_of_the_longest_length():
-    assert extrapolate.retrieval_distances(32, 512, 4) == [8, 16, 24, 56, 120, 248, 504]
-    assert all(d % 2 == 0 for d in extrapolate.retrieval_distances(36, 144, 3))
+    assert retrieval_track.retrieval_distances(32, 512, 4) == [8, 16, 24, 56, 120, 248, 504]
+    assert all(d % 2 == 0 for d in retrieval_track.retrieval_distances(36, 144, 3))
 
 
 def test_retrieval_effective_context_keeps_half_the_in_context_accuracy():
     cells = {"32": {"mean": 0.9}, "64": {"mean": 0.46}, "128": {"mean": 0.44}, "256": {"mean": 0.5}}
     # the first miss ends it
-    assert extrapolate.retrieval_effective(cells, 32) == {"tokens": 64, "in_context": 0.9}
+    assert retrieval_track.retrieval_effective(cells, 32) == {"tokens": 64, "in_context": 0.9}
     # a table's end
-    assert extrapolate.retrieval_effective({"32": {"mean": 0.9}, "64": None}, 32)["tokens"] == 32
+    table_end = {"32": {"mean": 0.9}, "64": None}
+    assert retrieval_track.retrieval_effective(table_end, 32)["tokens"] == 32
     # a run that does not retrieve in context has no effective context
     cells = {"32": {"mean": 0.3}, "64": {"mean": 0.3}}
-    assert extrapolate.retrieval_effective(cells, 32)["tokens"] is None
+    assert retrieval_track.retrieval_effective(cells, 32)["tokens"] is None
 
 
 def recall(tokens: torch.Tensor) -> torch.Tensor:
@@ -50,15 +53,17 @@ def never(tokens: torch.Tensor) -> torch.Tensor:
 
 def test_retrieval_scores_read_every_query_of_each_row():
     batches = TASK.fixed_batches(2, 4, 64)
-    assert extrapolate.retrieval_scores(recall, batches, "cpu").tolist() == [1.0] * 8
-    wrong = extrapolate.retrieval_scores(never, batches, "cpu")
+    assert retrieval_track.retrieval_scores(recall, batches, "cpu").tolist() == [1.0] * 8
+    wrong = retrieval_track.retrieval_scores(never, batches, "cpu")
     assert wrong.tolist() == [0.0] * 8  # argmax 0 is the filler, never a value
 
 
-def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys):
-    """RoPE and the YaRN fine-tune from the RoPE run (train.init_from), side by side."""
+def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys, monkeypatch):
+    """RoPE and the YaRN fine-tune from the RoPE run (train.init_from), side by side; --out
+    relative to a folder outside the repository (train.py runs in the repository)."""
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "study"
-    assert run_command(study.main, ["--quick", "--runs", "rope,rope-yarn", "--out", str(out)]) == 0
+    assert run_command(study.main, ["--quick", "--runs", "rope,rope-yarn", "--out", "study"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"wrote {out}/study.md")
     report = json.loads((out / "compare" / "extrapolation.json").read_text())
     runs = {run["name"].rsplit("/", 1)[-1]: run for run in report["runs"]}
@@ -122,7 +127,7 @@ def test_every_run_of_the_recipe_is_the_config_train_py_reads(tmp_path):
         "rope-logn",
         "rope-yarn",
     ]
-    assert commands["rope"][:2] == ["--config", "configs/retrieval.toml"]
+    assert commands["rope"][:2] == ["--config", str(study.REPO_ROOT / "configs/retrieval.toml")]
     assert all(config.optim.min_lr == 1e-4 for config in configs.values())
     assert configs["nope"].model.qk_norm and configs["nope"].data.retrieval_filler == 0.25
     assert configs["sinusoidal"].optim.name == "muon" and configs["rope"].train.max_steps == 1500
@@ -139,6 +144,13 @@ def test_every_run_of_the_recipe_is_the_config_train_py_reads(tmp_path):
     )
     _, quick = planned(tmp_path, "--quick")
     assert quick["rope-yarn"].train.batch_size == 16 and quick["rope"].eval.interval == 0
+
+
+def stop_training(monkeypatch):
+    def stop(*args):
+        raise UserError("stopped before training")
+
+    monkeypatch.setattr(study, "train_all", stop)
 
 
 RECIPE = """config = "configs/retrieval.toml"
@@ -178,11 +190,7 @@ def test_a_bad_recipe_is_one_line_before_any_work(tmp_path, capsys, monkeypatch,
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(RECIPE + more + "\n")
     out = tmp_path / "out"
-
-    def stop(*args):
-        raise UserError("stopped before training")
-
-    monkeypatch.setattr(study, "train_all", stop)
+    stop_training(monkeypatch)
     status = run_command(study.main, ["--recipe", str(recipe), "--out", str(out)])
     err = capsys.readouterr().err
     assert status == 2 and err.startswith("error: ") and err.count("\n") == 1
@@ -214,3 +222,121 @@ def test_runs_of_different_tasks_are_not_compared(tmp_path, capsys):
     argv = ["extrapolate", "--run", runs, "--out", str(tmp_path / "c")]
     assert run_command(generate.main, argv) == 2
     assert "trained on different tasks" in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
+def test_a_relative_out_is_made_absolute_for_train_py(tmp_path, monkeypatch):
+    """train.py runs in the repository: a relative --out given elsewhere must reach it absolute,
+    or the runs land in the repository while the comparison looks in the caller's folder."""
+    monkeypatch.chdir(tmp_path)
+    parser = ArgumentParser(prog="study")
+    study.add_arguments(parser)
+    args = parser.parse_args(["--out", "rel"])
+    commands, configs = study.plan(study.load_recipe(args.recipe), args)
+    yarn = configs["rope-yarn"].train
+    assert yarn.out_dir == str(tmp_path / "rel" / "rope-yarn")
+    assert yarn.init_from == str(tmp_path / "rel" / "rope")
+    for command in commands.values():
+        paths = [command[1]] + [f.split("=", 1)[1] for f in command if f.startswith(PATH_FLAGS)]
+        assert len(paths) > 1 and all(Path(p).is_absolute() for p in paths), command
+
+
+PATH_FLAGS = ("--train.out_dir=", "--train.init_from=")
+
+
+def study_error(argv: list[str], capsys) -> str:
+    """The one `error:` line of a study that stops before training."""
+    assert run_command(study.main, ["--runs", "rope", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    return err
+
+
+@pytest.mark.parametrize("held", ["study.json", "logs/rope.log", "rope/config.json", "notes.txt"])
+def test_a_study_never_writes_into_a_folder_that_holds_anything(
+    tmp_path, capsys, monkeypatch, held
+):
+    """A second study into the same --out is refused before any training: the first one's log,
+    runs and summary stay; so is a folder holding anything else."""
+    stop_training(monkeypatch)
+    out = tmp_path / "s"
+    (out / held).parent.mkdir(parents=True, exist_ok=True)
+    (out / held).write_text("the first study's")
+    err = study_error(["--out", str(out)], capsys)
+    assert f"--out {out} already holds {held.split('/')[0]}" in err and "replaces nothing" in err
+    assert (out / held).read_text() == "the first study's"
+    assert [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()] == [held]
+    (out / held).unlink()
+    for folder in sorted(out.iterdir(), reverse=True):
+        folder.rmdir()
+    assert "stopped before training" in study_error(["--out", str(out)], capsys)  # empty: fine
+
+
+TEXT_REPORT = study.REPO_ROOT / "docs/results/extrapolation_study.json"  # the perplexity study's
+
+
+@pytest.mark.parametrize(
+    "beside, message",
+    [
+        (
+            "config.json",
+            "must be a text study's extrapolation.json (generate.py extrapolate): it "
+            "has no runs and lengths",
+        ),
+        ("retrieval.json", "it is a retrieval study's report"),
+        ("broken.json", "not JSON"),
+        ("missing.json", "cannot read --beside"),
+        ("no-ratio.json", "a run has no 'ratio'"),
+        (None, "stopped before training"),
+    ],
+)
+def test_beside_must_be_a_text_report_before_any_training(
+    tmp_path, capsys, monkeypatch, beside, message
+):
+    stop_training(monkeypatch)
+    good = json.loads(TEXT_REPORT.read_text())
+    del good["runs"][0]["perplexity"]["none"]["256"]["ratio"]
+    files = {
+        "config.json": json.dumps({"model": {"dim": 64}, "data": {"task": "retrieval"}}),
+        "retrieval.json": (study.REPO_ROOT / "docs/results/retrieval_study.json").read_text(),
+        "broken.json": "{",
+        "no-ratio.json": json.dumps(good),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    path = tmp_path / beside if beside else TEXT_REPORT
+    out = tmp_path / "s"
+    err = study_error(["--beside", str(path), "--out", str(out)], capsys)
+    assert message in err
+    assert beside is None or not out.exists()
+
+
+def retrieval_run(path, position: str):
+    """An untrained run of the retrieval task TASK, with a context of 32."""
+    torch.manual_seed(0)
+    args = ModelArgs(
+        dim=32, n_layers=2, n_heads=4, vocab_size=TASK.vocab_size, max_seq_len=32, position=position
+    )
+    data = {"task": "retrieval", "retrieval_keys": 16, "retrieval_values": 16, "retrieval_pairs": 4}
+    return save_model(Transformer(args).eval(), path, {"data": data, "train": {"seq_len": 32}})
+
+
+@pytest.mark.parametrize(
+    "position, message",
+    [
+        ("alibi", "GB of memory (the weights"),  # mostly ALiBi's 65,536² bias per head
+        ("rope", "would take about "),  # each forward of 64 rows of 65,536 tokens: minutes
+    ],
+)
+def test_a_retrieval_evaluation_too_large_is_refused_before_any_work(
+    tmp_path, capsys, monkeypatch, position, message
+):
+    def evaluated(*args):
+        pytest.fail("evaluated")
+
+    monkeypatch.setattr(retrieval_track, "evaluate_retrieval", evaluated)
+    run = retrieval_run(tmp_path / position, position)
+    argv = ["extrapolate", "--run", str(run), "--lengths", "32,65536", "--methods", "none"]
+    assert run_command(generate.main, [*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: this evaluation ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()

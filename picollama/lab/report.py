@@ -1,6 +1,6 @@
-"""The length-extrapolation report (extrapolate.py computes it): Markdown tables, the effective-
-context line and the plots, of perplexity and the copy probe (runs trained on text) or of retrieval
-accuracy (runs trained on the retrieval task)."""
+"""The length-extrapolation report (text_track.py and retrieval_track.py compute it): Markdown
+tables, the effective-context line and the plots, of perplexity and the copy probe (runs trained on
+text) or of retrieval accuracy (runs trained on the retrieval task)."""
 
 import math
 from pathlib import Path
@@ -371,6 +371,31 @@ def missing_panel(ax, title: str, study: str):
     where = f"not in the\n{study} study"
     ax.text(0.5, 0.5, where, ha="center", va="center", transform=ax.transAxes)
     ax.set(xticks=[], yticks=[], title=title)
+
+
+def text_report_problem(report) -> str | None:
+    """What keeps `report` (read from JSON) from being a text study's report that side_by_side_plot
+    can draw; None when nothing does."""
+    if not isinstance(report, dict) or not {"runs", "lengths"} <= set(report):
+        return "it has no runs and lengths"
+    if report.get("kind") == "retrieval":
+        return "it is a retrieval study's report"
+    try:
+        numbers = list(report["lengths"])
+        for run in report["runs"]:
+            numbers += [run["original_context"], run["train_context"], len(run_title(run))]
+            for method in run["methods"]:
+                if method not in ROPE_SCALINGS:
+                    return f"a run names an unknown method {method!r}"
+                cells = [run["perplexity"][method][str(n)] for n in report["lengths"]]
+                numbers += [cell["ratio"] for cell in cells if cell is not None]
+    except KeyError as e:
+        return f"a run has no {e.args[0]!r}"
+    except TypeError:
+        numbers = [None]
+    if not all(isinstance(x, (int, float)) for x in numbers):
+        return "its runs are not a text report's"
+    return None
 
 
 def side_by_side_plot(text_report: dict, retrieval_report: dict, path: Path, columns: int = 3):

@@ -1,0 +1,182 @@
+"""The retrieval study's recipe (configs/study/): its runs and their settings, read and checked."""
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from picollama.cli import UserError
+
+
+def is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def is_counts(value) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(map(is_count, value))
+
+
+def is_text(value) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+def is_table(value) -> bool:
+    return isinstance(value, dict)
+
+
+def is_tables(value) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(map(is_table, value))
+
+
+# Every key of a recipe: what it must be, and the check
+KEYS = {
+    "config": ("a config file", is_text),
+    "multiples": ("a list of positive integers", is_counts),
+    "rows": ("a positive integer", is_count),
+    "steps": ("a positive integer", is_count),
+    "settings": ("a table of config sections", is_table),
+    "quick": ("a table", is_table),
+    "runs": ("a list of [[runs]] tables", is_tables),
+    "name": ("a name", is_text),
+    "what": ("a description", is_text),
+    "from": ("a run's name", is_text),
+    "stretch": ("a positive integer", is_count),
+}
+# The keys of each table of a recipe, the required ones first
+TABLES = {
+    "recipe": ("config", "multiples", "rows", "runs", "steps", "settings", "quick"),
+    "quick": ("multiples", "rows", "steps", "settings"),
+    "run": ("name", "what", "from", "stretch", "steps", "settings", "quick"),
+    "run quick": ("steps", "settings"),
+}
+REQUIRED = {"recipe": 4, "quick": 0, "run": 2, "run quick": 0}
+# The config keys the study sets itself, and from what
+OWN_KEYS = {
+    "train.out_dir": "the study (OUT/NAME)",
+    "train.init_from": "from",
+    "train.max_steps": "steps",
+    "train.device": "--device",
+    "train.dtype": "--dtype",
+}
+FINE_TUNE_KEYS = ("train.seq_len", "model.max_seq_len")  # a fine-tune's, from `from` and `stretch`
+
+
+@dataclass
+class Level:
+    """Steps and settings ({"section.key": value}) of the study, of a run, or of either's --quick;
+    the study's also the lengths compared (× the context) and the rows at each."""
+
+    steps: int | None = None
+    settings: dict = field(default_factory=dict)
+    multiples: list[int] | None = None
+    rows: int | None = None
+
+    def config_keys(self) -> dict:
+        """The config keys this level sets."""
+        return self.settings | ({"train.max_steps": self.steps} if self.steps else {})
+
+
+@dataclass
+class Run:
+    name: str
+    what: str
+    own: Level
+    quick: Level
+    source: str | None = None  # `from`: a fine-tune of that run's weights, once it is trained
+    stretch: int = 1  # at this multiple of that run's context
+
+
+@dataclass
+class Recipe:
+    path: Path
+    config: str  # the config file every run trains, in the repository
+    full: Level
+    quick: Level
+    runs: list[Run]
+
+
+def check_table(table: dict, kind: str, where: str) -> dict:
+    """table, with the keys of TABLES[kind] only, the required ones, each what KEYS says."""
+    keys = TABLES[kind]
+    for key in keys[: REQUIRED[kind]]:
+        if key not in table:
+            raise UserError(f"{where}: {key} is missing")
+    for key, value in table.items():
+        if key not in keys:
+            raise UserError(f"{where}: unknown key {key!r} (valid: {', '.join(keys)})")
+        what, check = KEYS[key]
+        if not check(value):
+            raise UserError(f"{where}: {key} must be {what}, not {value!r}")
+    return table
+
+
+def level(table: dict, where: str) -> Level:
+    """A checked table's steps, settings (flattened to config keys), multiples and rows."""
+    settings = {}
+    for section, values in table.get("settings", {}).items():
+        if not isinstance(values, dict):
+            raise UserError(f"{where}: settings.{section} must be a table of {section}'s keys")
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            if dotted in OWN_KEYS:
+                raise UserError(f"{where}: settings {dotted}: {OWN_KEYS[dotted]} sets it")
+            if not isinstance(value, (bool, int, float, str)):
+                raise UserError(f"{where}: settings {dotted} must be one value, not {value!r}")
+            settings[dotted] = value
+    return Level(table.get("steps"), settings, table.get("multiples"), table.get("rows"))
+
+
+def read_run(table: dict, where: str) -> Run:
+    if is_text(table.get("name")):
+        where = f"{where} ({table['name']})"
+    check_table(table, "run", where)
+    name, source, stretch = table["name"], table.get("from"), table.get("stretch", 1)
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*", name) or name in ("logs", "compare"):
+        raise UserError(f"{where}: name {name!r} must be a folder name other than logs or compare")
+    if source is None and "stretch" in table:
+        raise UserError(f"{where}: stretch needs from (the run it fine-tunes)")
+    quick = check_table(table.get("quick", {}), "run quick", f"{where} quick")
+    run = Run(name, table["what"], level(table, where), level(quick, where), source, stretch)
+    given = run.own.settings | run.quick.settings
+    fixed = [key for key in FINE_TUNE_KEYS if key in given]
+    if source is not None and fixed:
+        raise UserError(f"{where}: settings {fixed[0]}: from and stretch set it")
+    return run
+
+
+def load_recipe(path: Path) -> Recipe:
+    """The study's recipe, checked; UserError naming the file and the key otherwise."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read the recipe {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path} is not valid TOML: {e}") from None
+    check_table(raw, "recipe", str(path))
+    quick = check_table(raw.get("quick", {}), "quick", f"{path} [quick]")
+    runs = [read_run(table, f"{path} runs[{i}]") for i, table in enumerate(raw["runs"])]
+    seen = set()
+    for run in runs:
+        if run.name in seen:
+            raise UserError(f"{path}: two runs are named {run.name}")
+        if run.source is not None and run.source not in seen:
+            raise UserError(f"{path}: run {run.name}: from {run.source!r} names no earlier run")
+        seen.add(run.name)
+    return Recipe(path, raw["config"], level(raw, str(path)), level(quick, str(path)), runs)
+
+
+def chosen_runs(recipe: Recipe, names: list[str] | None) -> list[Run]:
+    """The recipe's runs that --runs names (all of them without it)."""
+    if names is None:
+        return recipe.runs
+    known = [run.name for run in recipe.runs]
+    for name in names:
+        if name not in known:
+            raise UserError(f"--runs: unknown {name!r} (choose from {', '.join(known)})")
+    runs = [run for run in recipe.runs if run.name in names]
+    for run in runs:
+        if run.source is not None and run.source not in names:
+            raise UserError(
+                f"--runs: {run.name} is fine-tuned from {run.source}; name {run.source} too"
+            )
+    return runs

@@ -1,0 +1,146 @@
+"""What both tracks of `generate.py extrapolate` share: its options and the runs it loads."""
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from data.tokenizer import tokenizer_sha256
+from model import ROPE_SCALINGS, ModelArgs, Transformer
+from picollama.checkpoint import load_model, load_run
+from picollama.cli import UserError
+
+
+@dataclass
+class Options:
+    """What `python generate.py extrapolate` measures and how: its flags (add_arguments), with
+    their defaults."""
+
+    lengths: list[int] | None = None  # None: TEXT_MULTIPLES or RETRIEVAL_MULTIPLES × the context
+    methods: list[str] | None = None  # None: every scaling each run can run with
+    protocol: str = "fixed-target"
+    num_windows: int = 8
+    probes: int = 16
+    probe_span: int = 16
+    data: str | None = None  # None: the first run's data.dir
+    seed: int = 0
+    retrieval_rows: int = 256
+    max_minutes: int = 60  # the longest evaluation started, as estimated (cost.py)
+    device: str = "auto"
+    dtype: str = "auto"
+
+    @classmethod
+    def from_args(cls, args) -> "Options":
+        return cls(**{option.name: getattr(args, option.name) for option in fields(cls)})
+
+    def command(self, runs: list[Path], out: Path | None) -> list[str]:
+        """The `python generate.py extrapolate` command line of these options (for a report to
+        record; flags at their defaults left out)."""
+        command = ["python", "generate.py", "extrapolate", "--run", ",".join(map(str, runs))]
+        command += ["--out", str(out)] if out is not None else []
+        for option in fields(self):
+            value = getattr(self, option.name)
+            if value != option.default:
+                text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+                command += ["--" + option.name.replace("_", "-"), text]
+        return command
+
+
+def fits(model: Transformer, length: int) -> bool:
+    """Whether the model can score `length` tokens at all (the model's length policy)."""
+    limit = model.args.position_limit
+    return limit is None or length <= limit
+
+
+def scalings(args: ModelArgs) -> list[str]:
+    """The methods of model.ROPE_SCALINGS a model runs with: those its ModelArgs accept (every one
+    for RoPE; "none" alone for positions with nothing to scale)."""
+    usable = []
+    for method in ROPE_SCALINGS:
+        try:
+            args.stretched(method, args.max_seq_len)
+        except ValueError:
+            continue
+        usable.append(method)
+    return usable
+
+
+def spread(values) -> dict:
+    """Mean, standard deviation, standard error of the mean and count."""
+    values = np.asarray(values, dtype=np.float64)
+    return {
+        "mean": float(values.mean()),
+        "std": float(values.std()),
+        "sem": float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0,
+        "n": len(values),
+    }
+
+
+def trained_task(name: str) -> str:
+    """data.task in a run directory's config.json ("text" where it names none or cannot be read:
+    loading says why)."""
+    try:
+        config = json.loads((Path(name) / "config.json").read_text())
+        return (config.get("data") or {}).get("task", "text")
+    except (OSError, ValueError, AttributeError):
+        return "text"
+
+
+def describe(name: str, model: Transformer, config: dict, methods: list[str] | None) -> dict:
+    """A run's entry in the report, before its numbers; UserError where `methods` names a RoPE
+    scaling the model cannot run with (scalings)."""
+    position = model.args.position
+    usable = scalings(model.args)
+    refused = [m for m in methods or () if m not in usable]
+    if refused:
+        raise UserError(
+            f"--methods {','.join(refused)}: RoPE scaling applies to RoPE models only, and {name} "
+            f"uses {position} positions (leave --methods out, or pass --methods "
+            f"{','.join(usable)})"
+        )
+    return {
+        "name": name,
+        "task": trained_task(name),
+        "position": position,
+        "train_context": int(
+            (config.get("train") or {}).get("seq_len") or model.args.original_seq_len
+        ),
+        "original_context": model.args.original_seq_len,  # what RoPE scaling stretches from
+        "methods": methods or usable,
+        "model": model.args.to_dict(),  # before the evaluation switches RoPE
+        "config": config,
+    }
+
+
+def load_runs(
+    names: list[str], methods: list[str] | None, device, dtype
+) -> list[tuple[Transformer, dict]]:
+    """(model, run description) for each run directory, all of one task and sharing one tokenizer;
+    UserError otherwise, or where a RoPE scaling method is named for a model without RoPE."""
+    tasks = {}
+    for name in names:
+        tasks.setdefault(trained_task(name), name)
+    if len(tasks) > 1:
+        raise UserError(
+            f"{' and '.join(tasks.values())} were trained on different tasks (data.task "
+            f"{' and '.join(tasks)}); compare runs of one task together"
+        )
+    runs = []
+    tokenizers = {}
+    for name in names:
+        if "retrieval" in tasks:  # the retrieval task has no tokenizer
+            model, config = load_model(name, device)
+            model = model.to(dtype).eval()
+        else:
+            model, config, _ = load_run(name, device, dtype)
+            tokenizers.setdefault(tokenizer_sha256(Path(name) / "tokenizer.model"), name)
+        if len(tokenizers) > 1:
+            first, other = tokenizers.values()
+            raise UserError(
+                f"{first} and {other} have different tokenizers (tokenizer.model); runs compared "
+                "together must share one, so that they score the same tokens"
+            )
+        runs.append((model, describe(name, model, config, methods)))
+    return runs

@@ -1,0 +1,335 @@
+"""`generate.py extrapolate` on text runs: perplexity, copy probe and loss by position by length."""
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from data.loader import copy_vocabulary, document_windows, load_meta
+from data.tokenizer import same_tokenizer
+from model import Transformer
+from picollama import REPO_ROOT
+from picollama.cli import UserError, check_writable
+from picollama.lab.cost import Forwards, block_rows, check_cost
+from picollama.lab.report import BINS_PER_OCTAVE, MIN_BIN
+from picollama.lab.runs import Options, fits, spread
+
+TEXT_MULTIPLES = (1, 2, 4, 8)  # the default lengths of a text report, × the training context
+
+
+def logits_and_losses(
+    model: Transformer, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 logits (B, T-1, vocab) and cross-entropy (B, T-1) of each of tokens[:, 1:] given
+    everything before it."""
+    logits = model(tokens[:, :-1]).float()
+    return logits, F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
+
+
+def token_losses(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy (B, T-1) of each of tokens[:, 1:] given everything before it, in float32."""
+    return logits_and_losses(model, tokens)[1]
+
+
+def sliding_losses(model: Transformer, tokens: torch.Tensor, context: int) -> torch.Tensor:
+    """token_losses over (1, T) tokens seen through windows of `context` tokens moving by
+    context/2: each token after the first window is scored with at least context/2 before it."""
+    length = tokens.shape[1]
+    stride = max(context // 2, 1)
+    pieces = []
+    start = 0
+    scored = 1  # scored: the next target position
+    while scored < length:
+        end = min(start + context, length)
+        pieces.append(token_losses(model, tokens[:, start:end])[:, scored - start - 1 :])
+        scored = end
+        start += stride
+    return torch.cat(pieces, dim=1)
+
+
+def row_blocks(array: np.ndarray, length: int, device):
+    """The rows of array in consecutive blocks, as tensors on device, of cost.block_rows rows."""
+    rows = block_rows(length, len(array))
+    for start in range(0, len(array), rows):
+        yield torch.from_numpy(array[start : start + rows]).to(device)
+
+
+# ---------------------------------------------------------------- the copy probe
+
+
+def probe_distances(train_len: int, lengths: list[int], span: int) -> list[int]:
+    """Span-to-repeat distances: train_len/4, train_len/2, and for each tested length n the
+    farthest that fits n tokens, n - span (so that the probe reads at every length); never below
+    span (no overlap)."""
+    wanted = {train_len // 4, train_len // 2} | {n - span for n in lengths}
+    return sorted(d for d in wanted if d >= span)
+
+
+def probe_spans(meta: dict, count: int, span: int, seed: int) -> np.ndarray:
+    """(count, span) random token ids, uniform over the non-special vocabulary: no language prior
+    predicts them."""
+    vocabulary = copy_vocabulary(meta)
+    return vocabulary[np.random.default_rng(seed).integers(0, len(vocabulary), size=(count, span))]
+
+
+def probe_sequences(text: np.ndarray, spans: np.ndarray, distance: int) -> np.ndarray:
+    """Rows of real text, distance + span tokens long, with each row's span at its start and again
+    `distance` tokens later."""
+    span = spans.shape[1]
+    sequences = text[:, : distance + span].copy()
+    sequences[:, :span] = spans
+    sequences[:, distance:] = spans
+    return sequences
+
+
+def probe_scores(
+    model: Transformer, sequences: np.ndarray, distance: int, device
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of probe_sequences: top-1 accuracy on the repeat after its first token, and the loss
+    drop in nats from the first occurrence to the repeat (over the same span-1 tokens of each)."""
+    span = sequences.shape[1] - distance
+    accuracy = []
+    drop = []
+    for tokens in row_blocks(sequences, sequences.shape[1], device):
+        logits, losses = logits_and_losses(model, tokens)
+        hits = logits[:, distance : distance + span - 1].argmax(-1) == tokens[:, distance + 1 :]
+        accuracy.append(hits.float().mean(1))
+        drop.append((losses[:, : span - 1] - losses[:, distance : distance + span - 1]).mean(1))
+    return torch.cat(accuracy).cpu().numpy(), torch.cat(drop).cpu().numpy()
+
+
+def position_bins(longest: int) -> np.ndarray:
+    """Edges of the loss-by-position bins over a window's longest-1 predictions (index i has i+1
+    tokens of context): BINS_PER_OCTAVE per doubling of the position, and at least MIN_BIN
+    positions wide, so that every point averages several tokens and later ones, where the curve
+    changes slowly, many."""
+    edges = [0]
+    while edges[-1] < longest - 1:
+        grown = round((edges[-1] + 1) * 2 ** (1 / BINS_PER_OCTAVE)) - 1
+        edges.append(min(max(grown, edges[-1] + MIN_BIN), longest - 1))
+    return np.array(edges)
+
+
+def effective_context(perplexity: dict, probe: dict, train_len: int, span: int) -> dict:
+    """The longest tested length up to which every tested length keeps perplexity within 5% of its
+    training-length value and the probe (at the farthest distance that fits the length) within 10
+    points of its accuracy at the training length; perplexity alone where the probe reads under
+    20% there."""
+    in_context = probe.get(str(train_len - span))
+    accuracy = in_context["accuracy"]["mean"] if in_context else None
+    use_probe = accuracy is not None and accuracy >= 0.2
+    tokens = train_len
+    for length in sorted(int(n) for n in perplexity if int(n) > train_len):
+        row = perplexity[str(length)]
+        read = probe.get(str(length - span))
+        holds = row is not None and row["ratio"] <= 1.05
+        if use_probe:
+            holds = holds and read is not None and read["accuracy"]["mean"] >= accuracy - 0.10
+        if not holds:
+            break
+        tokens = length
+    if use_probe:
+        basis = "perplexity and probe"
+    elif accuracy is None:
+        basis = "perplexity only: no probe fits the training context"
+    else:
+        basis = f"perplexity only: the probe reads {accuracy:.0%} in context"
+    return {"tokens": tokens, "basis": basis, "probe_in_context": accuracy}
+
+
+@dataclass
+class TextRows:
+    """What every run of a text report is scored on: validation windows (`text`) at each length,
+    probe rows (`probe_text` with `spans`) at each distance, and the loss-by-position bins."""
+
+    text: np.ndarray
+    probe_text: np.ndarray
+    spans: np.ndarray
+    lengths: list[int]
+    distances: list[int]
+    protocol: str
+    score_tokens: int
+    edges: np.ndarray
+
+
+def length_losses(model, method: str, rows: TextRows, device, bar) -> tuple[dict, list]:
+    """The loss and perplexity at each length under `method` (None where the model cannot reach
+    it), and each window's mean loss in each position bin at the longest length."""
+    longest = max(rows.lengths)
+    fixed = rows.protocol == "fixed-target"
+    per_length = {}
+    per_position = []
+    for length in rows.lengths:
+        per_length[str(length)] = None
+        if not fits(model, length):
+            bar.update(len(rows.text))
+            continue
+        model.args = model.args.stretched(method, length)
+        window_losses = []
+        for tokens in row_blocks(rows.text[:, -length:] if fixed else rows.text, length, device):
+            if fixed:
+                losses = token_losses(model, tokens)
+                targets = losses[:, -rows.score_tokens :]
+            else:
+                losses = targets = sliding_losses(model, tokens, length)
+            window_losses += targets.mean(1).tolist()
+            if length == longest:  # the whole window in one forward: its loss at every position
+                bins = list(zip(rows.edges[:-1], rows.edges[1:]))
+                per_position += [[row[a:b].mean().item() for a, b in bins] for row in losses]
+            bar.update(len(tokens))
+        loss = spread(window_losses)
+        per_length[str(length)] = {"loss": loss, "perplexity": math.exp(loss["mean"])}
+    return per_length, per_position
+
+
+def probe_reads(model, method: str, rows: TextRows, device, bar) -> dict:
+    """The copy probe's accuracy and loss drop at each distance under `method` (None where the
+    model cannot reach it)."""
+    span = rows.spans.shape[1]
+    per_distance = {}
+    for distance in rows.distances:
+        per_distance[str(distance)] = None
+        if fits(model, distance + span):
+            model.args = model.args.stretched(method, distance + span)
+            sequences = probe_sequences(rows.probe_text, rows.spans, distance)
+            accuracy, drop = probe_scores(model, sequences, distance, device)
+            per_distance[str(distance)] = {"accuracy": spread(accuracy), "loss_drop": spread(drop)}
+        bar.update(len(rows.probe_text))
+    return per_distance
+
+
+def evaluate_run(model, run: dict, rows: TextRows, device, bar) -> dict:
+    """The perplexity, probe, loss-by-position and effective-context numbers of one run, for each
+    of its methods. Lengths a learned-position model cannot reach are None ("n/a")."""
+    context = run["train_context"]
+    result = {"perplexity": {}, "probe": {}, "per_position": {}, "effective_context": {}}
+    for method in run["methods"]:
+        per_length, per_position = length_losses(model, method, rows, device, bar)
+        reference = per_length[str(context)]["perplexity"]
+        for row in filter(None, per_length.values()):
+            row["ratio"] = row["perplexity"] / reference
+        per_distance = probe_reads(model, method, rows, device, bar)
+        result["perplexity"][method] = per_length
+        result["probe"][method] = per_distance
+        if per_position:
+            by_bin = np.asarray(per_position)
+            result["per_position"][method] = {
+                "loss_mean": by_bin.mean(0).tolist(),
+                "loss_std": by_bin.std(0).tolist(),
+            }
+        span = rows.spans.shape[1]
+        result["effective_context"][method] = effective_context(
+            per_length, per_distance, context, span
+        )
+    return result
+
+
+def find_data_dir(config: dict, override: str | None) -> Path:
+    if override is not None:
+        candidates = [Path(override)]
+    else:
+        configured = (config.get("data") or {}).get("dir")
+        if not configured:
+            raise UserError(
+                "config.json names no data.dir; pass --data DIR (a prepared dataset with a val "
+                "split)"
+            )
+        candidates = [Path(configured), REPO_ROOT / configured]
+    for path in candidates:
+        if any(path.glob("val*.bin")) and (path / "meta.json").is_file():
+            return path
+    raise UserError(f"{candidates[0]} is not a prepared dataset with a val split; pass --data DIR")
+
+
+def check_same_tokenizer(checkpoint: Path, data_dir: Path):
+    """UserError when the dataset was tokenized by another tokenizer than the checkpoint's."""
+    meta = load_meta(data_dir)
+    if not same_tokenizer(meta.get("tokenizer_sha256"), checkpoint / "tokenizer.model"):
+        raise UserError(
+            f"{data_dir} was tokenized with another tokenizer than {checkpoint}/tokenizer.model"
+        )
+
+
+def text_work(model, run: dict, lengths: list, distances: list, options: Options) -> list:
+    """The Forwards that evaluate_run makes for one run: for each of its methods, the windows at
+    each length and the probes at each distance that the model can reach."""
+    longest = max(lengths)
+    reads = []  # (length, rows, forwards of each block of rows)
+    for length in lengths:
+        slides = 1  # sliding: windows of `length` moving by length/2 over the longest length
+        if options.protocol == "sliding":
+            slides += math.ceil((longest - length) / max(length // 2, 1))
+        reads.append((length, options.num_windows, slides))
+    reads += [(d + options.probe_span, options.probes, 1) for d in distances]
+    work = []
+    for length, rows, slides in reads:
+        if fits(model, length):
+            block = block_rows(length, rows)
+            count = math.ceil(rows / block) * slides * len(run["methods"])
+            work.append(Forwards(block, length, count))
+    return work
+
+
+def text_rows(loaded: list, options: Options, out_dir: Path, device) -> tuple[TextRows, Path]:
+    """The windows and probe rows every run and method is scored on, and the dataset they come
+    from; UserError, before any evaluation, for lengths, data or an output that cannot serve, and
+    for an evaluation too large (cost.check_cost)."""
+    runs = [run for _, run in loaded]
+    contexts = [run["train_context"] for run in runs]
+    lengths = options.lengths or [min(contexts) * k for k in TEXT_MULTIPLES]
+    lengths = sorted(set(lengths) | set(contexts))
+    score_tokens = min(64, min(contexts) // 2)
+    if min(lengths) <= score_tokens:
+        raise UserError(f"--lengths must all exceed {score_tokens} (the scored tokens)")
+    data_dir = find_data_dir(runs[0]["config"], options.data)
+    check_same_tokenizer(Path(runs[0]["name"]), data_dir)
+    check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
+    longest, seed = max(lengths), options.seed
+    distances = probe_distances(min(contexts), lengths, options.probe_span)
+    document_windows(data_dir, "val", longest, 1)  # UserError if no document is that long
+    work = [text_work(model, run, lengths, distances, options) for model, run in loaded]
+    windows = 8 * longest * (options.num_windows + options.probes)  # their int64 token ids
+    check_cost(loaded, work, windows, options, device, "--num-windows or --probes")
+    text = document_windows(data_dir, "val", longest, options.num_windows, seed=seed)
+    probe_text = document_windows(data_dir, "val", longest, options.probes, seed=seed + 1)
+    if text.max() >= min(model.args.vocab_size for model, _ in loaded):
+        raise UserError(
+            f"{data_dir} holds token ids beyond the model's vocabulary; it was made with another "
+            "tokenizer"
+        )
+    spans = probe_spans(load_meta(data_dir), options.probes, options.probe_span, seed)
+    protocol, edges = options.protocol, position_bins(longest)
+    rows = TextRows(text, probe_text, spans, lengths, distances, protocol, score_tokens, edges)
+    return rows, data_dir
+
+
+def text_study(loaded: list, options: Options, command: list[str], device, out_dir: Path) -> dict:
+    """The perplexity, copy-probe and loss-by-position report of runs trained on text, on the same
+    windows."""
+    rows, data_dir = text_rows(loaded, options, out_dir, device)
+    start = time.perf_counter()
+    reads = len(rows.lengths) * len(rows.text) + len(rows.distances) * len(rows.spans)
+    work = sum(len(run["methods"]) * reads for _, run in loaded)
+    with torch.inference_mode(), tqdm(total=work, desc="extrapolation", unit="sequence") as bar:
+        for model, run in loaded:
+            run.update(evaluate_run(model, run, rows, device, bar))
+    return {
+        "command": command,
+        "data": str(data_dir),
+        "lengths": rows.lengths,
+        "protocol": options.protocol,
+        "num_windows": options.num_windows,
+        "score_tokens": rows.score_tokens,
+        "probe": {"span": options.probe_span, "count": options.probes, "distances": rows.distances},
+        "per_position_edges": rows.edges.tolist(),
+        "per_position_tokens": (np.diff(rows.edges) * options.num_windows).tolist(),
+        "seed": options.seed,
+        "device": device.type,
+        "seconds": round(time.perf_counter() - start, 1),
+        "runs": [{k: v for k, v in run.items() if k != "config"} for _, run in loaded],
+    }
