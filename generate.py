@@ -7,7 +7,6 @@ import stat
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -24,7 +23,7 @@ from picollama.cli import (
     positive,
     run_command,
 )
-from picollama.device import check_compiler, pick_device, pick_dtype
+from picollama.device import check_compiler, memory_bytes, pick_device, pick_dtype
 from picollama.inference import (
     QUANTIZATIONS,
     DecodeStep,
@@ -34,8 +33,6 @@ from picollama.inference import (
 )
 
 SCALING_METHODS = "|".join(m for m in ROPE_SCALINGS if m != "none")  # for messages
-# cgroup v2 and v1: a container's memory limit
-CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 SEEDS = 2**32  # the seeds torch's CPU generator tells apart (it keeps a seed's low 32 bits)
 
 
@@ -334,23 +331,6 @@ def utf8_argument(text: str, flag: str) -> str:
 
 
 # ---------------------------------------------------------------- what fits in memory
-
-
-def memory_bytes(device: torch.device) -> int | None:
-    """The memory the KV cache is made in: a GPU's own, else this machine's (its cgroup's limit when
-    lower); None where the system does not say."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return None
-    for limit in CGROUP_LIMITS:
-        try:
-            total = min(total, int(Path(limit).read_text()))
-        except (OSError, ValueError):  # absent, or "max"
-            pass
-    return total
 
 
 def bytes_per_token(model: Transformer) -> int:

@@ -190,3 +190,24 @@ def peak_flops(device: torch.device, tflops: float | None = None) -> float | Non
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak * 1e12 for key, peak in GPU_BF16_PEAK_TFLOPS if key in name), None)
+
+
+# cgroup v2 and v1: a container's memory limit
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """The memory a device computes in: a GPU's own, else this machine's (its cgroup's limit when
+    lower); None where the system does not say."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+    for limit in CGROUP_LIMITS:
+        try:
+            total = min(total, int(Path(limit).read_text()))
+        except (OSError, ValueError):  # absent, or "max"
+            pass
+    return total

@@ -1,2 +1,3 @@
 """The lab: the length-extrapolation study (perplexity, retrieval, the one-command study) and the
-benchmarks. The core never imports it; `generate.py extrapolate` and `generate.py study` enter it."""
+benchmarks. The core never imports it; `generate.py extrapolate` and `generate.py study` enter
+it."""

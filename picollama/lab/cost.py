@@ -1,7 +1,6 @@
 """What an extrapolation will cost, known before it starts: refuse one that cannot fit or finish."""
 
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -9,6 +8,7 @@ import torch
 
 from model import Transformer
 from picollama.cli import UserError
+from picollama.device import memory_bytes
 from picollama.metrics import flops_per_token
 
 BLOCK_TOKENS = 8192  # the tokens of one forward (rows × length) where rows are shorter
@@ -49,16 +49,6 @@ def forward_bytes(model: Transformer, rows: int, length: int) -> tuple[int, int]
         # down the path that holds every row's scores and their softmax: no flash attention
         square = length**2 * args.n_heads * (3 * 4 + 2 * rows * size)
     return logits + activations + square, square
-
-
-def memory_bytes(device: torch.device) -> int | None:
-    """The most a forward can use: a GPU's memory, else this machine's; None where unknown."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return None
 
 
 def gigabytes(count: float) -> str:
