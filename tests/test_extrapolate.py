@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -387,3 +388,11 @@ def test_a_forward_too_large_for_memory_is_refused(make_tiny_run, tmp_path, caps
     assert "GB of memory" in err and f"a forward of 1 × 65,536 tokens of {run_dir}" in err
     assert "mostly ALiBi's 65,536 × 65,536 attention bias per head" in err
     assert err.strip().endswith("use shorter --lengths")
+
+
+def test_a_missing_matplotlib_is_one_line_before_any_work(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without [plot] has
+    status = run_command(generate.main, ["extrapolate", "--run", "no-such-run"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert "plotting needs the matplotlib package" in err and "'.[plot]'" in err

@@ -13,6 +13,7 @@ from picollama.lab.report import (
     effective_line,
     markdown_report,
     plot_report,
+    pyplot,
     retrieval_markdown,
     retrieval_plot,
 )
@@ -120,5 +121,6 @@ def extrapolation(runs: list[Path], out: Path | None, options: Options, command:
 def run(args, argv: list[str]) -> int:
     """The `extrapolate` command, on generate.py's parsed flags; argv: generate.py's, for the
     report."""
+    pyplot()  # matplotlib is there: a missing one fails now, not after the work
     extrapolation(args.run, args.out, Options.from_args(args), ["python", "generate.py", *argv])
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from model import ROPE_SCALINGS
+from picollama.cli import UserError
 
 BINS_PER_OCTAVE, MIN_BIN = 3, 8  # of the loss-by-position curve
 METHODS_TEXT = (
@@ -204,9 +205,15 @@ def effective_line(report: dict) -> str:
 
 
 def pyplot():
-    """matplotlib.pyplot on the Agg backend (files, no display), imported when first plotting."""
-    import matplotlib
-
+    """matplotlib.pyplot on the Agg backend (files, no display), imported when first plotting;
+    UserError naming the extra where matplotlib is not installed (extrapolate and study call this
+    before their work)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError(
+            "plotting needs the matplotlib package; install it with pip install -e '.[plot]'"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -26,7 +26,13 @@ from picollama.cli import (
 from picollama.config import Config, check_config, parse_cli
 from picollama.lab import extrapolate
 from picollama.lab.recipe import FINE_TUNE_KEYS, Recipe, Run, chosen_runs, load_recipe
-from picollama.lab.report import retrieval_markdown, side_by_side_plot, table, text_report_problem
+from picollama.lab.report import (
+    pyplot,
+    retrieval_markdown,
+    side_by_side_plot,
+    table,
+    text_report_problem,
+)
 from picollama.lab.runs import Options
 
 RECIPE = Path("configs/study/retrieval.toml")  # in the repository
@@ -281,6 +287,7 @@ def write_summary(out: Path, numbers: dict, markdown: str, beside: dict | None, 
 
 def run(args) -> int:
     """The `study` command, on parsed flags (add_arguments)."""
+    pyplot()  # matplotlib is there: a missing one fails now, not after the training
     recipe = load_recipe(args.recipe)
     runs, out = chosen_runs(recipe, args.runs), resolved(args.out)
     commands, configs = plan(recipe, args)
