@@ -27,8 +27,9 @@ from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
 from data.tokenizer import tokenizer_sha256
 from model import ModelArgs, Transformer
 from picollama import REPO_ROOT
-from picollama.budget import run_length
+from picollama.budget import Budget, run_length
 from picollama.checkpoint import (
+    CONTEXT_KEYS,  # what a run started from train.init_from may change: context, RoPE scaling
     check_tokenizer,
     checkpoints,
     load_checkpoint,
@@ -43,15 +44,6 @@ from picollama.device import Dist, check_compiler, keep_freed_memory, peak_flops
 from picollama.metrics import RunLog, Throughput, flops_per_token, memory_gb
 from picollama.optim import build_optimizer, lr_at
 
-# What a run started from train.init_from may change (context extension): the context, RoPE scaling
-CONTEXT_KEYS = (
-    "max_seq_len",
-    "rope_scaling",
-    "rope_factor",
-    "rope_original_max_seq_len",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-)
 VALIDATION_FORMATS = {
     "val_ppl": "perplexity {:.2f}",
     "val_bpb": "{:.4f} bits/byte",
@@ -90,9 +82,13 @@ def init_from_weights(cfg: Config) -> tuple[dict | None, ModelArgs]:
     return source.state_dict(), cfg.model
 
 
-def with_max_steps(cfg: Config, max_steps: int) -> Config:
-    """cfg, running for max_steps steps."""
-    return replace(cfg, train=replace(cfg.train, max_steps=max_steps))
+def with_length(cfg: Config, max_steps: int, decay_start: int | None) -> Config:
+    """cfg, running for max_steps steps, a wsd schedule decaying from decay_start."""
+    train, optim = (
+        replace(cfg.train, max_steps=max_steps),
+        replace(cfg.optim, decay_start=decay_start),
+    )
+    return replace(cfg, train=train, optim=optim)
 
 
 # ---------------------------------------------------------------- data
@@ -349,11 +345,17 @@ def validate(model, data: DataSource, log: RunLog, step: int, run_dir: Path):
     log.say(f"step {step}: val loss {result['val_loss']:.4f}, " + ", ".join(parts))
 
 
-def save(model, optimizer, data: DataSource, cfg: Config, dist: Dist, log: RunLog, step: int):
-    """Save the resumable checkpoint and the model export, with the run's settings and tokenizer."""
+def save(
+    model, optimizer, data: DataSource, cfg: Config, dist: Dist, log: RunLog, step: int, budget
+):
+    """Save the resumable checkpoint and the model export, with the run's settings and tokenizer,
+    and in a train.max_minutes run the wall seconds its Budget `budget` has spent (over all its
+    processes), which a resumed budget goes on from."""
     run_dir = Path(cfg.train.out_dir)
     # the model's own settings go beside them
     settings = {k: v for k, v in cfg.to_dict().items() if k != "model"}
+    if cfg.train.max_minutes:
+        settings["train"]["spent_s"] = round(budget.spent(), 3)
     keep = cfg.checkpoint.keep
     save_checkpoint(
         run_dir, step, model, optimizer, data.loader, dist, settings, data.tokenizer, keep
@@ -369,8 +371,8 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     init, model_args = init_from_weights(cfg)
     cfg = replace(cfg, model=model_args)
     start = resume_point(run_dir, cfg.model, resume, cfg.to_dict())
-    max_steps, probe = run_length(cfg, start, started)
-    cfg = with_max_steps(cfg, max_steps)
+    max_steps, decay_start, budget = run_length(cfg, start, started)
+    cfg = with_length(cfg, max_steps, decay_start)
     data = data_source(cfg, dist)
     if start is not None and data.tokenizer is not None:
         check_tokenizer(start, data.tokenizer)
@@ -378,18 +380,34 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     # a resumed run loads its checkpoint instead
     model, optimizer, sizes = build_model(cfg, dist, None if start else init)
     step = 0 if start is None else load_checkpoint(start, model, optimizer, data.loader, dist)
-    log = RunLog(cfg, run_dir, step, None if probe else max_steps, dist.main)
+    log = RunLog(cfg, run_dir, step, max_steps if budget.decided else None, dist.main)
     resuming = f"; resuming at step {step}" if start else ""
     log.say(f"model: {sizes}; {data.line}; device {dist.device}{resuming}")
-    run_steps(cfg, model, optimizer, data, log, dist, step, probe)
+    run_steps(cfg, model, optimizer, data, log, dist, step, budget)
     log.close()
 
 
+def decide_length(
+    cfg: Config, budget: Budget, step: int, model, data: DataSource, log: RunLog, dist: Dist, clock
+) -> Config:
+    """cfg, with the train.max_steps (and optim.decay_start) its budget decides at `step` if it does
+    (the same on every rank)."""
+    if budget.eval_steps is None:
+        with clock.paused():  # the budget's estimate of an evaluation is not training time
+            budget.time_evaluation(model, data.probe_batches, dist)
+    decision = budget.decide(step, model, dist)
+    if decision is None:
+        return cfg
+    max_steps, decay_start, line = decision
+    log.sized(step, max_steps, line)
+    return with_length(cfg, max_steps, decay_start)
+
+
 def run_steps(
-    cfg: Config, model, optimizer, data: DataSource, log: RunLog, dist: Dist, step: int, probe
+    cfg: Config, model, optimizer, data: DataSource, log: RunLog, dist: Dist, step: int, budget
 ):
-    """Train on from `step` to train.max_steps, logging, evaluating and saving when due; a
-    BudgetProbe `probe` (or None) sets train.max_steps once it has timed its steps."""
+    """Train on from `step` to train.max_steps, logging, evaluating and saving when due; until the
+    Budget `budget` has decided train.max_steps, it may at any step."""
     t = cfg.train  # the settings that stay; train.max_steps may change
     run_dir = Path(t.out_dir)
     peak = peak_flops(dist.device, t.peak_tflops)
@@ -414,13 +432,8 @@ def run_steps(
         step += 1
         clock.steps += 1
         log.bar.update()
-        if probe is not None and probe.step_done():
-            # A train.max_minutes run now knows its step time: it chooses its length, once, the
-            # same on every rank. The probe's evaluation is not training time.
-            with clock.paused():
-                max_steps, line = probe.max_steps(model, data.probe_batches, dist)
-            cfg, probe = with_max_steps(cfg, max_steps), None
-            log.sized(step, max_steps, line)
+        if budget.step_done(step):
+            cfg = decide_length(cfg, budget, step, model, data, log, dist, clock)
         last = cfg.train.max_steps
         if due(step, t.log_interval, last):
             log_step(log, step, lr, losses, grad_norm, clock, dist)
@@ -429,9 +442,11 @@ def run_steps(
         if evaluating or saving:
             with clock.paused():  # tokens/s and MFU count training time alone
                 if evaluating:
-                    validate(model, data, log, step, run_dir)
+                    with budget.timed("eval"):
+                        validate(model, data, log, step, run_dir)
                 if saving:
-                    save(model, optimizer, data, cfg, dist, log, step)
+                    with budget.timed("save"):
+                        save(model, optimizer, data, cfg, dist, log, step, budget)
 
 
 # ---------------------------------------------------------------- the command

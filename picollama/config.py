@@ -61,8 +61,8 @@ class TrainConfig:
     out_dir: str = "out/default"  # the run directory
     max_steps: int = 1000  # the run's length, unless max_minutes sizes it
     # a wall-clock budget (data preparation, evaluations, checkpoints and the final sample
-    # included): a probe of the first warmup steps measures this machine, then fixes max_steps so
-    # that the run fits; none: max_steps as given
+    # included) that fixes max_steps from the time spent: with optim.schedule wsd where the decay
+    # starts, from recent step times; with cosine after the first warmup steps. None: max_steps
     max_minutes: float | None = None
     batch_size: int = 16  # sequences per optimizer step, over all ranks and micro-steps
     grad_accum: int = 1  # micro-steps per optimizer step
@@ -85,8 +85,15 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     lr: float = 1e-3
-    min_lr: float = 1e-4  # the cosine decays to this at max_steps
+    min_lr: float = 1e-4  # the schedule decays to this at max_steps
     warmup_steps: int = 100
+    # after the linear warmup, cosine: a cosine decay to min_lr at max_steps; wsd (warmup-stable-
+    # decay): lr held, then a 1-sqrt decay to min_lr from decay_start to max_steps
+    schedule: str = "cosine"
+    # wsd: the decay's share of max_steps, or of a train.max_minutes budget's time (which decides
+    # max_steps and decay_start when that much time is left)
+    decay_fraction: float = 0.2
+    decay_start: int | None = None  # wsd: the step the decay begins; None: decay_fraction's
     weight_decay: float = 0.1  # on matrices only
     beta1: float = 0.9
     beta2: float = 0.95
@@ -159,6 +166,7 @@ POSITIVE = {
     "optim.lr",
     "optim.eps",
     "optim.muon_lr",
+    "optim.decay_fraction",
     "eval.batches",
     "eval.batch_size",
     "checkpoint.keep",
@@ -169,6 +177,7 @@ NOT_NEGATIVE = {
     "train.random_positions",
     "optim.min_lr",
     "optim.warmup_steps",
+    "optim.decay_start",
     "optim.weight_decay",
     "optim.grad_clip",
     "optim.z_loss",
@@ -181,12 +190,14 @@ BELOW_ONE = {
     "optim.beta1",
     "optim.beta2",
     "optim.muon_momentum",
+    "optim.decay_fraction",
 }  # and not negative
 CHOICES = {
     "data.task": ("text", "retrieval"),
     "train.device": ("auto", "cpu", "cuda", "mps"),
     "train.dtype": ("auto", "float32", "bfloat16"),
     "optim.name": ("adamw", "muon"),
+    "optim.schedule": ("cosine", "wsd"),
 }
 
 
@@ -203,6 +214,10 @@ def checked_model_args(**values) -> ModelArgs:
     """ModelArgs(**values), refused (ValueError naming the key) where a size is past any
     published model's or the architecture's switches do not fit together."""
     args = ModelArgs(**values)
+    for f in fields(ModelArgs):  # the ranges the training config checks, e.g. rope_theta > 0
+        value = getattr(args, f.name)
+        if value is not None and (problem := range_problem(f"model.{f.name}", value)):
+            raise ValueError(f"{f.name} must be {problem}, not {value!r}")
     for key, limit in SIZE_LIMITS.items():
         if (value := getattr(args, key)) is not None and not 1 <= value <= limit:
             problem = f"at most {limit:,}" if value > 0 else "positive"
@@ -495,12 +510,13 @@ def check_retrieval(cfg: Config) -> None:
 
 def check_training_options(cfg: Config) -> None:
     """Refuse random positions the model cannot use, an init_from run that would be overwritten, and
-    a budget without the warmup steps its probe times."""
+    a cosine budget without the warmup steps it times."""
     t = cfg.train
     m = cfg.model
-    if t.max_minutes and cfg.optim.warmup_steps < 4:
+    check_schedule(cfg)
+    if t.max_minutes and cfg.optim.schedule == "cosine" and cfg.optim.warmup_steps < 4:
         raise UserError(
-            "train.max_minutes needs optim.warmup_steps of 4 or more "
+            "train.max_minutes needs optim.warmup_steps of 4 or more with optim.schedule cosine "
             f"(not {cfg.optim.warmup_steps}): it times the first warmup steps, whose learning rate "
             "does not depend on the run's length, to size the run"
         )
@@ -517,4 +533,23 @@ def check_training_options(cfg: Config) -> None:
     if t.init_from is not None and Path(t.init_from).resolve() == Path(t.out_dir).resolve():
         raise UserError(
             f"train.init_from ({t.init_from}) must be another run directory than train.out_dir"
+        )
+
+
+def check_schedule(cfg: Config) -> None:
+    """Refuse an optim.decay_start that no wsd decay of train.max_steps can begin at."""
+    o = cfg.optim
+    if o.decay_start is None:
+        return
+    if o.schedule != "wsd":
+        raise UserError(f"optim.decay_start applies to optim.schedule wsd, not {o.schedule}")
+    if cfg.train.max_minutes:
+        raise UserError(
+            "optim.decay_start is decided by the train.max_minutes budget; give train.max_steps "
+            "with it"
+        )
+    if o.decay_start >= cfg.train.max_steps:
+        raise UserError(
+            f"optim.decay_start ({o.decay_start}) must be below train.max_steps "
+            f"({cfg.train.max_steps})"
         )

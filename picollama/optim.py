@@ -1,4 +1,4 @@
-"""The optimizers (AdamW, or Muon for the blocks' matrices beside it) and the lr schedule."""
+"""The optimizers (AdamW, or Muon for the blocks' matrices beside it) and the lr schedules."""
 
 import math
 
@@ -59,11 +59,28 @@ def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Opt
     return Optimizers([muon, adamw]) if muon else adamw
 
 
+def decay_start(cfg: Config) -> int:
+    """The step at which optim.schedule wsd's decay begins: optim.decay_start, or the last
+    optim.decay_fraction of train.max_steps (after the warmup)."""
+    o = cfg.optim
+    if o.decay_start is not None:
+        return o.decay_start
+    return max(o.warmup_steps, round((1 - o.decay_fraction) * cfg.train.max_steps))
+
+
 def lr_at(step: int, cfg: Config) -> float:
-    """Linear warmup over warmup_steps, then cosine decay to min_lr at max_steps (from step 0)."""
+    """Linear warmup over warmup_steps, then (optim.schedule) a cosine decay to min_lr at max_steps
+    (from step 0), or wsd: lr until decay_start, then 1 - sqrt of the decay's progress, reaching
+    min_lr at the last step."""
     o = cfg.optim
     total = cfg.train.max_steps
     if step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
+    if o.schedule == "wsd":
+        start = decay_start(cfg)
+        if step < start:
+            return o.lr
+        progress = (step + 1 - start) / (total - start)
+        return o.min_lr + (o.lr - o.min_lr) * (1 - math.sqrt(min(progress, 1.0)))
     progress = (step - o.warmup_steps) / max(total - o.warmup_steps, 1)
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))

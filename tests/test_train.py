@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 import train
 from data.loader import RandomBatches
 from data.prepare import prepare, train_tokenizer
+from data.tokenizer import tokenizer_sha256
 from model import ModelArgs, Transformer
 from picollama import budget, checkpoint, device, metrics, optim
 from picollama.checkpoint import checkpoints, load_model, non_finite, save_model
@@ -238,6 +239,23 @@ def test_the_schedule_warms_up_then_decays_to_min_lr():
     assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and lrs[-1] == pytest.approx(
         0.1, abs=1e-3
     )
+
+
+def test_wsd_holds_lr_then_decays_by_one_minus_sqrt_to_min_lr_over_the_last_fifth():
+    optim_ = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10, "schedule": "wsd"}
+    cfg = build_config({"train": {"max_steps": 100}, "optim": optim_}, [])
+    lrs = [optim.lr_at(step, cfg) for step in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9:80] == [1.0] * 71
+    assert lrs[80] == pytest.approx(0.1 + 0.9 * (1 - (1 / 20) ** 0.5))
+    assert all(a > b for a, b in itertools.pairwise(lrs[79:])) and lrs[-1] == pytest.approx(0.1)
+
+
+def test_wsd_decays_from_a_decay_start_given():
+    optim_ = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10, "schedule": "wsd", "decay_start": 40}
+    cfg = build_config({"train": {"max_steps": 100}, "optim": optim_}, [])
+    lrs = [optim.lr_at(step, cfg) for step in range(100)]
+    assert lrs[9:40] == [1.0] * 31 and lrs[40] == pytest.approx(0.1 + 0.9 * (1 - (1 / 60) ** 0.5))
+    assert lrs[-1] == pytest.approx(0.1)
 
 
 def test_a_non_finite_gradient_norm_skips_the_update(dataset):
@@ -589,6 +607,10 @@ def test_resume_refuses_a_dataset_made_with_another_tokenizer(dataset, tmp_path,
     (tmp_path / "other" / "tokenizer.model").write_bytes(
         train_tokenizer(["the same shards, another tokenizer"], 280, 0)
     )
+    # a dataset of its own: its meta.json names that tokenizer
+    meta = json.loads((tmp_path / "other" / "meta.json").read_text())
+    meta["tokenizer_sha256"] = tokenizer_sha256(tmp_path / "other" / "tokenizer.model")
+    (tmp_path / "other" / "meta.json").write_text(json.dumps(meta))
     capsys.readouterr()
     resume = ["--resume", "--train.max_steps=3"]
     assert (
@@ -851,11 +873,28 @@ def test_steps_in_budget_counts_steps_evaluations_and_saves():
             ["--train.max_minutes=1", "--optim.warmup_steps=2"],
             "train.max_minutes needs optim.warmup_steps of 4",
         ),
+        (["--optim.schedule=linear"], "--optim.schedule must be one of cosine, wsd, not 'linear'"),
+        (["--optim.decay_fraction=0"], "--optim.decay_fraction must be positive, not 0.0"),
+        (["--optim.decay_fraction=1"], "--optim.decay_fraction must be at least 0 and below 1"),
+        (["--optim.decay_start=5"], "optim.decay_start applies to optim.schedule wsd, not cosine"),
+        (
+            ["--optim.schedule=wsd", "--optim.decay_start=12"],
+            "optim.decay_start (12) must be below train.max_steps (12)",
+        ),
+        (
+            ["--train.max_minutes=1", "--optim.schedule=wsd", "--optim.decay_start=5"],
+            "optim.decay_start is decided by the train.max_minutes budget",
+        ),
     ],
 )
 def test_bad_budgets_are_one_line(dataset, tmp_path, capsys, args, message):
     assert run_in_process(config_file(tmp_path, dataset), tmp_path / "run", *args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_wsd_budget_needs_no_warmup_to_time():
+    optim_ = {"schedule": "wsd", "warmup_steps": 0}
+    check_config(build_config({"train": {"max_minutes": 1.0}, "optim": optim_}, []), 1)
 
 
 def test_a_step_count_on_the_command_line_turns_off_the_files_budget():
@@ -865,63 +904,122 @@ def test_a_step_count_on_the_command_line_turns_off_the_files_budget():
         build_config({"train": {"max_minutes": 5.0, "max_steps": 7}}, [])
 
 
-# train.py on a fake clock that advances 0.1 s whenever it is read: the probe then sizes the run the
-# same way on any machine, however loaded
-ON_A_FAKE_CLOCK = (
-    "import itertools, sys, types, train; from picollama import budget; "
-    "from picollama.cli import run_command; ticks = itertools.count(); "
-    "train.time = budget.time = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.1); "
+class FakeClock:
+    """train.py's and budget.py's clock, advancing `seconds` with each training step (changed to
+    changes[n] from the process's n-th step on) and standing still otherwise: a budget then decides
+    alike on any machine, however loaded. With `die_at`, the process SIGKILLs itself as that step
+    begins."""
+
+    def __init__(self, seconds: float, changes: dict | None = None, die_at: int | None = None):
+        self.now = 0.0
+        self.steps = 0
+        self.seconds = seconds
+        self.changes = changes or {}
+        self.die_at = die_at
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def install(self, setattr):
+        """Put train.py on this clock (setattr: the builtin, or monkeypatch's)."""
+        step = train.train_step
+
+        def timed_step(*args, **kwargs):
+            self.steps += 1
+            if self.steps == self.die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.seconds = self.changes.get(self.steps, self.seconds)
+            self.now += self.seconds
+            return step(*args, **kwargs)
+
+        setattr(train, "train_step", timed_step)
+        setattr(train, "time", self)
+        setattr(budget, "time", self)
+
+
+# train.py at 0.125 s a step (sums of it are exact in binary), killed as step {die_at} begins
+KILLED_ON_A_FAKE_CLOCK = (
+    "import sys, train; from tests.test_train import FakeClock; "
+    "from picollama.cli import run_command; FakeClock(0.125, die_at={die_at}).install(setattr); "
     "sys.exit(run_command(train.main, sys.argv[1:]))"
 )
 
 
-def test_a_budgeted_run_killed_and_resumed_equals_the_same_steps_given_up_front(dataset, tmp_path):
-    """The probe's steps are warmup steps, so a run sized by max_minutes is the run of its chosen
-    max_steps; the checkpoint records that number, so a SIGKILLed run resumes on the same schedule
-    (cosine to a min_lr ≠ lr)."""
-    budget = {"max_minutes": 0.2, "sample_tokens": 0, "log_interval": 1}
-    schedule = {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 10}
+def budgeted(tmp_path: Path, dataset: Path, minutes: float, saves: int, **optim_) -> Path:
+    """A TINY config of `minutes` (no train.max_steps), saving every `saves` steps, with the optim
+    settings given."""
+    train_ = {"max_minutes": minutes, "sample_tokens": 0, "log_interval": 1}
+    optim_ = {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 10, **optim_}
     config = config_file(
-        tmp_path, dataset, train=budget, optim=schedule, checkpoint={"interval": 10, "keep": 5}
+        tmp_path, dataset, train=train_, optim=optim_, checkpoint={"interval": saves, "keep": 2}
     )
     config.write_text(config.read_text().replace("max_steps = 12\n", ""))
+    return config
+
+
+def decision(run_dir: Path) -> tuple[int, int]:
+    """(step, train.max_steps) where run_dir's budget decided its length: one decision."""
+    entries = map(json.loads, (run_dir / "metrics.jsonl").open())
+    ((step, max_steps),) = [(e["step"], e["max_steps"]) for e in entries if "max_steps" in e]
+    return step, max_steps
+
+
+@pytest.mark.parametrize(
+    "schedule, minutes, die_at, decided",
+    [("cosine", 0.2, 35, True), ("wsd", 0.2, 12, False), ("wsd", 0.2, 55, True)],
+)
+def test_a_budgeted_run_killed_and_resumed_equals_the_same_steps_given_up_front(
+    dataset, tmp_path, monkeypatch, schedule, minutes, die_at, decided
+):
+    """A budget decides max_steps where no learning rate behind the run depends on it (cosine: after
+    warmup steps; wsd: where the decay starts), so a budgeted run is the run of its chosen
+    max_steps (and decay_start). A checkpoint records them, or until then the time spent: a
+    SIGKILLed run resumes on the same schedule, or goes on deciding as if it had never stopped
+    (wsd, decay_fraction 0.5: with 6 of its 12 s left, at step 48, for 96 steps of 0.125 s)."""
+    config = budgeted(tmp_path, dataset, minutes, 10, schedule=schedule, decay_fraction=0.5)
     killed = tmp_path / "killed"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            ON_A_FAKE_CLOCK,
-            "--config",
-            str(config),
-            f"--train.out_dir={killed}",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.time() + 120
-    while not [p for p in checkpoints(killed) if int(p.name[5:]) >= 20]:
-        assert process.poll() is None, f"the run ended early: {process.communicate()}"
-        assert time.time() < deadline, "no checkpoint within 120 s"
-        time.sleep(0.01)
-    process.kill()
-    process.wait()
-    (chosen,) = [
-        e["max_steps"]
-        for e in map(json.loads, (killed / "metrics.jsonl").open())
-        if "max_steps" in e
-    ]
-    assert chosen > 30, f"the budget sized only {chosen} steps: too few to kill the run halfway"
+    script = KILLED_ON_A_FAKE_CLOCK.format(die_at=die_at)
+    args = ["--config", str(config), f"--train.out_dir={killed}"]
+    died = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, capture_output=True)
+    assert died.returncode == -signal.SIGKILL, died.stderr
+    latest = checkpoints(killed)[-1]
+    settings = json.loads((latest / "meta.json").read_text())["settings"]
+    assert latest.name == f"step_{die_at // 10 * 10:06d}"
+    assert settings["train.spent_s"] == 0.125 * int(latest.name[5:])  # the fake clock's
+    assert (settings["train.max_steps"] != budget.UNDECIDED) == decided
+    FakeClock(0.125).install(monkeypatch.setattr)
     assert run_in_process(config, killed, "--resume") == 0
+    decided_at, chosen = decision(killed)
+    decay_start = decided_at if schedule == "wsd" else None
+    if schedule == "wsd":
+        assert (decided_at, chosen) == (48, 96)
+    assert chosen > 30, f"the budget sized only {chosen} steps: too few to kill the run halfway"
     reference = tmp_path / "reference"
-    assert run_in_process(config, reference, f"--train.max_steps={chosen}") == 0
-    assert (
-        max(losses(killed))
-        == chosen
-        == json.loads((killed / "config.json").read_text())["train"]["max_steps"]
-    )
+    length = [f"--train.max_steps={chosen}", f"--optim.decay_start={decay_start}"]
+    assert run_in_process(config, reference, *length) == 0
+    saved = json.loads((killed / "config.json").read_text())
+    assert max(losses(killed)) == chosen == saved["train"]["max_steps"]
+    assert saved["optim"]["decay_start"] == decay_start
     assert_close(losses(killed), losses(reference), 1e-6, steps=range(1, chosen + 1))
+
+
+def test_a_wsd_budget_ends_in_time_when_the_steps_slow_down_after_the_first_ones(
+    dataset, tmp_path, monkeypatch
+):
+    """Steps 3× slower from step 21 on: a load that came after the first steps. The wsd budget of 15
+    s decides with 20% of them left, from recent steps, and ends within 1% of it (at 14.875 s),
+    where a decision after the first steps (the cosine budget's: 111 steps) would end at 37 s; its
+    learning rates are those of the run of its max_steps and decay_start."""
+    clock = FakeClock(0.125, {21: 0.375})
+    clock.install(monkeypatch.setattr)
+    config = budgeted(tmp_path, dataset, 0.25, 10, schedule="wsd")
+    assert run_in_process(config, tmp_path / "run") == 0
+    assert 0.99 * 15 <= clock.now <= 15
+    decided_at, max_steps = decision(tmp_path / "run")
+    assert (decided_at, max_steps) == (46, 53) and clock.steps == 53
+    cfg = train.with_length(parse_cli(["--config", str(config)])[0], max_steps, decided_at)
+    lrs = losses(tmp_path / "run", "lr")
+    assert lrs == {step: optim.lr_at(step - 1, cfg) for step in range(1, max_steps + 1)}
 
 
 # ---------------------------------------------------------------- one writer, signals, full disks
