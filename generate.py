@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from data.tokenizer import prompt_start
 from model import ROPE_SCALINGS, Transformer
 from picollama.checkpoint import load_run
 from picollama.cli import (
@@ -218,8 +219,10 @@ class TextStream:
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    bos = [tokenizer.bos_id()] if tokenizer.bos_id() >= 0 else []
-    return bos + tokenizer.encode(text)
+    """BOS (where the tokenizer adds one) and the text's ids; an empty prompt is BOS, if any."""
+
+    ids = prompt_start(tokenizer) + tokenizer.encode(text)
+    return ids or ([tokenizer.bos_id()] if tokenizer.bos_id() >= 0 else [])
 
 
 def read_prompts(args) -> list[str]:
