@@ -257,8 +257,10 @@ def check_rope_flags(args):
 
 def load_model(args, device: torch.device) -> tuple[Transformer, object, torch.dtype]:
     """The run's model (quantized and cast as the flags say), its tokenizer, and the activation dtype."""
+    from picollama.convert import imported_run  # a .gguf file or a Hugging Face directory
+
     dtype = pick_dtype(args.dtype, device)
-    model, _, tokenizer = load_run(args.run, device, torch.float32)
+    model, _, tokenizer = load_run(imported_run(args.run), device, torch.float32)
     return quantize(model, args.quantize).to(dtype), tokenizer, dtype
 
 

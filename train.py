@@ -14,7 +14,6 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
-import sentencepiece as spm
 import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
@@ -25,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from data.loader import RandomBatches, eval_batches, load_meta, open_tokens
 from data.prepare import prepare
 from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
-from data.tokenizer import same_tokenizer, tokenizer_sha256
+from data.tokenizer import open_tokenizer, same_tokenizer, tokenizer_file, tokenizer_sha256
 from model import Transformer
 from picollama import REPO_ROOT
 from picollama.budget import BudgetProbe
@@ -180,7 +179,7 @@ def check_sample_fits(cfg: Config, data_dir: Path):
     t = cfg.train
     if not t.sample_tokens:
         return
-    tokenizer = spm.SentencePieceProcessor(model_file=str(data_dir / "tokenizer.model"))
+    tokenizer = open_tokenizer(tokenizer_file(data_dir) or data_dir / "tokenizer.model")
     prompt = 1 + len(
         tokenizer.encode(t.sample_prompt)
     )  # BOS and the prompt, as generate.py encodes them
@@ -252,7 +251,8 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
     probe = list(eval_batches(data_dir, "val", e.batch_size, t.seq_len, min(3, e.batches)))
     line = f"data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens)"
     validate = lambda model: evaluate(model, cfg, data_dir, meta, dist)  # noqa: E731
-    return DataSource(loader, validate, probe, data_dir / "tokenizer.model", line)
+    tokenizer = tokenizer_file(data_dir) or data_dir / "tokenizer.model"
+    return DataSource(loader, validate, probe, tokenizer, line)
 
 
 VALIDATION_FORMATS = {
@@ -369,9 +369,8 @@ def init_from_weights(cfg: Config) -> dict | None:
             f"train.init_from {source_dir} has model.{key} = {saved[key]!r}, this run {wanted[key]!r}; "
             f"only model.{', model.'.join(CONTEXT_KEYS)} may change"
         )
-    theirs = Path(source_dir) / "tokenizer.model"
-    ours = Path(cfg.data.dir) / "tokenizer.model"
-    if theirs.is_file() and ours.is_file() and not same_tokenizer(tokenizer_sha256(theirs), ours):
+    theirs, ours = tokenizer_file(source_dir), tokenizer_file(cfg.data.dir)
+    if theirs and ours and not same_tokenizer(tokenizer_sha256(theirs), ours):
         raise UserError(f"train.init_from {source_dir} has another tokenizer than {cfg.data.dir}")
     original = source.args.original_seq_len
     if cfg.model.rope_original_max_seq_len is None and cfg.model.max_seq_len > original:

@@ -6,6 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
+
 # The files a tokenizer lives in, in the order they are looked for (new ones train as the first)
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
 # Beside tokenizer.json: its special tokens, whether a prompt starts with BOS, the chat template.
@@ -57,18 +59,22 @@ class HFTokenizer:
     """A Hugging Face tokenizer.json (byte-level BPE, or sentencepiece-like) under the sentencepiece
     method names picollama calls; special tokens and add_bos_token from tokenizer_config.json."""
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str | None = None, spec: str = "", config: dict | None = None):
+        """From a tokenizer.json file (and the tokenizer_config.json beside it), or their text."""
         from tokenizers import Tokenizer
 
-        path = Path(path)
+        where = path or "tokenizer.json"
         try:
-            self.backend = Tokenizer.from_file(str(path))
-            config_path = path.with_name(TOKENIZER_CONFIG)
-            self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+            if path is not None:
+                spec = Path(path).read_text(encoding="utf-8")
+                config_path = Path(path).with_name(TOKENIZER_CONFIG)
+                config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+            self.backend = Tokenizer.from_str(spec)
         except (Exception, OSError) as e:  # tokenizers raises a bare Exception on a bad file
-            raise ValueError(f"{path} is not a Hugging Face tokenizer ({e})") from None
+            raise ValueError(f"{where} is not a Hugging Face tokenizer ({e})") from None
+        self.config = config or {}
         if not isinstance(self.config, dict):
-            raise ValueError(f"{path.with_name(TOKENIZER_CONFIG)} is not a JSON object")
+            raise ValueError(f"{TOKENIZER_CONFIG} beside {where} is not a JSON object")
         self.ids = {key: self.token_id(special_token(self.config, key)) for key in SPECIAL_KEYS}
         self.add_bos = self.config.get("add_bos_token")
         if not isinstance(self.add_bos, bool):  # not said: whether its post-processor adds BOS
@@ -79,13 +85,16 @@ class HFTokenizer:
         found = self.backend.token_to_id(token) if isinstance(token, str) else None
         return -1 if found is None else found
 
-    def encode(self, text: str | list[str], num_threads: int | None = None) -> list:
-        """Token ids of a text (or of each of a list of texts), no BOS/EOS added; special tokens in
-        the text (e.g. a chat template's) are matched whole, as in llama.cpp's prompts."""
-
+    def encode(self, text: str | list[str], num_threads=None, return_type=None) -> list:
+        """Token ids of a text (or of each of a list of texts; as int32 arrays for return_type
+        "numpy"), no BOS/EOS added; special tokens in the text (e.g. a chat template's) are matched
+        whole, as in llama.cpp's prompts. tokenizers picks its own threads."""
         if isinstance(text, str):
             return self.backend.encode(text, add_special_tokens=False).ids
-        return [e.ids for e in self.backend.encode_batch(text, add_special_tokens=False)]
+        encoded = self.backend.encode_batch(text, add_special_tokens=False)
+        if return_type == "numpy":
+            return [np.array(e.ids, dtype=np.int32) for e in encoded]
+        return [e.ids for e in encoded]
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=True)
@@ -94,7 +103,8 @@ class HFTokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def id_to_piece(self, i: int) -> str:
-        return self.backend.id_to_token(i)
+        """The text of token i (byte-level BPE spells "\n" as "Ċ" in its vocabulary; not here)."""
+        return self.backend.decode([i], skip_special_tokens=False)
 
     def bos_id(self) -> int:
         return self.ids["bos_token"]

@@ -2,6 +2,7 @@
 from-hf / to-gguf command line."""
 
 import argparse
+import hashlib
 import json
 import re
 import shutil
@@ -13,9 +14,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from data.prepare import cache_dir
 from data.tokenizer import HFTokenizer, tokenizer_file
 from model import ModelArgs, Transformer, rope_frequencies
 from picollama.checkpoint import (
+    is_hf_directory,
     load_model,
     model_bytes,
     model_from_state_dict,
@@ -312,9 +315,9 @@ def export_hf(run_dir: Path, hf_dir: Path):
     check_replaceable(hf_dir)
     model, _ = load_model(run_dir)
     check_llama(model.args)
-    tokenizer_path = run_dir / "tokenizer.model"
-    if not tokenizer_path.is_file():
-        raise UserError(f"{run_dir} has no tokenizer.model")
+    tokenizer_path = tokenizer_file(run_dir)
+    if tokenizer_path is None:
+        raise UserError(f"{run_dir} has no tokenizer.model or tokenizer.json")
     tokenizer = read_tokenizer(tokenizer_path)
     dtype = str(model.output.weight.dtype).removeprefix("torch.")
     ids = {
@@ -328,13 +331,18 @@ def export_hf(run_dir: Path, hf_dir: Path):
         "eos_token_id": tokenizer.eos_id(),
         "torch_dtype": dtype,
     }
+    if isinstance(
+        tokenizer, HFTokenizer
+    ):  # its own config, for the class that reads tokenizer.json
+        kind = {**tokenizer.config, "tokenizer_class": "PreTrainedTokenizerFast"}
+        kind |= {"add_bos_token": tokenizer.add_bos}
+    else:
+        kind = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True}
+        kind |= {"add_prefix_space": has_dummy_prefix(tokenizer), "legacy": False}
     tokenizer_config = {
-        "tokenizer_class": "LlamaTokenizer",
+        **kind,
         **special,
-        "add_bos_token": True,
         "add_eos_token": False,
-        "add_prefix_space": has_dummy_prefix(tokenizer),
-        "legacy": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model.args.max_seq_len,
     }
@@ -343,7 +351,7 @@ def export_hf(run_dir: Path, hf_dir: Path):
         tmp.mkdir()
         save_file(to_hf_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        shutil.copyfile(tokenizer_path, tmp / "tokenizer.model")
+        shutil.copyfile(tokenizer_path, tmp / tokenizer_path.name)
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
@@ -489,7 +497,8 @@ def add_gguf_bpe_vocab(writer, tokenizer: HFTokenizer, vocab_size: int, gguf):
     pre = gguf_pre_name(spec.get("pre_tokenizer") or {})
     special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
     n = tokenizer.get_piece_size()
-    tokens = [tokenizer.id_to_piece(i) if i < n else f"[PAD{i}]" for i in range(vocab_size)]
+    spelled = tokenizer.backend.id_to_token  # in the byte alphabet, as llama.cpp reads them
+    tokens = [spelled(i) if i < n else f"[PAD{i}]" for i in range(vocab_size)]
     types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(n)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
@@ -598,6 +607,24 @@ def import_hf(hf_dir: Path, run_dir: Path):
             {"converted_from": {"hf_dir": str(hf_dir), "config": config}},
             tokenizer=tokenizer_path,
         )
+
+
+def imported_run(source: Path) -> Path:
+    """What --run names, as a run directory: a .gguf file or a Hugging Face directory is imported
+    into the cache once (again when its files change); anything else is passed through."""
+    if source.is_file() and source.suffix == ".gguf":
+        files = [source]
+    elif source.is_dir() and is_hf_directory(source):
+        files = sorted(p for p in source.iterdir() if p.is_file())
+    else:
+        return source
+    stamps = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    key = hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:12]
+    run = cache_dir() / "imported" / f"{source.resolve().name}-{key}"
+    if not (run / "config.json").is_file():
+        print(f"importing {source} into {run} (once)", file=sys.stderr)
+        (import_gguf if source.is_file() else import_hf)(source, run)
+    return run
 
 
 class OldPaths(argparse.Action):

@@ -303,3 +303,28 @@ def test_smollm2_imports_tokenizes_and_samples_like_llama_cpp(tmp_path, llama_cp
     prompt = encode_prompt(tokenizer, "The capital of France is")
     ours = generate(model, [prompt], Sampling(6, temperature=0))[0]
     assert "Paris" in tokenizer.decode(ours)
+
+
+def test_generate_runs_a_gguf_file_and_a_hf_folder_imported_once(
+    bpe_ggufs, tmp_path, monkeypatch, capsys, one_thread
+):
+    import generate as generate_command
+
+    monkeypatch.setenv("PICOLLAMA_CACHE", str(tmp_path / "cache"))
+    gguf = bpe_ggufs["gpt2"][1]
+    assert (
+        convert_main(["to-hf", "--run", import_once(gguf, tmp_path), "--out", tmp_path / "hf"]) == 0
+    )
+    capsys.readouterr()
+    for source in (gguf, tmp_path / "hf"):
+        for first in (True, False):
+            argv = ["--run", str(source), "--prompt", "Héllo", "--max-new-tokens", "4"]
+            assert run_command(generate_command.main, [*argv, "--temperature", "0"]) == 0
+            out, err = capsys.readouterr()
+            assert out.startswith("Héllo") and ("importing" in err) == first, err
+    assert len(list((tmp_path / "cache" / "imported").iterdir())) == 2
+
+
+def import_once(gguf: Path, folder: Path) -> Path:
+    assert convert_main(["from-gguf", "--gguf", gguf, "--out", folder / "run"]) == 0
+    return folder / "run"

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from data.loader import copy_vocabulary, document_windows, load_meta
 from data.retrieval import RetrievalTask
-from data.tokenizer import same_tokenizer, tokenizer_sha256
+from data.tokenizer import same_tokenizer, tokenizer_file, tokenizer_sha256
 from model import ROPE_SCALINGS, Transformer
 from picollama import REPO_ROOT
 from picollama.checkpoint import load_model, load_run
@@ -415,12 +415,11 @@ def find_data_dir(config: dict, override: str | None) -> Path:
 
 def check_same_tokenizer(checkpoint: Path, data_dir: Path):
     """UserError when the dataset was tokenized by another tokenizer than the checkpoint's."""
-    if not same_tokenizer(
-        load_meta(data_dir).get("tokenizer_sha256"), checkpoint / "tokenizer.model"
+    tokenizer = tokenizer_file(checkpoint)
+    if tokenizer is not None and not same_tokenizer(
+        load_meta(data_dir).get("tokenizer_sha256"), tokenizer
     ):
-        raise UserError(
-            f"{data_dir} was tokenized with another tokenizer than {checkpoint}/tokenizer.model"
-        )
+        raise UserError(f"{data_dir} was tokenized with another tokenizer than {tokenizer}")
 
 
 def add_arguments(parser: ArgumentParser):
@@ -501,7 +500,7 @@ def load_runs(
             model = model.to(dtype).eval()
         else:
             model, config, _ = load_run(name, device, dtype)
-            tokenizers.setdefault(tokenizer_sha256(Path(name) / "tokenizer.model"), name)
+            tokenizers.setdefault(tokenizer_sha256(tokenizer_file(name)), name)
         if len(tokenizers) > 1:
             first, other = tokenizers.values()
             raise UserError(
