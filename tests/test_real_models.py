@@ -195,6 +195,45 @@ def test_greedy_tokens_match_llama_cpp(trained, type_, tmp_path, llama_cpp, one_
         assert list(itertools.islice(llm.generate(prompt, temp=0.0), 24)) == ours
 
 
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        dict(rope_scaling="linear", rope_factor=4.0),
+        dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_seq_len=8192),
+        dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_seq_len=16),
+    ],
+    ids=lambda d: d["rope_scaling"],
+)
+def test_gguf_rope_scaling_comes_back(bpe_ggufs, scaling, tmp_path, monkeypatch, one_thread):
+    """linear and llama3 travel as a rope_freqs tensor (to-gguf's), yarn as llama.cpp's metadata;
+    the import gives the same RoPE, so the same logits."""
+    import gguf
+
+    if scaling["rope_scaling"] == "yarn":  # to-gguf writes no yarn: llama.cpp's keys, by hand
+
+        def add_yarn(writer, base, add=gguf.GGUFWriter.add_rope_freq_base):
+            add(writer, base)
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(4.0)
+            writer.add_rope_scaling_orig_ctx_len(16)
+
+        monkeypatch.setattr(gguf.GGUFWriter, "add_rope_freq_base", add_yarn)
+    tokenizer = HFTokenizer(bpe_ggufs["gpt2"][0])
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(**TINY | dict(vocab_size=420, max_seq_len=16384) | scaling))
+    written = model
+    if scaling["rope_scaling"] == "yarn":
+        written = Transformer(ModelArgs(**TINY | dict(vocab_size=420, max_seq_len=16384)))
+        written.load_state_dict(model.state_dict())
+    convert.write_gguf(written.eval(), tokenizer, tmp_path / "m.gguf", "f32", "tiny")
+    assert convert_main(["from-gguf", "--gguf", tmp_path / "m.gguf", "--out", tmp_path / "r"]) == 0
+    imported, _ = load_model(tmp_path / "r")
+    assert {key: getattr(imported.args, key) for key in scaling} == scaling
+    tokens = torch.randint(0, 420, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(imported(tokens), model(tokens), rtol=0, atol=1e-5)
+
+
 def test_text_stream_never_prints_half_a_character(bpe_ggufs):
     tokenizer = HFTokenizer(bpe_ggufs["gpt2"][0])
     text = "emoji 🤗🚀👍🏽 中文 é"
