@@ -521,8 +521,11 @@ def train_tokenizer(documents: list[str], vocab_size: int, seed: int) -> bytes:
     return model.getvalue()
 
 
-def load_tokenizer(model_proto: bytes, what: str, config: dict | None = None):
-    """The tokenizer of a tokenizer.model's bytes, or of a tokenizer.json's with its `config`."""
+def load_tokenizer(model_proto: bytes, what, config: dict | None = None):
+    """The tokenizer of a tokenizer.model's bytes, or of a tokenizer.json's with its `config`; `what`
+    names the file in messages (or the folder it is in)."""
+    if Path(what).is_dir():
+        what = Path(what) / tokenizer_name(model_proto)
     if tokenizer_name(model_proto) == "tokenizer.json":
         try:
             return HFTokenizer(spec=model_proto.decode("utf-8"), config=config)
@@ -763,8 +766,7 @@ def build(
         splitter = Splitter(
             progress["bytes_read"], progress["splits"].get("val", {}).get("bytes", 0)
         )
-    name = str(work / tokenizer_name(model_proto))
-    tokenizer = load_tokenizer(model_proto, name, inputs.get("tokenizer_config"))
+    tokenizer = load_tokenizer(model_proto, work, inputs.get("tokenizer_config"))
     dtype = np.dtype(np.uint16 if tokenizer.get_piece_size() <= 1 << 16 else np.uint32)
     writers = {
         split: ShardWriter(
