@@ -89,7 +89,7 @@ def open_gguf(path: Path):
         raise UserError(f"{path}: unreadable GGUF file, truncated or corrupt ({e})") from None
     end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
     if end > path.stat().st_size:
-        raise UserError(f"{path} is truncated: its tensors end at byte {end:,}, the file before")
+        raise UserError(f"{path} is truncated: {path.stat().st_size:,} bytes, its tensors {end:,}")
     return reader, Metadata(reader, path)
 
 
@@ -110,14 +110,13 @@ def model_args(meta: Metadata, reader) -> ModelArgs:
                 f"{meta.path}: llama.{key} {meta.get(f'llama.{key}')} is not supported (only the "
                 f"head size, {head_dim})"
             )
-    n_kv = meta.get("llama.attention.head_count_kv", int, n_heads)
+    n_kv = meta.get("llama.attention.head_count_kv", None, n_heads)
     if not isinstance(n_kv, int):  # an array: a different number per layer
         raise UserError(f"{meta.path}: per-layer llama.attention.head_count_kv is not supported")
     embeddings = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    tokens = meta.reader.fields.get("tokenizer.ggml.tokens")
-    vocab = meta.get("llama.vocab_size", int) or (
-        int(embeddings.shape[1]) if embeddings is not None else len(tokens.data)
-    )
+    if embeddings is None:
+        raise UserError(f"{meta.path}: tensor token_embd.weight is missing")
+    vocab = meta.get("llama.vocab_size", int) or int(embeddings.shape[1])
     args = dict(
         dim=dim,
         n_layers=meta.need("llama.block_count", int),
