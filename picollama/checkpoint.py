@@ -79,7 +79,7 @@ def model_files(model: Transformer, run_dir, config: dict | None = None, tokeniz
         if copy:
             shutil.copyfile(tokenizer, files.enter_context(atomic_output(target)))
             tokenizer_config = Path(tokenizer).with_name(TOKENIZER_CONFIG)
-            if target.suffix == ".json" and tokenizer_config.is_file():
+            if tokenizer_config.is_file():  # special tokens, the chat template
                 shutil.copyfile(
                     tokenizer_config, files.enter_context(atomic_output(run_dir / TOKENIZER_CONFIG))
                 )

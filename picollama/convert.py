@@ -82,6 +82,7 @@ OWN_NAMES = {
     "model.safetensors",
     "config.json",
     "tokenizer.model",
+    "tokenizer.json",
     "tokenizer_config.json",
     "metrics.jsonl",
 }
