@@ -367,3 +367,40 @@ def test_generate_runs_a_gguf_file_and_a_hf_folder_imported_once(
 def import_once(gguf: Path, folder: Path) -> Path:
     assert convert_main(["from-gguf", "--gguf", gguf, "--out", folder / "run"]) == 0
     return folder / "run"
+
+
+def test_a_gguf_model_fine_tunes_on_data_prepared_with_its_tokenizer(bpe_ggufs, tmp_path):
+    import train
+    from data.prepare import prepare
+
+    run = import_once(bpe_ggufs["gpt2"][1], tmp_path)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"doc{i}.txt").write_text("\n".join(TEXTS[i:] + TEXTS[:i]) * 4)
+    data = prepare(str(corpus), tokenizer=str(run), out_dir=tmp_path / "data", command=["test"])
+    meta = json.loads((data / "meta.json").read_text())
+    recorded = json.loads((run / "config.json").read_text())
+    assert meta["tokenizer_sha256"] == recorded["tokenizer_sha256"] and meta["bos_id"] == 1
+    assert (data / "tokenizer_config.json").is_file()
+    sections = {
+        "model": recorded["model"] | {"max_seq_len": 32},  # the source's model, as its config.json
+        "data": {"dir": str(data)},
+        "train": {"init_from": str(run), "max_steps": 3, "batch_size": 2, "seq_len": 32},
+        "eval": {"interval": 0},
+        "checkpoint": {"interval": 0},
+    }
+    sections["train"] |= {"sample_tokens": 0, "out_dir": str(tmp_path / "tuned")}
+    config = tmp_path / "tune.toml"
+    config.write_text(
+        "".join(
+            f"[{name}]\n"
+            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items() if v is not None)
+            for name, table in sections.items()
+        )
+    )
+    assert run_command(train.main, ["--config", str(config)]) == 0
+    _, _, tokenizer = load_run(tmp_path / "tuned", "cpu", torch.float32)
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.encode(TEXTS[0]) == HFTokenizer(
+        bpe_ggufs["gpt2"][0]
+    ).encode(TEXTS[0])
