@@ -50,7 +50,6 @@ def prompt_start(tokenizer) -> list[int]:
 
 def special_token(config: dict, key: str) -> str | None:
     """A tokenizer_config.json's special token: a string, or {"content": string} (transformers')."""
-
     value = config.get(key)
     return value.get("content") if isinstance(value, dict) else value
 
@@ -103,7 +102,7 @@ class HFTokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def id_to_piece(self, i: int) -> str:
-        """The text of token i (byte-level BPE spells "\n" as "Ċ" in its vocabulary; not here)."""
+        """The text of token i, not its byte-level spelling (where a newline is Ċ)."""
         return self.backend.decode([i], skip_special_tokens=False)
 
     def bos_id(self) -> int:
