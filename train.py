@@ -586,7 +586,8 @@ def main(argv: list[str]) -> int:
         finally:
             dist.close()
     if dist.main:
-        files = ", tokenizer.model" if cfg.data.task == "text" else ""
+        tokenizer = tokenizer_file(run_dir) if cfg.data.task == "text" else None
+        files = f", {tokenizer.name}" if tokenizer else ""
         if cfg.train.sample_tokens:
             print_sample(cfg, dist.device)
         print(
