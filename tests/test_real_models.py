@@ -334,7 +334,8 @@ SMOLLM2 = os.environ.get("PICOLLAMA_SMOLLM2_GGUF")
 
 @pytest.mark.skipif(not SMOLLM2, reason="set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file")
 def test_smollm2_imports_tokenizes_and_samples_like_llama_cpp(tmp_path, llama_cpp):
-    pytest.importorskip("transformers")
+    # (its logits against transformers' reading: test_gguf_import_logits_match_transformers's
+    # check; on this file it takes a minute, too long for CI)
     assert convert_main(["from-gguf", "--gguf", SMOLLM2, "--out", tmp_path / "run"]) == 0
     model, _, tokenizer = load_run(tmp_path / "run", "cpu", torch.float32)
     assert (model.args.n_layers, model.args.n_kv_heads, model.args.rope_theta) == (30, 3, 1e5)
@@ -344,11 +345,6 @@ def test_smollm2_imports_tokenizes_and_samples_like_llama_cpp(tmp_path, llama_cp
     prompt = encode_prompt(tokenizer, "The capital of France is")
     ours = generate(model, [prompt], Sampling(6, temperature=0))[0]
     assert "Paris" in tokenizer.decode(ours)
-    tokens = torch.tensor([tokenizer.encode(CHAT + TEXTS[0] + TEXTS[3])])
-    with torch.no_grad():
-        logits = model(tokens)[0]
-        reference = transformers_from_gguf(Path(SMOLLM2))(tokens).logits[0]
-    assert (logits - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
 def test_generate_runs_a_gguf_file_and_a_hf_folder_imported_once(
