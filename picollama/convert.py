@@ -623,8 +623,8 @@ def imported_run(source: Path) -> Path:
     key = hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:12]
     run = cache_dir() / "imported" / f"{source.resolve().name}-{key}"
     if not (run / "config.json").is_file():
-        print(f"importing {source} into {run} (once)", file=sys.stderr)
         (import_gguf if source.is_file() else import_hf)(source, run)
+        print(f"imported {source} into {run} (once)", file=sys.stderr)
     return run
 
 

@@ -363,7 +363,7 @@ def test_generate_runs_a_gguf_file_and_a_hf_folder_imported_once(
             argv = ["--run", str(source), "--prompt", "Héllo", "--max-new-tokens", "4"]
             assert run_command(generate_command.main, [*argv, "--temperature", "0"]) == 0
             out, err = capsys.readouterr()
-            assert out.startswith("Héllo") and ("importing" in err) == first, err
+            assert out.startswith("Héllo") and ("imported" in err) == first, err
     assert len(list((tmp_path / "cache" / "imported").iterdir())) == 2
 
 
