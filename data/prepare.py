@@ -522,7 +522,7 @@ def train_tokenizer(documents: list[str], vocab_size: int, seed: int) -> bytes:
 
 
 def load_tokenizer(model_proto: bytes, what, config: dict | None = None):
-    """The tokenizer of a tokenizer.model's bytes, or of a tokenizer.json's with its `config`; `what`
+    """The tokenizer of a tokenizer.model's bytes, or a tokenizer.json's with its `config`; `what`
     names the file in messages (or the folder it is in)."""
     if Path(what).is_dir():
         what = Path(what) / tokenizer_name(model_proto)

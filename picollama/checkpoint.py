@@ -152,8 +152,8 @@ def is_hf_directory(path: Path) -> bool:
 
 def load_run(run_dir, device, dtype: torch.dtype) -> tuple[Transformer, dict, object]:
     """(model in dtype and eval mode, config, tokenizer (data.tokenizer's interface)) from a run
-    directory; UserError naming what is wrong. The tokenizer may have fewer pieces than the model has
-    embeddings (padded vocabularies): generate.py then samples only ids it can decode."""
+    directory; UserError naming what is wrong. The tokenizer may have fewer pieces than the model
+    has embeddings (padded vocabularies): generate.py then samples only ids it can decode."""
     model, config = load_model(run_dir, device)
     tokenizer_path = tokenizer_file(run_dir)
     if tokenizer_path is None:

@@ -607,7 +607,7 @@ def test_force_replaces_what_picollama_wrote(ws, tmp_path, capsys):
     ):
         assert run_command(convert.main, argv) == 0, capsys.readouterr().err
     imported = sorted(p.name for p in (tmp_path / "trained").iterdir())
-    # the export's files, its tokenizer_config.json kept beside the tokenizer; nothing of the old run
+    # the export's files, with the tokenizer_config.json beside its tokenizer; none of the old run
     assert imported == [
         "config.json",
         "model.safetensors",
