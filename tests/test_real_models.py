@@ -372,16 +372,24 @@ def import_once(gguf: Path, folder: Path) -> Path:
     return folder / "run"
 
 
-def test_a_gguf_model_fine_tunes_on_data_prepared_with_its_tokenizer(bpe_ggufs, tmp_path):
-    import train
+@pytest.fixture(scope="module")
+def bpe_data(bpe_ggufs, tmp_path_factory) -> tuple[Path, Path]:
+    """(the gpt2 GGUF imported as a run, a dataset prepared with its tokenizer)."""
     from data.prepare import prepare
 
-    run = import_once(bpe_ggufs["gpt2"][1], tmp_path)
-    corpus = tmp_path / "corpus"
+    root = tmp_path_factory.mktemp("bpe_data")
+    run = import_once(bpe_ggufs["gpt2"][1], root)
+    corpus = root / "corpus"
     corpus.mkdir()
     for i in range(4):
         (corpus / f"doc{i}.txt").write_text("\n".join(TEXTS[i:] + TEXTS[:i]) * 4)
-    data = prepare(str(corpus), tokenizer=str(run), out_dir=tmp_path / "data", command=["test"])
+    return run, prepare(str(corpus), tokenizer=str(run), out_dir=root / "data", command=["test"])
+
+
+def test_a_gguf_model_fine_tunes_on_data_prepared_with_its_tokenizer(bpe_ggufs, bpe_data, tmp_path):
+    import train
+
+    run, data = bpe_data
     meta = json.loads((data / "meta.json").read_text())
     recorded = json.loads((run / "config.json").read_text())
     assert meta["tokenizer_sha256"] == recorded["tokenizer_sha256"] and meta["bos_id"] == 1
@@ -407,3 +415,14 @@ def test_a_gguf_model_fine_tunes_on_data_prepared_with_its_tokenizer(bpe_ggufs, 
     assert isinstance(tokenizer, HFTokenizer) and tokenizer.encode(TEXTS[0]) == HFTokenizer(
         bpe_ggufs["gpt2"][0]
     ).encode(TEXTS[0])
+
+
+def test_the_study_runs_on_a_gguf_file(bpe_ggufs, bpe_data, tmp_path, monkeypatch, one_thread):
+    import generate as generate_command
+
+    monkeypatch.setenv("PICOLLAMA_CACHE", str(tmp_path / "cache"))
+    argv = ["extrapolate", "--run", str(bpe_ggufs["gpt2"][1]), "--data", str(bpe_data[1])]
+    argv += ["--lengths", "48,96", "--methods", "none,yarn", "--num-windows", "1", "--probes", "2"]
+    assert run_command(generate_command.main, [*argv, "--out", str(tmp_path / "study")]) == 0
+    report = json.loads((tmp_path / "study" / "extrapolation.json").read_text())
+    assert report["lengths"] == [48, 64, 96] and len(report["runs"]) == 1

@@ -30,6 +30,7 @@ from picollama.cli import (
     comma_list,
     positive,
 )
+from picollama.convert import imported_run
 from picollama.device import pick_device, pick_dtype
 from picollama.lab.report import (
     BINS_PER_OCTAVE,
@@ -602,6 +603,7 @@ def run(args, argv: list[str]) -> int:
     methods = args.methods
     if args.probe_span < 2:
         raise UserError(f"--probe-span must be >= 2, not {args.probe_span}")
+    names = [str(imported_run(Path(name))) for name in names]  # a .gguf file, an HF directory
     device = pick_device(args.device)
     loaded = load_runs(names, methods, device, pick_dtype(args.dtype, device))
     out_dir = Path(args.out) if args.out else Path(names[0]) / "extrapolation"
