@@ -178,6 +178,52 @@ def transformers_from_gguf(path: Path):
     return model.eval()
 
 
+def random_blocks_gguf(path: Path, tokenizer_file: Path, kind: str) -> Path:
+    """A one-layer Llama (dim 256, GQA) whose matrices are random blocks of GGUF type `kind`,
+    written as raw bytes (gguf quantizes few types): bytes below 64 keep every scale finite."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(256)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(256)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    convert.add_gguf_vocab(writer, HFTokenizer(tokenizer_file), 512, gguf)
+    shapes = {"token_embd": (512, 256), "output": (512, 256), "blk.0.attn_q": (256, 256)}
+    shapes |= {"blk.0.attn_k": (128, 256), "blk.0.attn_v": (128, 256)}
+    for name in ("attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        shapes[f"blk.0.{name}"] = (256, 256)
+    for name, (rows, cols) in shapes.items():
+        raw = rng.integers(0, 64, (rows, cols // block * size), dtype=np.uint8)
+        writer.add_tensor(f"{name}.weight", raw, raw_dtype=qtype)
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+        writer.add_tensor(f"{name}.weight", np.ones(256, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", [t.name for t in __import__("gguf").quants._type_traits])
+def test_every_type_gguf_dequantizes_imports_like_transformers(bpe_ggufs, kind, tmp_path):
+    pytest.importorskip("transformers")
+    gguf = random_blocks_gguf(tmp_path / "m.gguf", bpe_ggufs["gpt2"][0], kind)
+    assert convert_main(["from-gguf", "--gguf", gguf, "--out", tmp_path / "run"]) == 0
+    model, _ = load_model(tmp_path / "run")
+    tokens = torch.randint(0, 420, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, reference = model(tokens)[0], transformers_from_gguf(gguf)(tokens).logits[0]
+    assert (ours - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
 @pytest.fixture(scope="module")
 def trained(make_tiny_run, one_thread):
     return make_tiny_run()[0]
