@@ -220,7 +220,6 @@ class TextStream:
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """BOS (where the tokenizer adds one) and the text's ids; an empty prompt is BOS, if any."""
-
     ids = prompt_start(tokenizer) + tokenizer.encode(text)
     return ids or ([tokenizer.bos_id()] if tokenizer.bos_id() >= 0 else [])
 
