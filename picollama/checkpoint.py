@@ -177,7 +177,6 @@ def load_run(run_dir, device, dtype: torch.dtype) -> tuple[Transformer, dict, ob
 
 def read_tokenizer(path: Path):
     """The tokenizer of a tokenizer.model or tokenizer.json file; UserError if it is not one."""
-
     try:
         return open_tokenizer(path)
     except ValueError as e:
