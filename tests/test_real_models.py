@@ -393,6 +393,34 @@ def test_smollm2_imports_tokenizes_and_samples_like_llama_cpp(tmp_path, llama_cp
     assert "Paris" in tokenizer.decode(ours)
 
 
+IMPORT_AND_SAMPLE = """
+import sys, torch
+from pathlib import Path
+from generate import Sampling, encode_prompt, generate
+from picollama.checkpoint import load_run
+from picollama.convert import imported_run
+model, _, tokenizer = load_run(imported_run(Path(sys.argv[1])), "cpu", torch.float32)
+print(tokenizer.decode(generate(model, [encode_prompt(tokenizer, "Hi")], Sampling(8, 0))[0]))
+"""
+
+
+@pytest.mark.skipif(not SMOLLM2, reason="set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file")
+def test_smollm2_import_and_sampling_stay_under_1_5_gb(tmp_path):
+    """One process imports the file (dequantized one tensor at a time) and samples from it: no
+    second full copy of the weights at any point."""
+    import resource
+    import subprocess
+    import sys
+
+    env = os.environ | {"PICOLLAMA_CACHE": str(tmp_path), "OMP_NUM_THREADS": "2"}
+    command = [sys.executable, "-c", IMPORT_AND_SAMPLE, SMOLLM2]
+    subprocess.run(
+        command, env=env, check=True, capture_output=True, cwd=Path(__file__).parent.parent
+    )
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert peak_kb < 1.5 * 2**20, f"{peak_kb / 2**20:.2f} GB"
+
+
 def test_generate_runs_a_gguf_file_and_a_hf_folder_imported_once(
     bpe_ggufs, tmp_path, monkeypatch, capsys, one_thread
 ):
