@@ -37,9 +37,15 @@ def open_tokenizer(path: Path | str):
     import sentencepiece as spm
 
     try:
-        return spm.SentencePieceProcessor(model_file=str(path))
+        tokenizer = spm.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError):
         raise ValueError(f"{path} is not a sentencepiece model") from None
+    config = Path(path).with_name(TOKENIZER_CONFIG)
+    try:  # a llama.cpp vocabulary may say that prompts start without BOS
+        tokenizer.add_bos = json.loads(config.read_text()).get("add_bos_token") is not False
+    except (OSError, ValueError, AttributeError):
+        pass
+    return tokenizer
 
 
 def prompt_start(tokenizer) -> list[int]:

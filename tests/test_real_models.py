@@ -141,6 +141,10 @@ def test_spm_gguf_import_tokenizes_like_llama_cpp(tmp_path, llama_cpp):
         assert ids == llama_cpp_ids(llama_cpp, gguf, text, special=False), text
         assert ids == original.encode(text) and tokenizer.decode(ids) == text
     assert encode_prompt(tokenizer, "a")[0] == tokenizer.bos_id() >= 0
+    config = tmp_path / "run" / "tokenizer_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"add_bos_token": False}))
+    _, _, tokenizer = load_run(tmp_path / "run", "cpu", torch.float32)
+    assert encode_prompt(tokenizer, "a") == tokenizer.encode("a")  # as the file says: no BOS
 
 
 QUANTS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
