@@ -20,6 +20,7 @@ from picollama.cli import (
     add_device,
     add_run,
     add_seed,
+    check_seed,
     file_kind,
     positive,
     run_command,
@@ -34,7 +35,6 @@ from picollama.inference import (
 )
 
 SCALING_METHODS = "|".join(m for m in ROPE_SCALINGS if m != "none")  # for messages
-SEEDS = 2**32  # the seeds torch's CPU generator tells apart (it keeps a seed's low 32 bits)
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,7 @@ class Sampling:
             raise UserError(f"--top-k must be >= 1, not {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise UserError(f"--top-p must be in (0, 1], not {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < SEEDS:
-            raise UserError(
-                f"--seed must be in 0..{SEEDS - 1} (torch's CPU generator keeps 32 bits: a larger "
-                f"seed would repeat a smaller one's samples), not {self.seed}"
-            )
+        check_seed(self.seed)
 
 
 def sample(

@@ -1,12 +1,14 @@
 """Read a prepared dataset (meta.json, token shards, document offsets) as batches of token ids."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from data.shards import docs_name, split_shards
+from data.tokenizer import same_tokenizer, tokenizer_sha256
 from picollama.cli import UserError, check_type
 
 SPLITS = ("train", "val")
@@ -28,7 +30,8 @@ def load_meta(data_dir) -> dict:
 
 
 def checked_meta(data_dir) -> dict:
-    """load_meta, with the keys training reads checked for their type (UserError naming the key)."""
+    """load_meta, with the keys training reads checked (UserError naming the key) and its tokenizer
+    checked against the sha256 meta.json records: training would not notice another one."""
     meta = load_meta(data_dir)
     try:
         for key, kind in (("vocab_size", int), ("bytes_per_token", float)):
@@ -40,7 +43,30 @@ def checked_meta(data_dir) -> dict:
         raise UserError(
             f"{data_dir}/meta.json lacks its splits; prepare the dataset again with --force"
         ) from None
+    if not (math.isfinite(meta["bytes_per_token"]) and meta["bytes_per_token"] > 0):
+        raise UserError(
+            f"{data_dir}/meta.json bytes_per_token must be a positive number, not "
+            f"{meta['bytes_per_token']!r}; prepare the dataset again with --force"
+        )
+    check_dataset_tokenizer(data_dir, meta)
     return meta
+
+
+def check_dataset_tokenizer(data_dir, meta: dict) -> None:
+    """UserError unless data_dir holds a tokenizer.model with the sha256 meta.json records (any one,
+    where it records none): its shards hold that tokenizer's ids."""
+    path = Path(data_dir) / "tokenizer.model"
+    recorded = check_type(
+        f"{data_dir}/meta.json tokenizer_sha256", meta.get("tokenizer_sha256"), str | None
+    )
+    if not path.is_file():
+        raise UserError(f"{data_dir} has no tokenizer.model; put back the one it was prepared with")
+    if not same_tokenizer(recorded, path):
+        raise UserError(
+            f"{path} is not the tokenizer {data_dir} was prepared with (sha256 "
+            f"{tokenizer_sha256(path)[:12]}, meta.json records {recorded[:12]}): the shards hold "
+            "another tokenizer's ids; put back its own tokenizer.model or prepare the dataset again"
+        )
 
 
 def _check_split(split: str) -> None:

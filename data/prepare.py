@@ -35,12 +35,15 @@ from picollama.cli import (
     UserError,
     add_out,
     atomic_output,
+    check_replaceable,
     check_writable,
     exclusive,
     file_kind,
+    listed,
     positive,
     remove,
     replace,
+    resolved,
     run_command,
 )
 
@@ -80,6 +83,8 @@ TOKENIZER_RECIPE = {
     "minloglevel": 2,
 }
 SHARD_TOKENS = 100_000_000
+# what preparing writes in a dataset folder (shards of format 3, and of format 2: <split>.bin)
+DATASET_FILES = r"meta\.json|tokenizer\.model|(train|val)(-\d{5,})?\.(bin|docs\.npy)"
 
 EPILOG = """\
 sources:
@@ -90,15 +95,17 @@ sources:
   hf:NAME[:CONFIG] a Hugging Face hub dataset (train split), streamed; --max-bytes defaults to 100M
 
 Text must be UTF-8: a file that is not (or that contains NUL bytes) is refused with its name,
-never decoded with replacement characters. Line endings in .txt files are read as \\n.
+never decoded with replacement characters. Line endings in .txt files are read as \\n; a
+byte order mark starting one is dropped.
 The corpus streams through in blocks of 32 MB, so memory does not grow with it; within each
 block whole documents are split, seeded, into train and val (about 5% of bytes, at least one
 document; a corpus of a single document is cut at a line break instead). The tokenizer trains
 on at most 8 MB of the first block's training text. The output directory gets shards
 train-NNNNN.bin / val-NNNNN.bin of --shard-tokens tokens with their .docs.npy document offsets,
-tokenizer.model and meta.json. Until it is complete it is written to .NAME.partial beside it: an
-interrupted run, run again, resumes there (delete it to start over). A rerun with the same inputs
-reuses a complete output, --force rebuilds it.
+tokenizer.model and meta.json. Until it is complete it is written to .NAME.partial beside it (a
+link's target): an interrupted run, run again, resumes there (delete it to start over). A rerun
+with the same inputs reuses a complete output, --force rebuilds it: only a folder holding nothing
+but what prepare writes, never one holding other files.
 """
 
 
@@ -332,7 +339,9 @@ def open_source(
         if builder_for(path) != "parquet":
             check_text_file(path)
     # .txt files are read here (universal newlines, like the datasets text builder), the rest by it
-    streams = [(path.read_text(encoding="utf-8") for path in files if builder_for(path) == "text")]
+    # utf-8-sig: a byte order mark is no text (the json builder drops it too)
+    texts = (path.read_text(encoding="utf-8-sig") for path in files if builder_for(path) == "text")
+    streams = [texts]
     for builder in ("json", "parquet"):
         group = [str(p) for p in files if builder_for(p) == builder]
         if group:
@@ -550,40 +559,67 @@ def tokenizer_name(model_proto: bytes) -> str:
 
 
 def existing_output(out_dir: Path, inputs: dict, force: bool) -> dict | None:
-    """meta.json of an output in out_dir these inputs can reuse; UserError if it must stay."""
+    """meta.json of an output in out_dir these inputs can reuse; UserError if it must stay. None
+    when out_dir is to be replaced (--force, or no readable meta.json): prepare then checks it is
+    its own (check_own), once the inputs are known not to lie inside it."""
     if not out_dir.exists() or out_dir.is_dir() and not any(out_dir.iterdir()):
         return None
     meta_path = out_dir / "meta.json"
-    if not out_dir.is_dir() or not meta_path.is_file():
+    if not out_dir.is_dir():
         raise UserError(f"{out_dir} exists and is not a prepared dataset; choose another --out")
-    if force:
-        return None
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{meta_path} is unreadable ({exc}); pass --force to rebuild it") from None
-    if meta.get("format") != FORMAT_VERSION:
+    if not meta_path.is_file():
+        held = listed(sorted(p.name + "/" * p.is_dir() for p in out_dir.iterdir()))
         raise UserError(
+            f"{out_dir} exists and is not a prepared dataset (no meta.json; it holds {held}); "
+            "choose another --out"
+        )
+    meta = read_json(meta_path)
+    if force or not isinstance(meta, dict):
+        return None
+    problem = reuse_problem(out_dir, meta, inputs)
+    if problem is None:
+        return meta
+    check_own(out_dir)  # so that the advice to pass --force is never one that deletes a user's file
+    raise UserError(problem)
+
+
+def reuse_problem(out_dir: Path, meta: dict, inputs: dict) -> str | None:
+    """Why the dataset `meta` describes cannot be reused for these inputs; None if it can."""
+    if meta.get("format") != FORMAT_VERSION:
+        return (
             f"{out_dir} was prepared in format {meta.get('format')}, not {FORMAT_VERSION} "
             "(training still reads it); pass --force to prepare it again"
         )
-    wanted_sha, found_sha = inputs.get("tokenizer_sha256"), meta.get("tokenizer_sha256", "?")
+    wanted_sha, found_sha = inputs.get("tokenizer_sha256"), str(meta.get("tokenizer_sha256", "?"))
     if wanted_sha and wanted_sha != found_sha:
-        raise UserError(
+        return (
             f"{out_dir} was prepared with a different tokenizer (sha256 {found_sha[:12]} there, "
             f"{wanted_sha[:12]} given); pass --force to replace it or --out to write elsewhere"
         )
-    changed = sorted(
-        key
-        for key in inputs.keys() | meta.get("inputs", {}).keys()
-        if inputs.get(key) != meta.get("inputs", {}).get(key)
-    )
+    recorded = meta.get("inputs") if isinstance(meta.get("inputs"), dict) else {}
+    changed = sorted(k for k in inputs.keys() | recorded.keys() if inputs.get(k) != recorded.get(k))
     if changed:
-        raise UserError(
+        return (
             f"{out_dir} was prepared from different inputs ({', '.join(changed)} changed); "
             "pass --force to replace it or --out to write elsewhere"
         )
-    return meta
+    return None
+
+
+def check_own(out_dir: Path):
+    """UserError unless out_dir is absent, empty or a dataset picollama prepared: a manifest
+    meta.json (with a format and splits), a tokenizer and shards, and nothing else."""
+    what = "--force replaces only a prepared dataset: meta.json, tokenizer.model and shards"
+    check_replaceable(out_dir, DATASET_FILES, marks=["meta.json"], what=what)
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    meta = read_json(out_dir / "meta.json")
+    manifest = isinstance(meta, dict) and isinstance(meta.get("format"), int)
+    if not manifest or "splits" not in meta:
+        raise UserError(
+            f"not replacing {out_dir}: its meta.json is not a dataset's manifest (JSON with a "
+            "format and splits), so picollama did not write it; choose another output"
+        )
 
 
 def summary(out_dir: Path, meta: dict) -> str:
@@ -597,7 +633,8 @@ def summary(out_dir: Path, meta: dict) -> str:
 
 
 def partial_dir(out_dir: Path) -> Path:
-    """Where a preparation of out_dir is written until it is complete, then renamed to out_dir."""
+    """Where a preparation of out_dir is written until it is complete, then renamed to out_dir (a
+    resolved path: beside a link's target, on its disk)."""
     return out_dir.with_name(f".{out_dir.name}.partial")
 
 
@@ -842,6 +879,7 @@ def prepare(
             return out_dir
         files = [file for file, _, _ in inputs.get("files", [])]
         check_writable(out_dir, inputs=files, directory=True)
+        check_own(out_dir)
         options = {
             "source": source,
             "text_field": text_field,
@@ -854,7 +892,8 @@ def prepare(
         with warnings.catch_warnings():
             # library chatter from datasets; real failures arrive as exceptions
             warnings.simplefilter("ignore")
-            meta = build(out_dir, partial_dir(out_dir), inputs, model_proto, options)
+            target = resolved(out_dir)  # a link's target: a folder is never renamed over a link
+            meta = build(target, partial_dir(target), inputs, model_proto, options)
         print(f"wrote {summary(out_dir, meta)}")
     return out_dir
 

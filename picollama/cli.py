@@ -5,6 +5,7 @@ import errno
 import fcntl
 import math
 import os
+import re
 import shutil
 import signal
 import stat
@@ -109,9 +110,16 @@ def add_run(parser: ArgumentParser, several: bool = False, required: bool = True
         parser.needed = [*getattr(parser, "needed", ()), ("run", "--run")]
 
 
+def output_path(text: str) -> Path:
+    """An argparse type: a path to write, never empty (Path("") is the current directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; name the file or folder to write")
+    return Path(text)
+
+
 def add_out(parser: ArgumentParser, what: str, **kwargs):
     """--out PATH: what the command writes."""
-    parser.add_argument("--out", type=Path, metavar="PATH", help=what, **kwargs)
+    parser.add_argument("--out", type=output_path, metavar="PATH", help=what, **kwargs)
 
 
 def add_device(parser: ArgumentParser, default: str | None = "auto"):
@@ -141,11 +149,35 @@ def add_compile(parser: ArgumentParser, what: str, default: bool | None = False)
     )
 
 
+SEEDS = 2**32  # the seeds torch's CPU generator tells apart (it keeps a seed's low 32 bits)
+
+
+def check_seed(seed: int | None) -> int | None:
+    """seed, unless torch would take it for a smaller one (UserError)."""
+    if seed is not None and not 0 <= seed < SEEDS:
+        raise UserError(
+            f"--seed must be in 0..{SEEDS - 1} (torch's CPU generator keeps 32 bits: a larger "
+            f"seed would repeat a smaller one's samples), not {seed}"
+        )
+    return seed
+
+
+class Seed(argparse.Action):
+    """--seed's action: check_seed's one line, not argparse's "invalid value"."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, check_seed(values))
+
+
 def add_seed(parser: ArgumentParser, what: str, default: int | None = 0, unset: str = "random"):
-    """--seed N; `unset` says what no seed means."""
+    """--seed N, in 0..SEEDS-1; `unset` says what no seed means."""
     said = unset if default is None else default
     parser.add_argument(
-        "--seed", type=positive(int, zero=True), default=default, help=f"{what} (default {said})"
+        "--seed",
+        type=positive(int, zero=True),
+        action=Seed,
+        default=default,
+        help=f"{what} (default {said})",
     )
 
 
@@ -254,16 +286,23 @@ def atomic_output(path, needed: int | None = None):
     """Yield a temporary path beside `path`; when the block succeeds it is renamed to `path` (file
     or directory), otherwise it is removed and `path` keeps what it held. `path` must be absent, a
     regular file or a directory; `needed` bytes (where the size is known) must be free first. A full
-    disk ends in a UserError naming the path."""
+    disk ends in a UserError naming the path, and so does a file written over a directory or the
+    reverse. A symbolic link is written through: its target is replaced, by a temporary beside it
+    (on its disk; renaming a folder over a link fails)."""
     path = Path(path)
     check_output_kind(path)
+    target = resolved(path)
     if needed is not None:
-        check_free_space(path, needed)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        check_free_space(target, needed)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     remove(tmp)
     try:
         yield tmp
-        replace(tmp, path)
+        if target.exists() and target.is_dir() != tmp.is_dir():  # never one for the other
+            raise UserError(
+                f"cannot write {path}: it is {'a directory' if target.is_dir() else 'a file'}"
+            )
+        replace(tmp, target)
     except BaseException as e:
         remove(tmp)
         failure = write_failure(path, e, needed)
@@ -325,8 +364,8 @@ def file_kind(path) -> str | None:
 def check_output_kind(path):
     """UserError unless path is absent, a regular file or a directory (a symbolic link is followed:
     to one of those it is fine; into a loop, a device, a FIFO or a socket it is refused, and nothing
-    is replaced). Absent includes a dangling link (replaced as a link) and a folder that is not one
-    (check_writable says)."""
+    is replaced). Absent includes a dangling link (atomic_output writes its target) and a folder
+    that is not one (check_writable says)."""
     kind = file_kind(path)
     if kind == "a symbolic link loop":
         raise UserError(f"cannot write {path}: a symbolic link loop; choose another output")
@@ -359,6 +398,38 @@ def check_writable(path, inputs=(), directory: bool = False):
             pass
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+# what an interrupted atomic_output or replace leaves in a folder: .NAME.tmp-PID, .NAME.old-PID
+LEFTOVER = r"\..+\.(tmp|old)-\d+"
+
+
+def check_replaceable(folder: Path, files: str, folders: str = "", marks=(), what: str = ""):
+    """UserError unless `folder` is absent, empty or what picollama wrote: it holds the files
+    `marks` and nothing else but files whose names match the regular expression `files`, folders
+    whose names match `folders`, and leftovers of an interrupted write. So that replacing it never
+    deletes a user's files; `what` says, in the message, what may be replaced (links count as
+    files: only the link is removed). A file `folder` is the caller's to judge."""
+    entries = sorted(folder.iterdir()) if folder.is_dir() else []
+    foreign = []
+    for entry in entries:
+        is_folder = entry.is_dir() and not entry.is_symlink()
+        if not re.fullmatch(f"{folders if is_folder else files}|{LEFTOVER}", entry.name):
+            foreign.append(entry.name + "/" * is_folder)
+    missing = [mark for mark in marks if not (folder / mark).is_file()]
+    if not entries or not foreign and not missing:
+        return
+    held = f"holds {listed(foreign)}" if foreign else f"holds no {' and '.join(missing)}"
+    advice = "move them out or choose another output" if foreign else "choose another output"
+    raise UserError(
+        f"not replacing {folder}: it {held}, so picollama did not write it all ({what}); {advice}"
+    )
+
+
+def listed(names: list[str], most: int = 3) -> str:
+    """'a', 'a and b', 'a, b and c', 'a, b, c and 2 more'."""
+    shown = names[:most] if len(names) <= most else [*names[:most], f"{len(names) - most} more"]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}"
 
 
 def resolved(path) -> Path:

@@ -18,6 +18,7 @@ import torch
 from data import prepare as prepare_module
 from data.loader import (
     RandomBatches,
+    checked_meta,
     copy_vocabulary,
     doc_offsets,
     document_windows,
@@ -26,7 +27,7 @@ from data.loader import (
     open_tokens,
     plant_copies,
 )
-from data.prepare import prepare, split_documents, tokenizer_sample
+from data.prepare import prepare, split_documents, tokenizer_sample, train_tokenizer
 from data.tokenizer import same_tokenizer, tokenizer_sha256
 from picollama.cli import UserError
 from picollama.config import build_config
@@ -147,6 +148,45 @@ def test_a_tokenizer_is_identified_by_the_sha256_its_dataset_records(corpus, tmp
     assert same_tokenizer(recorded, path) and not same_tokenizer(recorded, tmp_path / "other.model")
     # nothing recorded: nothing to hold it against
     assert same_tokenizer(None, tmp_path / "other.model")
+
+
+def test_training_opens_a_dataset_only_with_the_tokenizer_it_records(corpus, tmp_path):
+    """Another dataset's tokenizer.model copied in (or none) is refused by checked_meta, which
+    train.py opens its dataset with: its ids would not be the shards'."""
+    data_dir, _ = corpus
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    assert checked_meta(copy) == load_meta(data_dir)
+    other = train_tokenizer(["another corpus, another tokenizer\n" * 20], 280, 0)
+    (copy / "tokenizer.model").write_bytes(other)
+    with pytest.raises(UserError, match=r"tokenizer.model is not the tokenizer .* prepared with"):
+        checked_meta(copy)
+    (copy / "tokenizer.model").unlink()
+    with pytest.raises(UserError, match="has no tokenizer.model"):
+        checked_meta(copy)
+
+
+@pytest.mark.parametrize("value", [0, -1.5, float("nan"), float("inf"), "1.5", None])
+def test_a_bytes_per_token_that_is_no_positive_number_is_refused(corpus, tmp_path, value):
+    """Bits per byte divide by it, after training."""
+    data_dir, _ = corpus
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    meta = load_meta(copy)
+    (copy / "meta.json").write_text(json.dumps(meta | {"bytes_per_token": value}))
+    with pytest.raises(UserError, match=r"data/meta.json bytes_per_token must be"):
+        checked_meta(copy)
+
+
+def test_a_byte_order_mark_starting_a_text_file_is_not_text(tmp_path):
+    """Editors on Windows start UTF-8 files with U+FEFF; inside a text it is a character."""
+    documents = [f"document {i}: some words, and more words\n" * 40 for i in range(4)]
+    documents[3] = "a zero width \ufeff no-break space stays\n" * 40
+    (tmp_path / "texts").mkdir()
+    for i, text in enumerate(documents):
+        (tmp_path / "texts" / f"doc{i}.txt").write_text("\ufeff" * (i < 3) + text)
+    out = prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=tmp_path / "out")
+    assert sorted(split_texts(out, "train") + split_texts(out, "val")) == sorted(documents)
 
 
 def test_random_batches_are_seeded_and_resumable(corpus, tmp_path):

@@ -1,5 +1,6 @@
 """train.py over many shards: two torchrun ranks read disjoint rows of each batch; exact resume."""
 
+import json
 import os
 import random
 import shutil
@@ -12,7 +13,7 @@ import pytest
 from test_train import TINY, config_file, losses, run_in_process
 
 from data.loader import RandomBatches, load_meta, open_tokens
-from data.prepare import prepare
+from data.prepare import prepare, train_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = (
@@ -126,3 +127,23 @@ def test_training_on_many_shards_resumes_exactly(sharded, tmp_path):
         whole, resumed = losses(tmp_path / "whole", key), losses(tmp_path / "resumed", key)
         assert sorted(whole) == sorted(resumed) and whole == resumed, key
     assert losses(tmp_path / "whole")[6] < losses(tmp_path / "whole")[1]
+
+
+@pytest.mark.parametrize("swap", ["tokenizer", "bytes_per_token"])
+def test_a_tampered_dataset_is_refused_before_training(sharded, tmp_path, capsys, swap):
+    """Another dataset's tokenizer.model copied in trained silently; a bytes_per_token of 0 failed
+    after training (bits per byte divide by it). Both are one line, before any step."""
+    data = tmp_path / "data"
+    shutil.copytree(sharded, data)
+    if swap == "tokenizer":
+        (data / "tokenizer.model").write_bytes(train_tokenizer(["another corpus\n" * 40], 280, 0))
+        wanted = f"{data / 'tokenizer.model'} is not the tokenizer {data} was prepared with"
+    else:
+        meta = load_meta(data)
+        (data / "meta.json").write_text(json.dumps(meta | {"bytes_per_token": 0}))
+        wanted = f"{data}/meta.json bytes_per_token must be a positive number, not 0"
+    config = config_file(tmp_path, data, train={"max_steps": 2}, eval={"interval": 1})
+    assert run_in_process(config, tmp_path / "run") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and wanted in err, err
+    assert not (tmp_path / "run").exists()
