@@ -84,7 +84,9 @@ TOKENIZER_RECIPE = {
 }
 SHARD_TOKENS = 100_000_000
 # what preparing writes in a dataset folder (shards of format 3, and of format 2: <split>.bin)
-DATASET_FILES = r"meta\.json|tokenizer\.model|(train|val)(-\d{5,})?\.(bin|docs\.npy)"
+DATASET_FILES = (
+    r"meta\.json|tokenizer(\.model|\.json|_config\.json)|(train|val)(-\d{5,})?\.(bin|docs\.npy)"
+)
 
 EPILOG = """\
 sources:
@@ -609,7 +611,7 @@ def reuse_problem(out_dir: Path, meta: dict, inputs: dict) -> str | None:
 def check_own(out_dir: Path):
     """UserError unless out_dir is absent, empty or a dataset picollama prepared: a manifest
     meta.json (with a format and splits), a tokenizer and shards, and nothing else."""
-    what = "--force replaces only a prepared dataset: meta.json, tokenizer.model and shards"
+    what = "--force replaces only a prepared dataset: meta.json, its tokenizer and shards"
     check_replaceable(out_dir, DATASET_FILES, marks=["meta.json"], what=what)
     if not out_dir.is_dir() or not any(out_dir.iterdir()):
         return
