@@ -3,7 +3,6 @@
 import argparse
 import hashlib
 import json
-import re
 import shutil
 import sys
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ from tqdm import tqdm
 from data.prepare import cache_dir
 from data.tokenizer import HFTokenizer, tokenizer_file
 from model import ModelArgs, Transformer, rope_frequencies
+from picollama import cli
 from picollama.checkpoint import (
     is_hf_directory,
     load_model,
@@ -81,17 +81,10 @@ HF_KEYS = {
 # holding model.safetensors and config.json and nothing picollama does not write there (a run's
 # train_state/, metrics.jsonl and extrapolation/; an export's tokenizer files; what an interrupted
 # save left): never a user's own files.
-OWN_NAMES = {
-    "model.safetensors",
-    "config.json",
-    "tokenizer.model",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "metrics.jsonl",
-    "train_state",
-    "extrapolation",
-}
-LEFTOVER = re.compile(r"\..+\.(tmp|old)-\d+")
+OWN_FILES = (
+    r"model\.safetensors|config\.json|tokenizer(\.model|\.json|_config\.json)|metrics\.jsonl"
+)
+OWN_FOLDERS = r"train_state|extrapolation"
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -318,8 +311,8 @@ def output(path: Path, needed: int | None = None):
 
 
 def check_replaceable(out: Path):
-    """UserError unless `out` is absent, empty or something picollama wrote (OWN_NAMES), so that
-    --force never deletes what picollama did not write."""
+    """UserError unless `out` is absent, empty or something picollama wrote (OWN_FILES and
+    OWN_FOLDERS), so that --force never deletes what picollama did not write."""
     if out.is_file():
         with open(out, "rb") as file:
             magic = file.read(4)
@@ -329,15 +322,12 @@ def check_replaceable(out: Path):
                 "(--force replaces only a GGUF file); choose another output"
             )
         return
-    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    foreign = [name for name in names if name not in OWN_NAMES and not LEFTOVER.fullmatch(name)]
-    if names and (foreign or not {"model.safetensors", "config.json"} <= set(names)):
-        held = f"holds {foreign[0]}" if foreign else "holds no model.safetensors and config.json"
-        raise UserError(
-            f"not replacing {out}: it {held}, so picollama did not write it (--force replaces only "
-            "a run or export directory: model.safetensors, config.json and only files picollama "
-            "writes); choose another output"
-        )
+    what = (
+        "--force replaces only a run or export directory: model.safetensors, config.json and only "
+        "files picollama writes"
+    )
+    marks = ["model.safetensors", "config.json"]
+    cli.check_replaceable(out, OWN_FILES, OWN_FOLDERS, marks=marks, what=what)
 
 
 def export_hf(run_dir: Path, hf_dir: Path):
