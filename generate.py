@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from data.tokenizer import prompt_start
 from model import ROPE_SCALINGS, Transformer
 from picollama.checkpoint import load_run
 from picollama.cli import (
@@ -258,8 +259,9 @@ class TextStream:
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    bos = [tokenizer.bos_id()] if tokenizer.bos_id() >= 0 else []
-    return bos + tokenizer.encode(text)
+    """BOS (where the tokenizer adds one) and the text's ids; an empty prompt is BOS, if any."""
+    ids = prompt_start(tokenizer) + tokenizer.encode(text)
+    return ids or ([tokenizer.bos_id()] if tokenizer.bos_id() >= 0 else [])
 
 
 def check_prompt_flags(args):
@@ -390,8 +392,10 @@ def check_rope_flags(args):
 
 def load_model(args, device: torch.device) -> tuple[Transformer, object, torch.dtype]:
     """The run's model (quantized and cast as the flags say), its tokenizer and activation dtype."""
+    from picollama.convert import imported_run  # a .gguf file or a Hugging Face directory
+
     dtype = pick_dtype(args.dtype, device)
-    model, _, tokenizer = load_run(args.run, device, torch.float32)
+    model, _, tokenizer = load_run(imported_run(args.run), device, torch.float32)
     return quantize(model, args.quantize).to(dtype), tokenizer, dtype
 
 

@@ -15,7 +15,6 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -24,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from data.loader import RandomBatches, checked_meta, eval_batches, open_tokens
 from data.prepare import prepare
 from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
-from data.tokenizer import tokenizer_sha256
+from data.tokenizer import open_tokenizer, tokenizer_file, tokenizer_sha256
 from model import ModelArgs, Transformer
 from picollama import REPO_ROOT
 from picollama.budget import Budget, run_length
@@ -72,9 +71,8 @@ def init_from_weights(cfg: Config) -> tuple[dict | None, ModelArgs]:
             f"train.init_from {source_dir} has model.{key} = {saved[key]!r}, this run "
             f"{wanted[key]!r}; only model.{', model.'.join(CONTEXT_KEYS)} may change"
         )
-    theirs = Path(source_dir) / "tokenizer.model"
-    ours = Path(cfg.data.dir) / "tokenizer.model"
-    if theirs.is_file() and ours.is_file() and tokenizer_sha256(theirs) != tokenizer_sha256(ours):
+    theirs, ours = tokenizer_file(source_dir), tokenizer_file(cfg.data.dir)
+    if theirs and ours and tokenizer_sha256(theirs) != tokenizer_sha256(ours):
         raise UserError(f"train.init_from {source_dir} has another tokenizer than {cfg.data.dir}")
     original = source.args.original_seq_len
     if cfg.model.rope_original_max_seq_len is None and cfg.model.max_seq_len > original:
@@ -125,7 +123,7 @@ def check_sample_fits(cfg: Config, data_dir: Path):
     t = cfg.train
     if not t.sample_tokens:
         return
-    tokenizer = spm.SentencePieceProcessor(model_file=str(data_dir / "tokenizer.model"))
+    tokenizer = open_tokenizer(tokenizer_file(data_dir) or data_dir / "tokenizer.model")
     prompt = 1 + len(tokenizer.encode(t.sample_prompt))  # BOS and the prompt, as generate.py does
     problem = cfg.model.length_problem(prompt + t.sample_tokens)
     if problem:
@@ -187,7 +185,8 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
     probe = list(eval_batches(data_dir, "val", e.batch_size, t.seq_len, min(3, e.batches)))
     validate = partial(evaluate, cfg=cfg, data_dir=data_dir, meta=meta, dist=dist)
     line = f"data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens)"
-    return DataSource(loader, validate, probe, data_dir / "tokenizer.model", line)
+    tokenizer = tokenizer_file(data_dir) or data_dir / "tokenizer.model"
+    return DataSource(loader, validate, probe, tokenizer, line)
 
 
 def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:
@@ -511,7 +510,8 @@ def main(argv: list[str]) -> int:
         finally:
             dist.close()
     if dist.main:
-        files = ", tokenizer.model" if cfg.data.task == "text" else ""
+        tokenizer = tokenizer_file(run_dir) if cfg.data.task == "text" else None
+        files = f", {tokenizer.name}" if tokenizer else ""
         if cfg.train.sample_tokens:
             print_sample(cfg, dist.device)
         print(

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from data.shards import docs_name, split_shards
-from data.tokenizer import same_tokenizer, tokenizer_sha256
+from data.tokenizer import same_tokenizer, tokenizer_file, tokenizer_sha256
 from picollama.cli import UserError, check_type
 
 SPLITS = ("train", "val")
@@ -53,19 +53,23 @@ def checked_meta(data_dir) -> dict:
 
 
 def check_dataset_tokenizer(data_dir, meta: dict) -> None:
-    """UserError unless data_dir holds a tokenizer.model with the sha256 meta.json records (any one,
-    where it records none): its shards hold that tokenizer's ids."""
-    path = Path(data_dir) / "tokenizer.model"
+    """UserError unless data_dir holds a tokenizer (tokenizer.model or tokenizer.json) with the
+    sha256 meta.json records (any one, where it records none): its shards hold that tokenizer's
+    ids."""
+    path = tokenizer_file(data_dir)
     recorded = check_type(
         f"{data_dir}/meta.json tokenizer_sha256", meta.get("tokenizer_sha256"), str | None
     )
-    if not path.is_file():
-        raise UserError(f"{data_dir} has no tokenizer.model; put back the one it was prepared with")
+    if path is None:
+        raise UserError(
+            f"{data_dir} has no tokenizer.model or tokenizer.json; put back the one it was "
+            "prepared with"
+        )
     if not same_tokenizer(recorded, path):
         raise UserError(
             f"{path} is not the tokenizer {data_dir} was prepared with (sha256 "
             f"{tokenizer_sha256(path)[:12]}, meta.json records {recorded[:12]}): the shards hold "
-            "another tokenizer's ids; put back its own tokenizer.model or prepare the dataset again"
+            f"another tokenizer's ids; put back its own {path.name} or prepare the dataset again"
         )
 
 

@@ -28,7 +28,7 @@ from data.shards import (
     encode_pieces,
     join_documents,
 )
-from data.tokenizer import tokenizer_sha256
+from data.tokenizer import TOKENIZER_CONFIG, HFTokenizer, tokenizer_file, tokenizer_sha256
 from picollama import REPO_ROOT
 from picollama.cli import (
     ArgumentParser,
@@ -84,7 +84,9 @@ TOKENIZER_RECIPE = {
 }
 SHARD_TOKENS = 100_000_000
 # what preparing writes in a dataset folder (shards of format 3, and of format 2: <split>.bin)
-DATASET_FILES = r"meta\.json|tokenizer\.model|(train|val)(-\d{5,})?\.(bin|docs\.npy)"
+DATASET_FILES = (
+    r"meta\.json|tokenizer(\.model|\.json|_config\.json)|(train|val)(-\d{5,})?\.(bin|docs\.npy)"
+)
 
 EPILOG = """\
 sources:
@@ -531,7 +533,16 @@ def train_tokenizer(documents: list[str], vocab_size: int, seed: int) -> bytes:
     return model.getvalue()
 
 
-def load_tokenizer(model_proto: bytes, what: str):
+def load_tokenizer(model_proto: bytes, what, config: dict | None = None):
+    """The tokenizer of a tokenizer.model's bytes, or a tokenizer.json's with its `config`; `what`
+    names the file in messages (or the folder it is in)."""
+    if Path(what).is_dir():
+        what = Path(what) / tokenizer_name(model_proto)
+    if tokenizer_name(model_proto) == "tokenizer.json":
+        try:
+            return HFTokenizer(spec=model_proto.decode("utf-8"), config=config)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UserError(f"{what}: {e}") from None
     try:
         tokenizer = spm.SentencePieceProcessor(model_proto=model_proto)
     except Exception:
@@ -539,6 +550,11 @@ def load_tokenizer(model_proto: bytes, what: str):
     if tokenizer.bos_id() < 0:
         raise UserError(f"{what}: the tokenizer defines no BOS piece")
     return tokenizer
+
+
+def tokenizer_name(model_proto: bytes) -> str:
+    """The file name of a tokenizer's bytes: tokenizer.json (JSON text) or tokenizer.model."""
+    return "tokenizer.json" if model_proto.lstrip()[:1] == b"{" else "tokenizer.model"
 
 
 # ---------------------------------------------------------------- driver
@@ -595,7 +611,7 @@ def reuse_problem(out_dir: Path, meta: dict, inputs: dict) -> str | None:
 def check_own(out_dir: Path):
     """UserError unless out_dir is absent, empty or a dataset picollama prepared: a manifest
     meta.json (with a format and splits), a tokenizer and shards, and nothing else."""
-    what = "--force replaces only a prepared dataset: meta.json, tokenizer.model and shards"
+    what = "--force replaces only a prepared dataset: meta.json, its tokenizer and shards"
     check_replaceable(out_dir, DATASET_FILES, marks=["meta.json"], what=what)
     if not out_dir.is_dir() or not any(out_dir.iterdir()):
         return
@@ -639,7 +655,7 @@ def read_json(path: Path) -> dict | None:
 def resumable(work: Path, inputs: dict) -> dict | None:
     """The progress of an interrupted preparation of these inputs in `work`; None (removing it)."""
     progress = read_json(work / "progress" / "progress.json")
-    if progress and progress.get("inputs") == inputs and (work / "tokenizer.model").is_file():
+    if progress and progress.get("inputs") == inputs and tokenizer_file(work) is not None:
         return progress
     remove(work)
     return None
@@ -685,7 +701,9 @@ def start(
         )
     remove(work)
     (work / "progress").mkdir(parents=True)
-    (work / "tokenizer.model").write_bytes(model_proto)
+    (work / tokenizer_name(model_proto)).write_bytes(model_proto)
+    if "tokenizer_config" in inputs:  # a tokenizer.json's special tokens
+        write_json(work / TOKENIZER_CONFIG, inputs["tokenizer_config"])
     progress = {"inputs": inputs, "blocks": 0, "bytes_read": 0, "splits": {}}
     write_json(work / "progress" / "progress.json", progress)
     return progress, model_proto
@@ -774,7 +792,7 @@ def build(
     documents = iter_documents(streams, source, options["max_docs"], max_bytes)
     blocks = iter_blocks(documents, BLOCK_BYTES)
     progress, model_proto, splitter, head = begin(work, inputs, blocks, model_proto, options)
-    tokenizer = load_tokenizer(model_proto, str(work / "tokenizer.model"))
+    tokenizer = load_tokenizer(model_proto, work, inputs.get("tokenizer_config"))
     dtype = np.dtype(np.uint16 if tokenizer.get_piece_size() <= 1 << 16 else np.uint32)
     writers = {
         split: ShardWriter(
@@ -807,7 +825,7 @@ def begin(work: Path, inputs: dict, blocks, model_proto: bytes | None, options: 
         read = progress["bytes_read"]
         print(f"resuming the interrupted preparation in {work} after {read:,} bytes")
         splitter = Splitter(read, progress["splits"].get("val", {}).get("bytes", 0))
-        return progress, (work / "tokenizer.model").read_bytes(), splitter, []
+        return progress, tokenizer_file(work).read_bytes(), splitter, []
     splitter = Splitter()
     head = first_blocks(blocks, splitter, TOKENIZER_SAMPLE_BYTES if model_proto is None else 1)
     progress, model_proto = start(work, inputs, head, model_proto, options["vocab_size"])
@@ -890,10 +908,15 @@ def given_tokenizer(tokenizer, vocab_size: int, inputs: dict) -> bytes | None:
         inputs.update(vocab_size=vocab_size, tokenizer_sample_bytes=TOKENIZER_SAMPLE_BYTES)
         return None
     tokenizer_path = Path(tokenizer)
+    if tokenizer_path.is_dir():  # a run directory, or a dataset: its tokenizer
+        tokenizer_path = tokenizer_file(tokenizer_path) or tokenizer_path / "tokenizer.model"
     if not tokenizer_path.is_file():
-        raise UserError(f"{tokenizer}: no such tokenizer file")
+        raise UserError(f"{tokenizer_path}: no such tokenizer file")
     model_proto = tokenizer_path.read_bytes()
-    load_tokenizer(model_proto, tokenizer)
+    if tokenizer_name(model_proto) == "tokenizer.json":
+        config_path = tokenizer_path.with_name(TOKENIZER_CONFIG)
+        inputs["tokenizer_config"] = read_json(config_path) if config_path.is_file() else {}
+    load_tokenizer(model_proto, str(tokenizer_path), inputs.get("tokenizer_config"))
     inputs["tokenizer_sha256"] = tokenizer_sha256(model_proto)
     return model_proto
 
@@ -924,7 +947,8 @@ def parse_args(argv):
     add_out(parser, "the dataset directory written (default data/<source name> in the repository)")
     add(
         "--tokenizer",
-        help="use this existing sentencepiece tokenizer.model instead of training one",
+        help="use this tokenizer instead of training one: a tokenizer.model or tokenizer.json, or "
+        "a run directory's",
     )
     add("--force", action="store_true", help="rebuild even if the output exists")
     add(

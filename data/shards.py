@@ -5,6 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data.tokenizer import prompt_start
+
 # documents are encoded in pieces cut after a newline: ~25% faster than 8k pieces
 ENCODE_PIECE_CHARS = 1 << 10
 
@@ -75,7 +77,7 @@ def join_documents(tokenizer, encoded: list[np.ndarray], counts: list[int]):
     each one's length.
 
     The EOS teaches the model to end a text, so that generation can stop."""
-    bos = np.array([tokenizer.bos_id()], dtype=np.int32)
+    bos = np.array(prompt_start(tokenizer), dtype=np.int32)  # BOS where the tokenizer adds it
     eos = np.array([tokenizer.eos_id()] if tokenizer.eos_id() >= 0 else [], dtype=np.int32)
     parts = []
     lengths = []

@@ -9,7 +9,6 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
-import sentencepiece as spm
 import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
@@ -23,7 +22,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from data.tokenizer import same_tokenizer, tokenizer_sha256
+from data.tokenizer import (
+    TOKENIZER_CONFIG,
+    open_tokenizer,
+    same_tokenizer,
+    tokenizer_file,
+    tokenizer_sha256,
+)
 from model import ModelArgs, Transformer
 from picollama.cli import (
     UserError,
@@ -98,10 +103,8 @@ def model_files(model: Transformer, run_dir, config: dict | None = None, tokeniz
         del state["output.weight"]  # the same tensor as tok_embeddings.weight
     recorded = {"tokenizer_sha256": tokenizer_sha256(tokenizer)} if tokenizer is not None else {}
     text = json.dumps({"model": model.args.to_dict(), **(config or {}), **recorded}, indent=2)
-    copy = (
-        tokenizer is not None
-        and Path(tokenizer).resolve() != (run_dir / "tokenizer.model").resolve()
-    )
+    target = run_dir / tokenizer_name(tokenizer) if tokenizer is not None else None
+    copy = tokenizer is not None and Path(tokenizer).resolve() != target.resolve()
     needed = model_bytes(model) + len(text) + (Path(tokenizer).stat().st_size if copy else 0)
     check_free_space(run_dir, needed, f"the model to {run_dir}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,10 +114,18 @@ def model_files(model: Transformer, run_dir, config: dict | None = None, tokeniz
         config_tmp = files.enter_context(atomic_output(run_dir / "config.json"))
         config_tmp.write_text(text)
         if copy:
-            shutil.copyfile(
-                tokenizer, files.enter_context(atomic_output(run_dir / "tokenizer.model"))
-            )
+            shutil.copyfile(tokenizer, files.enter_context(atomic_output(target)))
+            tokenizer_config = Path(tokenizer).with_name(TOKENIZER_CONFIG)
+            if tokenizer_config.is_file():  # special tokens, the chat template
+                shutil.copyfile(
+                    tokenizer_config, files.enter_context(atomic_output(run_dir / TOKENIZER_CONFIG))
+                )
         yield
+
+
+def tokenizer_name(tokenizer) -> str:
+    """The name a tokenizer file takes in a run directory: tokenizer.json or tokenizer.model."""
+    return "tokenizer.json" if Path(tokenizer).suffix == ".json" else "tokenizer.model"
 
 
 def model_bytes(model: Transformer) -> int:
@@ -210,23 +221,21 @@ def is_hf_directory(path: Path) -> bool:
     return isinstance(config, dict) and "model_type" in config and "model" not in config
 
 
-def load_run(
-    run_dir, device, dtype: torch.dtype
-) -> tuple[Transformer, dict, spm.SentencePieceProcessor]:
-    """(model in dtype and eval mode, config, sentencepiece tokenizer) from a run directory;
-    UserError naming what is wrong. The tokenizer may have fewer pieces than the model has
-    embeddings (padded vocabularies): generate.py then samples only ids it can decode."""
+def load_run(run_dir, device, dtype: torch.dtype) -> tuple[Transformer, dict, object]:
+    """(model in dtype and eval mode, config, tokenizer (data.tokenizer's interface)) from a run
+    directory; UserError naming what is wrong. The tokenizer may have fewer pieces than the model
+    has embeddings (padded vocabularies): generate.py then samples only ids it can decode."""
     model, config = load_model(run_dir, device)
-    tokenizer_path = Path(run_dir) / "tokenizer.model"
-    if not tokenizer_path.is_file():
+    tokenizer_path = tokenizer_file(run_dir)
+    if tokenizer_path is None:
         raise UserError(
-            f"{run_dir} has no tokenizer.model; copy the dataset's tokenizer.model there"
+            f"{run_dir} has no tokenizer.model or tokenizer.json; copy the dataset's one there"
         )
     recorded = config.get("tokenizer_sha256")
     if not same_tokenizer(recorded, tokenizer_path):
         raise UserError(
             f"{tokenizer_path} is not the tokenizer the model was saved with (config.json records "
-            f"sha256 {recorded[:12]}); copy the dataset's tokenizer.model there"
+            f"sha256 {recorded[:12]}); copy the dataset's {tokenizer_path.name} there"
         )
     tokenizer = read_tokenizer(tokenizer_path)
     if tokenizer.get_piece_size() > model.args.vocab_size:
@@ -237,11 +246,12 @@ def load_run(
     return model.to(dtype).eval(), config, tokenizer
 
 
-def read_tokenizer(path: Path) -> spm.SentencePieceProcessor:
+def read_tokenizer(path: Path):
+    """The tokenizer of a tokenizer.model or tokenizer.json file; UserError if it is not one."""
     try:
-        return spm.SentencePieceProcessor(model_file=str(path))
-    except RuntimeError:
-        raise UserError(f"{path} is not a sentencepiece model") from None
+        return open_tokenizer(path)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
@@ -660,9 +670,9 @@ def check_tokenizer(checkpoint: Path, tokenizer: Path):
     """UserError unless `tokenizer` (the dataset's) is the one the checkpoint was trained with, as
     its meta.json records, or as the run's tokenizer.model says for checkpoints that record none."""
     meta = read_meta(checkpoint)
-    run_tokenizer = checkpoint.parent.parent / "tokenizer.model"
+    run_tokenizer = tokenizer_file(checkpoint.parent.parent)
     expected = meta.get("tokenizer_sha256")
-    if not expected and run_tokenizer.is_file():
+    if not expected and run_tokenizer is not None:
         expected = tokenizer_sha256(run_tokenizer)
     if not same_tokenizer(expected, tokenizer):
         raise UserError(

@@ -1,8 +1,8 @@
-"""Hugging Face Llama export and import, and GGUF export for llama.cpp (to-hf, from-hf, to-gguf)."""
+"""Hugging Face Llama and llama.cpp GGUF export and import: to-hf, from-hf, to-gguf, from-gguf."""
 
 import argparse
+import hashlib
 import json
-import re
 import shutil
 import sys
 from contextlib import contextmanager
@@ -13,8 +13,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from data.prepare import cache_dir
+from data.tokenizer import HFTokenizer, tokenizer_file
 from model import ModelArgs, Transformer, rope_frequencies
+from picollama import cli
 from picollama.checkpoint import (
+    is_hf_directory,
     load_model,
     model_bytes,
     model_from_state_dict,
@@ -33,6 +37,7 @@ from picollama.cli import (
     run_command,
 )
 from picollama.config import checked_model_args
+from picollama.gguf_import import import_gguf
 
 # picollama name -> Hugging Face name, per layer
 LAYER_KEYS = {
@@ -76,16 +81,10 @@ HF_KEYS = {
 # holding model.safetensors and config.json and nothing picollama does not write there (a run's
 # train_state/, metrics.jsonl and extrapolation/; an export's tokenizer files; what an interrupted
 # save left): never a user's own files.
-OWN_NAMES = {
-    "model.safetensors",
-    "config.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "metrics.jsonl",
-    "train_state",
-    "extrapolation",
-}
-LEFTOVER = re.compile(r"\..+\.(tmp|old)-\d+")
+OWN_FILES = (
+    r"model\.safetensors|config\.json|tokenizer(\.model|\.json|_config\.json)|metrics\.jsonl"
+)
+OWN_FOLDERS = r"train_state|extrapolation"
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -312,8 +311,8 @@ def output(path: Path, needed: int | None = None):
 
 
 def check_replaceable(out: Path):
-    """UserError unless `out` is absent, empty or something picollama wrote (OWN_NAMES), so that
-    --force never deletes what picollama did not write."""
+    """UserError unless `out` is absent, empty or something picollama wrote (OWN_FILES and
+    OWN_FOLDERS), so that --force never deletes what picollama did not write."""
     if out.is_file():
         with open(out, "rb") as file:
             magic = file.read(4)
@@ -323,15 +322,12 @@ def check_replaceable(out: Path):
                 "(--force replaces only a GGUF file); choose another output"
             )
         return
-    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    foreign = [name for name in names if name not in OWN_NAMES and not LEFTOVER.fullmatch(name)]
-    if names and (foreign or not {"model.safetensors", "config.json"} <= set(names)):
-        held = f"holds {foreign[0]}" if foreign else "holds no model.safetensors and config.json"
-        raise UserError(
-            f"not replacing {out}: it {held}, so picollama did not write it (--force replaces only "
-            "a run or export directory: model.safetensors, config.json and only files picollama "
-            "writes); choose another output"
-        )
+    what = (
+        "--force replaces only a run or export directory: model.safetensors, config.json and only "
+        "files picollama writes"
+    )
+    marks = ["model.safetensors", "config.json"]
+    cli.check_replaceable(out, OWN_FILES, OWN_FOLDERS, marks=marks, what=what)
 
 
 def export_hf(run_dir: Path, hf_dir: Path):
@@ -339,9 +335,9 @@ def export_hf(run_dir: Path, hf_dir: Path):
     check_replaceable(hf_dir)
     model, _ = load_model(run_dir)
     check_llama(model.args)
-    tokenizer_path = run_dir / "tokenizer.model"
-    if not tokenizer_path.is_file():
-        raise UserError(f"{run_dir} has no tokenizer.model")
+    tokenizer_path = tokenizer_file(run_dir)
+    if tokenizer_path is None:
+        raise UserError(f"{run_dir} has no tokenizer.model or tokenizer.json")
     tokenizer = read_tokenizer(tokenizer_path)
     dtype = str(model.output.weight.dtype).removeprefix("torch.")
     ids = {
@@ -355,13 +351,18 @@ def export_hf(run_dir: Path, hf_dir: Path):
         "eos_token_id": tokenizer.eos_id(),
         "torch_dtype": dtype,
     }
+    if isinstance(
+        tokenizer, HFTokenizer
+    ):  # its own config, for the class that reads tokenizer.json
+        kind = {**tokenizer.config, "tokenizer_class": "PreTrainedTokenizerFast"}
+        kind |= {"add_bos_token": tokenizer.add_bos}
+    else:
+        kind = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True}
+        kind |= {"add_prefix_space": has_dummy_prefix(tokenizer), "legacy": False}
     tokenizer_config = {
-        "tokenizer_class": "LlamaTokenizer",
+        **kind,
         **special,
-        "add_bos_token": True,
         "add_eos_token": False,
-        "add_prefix_space": has_dummy_prefix(tokenizer),
-        "legacy": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model.args.max_seq_len,
     }
@@ -370,7 +371,7 @@ def export_hf(run_dir: Path, hf_dir: Path):
         tmp.mkdir()
         save_file(to_hf_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        shutil.copyfile(tokenizer_path, tmp / "tokenizer.model")
+        shutil.copyfile(tokenizer_path, tmp / tokenizer_path.name)
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
@@ -402,9 +403,9 @@ def export_gguf(run_dir: Path, out: Path, type_: str):
     check_replaceable(out)
     model, _ = load_model(run_dir)
     check_llama(model.args, "llama.cpp's llama")
-    tokenizer_path = run_dir / "tokenizer.model"
-    if not tokenizer_path.is_file():
-        raise UserError(f"{run_dir} has no tokenizer.model")
+    tokenizer_path = tokenizer_file(run_dir)
+    if tokenizer_path is None:
+        raise UserError(f"{run_dir} has no tokenizer.model or tokenizer.json")
     write_gguf(model, read_tokenizer(tokenizer_path), out, type_, run_dir.resolve().name)
 
 
@@ -455,9 +456,9 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
                 tensors[f"blk.{i}.{theirs}"] = state[f"layers.{i}.{ours}.weight"]
         for name, tensor in tensors.items():
             data = tensor.detach().float().numpy()
-            # llama.cpp's own rules: vectors stay f32, q8_0 needs rows in blocks of 32 (else f16)
+            # llama.cpp's own rules: vectors stay f32, quantized rows need whole blocks (else f16)
             kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
-            if kind == gguf.GGMLQuantizationType.Q8_0 and data.shape[1] % 32:
+            if data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
                 kind = gguf.GGMLQuantizationType.F16
             writer.add_tensor(f"{name}.weight", gguf.quants.quantize(data, kind), raw_dtype=kind)
         writer.write_header_to_file()
@@ -469,6 +470,8 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
 def add_gguf_vocab(writer, tokenizer, vocab_size: int, gguf):
     """The sentencepiece vocabulary as llama.cpp's "llama" tokenizer: pieces, scores, token types,
     special ids; rows past the tokenizer (a padded embedding) as unused [PADn] tokens."""
+    if isinstance(tokenizer, HFTokenizer):
+        return add_gguf_bpe_vocab(writer, tokenizer, vocab_size, gguf)
     pieces, scores, types = [], [], []
     for i in range(vocab_size):
         if i >= tokenizer.get_piece_size():
@@ -504,6 +507,46 @@ def add_gguf_vocab(writer, tokenizer, vocab_size: int, gguf):
             getattr(writer, f"add_{name}_token_id")(token_id)
     writer.add_add_bos_token(tokenizer.bos_id() >= 0)
     writer.add_add_eos_token(False)
+
+
+def add_gguf_bpe_vocab(writer, tokenizer: HFTokenizer, vocab_size: int, gguf):
+    """A byte-level BPE tokenizer.json as llama.cpp's "gpt2" tokenizer: tokens, merges, types, the
+    pre-tokenizer's llama.cpp name, special ids; rows past the tokenizer as unused [PADn] tokens."""
+    spec = json.loads(tokenizer.backend.to_str())
+    if spec["model"]["type"] != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise UserError("to-gguf takes sentencepiece and byte-level BPE tokenizers only")
+    pre = gguf_pre_name(spec.get("pre_tokenizer") or {})
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    n = tokenizer.get_piece_size()
+    spelled = tokenizer.backend.id_to_token  # in the byte alphabet, as llama.cpp reads them
+    tokens = [spelled(i) if i < n else f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(n)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types + [gguf.TokenType.UNUSED] * (vocab_size - n))
+    writer.add_token_merges(merges)
+    for name in ("bos", "eos", "unk", "pad"):
+        token_id = getattr(tokenizer, f"{name}_id")()
+        if token_id >= 0:
+            getattr(writer, f"add_{name}_token_id")(token_id)
+    writer.add_add_bos_token(tokenizer.add_bos)
+    if tokenizer.config.get("chat_template"):
+        writer.add_chat_template(tokenizer.config["chat_template"])
+
+
+def gguf_pre_name(pre: dict) -> str:
+    """llama.cpp's tokenizer.ggml.pre for a tokenizer.json pre-tokenizer: GPT-2's split ("gpt-2"),
+    or single digits first ("smollm"); UserError for others."""
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    kinds = [p.get("type") for p in parts]
+    if parts[-1:] and kinds[-1] == "ByteLevel" and parts[-1].get("use_regex", True):
+        if kinds == ["ByteLevel"]:
+            return "gpt-2"
+        if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
+            return "smollm"
+    raise UserError(f"to-gguf: llama.cpp has no name for the pre-tokenizer {json.dumps(pre)}")
 
 
 def read_hf_weights(hf_dir: Path) -> dict:
@@ -564,16 +607,15 @@ def import_hf(hf_dir: Path, run_dir: Path):
         raise UserError(
             f"{hf_dir}/config.json: {e}" + (f" ({theirs} there)" if theirs else "")
         ) from None
-    tokenizer_path = hf_dir / "tokenizer.model"
-    if not tokenizer_path.is_file():
+    tokenizer_path = tokenizer_file(hf_dir)
+    if tokenizer_path is None:
         raise UserError(
-            f"{hf_dir} has no sentencepiece tokenizer.model "
-            "(tokenizer.json-only tokenizers are not supported)"
+            f"{hf_dir} has no sentencepiece tokenizer.model or Hugging Face tokenizer.json"
         )
     pieces = read_tokenizer(tokenizer_path).get_piece_size()
     if pieces > args.vocab_size:  # generate could not decode what the model never embeds
         raise UserError(
-            f"{hf_dir}: tokenizer.model has {pieces} pieces but config.json vocab_size is "
+            f"{hf_dir}: {tokenizer_path.name} has {pieces} pieces but config.json vocab_size is "
             f"{args.vocab_size}: not this model's tokenizer; copy the one it was trained with"
         )
     weights = read_hf_weights(hf_dir)
@@ -588,6 +630,24 @@ def import_hf(hf_dir: Path, run_dir: Path):
             {"converted_from": {"hf_dir": str(hf_dir), "config": config}},
             tokenizer=tokenizer_path,
         )
+
+
+def imported_run(source: Path) -> Path:
+    """What --run names, as a run directory: a .gguf file or a Hugging Face directory is imported
+    into the cache once (again when its files change); anything else is passed through."""
+    if source.is_file() and source.suffix == ".gguf":
+        files = [source]
+    elif source.is_dir() and is_hf_directory(source):
+        files = sorted(p for p in source.iterdir() if p.is_file())
+    else:
+        return source
+    stamps = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    key = hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:12]
+    run = cache_dir() / "imported" / f"{source.resolve().name}-{key}"
+    if not (run / "config.json").is_file():
+        (import_gguf if source.is_file() else import_hf)(source, run)
+        print(f"imported {source} into {run} (once)", file=sys.stderr)
+    return run
 
 
 class OldPaths(argparse.Action):
@@ -629,6 +689,12 @@ def parser() -> ArgumentParser:
     )
     from_hf.needed = [("hf_dir", "--hf-dir")]
     add_out(from_hf, "the run directory written")
+    from_gguf = commands.add_parser(
+        "from-gguf", help="import a llama.cpp GGUF file (llama architecture) as a run directory"
+    )
+    from_gguf.add_argument("--gguf", type=Path, metavar="FILE", help="the .gguf file read")
+    from_gguf.needed = [("gguf", "--gguf")]
+    add_out(from_gguf, "the run directory written")
     to_gguf = commands.add_parser(
         "to-gguf", help="export a run directory as one GGUF file for llama.cpp"
     )
@@ -637,7 +703,7 @@ def parser() -> ArgumentParser:
     to_gguf.add_argument(
         "--type", choices=GGUF_TYPES, default="f32", help="weight type (default f32)"
     )
-    for sub, source in ((to_hf, "run"), (from_hf, "hf_dir"), (to_gguf, "run")):
+    for sub, source in ((to_hf, "run"), (from_hf, "hf_dir"), (from_gguf, "gguf"), (to_gguf, "run")):
         sub.needed.append(("out", "--out"))
         sub.add_argument(
             "--force", action="store_true", help="replace an existing (non-empty) output"
@@ -650,7 +716,7 @@ def parser() -> ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    source = args.hf_dir if args.command == "from-hf" else args.run
+    source = getattr(args, {"from-hf": "hf_dir", "from-gguf": "gguf"}.get(args.command, "run"))
     out = args.out
     directory = args.command != "to-gguf"
     check_writable(out, inputs=[source], directory=directory)
@@ -660,6 +726,9 @@ def main(argv: list[str]) -> int:
         )
     if args.command == "to-gguf":
         export_gguf(source, out, args.type)
+    elif args.command == "from-gguf":
+        check_replaceable(out)
+        import_gguf(source, out)
     else:
         (export_hf if args.command == "to-hf" else import_hf)(source, out)
     print(f"wrote {out}")

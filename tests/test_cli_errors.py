@@ -281,7 +281,8 @@ train --train.sample_tokens=40 => train.sample_tokens (40) and the prompt (1 tok
 # generate.py
 generate --run {ws}/missing => not a picollama run directory
 generate --run {ws}/run/model.safetensors => pass the run directory
-generate --run {ws}/hf => python -m picollama.convert from-hf
+# a Hugging Face directory is imported (into the cache): a broken one fails there, in one line
+generate --run {ws}/hf_null_eps => rms_norm_eps must be float, not NoneType
 generate --run {ws}/nan_run => NaN or infinite weights
 generate --run {ws}/mismatch_run => model.dim is 64 there, 32 in the weights
 generate --run {ws}/huge_context_run => config.json is corrupt: model.max_seq_len must be at most
@@ -396,8 +397,9 @@ MAINS = {
     "command, argv, message", CASES, ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(CASES)]
 )
 def test_a_wrong_command_is_one_line_and_changes_nothing(
-    ws, one_thread, capsys, monkeypatch, command, argv, message
+    ws, one_thread, capsys, monkeypatch, tmp_path, command, argv, message
 ):
+    monkeypatch.setenv("PICOLLAMA_CACHE", str(tmp_path))  # where generate imports a model
     main = bench_main(command[6:]) if command.startswith("bench.") else MAINS[command]
     before = snapshot(ws)
     status = run_command(main, [arg.replace("{ws}", str(ws)) for arg in argv])
@@ -408,18 +410,18 @@ def test_a_wrong_command_is_one_line_and_changes_nothing(
     assert snapshot(ws) == before
 
 
-def test_as_scripts_too(ws):
+def test_as_scripts_too(ws, tmp_path):
     """A few of the cases above as real processes, all at once: the `error:` line and the exit
     status come from the scripts' own entry points."""
     commands = [
         ["train.py", *train_args("--train.out_dir=/proc/picollama-run")],
-        ["generate.py", "--run", "{ws}/hf"],
+        ["generate.py", "--run", "{ws}/hf_null_eps"],
         ["-m", "picollama.convert", "to-hf", "--run", "{ws}/run", "--out", "{ws}/run", "--force"],
         ["data/prepare.py", "--source", "{ws}/corpus", "--out", "/proc/picollama-data"],
         ["-m", "picollama.lab.bench.decode", "--positions", "16,abc", "--out", "{ws}/bench.json"],
     ]
     before = snapshot(ws)
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PICOLLAMA_CACHE": str(tmp_path)}
     processes = [
         subprocess.Popen(
             [sys.executable, *(arg.replace("{ws}", str(ws)) for arg in command)],
@@ -487,7 +489,13 @@ def test_force_replaces_what_picollama_wrote(ws, tmp_path, capsys):
     ):
         assert run_command(convert.main, argv) == 0, capsys.readouterr().err
     imported = sorted(p.name for p in (tmp_path / "trained").iterdir())
-    assert imported == ["config.json", "model.safetensors", "tokenizer.model"]
+    # the export's files, with the tokenizer_config.json beside its tokenizer; none of the old run
+    assert imported == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.model",
+        "tokenizer_config.json",
+    ]
     assert not (tmp_path / "hf" / ".model.safetensors.tmp-4242").exists()
 
 

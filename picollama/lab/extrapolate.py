@@ -8,6 +8,7 @@ from pathlib import Path
 from model import ROPE_SCALINGS
 from picollama import cli
 from picollama.cli import UserError, atomic_output, check_writable, comma_list, positive
+from picollama.convert import imported_run
 from picollama.device import pick_device, pick_dtype
 from picollama.lab.report import (
     effective_line,
@@ -100,6 +101,7 @@ def extrapolation(runs: list[Path], out: Path | None, options: Options, command:
         )
     if options.probe_span < 2:
         raise UserError(f"--probe-span must be >= 2, not {options.probe_span}")
+    names = [str(imported_run(Path(name))) for name in names]  # a .gguf file, an HF directory
     device = pick_device(options.device)
     loaded = load_runs(names, options.methods, device, pick_dtype(options.dtype, device))
     out_dir = Path(out) if out else Path(names[0]) / "extrapolation"

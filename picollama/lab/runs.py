@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.tokenizer import tokenizer_sha256
+from data.tokenizer import tokenizer_file, tokenizer_sha256
 from model import ROPE_SCALINGS, ModelArgs, Transformer
 from picollama.checkpoint import load_model, load_run
 from picollama.cli import UserError
@@ -135,7 +135,7 @@ def load_runs(
             model = model.to(dtype).eval()
         else:
             model, config, _ = load_run(name, device, dtype)
-            tokenizers.setdefault(tokenizer_sha256(Path(name) / "tokenizer.model"), name)
+            tokenizers.setdefault(tokenizer_sha256(tokenizer_file(name)), name)
         if len(tokenizers) > 1:
             first, other = tokenizers.values()
             raise UserError(

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from data.loader import copy_vocabulary, document_windows, load_meta
-from data.tokenizer import same_tokenizer
+from data.tokenizer import same_tokenizer, tokenizer_file
 from model import Transformer
 from picollama import REPO_ROOT
 from picollama.cli import UserError, check_writable
@@ -248,11 +248,10 @@ def find_data_dir(config: dict, override: str | None) -> Path:
 
 def check_same_tokenizer(checkpoint: Path, data_dir: Path):
     """UserError when the dataset was tokenized by another tokenizer than the checkpoint's."""
-    meta = load_meta(data_dir)
-    if not same_tokenizer(meta.get("tokenizer_sha256"), checkpoint / "tokenizer.model"):
-        raise UserError(
-            f"{data_dir} was tokenized with another tokenizer than {checkpoint}/tokenizer.model"
-        )
+    tokenizer = tokenizer_file(checkpoint)
+    recorded = load_meta(data_dir).get("tokenizer_sha256")
+    if tokenizer is not None and not same_tokenizer(recorded, tokenizer):
+        raise UserError(f"{data_dir} was tokenized with another tokenizer than {tokenizer}")
 
 
 def text_work(model, run: dict, lengths: list, distances: list, options: Options) -> list:
