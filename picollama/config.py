@@ -214,10 +214,6 @@ def checked_model_args(**values) -> ModelArgs:
     """ModelArgs(**values), refused (ValueError naming the key) where a size is past any
     published model's or the architecture's switches do not fit together."""
     args = ModelArgs(**values)
-    for f in fields(ModelArgs):  # the ranges the training config checks, e.g. rope_theta > 0
-        value = getattr(args, f.name)
-        if value is not None and (problem := range_problem(f"model.{f.name}", value)):
-            raise ValueError(f"{f.name} must be {problem}, not {value!r}")
     for key, limit in SIZE_LIMITS.items():
         if (value := getattr(args, key)) is not None and not 1 <= value <= limit:
             problem = f"at most {limit:,}" if value > 0 else "positive"
@@ -245,6 +241,10 @@ def checked_model_args(**values) -> ModelArgs:
         if not ok:
             raise ValueError(f"{key} must be {allowed}, not {getattr(args, key)!r}")
     check_rope_keys(args)
+    for f in fields(ModelArgs):  # the ranges the training config checks, e.g. rope_theta > 0
+        value = getattr(args, f.name)
+        if value is not None and (problem := range_problem(f"model.{f.name}", value)):
+            raise ValueError(f"{f.name} must be {problem}, not {value!r}")
     return args
 
 
