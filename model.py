@@ -361,18 +361,28 @@ class Transformer(nn.Module):
         ignored). With start_pos, tokens sit at positions start_pos.. and use the KV cache;
         without it, `positions` ((T,) or (B, T), increasing) may place them elsewhere than 0..T-1
         (randomized-position training)."""
+        logits = self.head(self.features(tokens, start_pos, positions))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    def features(self, tokens, start_pos: int | None = None, positions=None):
+        """The normed output of the last layer (B, T, dim): what the output head reads. Apart so
+        that long sequences can be scored a slice of positions at a time (bounded logits)."""
         positions, key_positions, mask, end = self.span(tokens, start_pos, positions)
         h = self.pos_embeddings.embed(self.tok_embeddings(tokens), positions)
         freqs_cis, mask = self.pos_embeddings(self.args, positions, key_positions, mask, end)
         q_scale = logn_scale(self.args, positions)
         for layer in self.layers:
             h = layer(h, freqs_cis, start_pos, mask, q_scale)
-        logits = self.output(self.norm(h))
+        return self.norm(h)
+
+    def head(self, h):
+        """Logits of features h."""
+        logits = self.output(h)
         if self.args.logit_softcap:
             logits = self.args.logit_softcap * torch.tanh(logits / self.args.logit_softcap)
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return logits
 
     def span(self, tokens, start_pos: int | None, positions):
         """(positions, key positions, mask, end) of a forward: the tokens' positions, those of

@@ -27,9 +27,11 @@ def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("script", ["train", "decode", "memory", "data", "quantize"])
+@pytest.mark.parametrize("script", ["train", "decode", "memory", "data", "quantize", "perplexity"])
 def test_smoke_run_writes_results(script, tmp_path):
-    if script != "data":  # the model benchmarks compare with transformers' LlamaForCausalLM
+    if script == "perplexity":  # ours against llama.cpp on the same GGUF
+        pytest.importorskip("llama_cpp")
+    elif script != "data":  # the model benchmarks compare with transformers' LlamaForCausalLM
         pytest.importorskip("transformers")
     out = tmp_path / f"{script}.json"
     done = run_bench(
@@ -55,6 +57,9 @@ def test_smoke_run_writes_results(script, tmp_path):
     elif script == "quantize":
         assert result["results"].keys() == {"fp32", "bf16", "int8"}
         assert all(0.99 < r["perplexity_over_fp32"] < 1.01 for r in result["results"].values())
+    elif script == "perplexity":  # a random tiny model: the same numbers from both
+        assert result["ours_over_llama_cpp"] == pytest.approx(1.0, abs=1e-4)
+        assert result["loss_abs_difference"]["max"] < 1e-3
     elif script == "memory":
         (r,) = result["results"]
         assert r["ours"]["step_peak_bytes"] > 0 and r["hf"]["step_peak_bytes"] > 0

@@ -17,7 +17,7 @@ import torch
 
 import generate
 from data.loader import load_meta
-from model import POSITIONS, ROPE_SCALINGS, ModelArgs
+from model import POSITIONS, ROPE_SCALINGS, ModelArgs, Transformer
 from picollama.checkpoint import load_run
 from picollama.cli import ArgumentParser, UserError, run_command
 from picollama.lab import extrapolate, runs, text_track
@@ -109,6 +109,16 @@ def test_options_are_the_flags_and_their_command_reads_back_the_same():
     assert args.run == [Path("a"), Path("b")] and args.out == Path("c")
 
 
+class AsModel:
+    """A model whose features are the logits `function` gives (its head is the identity)."""
+
+    def __init__(self, function):
+        self.features = function
+
+    def head(self, h):
+        return h
+
+
 def test_probe_places_the_span_twice_and_scores_the_repeat():
     text = np.arange(100, 140)[None].repeat(2, axis=0)
     spans = np.array([[5, 6, 7, 8], [9, 10, 11, 12]])
@@ -123,14 +133,14 @@ def test_probe_places_the_span_twice_and_scores_the_repeat():
         logits[:, 9:].scatter_(2, tokens[:, :-9, None], 10.0)
         return logits
 
-    accuracy, drop = text_track.probe_scores(copier, sequences, 10, "cpu")
+    accuracy, drop = text_track.probe_scores(AsModel(copier), sequences, 10, "cpu")
     # from a uniform guess to ~0
     assert accuracy.tolist() == [1.0, 1.0] and np.allclose(drop, math.log(200))
 
     def uniform(tokens):
         return torch.zeros(*tokens.shape, 200)
 
-    accuracy, drop = text_track.probe_scores(uniform, sequences, 10, "cpu")
+    accuracy, drop = text_track.probe_scores(AsModel(uniform), sequences, 10, "cpu")
     assert accuracy.tolist() == [0.0, 0.0] and np.allclose(drop, 0)
 
 
@@ -208,6 +218,24 @@ def test_several_runs_share_windows_and_spans(tiny_run, second_run, tmp_path, ca
     assert single["perplexity"] == report["runs"][1]["perplexity"]
     assert single["probe"] == report["runs"][1]["probe"]
     assert (tmp_path / "both" / "extrapolation.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_no_probe_scores_the_same_perplexity(tiny_run, tmp_path):
+    """--probes 0 leaves the copy probe out (half the forwards at the longest length) and scores
+    the same windows the same way."""
+    run_dir, data_dir = tiny_run
+    reports = []
+    for probes in ("0", "2"):
+        argv = ["extrapolate", "--run", str(run_dir), "--probes", probes, "--num-windows", "2"]
+        argv += ["--methods", "none,yarn", "--lengths", "32,64", "--out", str(tmp_path / probes)]
+        assert generate.main(argv) == 0
+        reports.append(json.loads((tmp_path / probes / "extrapolation.json").read_text()))
+    [none], [two] = (report["runs"] for report in reports)
+    assert none["perplexity"] == two["perplexity"] and none["probe"] == {"none": {}, "yarn": {}}
+    assert (
+        none["effective_context"]["yarn"]["basis"] == "perplexity only: no copy probe (--probes 0)"
+    )
+    assert "Copy probe" not in (tmp_path / "0" / "extrapolation.md").read_text()
 
 
 def test_runs_with_other_tokenizers_are_refused(tiny_run, tmp_path, capsys):
@@ -303,7 +331,7 @@ def test_bad_extrapolation_input_is_one_line(tiny_run, tmp_path, capsys):
         (["--lengths", ","], "expected a comma-separated list"),
         (["--lengths", "32,100000"], "no val document"),
         (["--data", str(run_dir)], "not a prepared dataset"),
-        (["--probes", "0"], "--probes: invalid positive int value: '0'"),
+        (["--probes", "-1"], "--probes: invalid non-negative int value: '-1'"),
         (["--probe-span", "1"], "--probe-span must be >= 2"),
     ]:
         assert run_command(generate.main, ["extrapolate", "--run", str(run_dir), *argv]) == 2
@@ -396,3 +424,36 @@ def test_a_missing_matplotlib_is_one_line_before_any_work(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1, err
     assert "plotting needs the matplotlib package" in err and "'.[plot]'" in err
+
+
+def test_scores_come_from_the_logits_a_slice_of_positions_at_a_time(monkeypatch):
+    """losses_and_hits makes the logits HEAD_CHUNK positions at a time (bounded memory at 32k
+    tokens) and gives what the whole logits give: cross-entropy and top-1 hits."""
+    torch.manual_seed(0)
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=64)
+    model = Transformer(args).eval()
+    tokens = torch.randint(0, 64, (2, 50))
+    logits = model(tokens[:, :-1])
+    monkeypatch.setattr(text_track, "HEAD_CHUNK", 7)
+    with torch.inference_mode():
+        losses, hits = text_track.losses_and_hits(model, tokens)
+    expected = torch.nn.functional.cross_entropy(
+        logits.transpose(1, 2), tokens[:, 1:], reduction="none"
+    )
+    assert torch.allclose(losses, expected, atol=1e-6)
+    assert torch.equal(hits, logits.argmax(-1) == tokens[:, 1:])
+
+
+def test_methods_that_compute_the_same_forward_share_one_key():
+    """The study runs a forward once for all methods that leave RoPE as it is at a length: the
+    scalings at factor 1 whose frequencies come out bit for bit RoPE's (YaRN's and Llama 3's blends
+    may round), never two different forwards."""
+    args = ModelArgs(dim=64, n_heads=4, max_seq_len=128, rope_theta=1e4)
+    key = text_track.forward_key
+    plain = key(args.stretched("none", 128), 128)
+    for method in ("linear", "ntk", "dynamic"):
+        assert key(args.stretched(method, 128), 128) == plain
+    for method in ("linear", "ntk", "dynamic", "yarn", "llama3"):
+        assert key(args.stretched(method, 256), 256) != key(args.stretched("none", 256), 256)
+    assert key(args.stretched("linear", 256), 256) != key(args.stretched("ntk", 256), 256)
+    assert key(args.stretched("none", 64), 64) != plain  # another length

@@ -12,7 +12,11 @@ from picollama.device import memory_bytes
 from picollama.metrics import flops_per_token
 
 BLOCK_TOKENS = 8192  # the tokens of one forward (rows × length) where rows are shorter
+HEAD_CHUNK = 2048  # the positions whose logits are made at once when scoring a sequence
 CALIBRATION_FLOPS = 1e10  # the forward timed for the rate: a fraction of a second on a CPU
+# ... and at least this many tokens long: a 135M model's 1e10 FLOPs are ~30 tokens, a forward
+# that times Python's overhead, not the model (it once estimated 66 h for a 1 h evaluation)
+CALIBRATION_TOKENS = 512
 
 
 @dataclass
@@ -26,7 +30,7 @@ class Forwards:
 
 def block_rows(length: int, rows: int) -> int:
     """How many of `rows` rows `length` tokens long one forward takes: about BLOCK_TOKENS tokens,
-    which bounds the (rows, length, vocab) logits."""
+    which bounds the activations."""
     return min(rows, max(1, BLOCK_TOKENS // length))
 
 
@@ -40,8 +44,8 @@ def forward_bytes(model: Transformer, rows: int, length: int) -> tuple[int, int]
     args = model.args
     size = next(model.parameters()).element_size()
     tokens = rows * length
-    # the logits, their float32 copy and the cross-entropy's log-softmax
-    logits = tokens * args.vocab_size * (size + 8)
+    # the logits of HEAD_CHUNK positions a row, their float32 copy and the log-softmax
+    logits = rows * min(length, HEAD_CHUNK) * args.vocab_size * (size + 8)
     activations = tokens * (4 * args.dim + 3 * args.hidden_dim) * size
     square = 0
     if args.position == "alibi":
@@ -96,10 +100,10 @@ def synchronize(device: torch.device):
 
 def measured_rate(model: Transformer, longest: int, device) -> float:
     """The FLOP/s of `model` on `device`: the faster of two timed forwards (the first also warms
-    up) of about CALIBRATION_FLOPS, in rows as long as `longest` where one such row costs less (the
+    up) of about CALIBRATION_FLOPS (at least CALIBRATION_TOKENS tokens), in rows as long as `longest` where one such row costs less (the
     attention's share of the FLOPs, and its speed, grow with the length)."""
     per_token = flops_per_token(model, longest) / 3
-    length = min(longest, max(16, int(CALIBRATION_FLOPS / per_token)))
+    length = min(longest, max(CALIBRATION_TOKENS, int(CALIBRATION_FLOPS / per_token)))
     rows = block_rows(length, max(1, int(CALIBRATION_FLOPS / (per_token * length))))
     tokens = torch.zeros(rows, length, dtype=torch.long, device=device)
     seconds = math.inf

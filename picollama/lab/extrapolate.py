@@ -54,15 +54,14 @@ def add_arguments(parser: cli.ArgumentParser):
     )
     for flag, what in (
         ("num_windows", "validation windows"),
-        ("probes", "copy-probe spans per distance"),
+        ("probes", "copy-probe spans per distance, 0 for no probe"),
         ("retrieval_rows", "retrieval-task runs: evaluation rows per length and per distance"),
         ("max_minutes", "refuse an evaluation estimated to take longer, in minutes"),
     ):
         default = getattr(Options, flag)
         option = "--" + flag.replace("_", "-")
-        parser.add_argument(
-            option, type=positive(), default=default, help=f"{what} (default {default})"
-        )
+        kind = positive(zero=flag == "probes")
+        parser.add_argument(option, type=kind, default=default, help=f"{what} (default {default})")
     parser.add_argument(
         "--probe-span",
         type=int,

@@ -97,6 +97,22 @@ def names(runs: list[dict]) -> str:
     return ", ".join(f"`{run['name']}`" for run in runs)
 
 
+def probe_section(report: dict, distances: list, span: int, inside: list) -> list[str]:
+    """The copy probe's paragraph and table: nothing when it was not run (--probes 0)."""
+    if not distances:
+        return []
+    return [
+        f"Copy probe: a span of {span} random token ids (uniform over the non-special vocabulary) "
+        "at the start of real validation text, repeated d tokens later; top-1 accuracy on the "
+        f"repeat after its first token ± its standard error over {report['probe']['count']} "
+        "probes, and (in brackets) the loss drop in nats from the first occurrence to the repeat. "
+        f"d ≤ {max(inside, default=0)} lies inside the training context.",
+        "",
+        *run_table(report, [f"d={d}" for d in distances], "probe", distances, probe_cell),
+        "",
+    ]
+
+
 def markdown_report(report: dict) -> str:
     runs, lengths, probe = report["runs"], report["lengths"], report["probe"]
     contexts = sorted({run["train_context"] for run in runs})
@@ -116,14 +132,7 @@ def markdown_report(report: dict) -> str:
         "",
         *run_table(report, [f"{n}" for n in lengths], "perplexity", lengths, perplexity_cell),
         "",
-        f"Copy probe: a span of {span} random token ids (uniform over the non-special vocabulary) "
-        "at the start of real validation text, repeated d tokens later; top-1 accuracy on the "
-        f"repeat after its first token ± its standard error over {probe['count']} probes, and (in "
-        "brackets) the loss drop in nats from the first occurrence to the repeat. "
-        f"d ≤ {max(inside, default=0)} lies inside the training context.",
-        "",
-        *run_table(report, [f"d={d}" for d in distances], "probe", distances, probe_cell),
-        "",
+        *probe_section(report, distances, span, inside),
         "Effective context: the longest tested length up to which perplexity stays within 5% of "
         "its training-length value and the probe (its farthest repeat that fits) within 10 points "
         "of its in-context accuracy:",

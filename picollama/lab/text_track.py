@@ -2,7 +2,7 @@
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -12,28 +12,34 @@ from tqdm import tqdm
 
 from data.loader import copy_vocabulary, document_windows, load_meta
 from data.tokenizer import same_tokenizer, tokenizer_file
-from model import Transformer
+from model import ModelArgs, Transformer, rope_frequencies
 from picollama import REPO_ROOT
 from picollama.cli import UserError, check_writable
-from picollama.lab.cost import Forwards, block_rows, check_cost
+from picollama.lab.cost import HEAD_CHUNK, Forwards, block_rows, check_cost
 from picollama.lab.report import BINS_PER_OCTAVE, MIN_BIN
 from picollama.lab.runs import Options, fits, spread
 
 TEXT_MULTIPLES = (1, 2, 4, 8)  # the default lengths of a text report, × the training context
 
 
-def logits_and_losses(
-    model: Transformer, tokens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 logits (B, T-1, vocab) and cross-entropy (B, T-1) of each of tokens[:, 1:] given
-    everything before it."""
-    logits = model(tokens[:, :-1]).float()
-    return logits, F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
+def losses_and_hits(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy in float32 (B, T-1) and top-1 hits (B, T-1) of each of tokens[:, 1:] given
+    everything before it. The logits are made HEAD_CHUNK positions at a time: at 32k tokens and
+    a 49k vocabulary they would be 6 GB in float32 at once."""
+    h = model.features(tokens[:, :-1])
+    targets = tokens[:, 1:]
+    losses, hits = [], []
+    for start in range(0, h.shape[1], HEAD_CHUNK):
+        logits = model.head(h[:, start : start + HEAD_CHUNK]).float()
+        wanted = targets[:, start : start + HEAD_CHUNK]
+        losses.append(F.cross_entropy(logits.transpose(1, 2), wanted, reduction="none"))
+        hits.append(logits.argmax(-1) == wanted)
+    return torch.cat(losses, dim=1), torch.cat(hits, dim=1)
 
 
 def token_losses(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     """Cross-entropy (B, T-1) of each of tokens[:, 1:] given everything before it, in float32."""
-    return logits_and_losses(model, tokens)[1]
+    return losses_and_hits(model, tokens)[0]
 
 
 def sliding_losses(model: Transformer, tokens: torch.Tensor, context: int) -> torch.Tensor:
@@ -96,9 +102,8 @@ def probe_scores(
     accuracy = []
     drop = []
     for tokens in row_blocks(sequences, sequences.shape[1], device):
-        logits, losses = logits_and_losses(model, tokens)
-        hits = logits[:, distance : distance + span - 1].argmax(-1) == tokens[:, distance + 1 :]
-        accuracy.append(hits.float().mean(1))
+        losses, hits = losses_and_hits(model, tokens)
+        accuracy.append(hits[:, distance : distance + span - 1].float().mean(1))
         drop.append((losses[:, : span - 1] - losses[:, distance : distance + span - 1]).mean(1))
     return torch.cat(accuracy).cpu().numpy(), torch.cat(drop).cpu().numpy()
 
@@ -135,6 +140,8 @@ def effective_context(perplexity: dict, probe: dict, train_len: int, span: int) 
         tokens = length
     if use_probe:
         basis = "perplexity and probe"
+    elif not probe:
+        basis = "perplexity only: no copy probe (--probes 0)"
     elif accuracy is None:
         basis = "perplexity only: no probe fits the training context"
     else:
@@ -157,11 +164,41 @@ class TextRows:
     edges: np.ndarray
 
 
-def length_losses(model, method: str, rows: TextRows, device, bar) -> tuple[dict, list]:
-    """The loss and perplexity at each length under `method` (None where the model cannot reach
-    it), and each window's mean loss in each position bin at the longest length."""
-    longest = max(rows.lengths)
+def forward_key(args: ModelArgs, length: int) -> tuple:
+    """What a forward of `length` tokens computes with: the model's args but the name of its RoPE
+    scaling, and the exact frequencies and attention scale that scaling gives at this length
+    (every static scaling at factor 1 gives RoPE's own)."""
+    frequencies = None
+    if args.position == "rope":
+        inv_freq, scale = rope_frequencies(args, length)
+        frequencies = (inv_freq.numpy().tobytes(), scale)
+    return length, repr(replace(args, rope_scaling="none", rope_factor=1.0)), frequencies
+
+
+def window_losses(model, rows: TextRows, length: int, device, bar) -> tuple[list, list]:
+    """Each window's mean loss on its scored tokens with `length` tokens of context, and (at the
+    longest length, where the whole window is one forward) its mean loss in each position bin."""
     fixed = rows.protocol == "fixed-target"
+    means, per_position = [], []
+    for tokens in row_blocks(rows.text[:, -length:] if fixed else rows.text, length, device):
+        if fixed:
+            losses = token_losses(model, tokens)
+            targets = losses[:, -rows.score_tokens :]
+        else:
+            losses = targets = sliding_losses(model, tokens, length)
+        means += targets.mean(1).tolist()
+        if length == max(rows.lengths):
+            bins = list(zip(rows.edges[:-1], rows.edges[1:]))
+            per_position += [[row[a:b].mean().item() for a, b in bins] for row in losses]
+        bar.update(len(tokens))
+    return means, per_position
+
+
+def length_losses(model, method: str, rows: TextRows, device, bar, memo: dict) -> tuple:
+    """The loss and perplexity at each length under `method` (None where the model cannot reach
+    it), and each window's mean loss in each position bin at the longest length. `memo` keeps
+    the scores by forward_key: methods that compute the same forward at a length are run once.
+    """
     per_length = {}
     per_position = []
     for length in rows.lengths:
@@ -170,34 +207,32 @@ def length_losses(model, method: str, rows: TextRows, device, bar) -> tuple[dict
             bar.update(len(rows.text))
             continue
         model.args = model.args.stretched(method, length)
-        window_losses = []
-        for tokens in row_blocks(rows.text[:, -length:] if fixed else rows.text, length, device):
-            if fixed:
-                losses = token_losses(model, tokens)
-                targets = losses[:, -rows.score_tokens :]
-            else:
-                losses = targets = sliding_losses(model, tokens, length)
-            window_losses += targets.mean(1).tolist()
-            if length == longest:  # the whole window in one forward: its loss at every position
-                bins = list(zip(rows.edges[:-1], rows.edges[1:]))
-                per_position += [[row[a:b].mean().item() for a, b in bins] for row in losses]
-            bar.update(len(tokens))
-        loss = spread(window_losses)
+        key = forward_key(model.args, length)
+        if key in memo:
+            bar.update(len(rows.text))
+        else:
+            memo[key] = window_losses(model, rows, length, device, bar)
+        means, positions = memo[key]
+        per_position = positions or per_position
+        loss = spread(means)
         per_length[str(length)] = {"loss": loss, "perplexity": math.exp(loss["mean"])}
     return per_length, per_position
 
 
-def probe_reads(model, method: str, rows: TextRows, device, bar) -> dict:
+def probe_reads(model, method: str, rows: TextRows, device, bar, memo: dict) -> dict:
     """The copy probe's accuracy and loss drop at each distance under `method` (None where the
-    model cannot reach it)."""
+    model cannot reach it); `memo` as in length_losses."""
     span = rows.spans.shape[1]
     per_distance = {}
     for distance in rows.distances:
         per_distance[str(distance)] = None
         if fits(model, distance + span):
             model.args = model.args.stretched(method, distance + span)
-            sequences = probe_sequences(rows.probe_text, rows.spans, distance)
-            accuracy, drop = probe_scores(model, sequences, distance, device)
+            key = ("probe", distance, forward_key(model.args, distance + span))
+            if key not in memo:
+                sequences = probe_sequences(rows.probe_text, rows.spans, distance)
+                memo[key] = probe_scores(model, sequences, distance, device)
+            accuracy, drop = memo[key]
             per_distance[str(distance)] = {"accuracy": spread(accuracy), "loss_drop": spread(drop)}
         bar.update(len(rows.probe_text))
     return per_distance
@@ -208,12 +243,13 @@ def evaluate_run(model, run: dict, rows: TextRows, device, bar) -> dict:
     of its methods. Lengths a learned-position model cannot reach are None ("n/a")."""
     context = run["train_context"]
     result = {"perplexity": {}, "probe": {}, "per_position": {}, "effective_context": {}}
+    memo = {}
     for method in run["methods"]:
-        per_length, per_position = length_losses(model, method, rows, device, bar)
+        per_length, per_position = length_losses(model, method, rows, device, bar, memo)
         reference = per_length[str(context)]["perplexity"]
         for row in filter(None, per_length.values()):
             row["ratio"] = row["perplexity"] / reference
-        per_distance = probe_reads(model, method, rows, device, bar)
+        per_distance = probe_reads(model, method, rows, device, bar, memo)
         result["perplexity"][method] = per_length
         result["probe"][method] = per_distance
         if per_position:
@@ -290,6 +326,7 @@ def text_rows(loaded: list, options: Options, out_dir: Path, device) -> tuple[Te
     check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
     longest, seed = max(lengths), options.seed
     distances = probe_distances(min(contexts), lengths, options.probe_span)
+    distances = distances if options.probes else []
     document_windows(data_dir, "val", longest, 1)  # UserError if no document is that long
     work = [text_work(model, run, lengths, distances, options) for model, run in loaded]
     windows = 8 * longest * (options.num_windows + options.probes)  # their int64 token ids
