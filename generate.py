@@ -24,6 +24,7 @@ from picollama.cli import (
     file_kind,
     positive,
     run_command,
+    utf8_argument,
 )
 from picollama.device import check_compiler, memory_bytes, pick_device, pick_dtype
 from picollama.inference import (
@@ -313,19 +314,6 @@ def read_prompts(args, max_bytes: int | None) -> list[str]:
     if not prompts:
         raise UserError(f"--prompt-file {path} has no prompts (one per line)")
     return prompts
-
-
-def utf8_argument(text: str, flag: str) -> str:
-    """A command-line text, refused unless UTF-8: other bytes reach Python as lone surrogates,
-    which no tokenizer can take."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        byte = len(text[: e.start].encode("utf-8"))
-        raise UserError(
-            f"{flag} is not UTF-8 text (byte {byte}); set the terminal to UTF-8"
-        ) from None
-    return text
 
 
 # ---------------------------------------------------------------- what fits in memory

@@ -28,7 +28,6 @@ from model import ModelArgs, Transformer
 from picollama import REPO_ROOT
 from picollama.budget import Budget, run_length
 from picollama.checkpoint import (
-    CONTEXT_KEYS,  # what a run started from train.init_from may change: context, RoPE scaling
     check_tokenizer,
     checkpoints,
     load_checkpoint,
@@ -37,9 +36,26 @@ from picollama.checkpoint import (
     save_checkpoint,
     stopped,
 )
-from picollama.cli import Interrupted, UserError, check_writable, exclusive, run_command
-from picollama.config import Config, check_config, parse_cli
-from picollama.device import Dist, check_compiler, keep_freed_memory, peak_flops, pick_dtype
+from picollama.cli import (
+    Interrupted,
+    UserError,
+    check_writable,
+    exclusive,
+    listed,
+    resolved,
+    run_command,
+)
+from picollama.config import Config, DataConfig, check_config, check_init_model, parse_cli
+from picollama.device import (
+    Dist,
+    check_compiler,
+    gib,
+    keep_freed_memory,
+    memory_bytes,
+    peak_flops,
+    pick_device,
+    pick_dtype,
+)
 from picollama.metrics import RunLog, Throughput, flops_per_token, memory_gb
 from picollama.optim import build_optimizer, lr_at
 
@@ -54,9 +70,10 @@ VALIDATION_FORMATS = {
 
 def init_from_weights(cfg: Config) -> tuple[dict | None, ModelArgs]:
     """The weights of the run directory train.init_from (None without one), whose model must equal
-    model.* but for CONTEXT_KEYS and share data.dir's tokenizer, and the model this run trains:
-    model.*, where a run that stretches the source's context gets rope_original_max_seq_len = that
-    context, so that RoPE scaling and extrapolate stretch from it."""
+    model.* (which config.py took from it) but for the context keys and share data.dir's
+    tokenizer, and the model this run trains: model.*, where a run that stretches the source's
+    context gets rope_original_max_seq_len = that context, so that RoPE scaling and extrapolate
+    stretch from it."""
     source_dir = cfg.train.init_from
     if source_dir is None:
         return None, cfg.model
@@ -64,13 +81,7 @@ def init_from_weights(cfg: Config) -> tuple[dict | None, ModelArgs]:
         source, _ = load_model(source_dir)
     except UserError as e:
         raise UserError(f"train.init_from: {e}") from None
-    saved, wanted = source.args.to_dict(), cfg.model.to_dict()
-    key = next((k for k in wanted if k not in CONTEXT_KEYS and saved[k] != wanted[k]), None)
-    if key is not None:
-        raise UserError(
-            f"train.init_from {source_dir} has model.{key} = {saved[key]!r}, this run "
-            f"{wanted[key]!r}; only model.{', model.'.join(CONTEXT_KEYS)} may change"
-        )
+    check_init_model(source_dir, source.args.to_dict(), cfg.model.to_dict())
     theirs, ours = tokenizer_file(source_dir), tokenizer_file(cfg.data.dir)
     if theirs and ours and tokenizer_sha256(theirs) != tokenizer_sha256(ours):
         raise UserError(f"train.init_from {source_dir} has another tokenizer than {cfg.data.dir}")
@@ -89,11 +100,84 @@ def with_length(cfg: Config, max_steps: int, decay_start: int | None) -> Config:
     return replace(cfg, train=train, optim=optim)
 
 
+def check_memory(cfg: Config, world_size: int):
+    """UserError, before any work, for a model or batch that cannot fit in the device's memory, by
+    a lower bound: 12 bytes a parameter (fp32 weights, gradients and one optimizer moment; sharded
+    over the ranks) and, per token of a rank's micro-step, the logits and their gradient in fp32
+    and, in training, each block's input (all that activation checkpointing keeps)."""
+    device = pick_device(cfg.train.device)
+    memory = memory_bytes(device)
+    if memory is None:
+        return
+    m, t, e = cfg.model, cfg.train, cfg.eval
+    with torch.device("meta"):  # sizes only, no memory
+        params = Transformer(m).num_params()
+    state = 12 * params // world_size
+    logits = 8 * m.vocab_size
+    blocks = m.n_layers * m.dim * pick_dtype(t.dtype, device).itemsize
+    ranks = f" on each of {world_size} ranks" if world_size > 1 else ""
+    train_rows = t.batch_size // (t.grad_accum * world_size)
+    for key, size, rows, per_token in [
+        ("train.batch_size", t.batch_size, train_rows, logits + blocks),
+        ("eval.batch_size", e.batch_size, e.batch_size, logits),
+    ]:
+        activations = rows * t.seq_len * per_token
+        if state + activations <= memory:
+            continue
+        fits = (memory - state) // (t.seq_len * per_token)
+        if fits < 1:
+            raise UserError(
+                f"the model ({params:,} parameters) cannot fit in memory: its weights, gradients "
+                f"and optimizer state and one sequence of {t.seq_len} tokens need at least "
+                f"{gib(state + t.seq_len * per_token)}{ranks}, and {device.type} memory is "
+                f"{gib(memory)}; choose a smaller model or train.seq_len"
+            )
+        more = " or raise train.grad_accum" if key.startswith("train") else ""
+        raise UserError(
+            f"{key} {size:,} cannot fit in memory: {rows:,} sequences of {t.seq_len} tokens at "
+            f"once{ranks} need at least {gib(activations)} for their logits and activations, "
+            f"beside {gib(state)} for the weights and optimizer state, and {device.type} memory "
+            f"is {gib(memory)}: at most {fits:,} fit; lower {key}{more}"
+        )
+
+
 # ---------------------------------------------------------------- data
 
 
+def check_dataset(cfg: Config):
+    """UserError, before any work, unless data.dir is a prepared dataset (a folder with meta.json)
+    or a missing (absent or empty) folder that train.py prepares from data.source: the default
+    source's own folder (data/shakespeare, from the current directory or the repository), or any
+    folder for a data.source given (so that a mistyped --data.dir is never filled with
+    Shakespeare)."""
+    d = cfg.data
+    data_dir = Path(d.dir)
+    if d.task != "text" or (data_dir / "meta.json").is_file():
+        return
+    if data_dir.is_file():
+        problem = "it is a file"
+    elif data_dir.is_dir() and any(data_dir.iterdir()):
+        held = listed(sorted(p.name + "/" * p.is_dir() for p in data_dir.iterdir()))
+        problem = f"no meta.json; it holds {held}"
+    else:
+        own = {resolved(DataConfig.dir), resolved(REPO_ROOT / DataConfig.dir)}
+        if d.source != DataConfig.source or resolved(data_dir) in own:
+            return
+        problem = "it is empty" if data_dir.is_dir() else "it does not exist"
+        raise UserError(
+            f"data.dir {data_dir} is not a prepared dataset ({problem}); make one with python "
+            f"data/prepare.py --source YOUR_TEXT --out {data_dir}, or give --data.source=YOUR_TEXT "
+            f"to prepare it here (only {DataConfig.dir} is prepared by itself, with Shakespeare)"
+        )
+    raise UserError(
+        f"data.dir {data_dir} is not a prepared dataset ({problem}); make one with python "
+        "data/prepare.py --source YOUR_TEXT --out DIR and train with --data.dir=DIR"
+    )
+
+
 def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
-    """data.dir (prepared from data.source if missing) and its meta.json, checked against cfg."""
+    """data.dir (prepared from data.source if missing, as check_dataset allows) and its meta.json,
+    checked against cfg."""
     data_dir = Path(cfg.data.dir)
     if not (data_dir / "meta.json").is_file() and dist.main:
         print(f"{data_dir} is not prepared yet: preparing it from {cfg.data.source}")
@@ -489,7 +573,10 @@ def interruption(run_dir: Path) -> str:
 def main(argv: list[str]) -> int:
     started = time.perf_counter()  # a train.max_minutes budget counts from here
     cfg, resume = parse_cli(argv, __doc__)
-    check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_config(cfg, world_size)
+    check_dataset(cfg)
+    check_memory(cfg, world_size)
     run_dir = Path(cfg.train.out_dir)
     # before any work; never in the dataset
     check_writable(run_dir, inputs=[cfg.data.dir], directory=True)

@@ -28,7 +28,7 @@ from data.shards import (
     encode_pieces,
     join_documents,
 )
-from data.tokenizer import TOKENIZER_CONFIG, HFTokenizer, tokenizer_file, tokenizer_sha256
+from data.tokenizer import TOKENIZER_CONFIG, HFTokenizer, adds_bos, tokenizer_file, tokenizer_sha256
 from picollama import REPO_ROOT
 from picollama.cli import (
     ArgumentParser,
@@ -549,6 +549,7 @@ def load_tokenizer(model_proto: bytes, what, config: dict | None = None):
         raise UserError(f"{what}: not a sentencepiece model") from None
     if tokenizer.bos_id() < 0:
         raise UserError(f"{what}: the tokenizer defines no BOS piece")
+    tokenizer.add_bos = adds_bos(config)  # whether each document starts with BOS (join_documents)
     return tokenizer
 
 
@@ -702,7 +703,7 @@ def start(
     remove(work)
     (work / "progress").mkdir(parents=True)
     (work / tokenizer_name(model_proto)).write_bytes(model_proto)
-    if "tokenizer_config" in inputs:  # a tokenizer.json's special tokens
+    if "tokenizer_config" in inputs:  # special tokens, add_bos_token, the chat template
         write_json(work / TOKENIZER_CONFIG, inputs["tokenizer_config"])
     progress = {"inputs": inputs, "blocks": 0, "bytes_read": 0, "splits": {}}
     write_json(work / "progress" / "progress.json", progress)
@@ -913,8 +914,10 @@ def given_tokenizer(tokenizer, vocab_size: int, inputs: dict) -> bytes | None:
     if not tokenizer_path.is_file():
         raise UserError(f"{tokenizer_path}: no such tokenizer file")
     model_proto = tokenizer_path.read_bytes()
-    if tokenizer_name(model_proto) == "tokenizer.json":
-        config_path = tokenizer_path.with_name(TOKENIZER_CONFIG)
+    config_path = tokenizer_path.with_name(TOKENIZER_CONFIG)
+    # a tokenizer.json's special tokens; beside a tokenizer.model (an imported llama.cpp
+    # vocabulary's), whether documents start with BOS
+    if config_path.is_file() or tokenizer_name(model_proto) == "tokenizer.json":
         inputs["tokenizer_config"] = read_json(config_path) if config_path.is_file() else {}
     load_tokenizer(model_proto, str(tokenizer_path), inputs.get("tokenizer_config"))
     inputs["tokenizer_sha256"] = tokenizer_sha256(model_proto)

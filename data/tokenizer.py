@@ -40,12 +40,18 @@ def open_tokenizer(path: Path | str):
         tokenizer = spm.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError):
         raise ValueError(f"{path} is not a sentencepiece model") from None
-    config = Path(path).with_name(TOKENIZER_CONFIG)
-    try:  # a llama.cpp vocabulary may say that prompts start without BOS
-        tokenizer.add_bos = json.loads(config.read_text()).get("add_bos_token") is not False
-    except (OSError, ValueError, AttributeError):
-        pass
+    try:
+        config = json.loads(Path(path).with_name(TOKENIZER_CONFIG).read_text())
+    except (OSError, ValueError):  # none, or not JSON: sentencepiece's own way
+        config = None
+    tokenizer.add_bos = adds_bos(config)
     return tokenizer
+
+
+def adds_bos(config) -> bool:
+    """Whether a sentencepiece tokenizer with this tokenizer_config.json (its JSON, or None) starts
+    each text with BOS: unless the file says add_bos_token false (a llama.cpp vocabulary may)."""
+    return not isinstance(config, dict) or config.get("add_bos_token") is not False
 
 
 def prompt_start(tokenizer) -> list[int]:

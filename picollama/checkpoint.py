@@ -1,6 +1,7 @@
 """Run directories (model.safetensors, config.json, tokenizer.model) and train_state/ to resume."""
 
 import json
+import os
 import random
 import re
 import shutil
@@ -35,45 +36,15 @@ from picollama.cli import (
     atomic_output,
     check_free_space,
     check_type,
+    held_signals,
     one_line,
     remove,
     replace,
+    resolved,
     write_failure,
 )
-from picollama.config import model_args_from_dict
+from picollama.config import CONTEXT_KEYS, saved_model_args
 
-# The model keys every picollama version has written to config.json and meta.json: one that is
-# missing was edited away, and its default would describe another model. Keys added since may be
-# absent: their defaults are what older versions computed.
-WRITTEN_KEYS = (
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "vocab_size",
-    "multiple_of",
-    "ffn_dim_multiplier",
-    "ffn_hidden_dim",
-    "norm_eps",
-    "rope_theta",
-    "max_seq_len",
-    "tie_embeddings",
-    "rope_scaling",
-    "rope_factor",
-    "rope_original_max_seq_len",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-)
-# What config.json may change in the model its weights were saved with: the context and its RoPE
-# scaling (as train.init_from may, and generate.py's --rope-scaling does).
-CONTEXT_KEYS = (
-    "max_seq_len",
-    "rope_scaling",
-    "rope_factor",
-    "rope_original_max_seq_len",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-)
 # model.safetensors' metadata key recording the model its weights are for (ModelArgs as JSON):
 # config.json edited to another n_heads or activation would load the same shapes, computing
 # something else
@@ -108,7 +79,8 @@ def model_files(model: Transformer, run_dir, config: dict | None = None, tokeniz
     needed = model_bytes(model) + len(text) + (Path(tokenizer).stat().st_size if copy else 0)
     check_free_space(run_dir, needed, f"the model to {run_dir}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    with ExitStack() as files:  # entered in this order, renamed in the reverse one
+    # a signal waits from the block to the last rename, so that all or none are renamed
+    with ExitStack() as renames, ExitStack() as files:  # files renamed in the reverse order
         weights = files.enter_context(atomic_output(run_dir / "model.safetensors", needed))
         save_file(state, weights, metadata={WEIGHTS_MODEL: json.dumps(model.args.to_dict())})
         config_tmp = files.enter_context(atomic_output(run_dir / "config.json"))
@@ -120,6 +92,7 @@ def model_files(model: Transformer, run_dir, config: dict | None = None, tokeniz
                 shutil.copyfile(
                     tokenizer_config, files.enter_context(atomic_output(run_dir / TOKENIZER_CONFIG))
                 )
+        renames.enter_context(held_signals(escape=False))
         yield
 
 
@@ -178,15 +151,6 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
         return model_from_state_dict(args, state), config
     except UserError as e:
         raise UserError(f"{run_dir}: {e}") from None
-
-
-def saved_model_args(saved) -> ModelArgs:
-    """ModelArgs from config.json's or meta.json's "model": model_args_from_dict, and a UserError
-    naming a WRITTEN_KEYS key that is missing."""
-    missing = [key for key in WRITTEN_KEYS if key not in saved] if isinstance(saved, dict) else []
-    if missing:
-        raise UserError(f"model.{missing[0]} is missing")
-    return model_args_from_dict(saved)
 
 
 def read_weights(path: Path, device) -> tuple[dict, dict | None]:
@@ -342,6 +306,7 @@ def save_checkpoint(
     with `config` and `tokenizer`) written beside it; both are renamed into place only once all is
     written, so that a failed save (a full disk: checked first, and reported as one line) removes
     its temporary files and leaves the previous checkpoint and model, consistent with each other.
+    SIGINT and SIGTERM wait for the save to end (a second one stops it, removing what it wrote).
     The last `keep` checkpoints are kept."""
     check_finite(model, optimizer, dist, f"at step {step}", run_dir)
     state_dir = Path(run_dir) / "train_state"
@@ -349,12 +314,47 @@ def save_checkpoint(
     # one name on every rank, all writing into it (not atomic_output's)
     tmp = state_dir / f".{final.name}.tmp"
     needed = dist.world_size * local_state_bytes(model, optimizer) + model_bytes(model)
-    if dist.main:
-        for stale in state_dir.glob(".step_*.tmp"):  # left by a crash
-            remove(stale)
-        check_free_space(run_dir, needed, f"checkpoint {final} and the model export")
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    with held_signals() as received:
+        try:
+            if dist.main:
+                remove_temporaries(state_dir)  # left by a crash
+                check_free_space(run_dir, needed, f"checkpoint {final} and the model export")
+                tmp.mkdir(parents=True)
+            dist.barrier()
+            write_checkpoint(tmp, final, step, model, optimizer, loader, dist, config, tokenizer)
+            if dist.main:
+                for old in checkpoints(run_dir)[:-keep]:  # hidden first: never half a checkpoint
+                    hidden = old.with_name(f".{old.name}.tmp")
+                    os.replace(old, hidden)
+                    remove(hidden)
+        except BaseException as e:
+            if dist.main:
+                remove_temporaries(state_dir)
+            cause = cause_of(e)
+            # a second signal; or DCP or torch.save wrapping a Ctrl-C (torch.save's "unexpected
+            # pos" would otherwise read as a full disk)
+            if received or isinstance(cause, KeyboardInterrupt) and cause is not e:
+                raise KeyboardInterrupt from None
+            if isinstance(cause, UserError):  # already one line (another rank's failure among them)
+                raise cause from None
+            failure = write_failure(final, cause, needed)
+            if failure is not None:
+                raise failure from None
+            raise
+        dist.barrier()
+
+
+def remove_temporaries(state_dir: Path):
+    """Delete train_state's .step_*.tmp directories: a save's, or a checkpoint being deleted."""
+    for path in state_dir.glob(".step_*.tmp"):
+        remove(path)
+
+
+def write_checkpoint(
+    tmp: Path, final: Path, step: int, model, optimizer, loader, dist, config: dict, tokenizer
+):
+    """save_checkpoint's writes: every rank's part of the checkpoint into `tmp`, then rank 0's
+    model export, renamed into place together with `tmp` renamed to `final`."""
 
     def write():
         write_train_state(tmp, step, model, optimizer, loader, dist, config, tokenizer)
@@ -362,30 +362,14 @@ def save_checkpoint(
     def export():
         if dist.main:
             exported = model_from_state_dict(model.args, {k: v.float() for k, v in full.items()})
-            with model_files(exported, run_dir, config, tokenizer):
+            with model_files(exported, final.parent.parent, config, tokenizer):
                 replace(tmp, final)
-            for old in checkpoints(run_dir)[:-keep]:
-                remove(old)
 
-    try:
-        together(dist, write, final)
-        full = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        together(dist, export, final)
-    except BaseException as e:
-        if dist.main:
-            remove(tmp)
-        cause = cause_of(e)
-        if isinstance(cause, KeyboardInterrupt) and cause is not e:  # DCP wraps a Ctrl-C too
-            raise cause from None
-        if isinstance(cause, UserError):  # already one line (another rank's failure among them)
-            raise cause from None
-        failure = write_failure(final, cause, needed)
-        if failure is not None:
-            raise failure from None
-        raise
-    dist.barrier()
+    together(dist, write, final)
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    together(dist, export, final)
 
 
 def cause_of(e: BaseException) -> BaseException:
@@ -675,9 +659,21 @@ def check_tokenizer(checkpoint: Path, tokenizer: Path):
     if not expected and run_tokenizer is not None:
         expected = tokenizer_sha256(run_tokenizer)
     if not same_tokenizer(expected, tokenizer):
+        recorded, data_dir = recorded_data_dir(checkpoint.parent.parent), Path(tokenizer).parent
+        other = recorded and resolved(recorded) != resolved(data_dir)
+        hint = f" (--data.dir={recorded}, as its config.json records)" if other else ""
         raise UserError(
             f"cannot resume from {checkpoint}: it was trained with another tokenizer "
-            f"(sha256 {expected[:12]}) than {tokenizer} "
+            f"(sha256 {expected[:12]}) than data.dir {data_dir} has "
             f"(sha256 {tokenizer_sha256(tokenizer)[:12]}); resume with the dataset it was trained "
-            "on, or start a new run"
+            f"on{hint}, or train on {data_dir} in a new train.out_dir"
         )
+
+
+def recorded_data_dir(run_dir: Path) -> str | None:
+    """The data.dir a run's config.json records (None: none, or not readable)."""
+    try:
+        recorded = json.loads((run_dir / "config.json").read_text())["data"]["dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return recorded if isinstance(recorded, str) else None

@@ -261,6 +261,50 @@ def interrupt_handlers(received: list):
         sys.unraisablehook = previous_hook
 
 
+@contextmanager
+def held_signals(escape: bool = True):
+    """SIGINT and SIGTERM wait until the block ends (work that must finish, or leave nothing), then
+    arrive as if sent then; with `escape`, a second one while waiting arrives at once. Yields the
+    signals received while holding. Main thread only (elsewhere the block runs as it is)."""
+    received = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def hold(signum, frame):
+        received.append(signum)
+        if escape and len(received) == 2:  # asked twice: stop now (the caller cleans up)
+            restore()
+            signal.raise_signal(signum)
+
+    def restore():
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+    for s in previous:
+        signal.signal(s, hold)
+    try:
+        yield received
+    finally:
+        restore()
+        if received and not (escape and len(received) > 1):  # else delivered already
+            signal.raise_signal(received[0])  # its own handler: a KeyboardInterrupt, or the default
+
+
+def utf8_argument(text: str, flag: str) -> str:
+    """A command-line text, refused unless UTF-8: other bytes reach Python as lone surrogates,
+    which no tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = len(text[: e.start].encode("utf-8"))
+        raise UserError(
+            f"{flag} is not UTF-8 text (byte {byte}); set the terminal to UTF-8"
+        ) from None
+    return text
+
+
 def remove(path: Path):
     """Delete a file or directory tree if it exists."""
     if path.is_dir() and not path.is_symlink():

@@ -2,6 +2,7 @@
 validation (ModelArgs' included)."""
 
 import difflib
+import json
 import math
 import re
 import tomllib
@@ -20,6 +21,7 @@ from picollama.cli import (
     add_out,
     add_seed,
     check_type,
+    utf8_argument,
 )
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
@@ -192,6 +194,7 @@ BELOW_ONE = {
     "optim.muon_momentum",
     "optim.decay_fraction",
 }  # and not negative
+TEXT_KEYS = {"train.sample_prompt"}  # text for the tokenizer: UTF-8 only (paths may be any bytes)
 CHOICES = {
     "data.task": ("text", "retrieval"),
     "train.device": ("auto", "cpu", "cuda", "mps"),
@@ -201,6 +204,38 @@ CHOICES = {
 }
 
 
+# The model keys every picollama version has written to config.json and meta.json: one that is
+# missing was edited away, and its default would describe another model. Keys added since may be
+# absent: their defaults are what older versions computed.
+WRITTEN_KEYS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "multiple_of",
+    "ffn_dim_multiplier",
+    "ffn_hidden_dim",
+    "norm_eps",
+    "rope_theta",
+    "max_seq_len",
+    "tie_embeddings",
+    "rope_scaling",
+    "rope_factor",
+    "rope_original_max_seq_len",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+)
+# What config.json may change in the model its weights were saved with: the context and its RoPE
+# scaling (as train.init_from may, and generate.py's --rope-scaling does).
+CONTEXT_KEYS = (
+    "max_seq_len",
+    "rope_scaling",
+    "rope_factor",
+    "rope_original_max_seq_len",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+)
 # Far past any published model (the largest: dim 16384, 126 layers, 256k vocabulary, 10M context):
 # a size beyond its limit is a corrupt or mistyped config, refused naming the key before anything
 # is allocated.
@@ -262,6 +297,15 @@ def check_rope_keys(args: ModelArgs):
         raise ValueError(
             f"head_dim ({args.head_dim}) and head_dim·rope_fraction ({2 * pairs:g}) must be even"
         )
+
+
+def saved_model_args(saved) -> ModelArgs:
+    """ModelArgs from config.json's or meta.json's "model": model_args_from_dict, and a UserError
+    naming a WRITTEN_KEYS key that is missing."""
+    missing = [key for key in WRITTEN_KEYS if key not in saved] if isinstance(saved, dict) else []
+    if missing:
+        raise UserError(f"model.{missing[0]} is missing")
+    return model_args_from_dict(saved)
 
 
 def model_args_from_dict(d: dict) -> ModelArgs:
@@ -334,6 +378,8 @@ def check_value(key: str, name: str, value, annotation):
 def parse_override(key: str, text: str, annotation):
     """A command-line string parsed per the field's type and checked like a TOML value."""
     base, optional = type_options(annotation)
+    if key in TEXT_KEYS:
+        utf8_argument(text, f"--{key}")
     if optional and text.lower() in ("none", "null"):
         return None
     try:
@@ -383,6 +429,12 @@ def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
         if name not in sections or key not in field_types(sections[name]):
             raise unknown_key_error(dotted, all_keys)
         values[name][key] = parse_override(dotted, text, field_types(sections[name])[key])
+    if (init_from := values["train"].get("init_from")) is not None:
+        # the model keys given with train.init_from or after it: the file's where it names it too
+        explicit = {dotted[6:] for dotted in given if dotted.startswith("model.")}
+        if "init_from" in raw.get("train", {}):
+            explicit |= set(raw.get("model", {}))
+        values["model"] = init_from_model(init_from, values["model"], explicit)
     built = {}
     for name, cls in sections.items():
         try:
@@ -390,6 +442,36 @@ def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
         except ValueError as e:
             raise UserError(f"[{name}] {e}") from None
     return Config(**built)
+
+
+def init_from_model(run_dir: str, model: dict, given: set[str]) -> dict:
+    """The model settings of a run started from train.init_from: run_dir's own (its config.json's),
+    with the `given` keys of `model`, which may change CONTEXT_KEYS only (UserError naming another
+    that differs); `model` as it is where run_dir has no config.json to read (a run not trained
+    yet, or no run: train.py's load_model says so)."""
+    path = Path(run_dir) / "config.json"
+    try:
+        saved = json.loads(path.read_text())["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return model
+    try:
+        source = saved_model_args(saved).to_dict()
+    except ValueError as e:
+        raise UserError(f"train.init_from: {path} is corrupt: {e}") from None
+    check_init_model(run_dir, source, {key: model[key] for key in given})
+    return source | {key: model[key] for key in given}
+
+
+def check_init_model(run_dir, source: dict, model: dict):
+    """UserError naming the first key of `model` (model settings) but CONTEXT_KEYS whose value
+    differs from the model of the train.init_from run run_dir, `source`."""
+    for key in (k for k in source if k in model and k not in CONTEXT_KEYS):
+        if model[key] != source[key]:
+            raise UserError(
+                f"train.init_from {run_dir} has model.{key} = {source[key]!r}, this run "
+                f"{model[key]!r}; only model.{', model.'.join(CONTEXT_KEYS)} may change (the "
+                "rest is taken from its config.json: leave it out)"
+            )
 
 
 def split_overrides(rest: list[str]) -> list[tuple[str, str]]:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from data.prepare import cache_dir
-from data.tokenizer import HFTokenizer, tokenizer_file
+from data.tokenizer import HFTokenizer, prompt_start, tokenizer_file
 from model import ModelArgs, Transformer, rope_frequencies
 from picollama import cli
 from picollama.checkpoint import (
@@ -357,7 +357,7 @@ def export_hf(run_dir: Path, hf_dir: Path):
         kind = {**tokenizer.config, "tokenizer_class": "PreTrainedTokenizerFast"}
         kind |= {"add_bos_token": tokenizer.add_bos}
     else:
-        kind = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True}
+        kind = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": bool(prompt_start(tokenizer))}
         kind |= {"add_prefix_space": has_dummy_prefix(tokenizer), "legacy": False}
     tokenizer_config = {
         **kind,
@@ -505,7 +505,7 @@ def add_gguf_vocab(writer, tokenizer, vocab_size: int, gguf):
     ):
         if token_id >= 0:
             getattr(writer, f"add_{name}_token_id")(token_id)
-    writer.add_add_bos_token(tokenizer.bos_id() >= 0)
+    writer.add_add_bos_token(bool(prompt_start(tokenizer)))  # as our prompts start
     writer.add_add_eos_token(False)
 
 

@@ -211,3 +211,8 @@ def memory_bytes(device: torch.device) -> int | None:
         except (OSError, ValueError):  # absent, or "max"
             pass
     return total
+
+
+def gib(n: int) -> str:
+    """A size in bytes as GiB, or MiB below one GiB."""
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"

@@ -26,6 +26,10 @@ QUANTIZATIONS = ("none", "int8")
 # against 2.5-2.7 ms a step on 2 AVX2 cores (measured with torch.compile). Where the compiled step
 # is slower than eager, pick_step keeps eager.
 COMPILE_OPTIONS = {"aot_inductor.package_constants_in_so": False, "realize_acc_reads_threshold": 1}
+# What step_seconds may spend timing, beyond its warm-up: blocks of 16 calls for small models (a
+# batch-1 step of 8M parameters takes ~2 ms), of 2 for a 135M one (15-30 ms a step: 5 rounds of
+# 16 took 4.4 s before generate.py printed its first token, against 0.4 s for 20 tokens).
+TIMING_SECONDS = 0.5
 ISA_FLAGS = (
     ("amx", "amx_tile"),
     ("avx512_bf16", "avx512_bf16"),
@@ -358,11 +362,19 @@ class _PositionAsTensor(nn.Module):
 
 @torch.inference_mode()
 def step_seconds(
-    model: Transformer, steps: dict, batch: int = 1, calls: int = 16, repeats: int = 5
+    model: Transformer,
+    steps: dict,
+    batch: int = 1,
+    calls: int = 16,
+    repeats: int = 5,
+    budget: float = TIMING_SECONDS,
 ) -> dict:
     """Median seconds of one decode step of `batch` rows through each of `steps` ({name: step of
     model}), timed interleaved after a warm-up call (where a compiled step compiles), on a cache of
-    model's set up here and reset after."""
+    model's set up here and reset after: up to `repeats` rounds, the first of one call of each step,
+    the others of up to `calls` calls, as many as the first says fit in `budget` seconds; no new
+    round once the rounds took `budget` (on a busy CPU one step can take 20x longer on two threads
+    than on one: one round then decides)."""
     model.setup_cache(batch, calls + 1)
     device = model.tok_embeddings.weight.device
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -370,17 +382,30 @@ def step_seconds(
     try:
         for step in steps.values():
             step(token, start_pos=0)
+        block = 1
+        spent = 0.0
         for _ in range(repeats):
             for name, step in steps.items():
-                start = time.perf_counter()
-                for pos in range(calls):
-                    step(token, start_pos=pos)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times[name].append((time.perf_counter() - start) / calls)
+                times[name].append(per_call_seconds(step, token, block))
+                spent += times[name][-1] * block
+            if spent >= budget:
+                break
+            if block == 1:
+                first_round = sum(t[0] for t in times.values())
+                block = max(1, min(calls, int(budget / (repeats * first_round))))
     finally:
         model.reset_cache()
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def per_call_seconds(step, token: torch.Tensor, calls: int) -> float:
+    """Seconds per call of `calls` decode steps at positions 0..calls-1, the device synchronized."""
+    start = time.perf_counter()
+    for pos in range(calls):
+        step(token, start_pos=pos)
+    if token.device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
 
 
 def pick_step(model: Transformer, eager: DecodeStep, compiled: DecodeStep, batch: int = 1) -> tuple:

@@ -4,6 +4,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -245,7 +246,8 @@ train --checkpoint.interval=-1 => --checkpoint.interval must be zero or more
 train --model.multiple_of=0 => --model.multiple_of must be positive
 train --model.rope_theta=-1 => --model.rope_theta must be positive
 train --model.vocab_size=100000000000 => [model] vocab_size must be at most 4,194,304
-train --model.vocab_size=4000000 --model.dim=65536 => out of memory
+train --model.vocab_size=4000000 --model.dim=65536
+    => the model (627,375,931,392 parameters) cannot fit in memory: its weights, gradients and
 train --train.out_dir={ws}/huge_context_trained --resume => model.max_seq_len must be at most
 train --no_such.key=1 => unknown config key no_such.key
 train --config {ws}/missing.toml => cannot read config
@@ -253,8 +255,28 @@ train --resume => nothing to resume
 train --train.out_dir={ws}/trained => already holds a run
 train --train.out_dir={ws}/trained --resume --model.dim=64 => different model
 train --train.out_dir={ws}/trained --resume --train.max_steps=3 --data.dir={ws}/other_tokenizer_data
-    => trained with another tokenizer
+    => trained with another tokenizer (sha256
+train --train.out_dir={ws}/trained --resume --train.max_steps=3 --data.dir={ws}/other_tokenizer_data
+    => than data.dir {ws}/other_tokenizer_data has (sha256
+train --train.out_dir={ws}/trained --resume --train.max_steps=3 --data.dir={ws}/other_tokenizer_data
+    => resume with the dataset it was trained on (--data.dir={ws}/data, as its config.json records)
 train --data.dir={ws}/truncated_data => truncated
+# train.py: data.dir is a prepared dataset; only data/shakespeare is prepared by itself (once a
+# mistyped folder got Shakespeare, and a folder of texts or a run "choose another --out")
+train --data.dir={ws}/no_such_data
+    => data.dir {ws}/no_such_data is not a prepared dataset (it does not exist); make one with
+    python data/prepare.py --source YOUR_TEXT --out {ws}/no_such_data, or give
+    --data.source=YOUR_TEXT
+train --data.dir={ws}/corpus => data.dir {ws}/corpus is not a prepared dataset (no meta.json; it
+    holds doc00.txt, doc01.txt, doc02.txt and 9 more); make one with python data/prepare.py --source
+train --data.dir={ws}/run --train.out_dir={ws}/run --resume
+    => data.dir {ws}/run is not a prepared dataset (no meta.json; it holds config.json,
+train --data.dir={ws}/file => data.dir {ws}/file is not a prepared dataset (it is a file)
+# train.py: a batch past memory is refused with the estimate, before any work (it once grew for GBs)
+train --train.batch_size=1000000000 => train.batch_size 1,000,000,000 cannot fit in memory:
+    1,000,000,000 sequences of 32 tokens at once need at least
+train --train.batch_size=1000000000 --train.grad_accum=1000 => 1,000,000 sequences of 32 tokens
+train --eval.batch_size=1000000000 => eval.batch_size 1,000,000,000 cannot fit in memory:
 # train.py: a run is continued only by --resume, never written into the dataset; --resume
 # is exact or refused; a run without a checkpoint gets the same advice with --resume and without
 train --train.out_dir={ws}/run
@@ -372,7 +394,7 @@ bench.memory --smoke --out {ws}/null => null: it is a
 def parse_cases(table: str) -> list[tuple]:
     """(command, argv, message) for each case of a table like CASES_TABLE."""
     cases = []
-    for line in table.replace("\n ", " ").strip().splitlines():
+    for line in re.sub(r"\n +", " ", table).strip().splitlines():
         if line.startswith("#"):
             continue
         left, message = (part.strip() for part in line.split("=>"))
@@ -383,7 +405,18 @@ def parse_cases(table: str) -> list[tuple]:
 
 LONG_PROMPT = "--train.sample_prompt=" + "a b c d " * 8  # words with spaces: not for the table
 CASES = parse_cases(CASES_TABLE) + [
-    ("train", train_args("--train.sample_tokens=20", LONG_PROMPT), "and the prompt (")
+    ("train", train_args("--train.sample_tokens=20", LONG_PROMPT), "and the prompt ("),
+    # bytes that are not UTF-8 ($'\xff\xfe') reach argv as lone surrogates: once a traceback
+    (
+        "train",
+        train_args("--train.sample_prompt=\udcff\udcfe"),
+        "--train.sample_prompt is not UTF-8 text (byte 0); set the terminal to UTF-8",
+    ),
+    (
+        "train",
+        train_args("--train.sample_tokens=8", "--train.sample_prompt=ab\udcff"),
+        "--train.sample_prompt is not UTF-8 text (byte 2)",
+    ),
 ]
 MAINS = {
     "train": train.main,

@@ -28,7 +28,7 @@ from data.loader import (
     plant_copies,
 )
 from data.prepare import prepare, split_documents, tokenizer_sample, train_tokenizer
-from data.tokenizer import same_tokenizer, tokenizer_sha256
+from data.tokenizer import open_tokenizer, same_tokenizer, tokenizer_sha256
 from picollama.cli import UserError
 from picollama.config import build_config
 
@@ -122,6 +122,28 @@ def test_shards_hold_every_document_once_with_bos_and_eos(corpus):
         "val-00000.bin",
         "val-00000.docs.npy",
     ]
+
+
+def test_a_tokenizer_without_add_bos_starts_no_document_with_bos(corpus, tmp_path):
+    """A tokenizer.model whose tokenizer_config.json says add_bos_token false (an imported llama.cpp
+    vocabulary's may): documents are text + EOS, and the dataset keeps the file, as a run trained
+    on it does."""
+    given = tmp_path / "tokenizer"
+    given.mkdir()
+    shutil.copyfile(corpus[0] / "tokenizer.model", given / "tokenizer.model")
+    (given / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    documents = write_corpus(tmp_path / "texts", docs=10)
+    data_dir = prepare(str(tmp_path / "texts"), out_dir=tmp_path / "out", tokenizer=str(given))
+    meta = load_meta(data_dir)
+    tokenizer = open_tokenizer(data_dir / "tokenizer.model")
+    assert tokenizer.add_bos is False and meta["bos_id"] == 1
+    texts = []
+    for split in ("train", "val"):
+        tokens, starts = open_tokens(data_dir, split), doc_offsets(data_dir, split)
+        ends = np.append(starts[1:], len(tokens))
+        assert not (tokens == meta["bos_id"]).any() and (tokens[ends - 1] == meta["eos_id"]).all()
+        texts += [tokenizer.decode(tokens[a : b - 1].tolist()) for a, b in zip(starts, ends)]
+    assert sorted(texts) == sorted(documents)
 
 
 def test_split_is_seeded_and_handles_a_single_document():

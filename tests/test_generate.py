@@ -159,6 +159,33 @@ def test_text_stream_holds_back_incomplete_characters():
     assert out.getvalue() == "> " + text
 
 
+def test_the_thread_timing_stays_within_its_budget(one_thread):
+    """fast_step times its decode steps before the first token: a slow step (a 135M model's, or one
+    on two threads of a busy CPU) is timed in a few calls, not 5 rounds of 16."""
+    import time
+
+    from picollama.inference import DecodeStep, step_seconds
+
+    model = make_model()
+    fast = DecodeStep(model)
+    calls = []
+
+    def slow(tokens, start_pos):
+        calls.append(start_pos)
+        time.sleep(0.05)
+        return fast(tokens, start_pos=start_pos)
+
+    seconds = step_seconds(model, {"slow": slow, "fast": fast}, budget=0.2)
+    assert seconds["slow"] > 0.05 > seconds["fast"]
+    assert len(calls) <= 5  # a warm-up, then one call a round until they took 0.2 s
+    calls.clear()
+    start = time.perf_counter()
+    step_seconds(model, {"slow": slow, "fast": fast}, budget=1.0)
+    # after the first round, rounds of up to int(1.0 / (5 * 0.05)) = 4 calls, within the budget
+    assert 1 + 1 + 4 < len(calls) <= 1 + 1 + 4 * 4
+    assert time.perf_counter() - start < 0.05 + 1.0 + 0.5
+
+
 @pytest.fixture(scope="module")
 def run_dir(make_tiny_run, one_thread):
     return make_tiny_run(20)[0]

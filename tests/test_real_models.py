@@ -106,9 +106,10 @@ def bpe_ggufs(tmp_path_factory):
     return found
 
 
-def llama_cpp_ids(llama_cpp, gguf: Path, text: str, special: bool) -> list[int]:
+def llama_cpp_ids(llama_cpp, gguf: Path, texts: list[str], special: bool) -> list[list[int]]:
+    """llama.cpp's token ids of each text (no BOS), the GGUF's vocabulary read once."""
     with closing(llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)) as llm:
-        return llm.tokenize(text.encode(), add_bos=False, special=special)
+        return [llm.tokenize(text.encode(), add_bos=False, special=special) for text in texts]
 
 
 @pytest.mark.parametrize("pre", ["gpt2", "smollm"])
@@ -118,9 +119,10 @@ def test_bpe_gguf_import_tokenizes_like_llama_cpp(bpe_ggufs, pre, tmp_path, llam
     _, _, tokenizer = load_run(tmp_path / "run", "cpu", torch.float32)
     assert isinstance(tokenizer, HFTokenizer) and tokenizer.get_piece_size() == 423  # [PADn] rows
     original = HFTokenizer(source)
-    for text in [*TEXTS, CHAT]:
+    theirs = llama_cpp_ids(llama_cpp, gguf, [*TEXTS, CHAT], special=True)
+    for text, expected in zip([*TEXTS, CHAT], theirs, strict=True):
         ids = tokenizer.encode(text)
-        assert ids == llama_cpp_ids(llama_cpp, gguf, text, special=True), text
+        assert ids == expected, text
         shown = text.replace(SPECIAL[1], "").replace(SPECIAL[2], "")  # decode skips specials
         assert ids == original.encode(text) and tokenizer.decode(ids) == shown
     assert (tokenizer.bos_id(), tokenizer.eos_id(), tokenizer.add_bos) == (1, 2, False)
@@ -136,15 +138,23 @@ def test_spm_gguf_import_tokenizes_like_llama_cpp(tmp_path, llama_cpp):
     assert convert_main(["from-gguf", "--gguf", gguf, "--out", tmp_path / "run"]) == 0
     _, _, tokenizer = load_run(tmp_path / "run", "cpu", torch.float32)
     original = spm.SentencePieceProcessor(model_file=str(source))
-    for text in TEXTS:
+    for text, expected in zip(TEXTS, llama_cpp_ids(llama_cpp, gguf, TEXTS, False), strict=True):
         ids = tokenizer.encode(text)
-        assert ids == llama_cpp_ids(llama_cpp, gguf, text, special=False), text
+        assert ids == expected, text
         assert ids == original.encode(text) and tokenizer.decode(ids) == text
     assert encode_prompt(tokenizer, "a")[0] == tokenizer.bos_id() >= 0
     config = tmp_path / "run" / "tokenizer_config.json"
     config.write_text(json.dumps(json.loads(config.read_text()) | {"add_bos_token": False}))
     _, _, tokenizer = load_run(tmp_path / "run", "cpu", torch.float32)
     assert encode_prompt(tokenizer, "a") == tokenizer.encode("a")  # as the file says: no BOS
+    # and so it is exported: llama.cpp and transformers start prompts without BOS too
+    assert convert_main(["to-gguf", "--run", tmp_path / "run", "--out", tmp_path / "m.gguf"]) == 0
+    with closing(llama_cpp.Llama(str(tmp_path / "m.gguf"), vocab_only=True, verbose=False)) as llm:
+        assert llm.tokenize(b"a", add_bos=True) == tokenizer.encode("a")
+    transformers = pytest.importorskip("transformers")
+    assert convert_main(["to-hf", "--run", tmp_path / "run", "--out", tmp_path / "hf"]) == 0
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tokenizer("a b").input_ids == tokenizer.encode("a b")
 
 
 QUANTS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
@@ -379,22 +389,127 @@ def test_from_hf_takes_a_tokenizer_json_folder(bpe_ggufs, tmp_path, capsys):
     assert "tokenizer.json has 420 pieces" in err and "vocab_size is 97" in err
 
 
+def transformers_greedy(model, prompt: list[int], new: int) -> list[int]:
+    """transformers' generate(do_sample=False): `new` tokens after `prompt`, past any EOS."""
+    tokens = torch.tensor([prompt])
+    out = model.generate(
+        tokens,
+        attention_mask=torch.ones_like(tokens),
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def exports_back_alike(run: Path, out: Path, llama_cpp, prompt: str, new: int):
+    """to-hf and to-gguf (f32) of an imported run give transformers and llama.cpp our model: the
+    same token ids for TEXTS and CHAT (our decoding too), transformers' logits within 1e-4
+    (relative, fp32), and both greedy continuations of `prompt` (`new` tokens) equal to ours."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, _, tokenizer = load_run(run, "cpu", torch.float32)
+    ids = encode_prompt(tokenizer, prompt)
+    ours = generate(model, [ids], Sampling(new, temperature=0))[0]
+    texts = [*TEXTS, CHAT]
+    assert convert_main(["to-hf", "--run", run, "--out", out / "hf"]) == 0
+    hf_tokenizer = AutoTokenizer.from_pretrained(out / "hf")
+    for text in texts:
+        expected = encode_prompt(tokenizer, text)
+        assert hf_tokenizer(text).input_ids == expected, text
+        shown = hf_tokenizer.decode(expected, skip_special_tokens=True)
+        assert shown == tokenizer.decode(expected), text
+    hf = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
+    tokens = torch.tensor([ids + ours])
+    with torch.no_grad():
+        reference = hf(tokens).logits[0]
+        assert (model(tokens)[0] - reference).abs().max() <= 1e-4 * reference.abs().max()
+    assert transformers_greedy(hf, ids, new) == ours
+    del hf, model
+    gguf = out / "m.gguf"
+    assert convert_main(["to-gguf", "--run", run, "--out", gguf]) == 0
+    theirs = llama_cpp_ids(llama_cpp, gguf, texts, special=True)
+    assert theirs == [tokenizer.encode(text) for text in texts]
+    # f32 attention and KV cache, as ours: llama.cpp's f16 default moves logits by ~1e-3
+    kv = dict(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False)
+    llama = llama_cpp.Llama(str(gguf), n_ctx=len(ids) + new, n_threads=1, verbose=False, **kv)
+    with closing(llama) as llm:
+        assert list(itertools.islice(llm.generate(ids, temp=0.0), new)) == ours
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "smollm"])
+def test_an_imported_bpe_model_exports_back_to_transformers_and_llama_cpp(
+    bpe_ggufs, pre, tmp_path, llama_cpp, one_thread
+):
+    pytest.importorskip("transformers")
+    run = import_once(bpe_ggufs[pre][1], tmp_path)
+    exports_back_alike(run, tmp_path, llama_cpp, "Héllo wörld 中文 🤗 12345", 24)
+
+
 SMOLLM2 = os.environ.get("PICOLLAMA_SMOLLM2_GGUF")
+needs_smollm2 = pytest.mark.skipif(
+    not SMOLLM2, reason="set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file"
+)
+HAMLET = "To be, or not to be, that is the question:"
 
 
-@pytest.mark.skipif(not SMOLLM2, reason="set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file")
-def test_smollm2_imports_tokenizes_and_samples_like_llama_cpp(tmp_path, llama_cpp):
+@pytest.fixture(scope="module")
+def smollm2_run(tmp_path_factory, one_thread) -> Path:
+    """SmolLM2's GGUF file imported once (from-gguf) for this module's tests, which run on one
+    thread: on a busy 2-core machine two made its greedy decoding 6-8x slower."""
+    run = tmp_path_factory.mktemp("smollm2") / "run"
+    assert convert_main(["from-gguf", "--gguf", SMOLLM2, "--out", run]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(tmp_path_factory, one_thread) -> Path:
+    """A Hugging Face folder of SmolLM2 written by transformers from its own reading of the GGUF
+    file: LlamaForCausalLM (fp32) and the tokenizer, save_pretrained."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("smollm2_hf")
+    gguf = Path(SMOLLM2)
+    transformers_from_gguf(gguf).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    return folder
+
+
+@needs_smollm2
+def test_smollm2_imports_tokenizes_and_samples_like_llama_cpp(smollm2_run, llama_cpp):
     # (its logits against transformers' reading: test_gguf_import_logits_match_transformers's
     # check; on this file it takes a minute, too long for CI)
-    assert convert_main(["from-gguf", "--gguf", SMOLLM2, "--out", tmp_path / "run"]) == 0
-    model, _, tokenizer = load_run(tmp_path / "run", "cpu", torch.float32)
+    model, _, tokenizer = load_run(smollm2_run, "cpu", torch.float32)
     assert (model.args.n_layers, model.args.n_kv_heads, model.args.rope_theta) == (30, 3, 1e5)
     assert model.args.tie_embeddings and model.args.max_seq_len == 8192
-    for text in [*TEXTS, CHAT]:
-        assert tokenizer.encode(text) == llama_cpp_ids(llama_cpp, Path(SMOLLM2), text, True), text
+    theirs = llama_cpp_ids(llama_cpp, Path(SMOLLM2), [*TEXTS, CHAT], special=True)
+    assert [tokenizer.encode(text) for text in [*TEXTS, CHAT]] == theirs
     prompt = encode_prompt(tokenizer, "The capital of France is")
     ours = generate(model, [prompt], Sampling(6, temperature=0))[0]
     assert "Paris" in tokenizer.decode(ours)
+
+
+@needs_smollm2
+def test_smollm2_from_hf_and_from_gguf_sample_like_transformers(smollm2_hf, smollm2_run, tmp_path):
+    """from-hf of the folder transformers wrote, and from-gguf of the file, continue HAMLET greedily
+    as transformers does on that folder (fp32)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    assert convert_main(["from-hf", "--hf-dir", smollm2_hf, "--out", tmp_path / "run"]) == 0
+    prompt = AutoTokenizer.from_pretrained(smollm2_hf)(HAMLET).input_ids
+    theirs = transformers_greedy(LlamaForCausalLM.from_pretrained(smollm2_hf).eval(), prompt, 24)
+    for run in (tmp_path / "run", smollm2_run):
+        model, _, tokenizer = load_run(run, "cpu", torch.float32)
+        assert encode_prompt(tokenizer, HAMLET) == prompt
+        assert generate(model, [prompt], Sampling(24, temperature=0))[0] == theirs, run
+    assert tokenizer.decode(theirs).startswith("\n\nThe answer to the question")
+
+
+@needs_smollm2
+def test_smollm2_exports_back_to_transformers_and_llama_cpp(smollm2_run, tmp_path, llama_cpp):
+    pytest.importorskip("transformers")
+    exports_back_alike(smollm2_run, tmp_path, llama_cpp, HAMLET, 16)
 
 
 IMPORT_AND_SAMPLE = """
@@ -410,7 +525,7 @@ print("peak_kb", next(line.split()[1] for line in status.splitlines() if line.st
 """
 
 
-@pytest.mark.skipif(not SMOLLM2, reason="set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file")
+@needs_smollm2
 def test_smollm2_import_and_sampling_stay_under_1_5_gb(tmp_path):
     """One process imports the file (dequantized one tensor at a time) and samples from it: no
     second full copy of the weights at any point."""

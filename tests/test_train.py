@@ -23,10 +23,10 @@ from data.loader import RandomBatches
 from data.prepare import prepare, train_tokenizer
 from data.tokenizer import tokenizer_sha256
 from model import ModelArgs, Transformer
-from picollama import budget, checkpoint, device, metrics, optim
+from picollama import budget, checkpoint, cli, device, metrics, optim
 from picollama.checkpoint import checkpoints, load_model, non_finite, save_model
 from picollama.cli import UserError, run_command
-from picollama.config import build_config, check_config, parse_cli
+from picollama.config import CONTEXT_KEYS, build_config, check_config, parse_cli
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {
@@ -65,6 +65,15 @@ def dataset(tmp_path_factory) -> Path:
         (root / "corpus").mkdir(exist_ok=True)
         (root / "corpus" / f"play{i}.txt").write_text(".\n\n".join(speeches) + ".\n")
     return prepare(str(root / "corpus"), 300, out_dir=root / "prepared")
+
+
+@pytest.fixture
+def single_thread():
+    """One torch thread for this test only: tiny in-process runs stall on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def config_file(directory: Path, dataset: Path, **sections) -> Path:
@@ -796,27 +805,29 @@ def test_random_positions_beyond_a_learned_table_or_without_positions_are_refuse
         check_config(cfg, 1)
 
 
-def test_init_from_extends_the_context_starting_from_the_source_weights(dataset, tmp_path, capsys):
-    config = config_file(
-        tmp_path, dataset, train={"max_steps": 8}, eval={"interval": 0}, checkpoint={"interval": 0}
-    )
+def test_init_from_extends_the_context_starting_from_the_source_weights(
+    dataset, single_thread, tmp_path, capsys
+):
+    settings = {"train": {"max_steps": 8}, "eval": {"interval": 0}, "checkpoint": {"interval": 0}}
+    config = config_file(tmp_path, dataset, **settings)
     assert run_in_process(config, tmp_path / "source") == 0
-    longer = [
-        "--train.seq_len=64",
-        "--model.max_seq_len=64",
-        "--model.rope_scaling=yarn",
-        "--model.rope_factor=2",
-    ]
+    longer = ["--train.seq_len=64", "--model.max_seq_len=64", "--model.rope_scaling=yarn"]
+    longer.append("--model.rope_factor=2")
     init = f"--train.init_from={tmp_path / 'source'}"
-    assert run_in_process(config, tmp_path / "long", init, *longer) == 0
+    # the model is the source's (from its config.json), not the config file's, which differs
+    (tmp_path / "tune").mkdir()
+    other = {"dim": 64, "n_layers": 1, "n_heads": 4}
+    tune = config_file(tmp_path / "tune", dataset, model=other, **settings)
+    assert run_in_process(tune, tmp_path / "long", init, *longer) == 0
     model, saved = load_model(tmp_path / "long")
+    assert (model.args.dim, model.args.n_layers, model.args.n_heads) == (32, 2, 2)
     assert model.args.original_seq_len == 32 and saved["model"]["rope_original_max_seq_len"] == 32
     assert saved["train"]["seq_len"] == 64 and saved["train"]["init_from"] == str(
         tmp_path / "source"
     )
     source, _ = load_model(tmp_path / "source")
     source.args = dataclasses.replace(
-        source.args, **{key: saved["model"][key] for key in train.CONTEXT_KEYS}
+        source.args, **{key: saved["model"][key] for key in CONTEXT_KEYS}
     )
     x, y = RandomBatches(dataset, "train", 8, 64, seed=saved["train"]["seed"]).next_batch()
     curve = losses(tmp_path / "long")
@@ -826,7 +837,7 @@ def test_init_from_extends_the_context_starting_from_the_source_weights(dataset,
     assert curve[1] < losses(tmp_path / "source")[1] - 0.5 and curve[8] < curve[1]
     # --resume continues the run's own checkpoint; the source is only checked again
     assert (
-        run_in_process(config, tmp_path / "long", init, *longer, "--resume", "--train.max_steps=10")
+        run_in_process(tune, tmp_path / "long", init, *longer, "--resume", "--train.max_steps=10")
         == 0
     )
     assert "resuming at step 8" in capsys.readouterr().out and sorted(
@@ -846,6 +857,103 @@ def test_init_from_extends_the_context_starting_from_the_source_weights(dataset,
         stderr = capsys.readouterr().err
         assert stderr.startswith("error: ") and message in stderr and stderr.count("\n") == 1, (
             stderr
+        )
+
+
+def test_init_from_takes_the_model_of_the_run_and_refuses_a_conflicting_key_given(tmp_path):
+    """Keys given with train.init_from (on the command line; in the file too where the file names
+    it) may change the context only; the file's other [model] keys give way to the run's."""
+    source = ModelArgs(dim=48, n_layers=3, n_heads=3, vocab_size=300, max_seq_len=32)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"model": source.to_dict()}))
+    init = ("train.init_from", str(tmp_path / "run"))
+    file = {"model": {"dim": 64, "n_layers": 1, "n_heads": 2}}
+    assert build_config(file, [init]).model == source
+    longer = build_config(file, [init, ("model.max_seq_len", "64"), ("model.n_layers", "3")])
+    assert longer.model == dataclasses.replace(source, max_seq_len=64)
+    for raw, overrides, message in [
+        (file, [init, ("model.dim", "64")], "has model.dim = 48, this run 64; only model.max_"),
+        ({**file, "train": {"init_from": init[1]}}, [], "has model.dim = 48, this run 64"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            build_config(raw, overrides)
+    # a run not trained yet (a study plans its fine-tune first): the model as given
+    later = ("train.init_from", str(tmp_path / "later"))
+    assert build_config(file, [later]).model == build_config(file, []).model
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"model": {"dim": 48}}))
+    with pytest.raises(UserError, match=r"run/config.json is corrupt: model.n_layers is missing"):
+        build_config(file, [init])
+
+
+def test_a_missing_data_dir_is_prepared_only_where_python_train_py_prepares_it(
+    tmp_path, monkeypatch
+):
+    """data/shakespeare (from here or in the repository), or a folder given a data.source, is
+    prepared when missing; a mistyped or empty folder otherwise is refused before any work."""
+    monkeypatch.chdir(tmp_path)
+
+    def check(*overrides):
+        train.check_dataset(build_config({}, list(overrides)))
+
+    check()  # data/shakespeare, here
+    check(("data.dir", str(REPO / "data" / "shakespeare")))
+    check(("data.dir", "mine"), ("data.source", "my_texts/"))
+    check(("data.task", "retrieval"), ("data.dir", "none"))
+    (tmp_path / "empty").mkdir()
+    for folder, problem in [
+        ("data/shakspeare", "it does not exist"),
+        ("empty", "it is empty"),
+        ("data", "it does not exist"),
+    ]:
+        with pytest.raises(
+            UserError, match=rf"data.dir {folder} is not a prepared dataset \({problem}"
+        ):
+            check(("data.dir", folder))
+    (tmp_path / "data" / "shakespeare").mkdir(parents=True)
+    (tmp_path / "data" / "shakespeare" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"\(no meta.json; it holds notes.txt\)"):
+        check()
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_no_shipped_config_is_too_big_for_the_machine_it_is_for(path, monkeypatch):
+    """The memory check's lower bound passes every config on its machine: a 16 GiB laptop, or an
+    80 GB H100 (one, or eight for llama-1b)."""
+    cfg, _ = parse_cli(["--config", str(path)])
+    gpu = cfg.model.dim >= 768
+    monkeypatch.setattr(train, "memory_bytes", lambda device: 80e9 if gpu else 16 * 2**30)
+    train.check_memory(cfg, 8 if "llama-1b" in path.name else 1)
+
+
+def test_a_batch_past_memory_is_refused_naming_what_fits(monkeypatch):
+    """The lower bound, by hand: 12 bytes a parameter, and per token the fp32 logits and their
+    gradient and each block's input (float32 here); memory for exactly 10 sequences of 32."""
+    cfg = build_config({name: TINY[name] for name in ("model", "train", "eval")}, [])
+    with torch.device("meta"):
+        params = Transformer(cfg.model).num_params()
+    per_token = 8 * 300 + 2 * 32 * 4
+    monkeypatch.setattr(train, "memory_bytes", lambda device: 12 * params + 10 * 32 * per_token)
+
+    def check(world_size=1, **train_):
+        train.check_memory(
+            dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train_)), world_size
+        )
+
+    check(batch_size=10)
+    check(batch_size=20, grad_accum=2)
+    check(2, batch_size=20)  # each rank holds half the weights too
+    message = (
+        "train.batch_size 11 cannot fit in memory: 11 sequences of 32 tokens at once need at least "
+        "0.9 MiB for their logits and activations, beside 0.5 MiB for the weights and optimizer "
+        "state, and cpu memory is 1.3 MiB: at most 10 fit; lower train.batch_size or raise "
+        "train.grad_accum"
+    )
+    with pytest.raises(UserError) as refused:
+        check(batch_size=11)
+    assert str(refused.value) == message
+    with pytest.raises(UserError, match="eval.batch_size 12 cannot fit in memory: .* at most 11 "):
+        train.check_memory(
+            dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, batch_size=12)), 1
         )
 
 
@@ -1098,6 +1206,108 @@ def test_a_signal_ends_training_with_one_line_naming_where_resume_continues(
         == f"error: interrupted; --resume continues from step {int(latest.name[5:])} ({latest})"
     )
     assert not list((tmp_path / "run" / "train_state").glob(".*.tmp"))
+
+
+class InterruptingStream:
+    """A stream that, before its second write, sends this process the signals in `pending`, as a
+    Ctrl-C would: they arrive inside torch.save (which DCP writes with), whose C++ writer turns a
+    KeyboardInterrupt there into a RuntimeError ("unexpected pos") from the first write on."""
+
+    def __init__(self, stream, pending: list):
+        self.stream, self.pending, self.writes = stream, pending, 0
+
+    def write(self, data):
+        self.writes += 1
+        while self.pending and self.writes > 1:
+            signal.raise_signal(self.pending.pop())
+        return self.stream.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def assert_saved_consistently(run_dir: Path, step: int, err: str):
+    """The run ended in one line naming checkpoint `step`, its latest; no temporary is left, and the
+    model export holds that checkpoint's weights."""
+    latest = checkpoints(run_dir)[-1]
+    assert latest.name == f"step_{step:06d}", latest
+    assert err == f"error: interrupted; --resume continues from step {step} ({latest})\n", err
+    assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name or ".old" in p.name]
+    model, _ = load_model(run_dir)
+    weights = checkpoint_weights(latest, model.state_dict())
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("signals", [1, 2], ids=["one-signal", "two-signals"])
+def test_a_signal_during_a_save_waits_for_it_and_a_second_one_stops_it(
+    dataset, single_thread, tmp_path, monkeypatch, capsys, signals
+):
+    """A Ctrl-C inside torch.save became torch's "unexpected pos" error, which read as a full disk
+    (the SIGINT test above flaked so, once in four runs). Now one signal waits for the save to end
+    (the run stops at the checkpoint just written); a second one stops the save at once, leaving
+    nothing of it. Either way: one line, exit 130, no temporary, export and checkpoint alike."""
+    config = config_file(tmp_path, dataset, train={"max_steps": 6}, checkpoint={"interval": 2})
+    pending, save, write = [], torch.save, checkpoint.write_train_state
+
+    def interrupted_save(obj, f, *args, **kwargs):
+        return save(obj, InterruptingStream(f, pending), *args, **kwargs)
+
+    def write_train_state(tmp, step, *args):
+        pending.extend([signal.SIGINT] * signals * (step == 4))  # in the second save
+        return write(tmp, step, *args)
+
+    monkeypatch.setattr(torch, "save", interrupted_save)
+    monkeypatch.setattr(checkpoint, "write_train_state", write_train_state)
+    assert run_in_process(config, tmp_path / "run") == 128 + signal.SIGINT
+    assert_saved_consistently(tmp_path / "run", 4 if signals == 1 else 2, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("where", ["barrier", "write_train_state", "model_from_state_dict"])
+def test_an_interrupt_anywhere_in_a_save_leaves_no_temporary(
+    dataset, single_thread, tmp_path, monkeypatch, capsys, where
+):
+    """A KeyboardInterrupt raised in the second save: after its temporary directory is made (where
+    a gap before the cleanup's try once left it), while writing, and while exporting the model."""
+    config = config_file(tmp_path, dataset, train={"max_steps": 6}, checkpoint={"interval": 2})
+    owner = device.Dist if where == "barrier" else checkpoint
+    original = getattr(owner, where)
+
+    def interrupted(*args, **kwargs):
+        if (tmp_path / "run" / "train_state" / ".step_000004.tmp").is_dir():
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, where, interrupted)
+    assert run_in_process(config, tmp_path / "run") == 128 + signal.SIGINT
+    assert_saved_consistently(tmp_path / "run", 2, capsys.readouterr().err)
+
+
+def test_a_signal_while_the_model_files_are_renamed_waits_for_the_last_rename(
+    tmp_path, monkeypatch
+):
+    """config.json, then model.safetensors: a Ctrl-C between the renames once left the new
+    config.json beside the old weights; now it arrives after both."""
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=300, max_seq_len=32)
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(Transformer(args))
+    save_model(models[0], tmp_path / "run", {"train": {"seed": 0}})
+    renames, rename = [], cli.replace
+
+    def interrupted(src, dst):
+        renames.append(dst.name)
+        if len(renames) == 2:  # after config.json, before model.safetensors
+            signal.raise_signal(signal.SIGINT)
+        rename(src, dst)
+
+    monkeypatch.setattr(cli, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_model(models[1], tmp_path / "run", {"train": {"seed": 1}})
+    assert renames == ["config.json", "model.safetensors"]
+    model, config = load_model(tmp_path / "run")
+    assert config["train"]["seed"] == 1
+    assert all(torch.equal(v, models[1].state_dict()[k]) for k, v in model.state_dict().items())
 
 
 @pytest.fixture

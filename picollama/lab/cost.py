@@ -100,8 +100,9 @@ def synchronize(device: torch.device):
 
 def measured_rate(model: Transformer, longest: int, device) -> float:
     """The FLOP/s of `model` on `device`: the faster of two timed forwards (the first also warms
-    up) of about CALIBRATION_FLOPS (at least CALIBRATION_TOKENS tokens), in rows as long as `longest` where one such row costs less (the
-    attention's share of the FLOPs, and its speed, grow with the length)."""
+    up) of about CALIBRATION_FLOPS and at least CALIBRATION_TOKENS tokens, in rows as long as
+    `longest` where one such row costs less (attention's share of the FLOPs, and its speed, grow
+    with the length)."""
     per_token = flops_per_token(model, longest) / 3
     length = min(longest, max(CALIBRATION_TOKENS, int(CALIBRATION_FLOPS / per_token)))
     rows = block_rows(length, max(1, int(CALIBRATION_FLOPS / (per_token * length))))
