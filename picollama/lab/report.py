@@ -260,8 +260,8 @@ def plain_log_ticks(axis):
 
 def text_panels(axes, run: dict, report: dict, title: str):
     """One text run's panels: perplexity by length, loss by position in the longest windows and
-    copy probe by distance, a line per method, the training context dashed."""
-    ppl_ax, pos_ax, probe_ax = axes
+    (when it was run) copy probe by distance, a line per method, the training context dashed."""
+    ppl_ax, pos_ax, probe_ax = (*axes, None)[:3]
     lengths, span = report["lengths"], report["probe"]["span"]
     edges = np.asarray(report["per_position_edges"])
     centers = np.sqrt((edges[:-1] + 1) * edges[1:])  # index i predicts the token at position i+1
@@ -277,14 +277,16 @@ def text_panels(axes, run: dict, report: dict, title: str):
         if reads:
             probe_ax.plot(*zip(*reads), **style)
     context = run["train_context"]
-    for ax, at in ((ppl_ax, context), (pos_ax, context), (probe_ax, context - span)):
+    marks = [(ppl_ax, context), (pos_ax, context), (probe_ax, context - span)]
+    for ax, at in marks[: len(axes)]:
         ax.axvline(at, color="black", linestyle="--", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
     ppl_ax.set(yscale="log", ylabel="perplexity", title=f"{title}perplexity ({report['protocol']})")
     pos_ax.set(ylabel="loss (nats)", title=f"{title}loss by position, {max(lengths)} tokens")
-    probe_title = f"{title}copy probe, {span} tokens"
-    probe_ax.set(ylabel="top-1 on the repeat", ylim=(-0.02, 1.02), title=probe_title)
+    if probe_ax is not None:
+        probe_title = f"{title}copy probe, {span} tokens"
+        probe_ax.set(ylabel="top-1 on the repeat", ylim=(-0.02, 1.02), title=probe_title)
     plain_log_ticks(ppl_ax.yaxis)
 
 
@@ -292,13 +294,17 @@ def plot_report(report: dict, path: Path):
     """Small multiples: a row of panels per run (perplexity by length, loss by position, copy
     probe by distance), a line per method, the training context dashed."""
     runs = report["runs"]
-    fig, grid = pyplot().subplots(len(runs), 3, figsize=(14, 3.4 * len(runs) + 0.8), squeeze=False)
+    panels = 3 if report["probe"]["distances"] else 2  # no probe panel with --probes 0
+    size = (14 * panels / 3, 3.4 * len(runs) + 0.8)
+    fig, grid = pyplot().subplots(len(runs), panels, figsize=size, squeeze=False)
     for axes, run in zip(grid, runs):
         text_panels(axes, run, report, f"{run_title(run)}: " if len(runs) > 1 else "")
     labels = ("context length (tokens)", "position in the window", "distance to the repeat")
     for ax, label in zip(grid[-1], labels):
         ax.set_xlabel(label)
-    note = "dashed: the training context (for the probe, the farthest repeat in it)"
+    note = "dashed: the training context"
+    if panels == 3:
+        note += " (for the probe, the farthest repeat in it)"
     save_figure(fig, list(grid.flat), path, note)
 
 
