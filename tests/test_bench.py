@@ -3,6 +3,7 @@ committed results; bad input is one error line."""
 
 import importlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -150,3 +151,38 @@ def test_switches_trains_each_switch_for_the_budget(make_tiny_run, tmp_path):
     ).num_params()
     # the config's LLaMA and one q and one k norm of head size 16
     assert run["params"] == llama + 2 * 16
+
+
+def test_quantize_scores_a_run_on_its_own_tokenizer_s_data(
+    make_tiny_run, tmp_path, bench_main, capsys
+):
+    """An imported model records no dataset: quantize asks for --data rather than reading
+    data/shakespeare, and refuses a dataset made by another tokenizer."""
+    run_dir, data_dir = make_tiny_run(2)
+    imported = tmp_path / "imported"
+    shutil.copytree(run_dir, imported)
+    config = json.loads((imported / "config.json").read_text())
+    (imported / "config.json").write_text(
+        json.dumps({k: v for k, v in config.items() if k != "data"})
+    )
+    other = tmp_path / "other"
+    shutil.copytree(data_dir, other)
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps(meta | {"tokenizer_sha256": "0" * 64}))
+    out = str(tmp_path / "out.json")
+    for args, message in [
+        ([], "records no dataset (an imported model): pass --data DIR"),
+        (["--data", str(other)], "was tokenized with another tokenizer"),
+    ]:
+        assert (
+            run_command(bench_main("quantize"), ["--run", str(imported), *args, "--out", out]) == 2
+        )
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert (
+        run_command(
+            bench_main("quantize"), ["--run", str(imported), "--data", str(data_dir), "--out", out]
+        )
+        == 0
+    )
+    assert json.loads(Path(out).read_text())["results"].keys() == {"fp32", "bf16", "int8"}

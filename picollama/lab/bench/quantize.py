@@ -12,8 +12,10 @@ from data.loader import eval_batches, load_meta
 from model import Transformer
 from picollama.checkpoint import load_model
 from picollama.cli import UserError, add_run, positive, run_command
+from picollama.convert import imported_run
 from picollama.inference import int8_dtype, quantize
 from picollama.lab.bench import common
+from picollama.lab.text_track import check_same_tokenizer
 
 PRECISIONS = {
     "fp32": (torch.float32, "none"),
@@ -42,6 +44,7 @@ def parse_args(argv: list[str]):
     p.add_argument(
         "--batch-size", type=positive(), default=16, help="windows per forward (default 16)"
     )
+    p.add_argument("--data", type=Path, help="prepared dataset (default: the run's data.dir)")
     return common.parse(p, argv)
 
 
@@ -59,9 +62,16 @@ def evaluation_data(cli, device) -> tuple:
         return original, [(tokens[:, :-1], tokens[:, 1:])], None, seq_len, "random tokens"
     if cli.run is None:
         raise UserError("--run RUN_DIR is required (a trained run)")
-    original, config = load_model(cli.run, device)
-    data_dir = Path(config.get("data", {}).get("dir", "data/shakespeare"))
-    data_dir = data_dir if data_dir.is_absolute() else common.REPO_ROOT / data_dir
+    run = imported_run(cli.run)  # a .gguf file or a Hugging Face directory, imported once
+    original, config = load_model(run, device)
+    data_dir = cli.data or config.get("data", {}).get("dir")
+    if data_dir is None:
+        raise UserError(
+            f"{cli.run} records no dataset (an imported model): pass --data DIR, one prepared "
+            f"with its tokenizer (python data/prepare.py --tokenizer {cli.run} --out DIR)"
+        )
+    data_dir = Path(data_dir) if Path(data_dir).is_absolute() else common.REPO_ROOT / data_dir
+    check_same_tokenizer(run, data_dir)
     bytes_per_token = load_meta(data_dir)["bytes_per_token"]
     seq_len = cli.seq_len or config.get("train", {}).get("seq_len") or original.args.max_seq_len
     batches = list(eval_batches(data_dir, "val", cli.batch_size, seq_len, device=device))
