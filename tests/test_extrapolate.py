@@ -20,7 +20,7 @@ from data.loader import load_meta
 from model import POSITIONS, ROPE_SCALINGS, ModelArgs, Transformer
 from picollama.checkpoint import load_run
 from picollama.cli import ArgumentParser, UserError, run_command
-from picollama.lab import extrapolate, runs, text_track
+from picollama.lab import extrapolate, passkey, runs, text_track
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SPAN = 8  # the probe span in these tests: a quarter of the tiny runs' context
@@ -457,3 +457,46 @@ def test_methods_that_compute_the_same_forward_share_one_key():
         assert key(args.stretched(method, 256), 256) != key(args.stretched("none", 256), 256)
     assert key(args.stretched("linear", 256), 256) != key(args.stretched("ntk", 256), 256)
     assert key(args.stretched("none", 64), 64) != plain  # another length
+
+
+def test_passkey_rows_hide_the_key_and_score_it_as_a_full_forward_does(tiny_run):
+    """A passkey row is real text with the needle at its depth and the question at its end; the
+    scores made through the KV cache equal a plain forward's log-likelihood of each candidate."""
+    run_dir, data_dir = tiny_run
+    model, _, tokenizer = load_run(run_dir, torch.device("cpu"), torch.float32)
+    filler = np.arange(1000, dtype=np.int64) % 50 + 10
+    rng = np.random.default_rng(0)
+    assert passkey.passkey_row(tokenizer, filler, 64, 0.5, rng) is None  # no room for the needle
+    row, candidates = passkey.passkey_row(tokenizer, filler, 160, 0.5, rng)
+    assert len(row) + max(map(len, candidates)) <= 160 and len(candidates) == 10
+    question = tokenizer.encode(passkey.QUESTION)
+    assert row[-len(question) :].tolist() == question
+    true_key = tokenizer.decode(candidates[0]).strip()
+    assert f"The pass key is {true_key}." in tokenizer.decode(row.tolist())
+    assert len({tuple(c) for c in candidates}) == 10  # ten different keys
+    model.args = model.args.stretched("yarn", 160)  # past the tiny run's 32 tokens, scaled
+    scores = passkey.candidate_scores(model, torch.from_numpy(row)[None], candidates[:3])
+    for score, tokens in zip(scores, candidates):
+        full = torch.tensor([[*row.tolist(), *tokens]])
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(model(full[:, :-1]).float(), -1)[0]
+        expected = sum(logprobs[len(row) - 1 + i, t].item() for i, t in enumerate(tokens))
+        assert score == pytest.approx(expected, abs=1e-4)
+
+
+def test_passkeys_are_scored_for_every_method_and_length(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    argv = ["extrapolate", "--run", str(run_dir), "--probes", "0", "--passkeys", "2"]
+    argv += ["--num-windows", "1", "--methods", "none,yarn", "--lengths", "128,256"]
+    assert generate.main([*argv, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "extrapolation.json").read_text())
+    [run] = report["runs"]
+    for method in ("none", "yarn"):
+        assert run["passkey"][method]["32"] is None  # too short for the needle and question
+        for n in ("128", "256"):
+            cell = run["passkey"][method][n]
+            assert 0 <= cell["accuracy"] <= 1 and set(cell["by_depth"]) == {"0.1", "0.5", "0.9"}
+            assert all(c["n"] == 2 for c in cell["by_depth"].values())
+        effective = run["passkey_effective"][method]
+        assert effective is None or effective in (128, 256)
+    assert "Passkey: a random five-digit key" in (tmp_path / "extrapolation.md").read_text()

@@ -55,12 +55,13 @@ def add_arguments(parser: cli.ArgumentParser):
     for flag, what in (
         ("num_windows", "validation windows"),
         ("probes", "copy-probe spans per distance, 0 for no probe"),
+        ("passkeys", "passkey rows per length and depth, 0 for none"),
         ("retrieval_rows", "retrieval-task runs: evaluation rows per length and per distance"),
         ("max_minutes", "refuse an evaluation estimated to take longer, in minutes"),
     ):
         default = getattr(Options, flag)
         option = "--" + flag.replace("_", "-")
-        kind = positive(zero=flag == "probes")
+        kind = positive(zero=flag in ("probes", "passkeys"))
         parser.add_argument(option, type=kind, default=default, help=f"{what} (default {default})")
     parser.add_argument(
         "--probe-span",

@@ -113,6 +113,43 @@ def probe_section(report: dict, distances: list, span: int, inside: list) -> lis
     ]
 
 
+def passkey_cell(cell: dict | None) -> str:
+    """Passkey accuracy over every depth, then by depth, and the true key's mean margin."""
+    if cell is None:
+        return "n/a"
+    depths = "/".join(f"{c['accuracy']:.0%}" for c in cell["by_depth"].values())
+    return f"{cell['accuracy']:.0%} ({depths}; {cell['margin']:+.1f})"
+
+
+def passkey_section(report: dict) -> list[str]:
+    """The passkey paragraph and table: nothing when it was not run (--passkeys 0)."""
+    passkey = report.get("passkey")
+    if not passkey:
+        return []
+    lengths = report["lengths"]
+    first, keys, label = run_rows(report["runs"])
+    effective = [str(run["passkey_effective"][m] or "none") for run, m in keys]
+    rows = [
+        label(run, m) + [passkey_cell(run["passkey"][m][str(n)]) for n in lengths]
+        for run, m in keys
+    ]
+    depths = "/".join(f"{d:.0%}" for d in passkey["depths"])
+    return [
+        f"Passkey: a random five-digit key in real validation text at depths {depths} of it, "
+        f"{passkey['count']} rows per length and depth; accuracy is how often the true key's "
+        f"log-likelihood after the question beats all {passkey['distractors']} distractor keys' "
+        f"(chance {1 / (passkey['distractors'] + 1):.0%}): over every depth (by depth; the true "
+        f"key's mean margin in nats over the best distractor). Effective passkey length: the "
+        f"longest length up to which accuracy stays >= {passkey['threshold']:.0%}.",
+        "",
+        *table(
+            first + [str(n) for n in lengths] + ["effective"],
+            [r + [e] for r, e in zip(rows, effective)],
+        ),
+        "",
+    ]
+
+
 def markdown_report(report: dict) -> str:
     runs, lengths, probe = report["runs"], report["lengths"], report["probe"]
     contexts = sorted({run["train_context"] for run in runs})
@@ -133,6 +170,7 @@ def markdown_report(report: dict) -> str:
         *run_table(report, [f"{n}" for n in lengths], "perplexity", lengths, perplexity_cell),
         "",
         *probe_section(report, distances, span, inside),
+        *passkey_section(report),
         "Effective context: the longest tested length up to which perplexity stays within 5% of "
         "its training-length value and the probe (its farthest repeat that fits) within 10 points "
         "of its in-context accuracy:",

@@ -24,6 +24,7 @@ class Options:
     num_windows: int = 8
     probes: int = 16
     probe_span: int = 16
+    passkeys: int = 0  # passkey rows per length and depth; 0: none
     data: str | None = None  # None: the first run's data.dir
     seed: int = 0
     retrieval_rows: int = 256

@@ -2,7 +2,7 @@
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +14,17 @@ from data.loader import copy_vocabulary, document_windows, load_meta
 from data.tokenizer import same_tokenizer, tokenizer_file
 from model import ModelArgs, Transformer, rope_frequencies
 from picollama import REPO_ROOT
+from picollama.checkpoint import read_tokenizer
 from picollama.cli import UserError, check_writable
 from picollama.lab.cost import HEAD_CHUNK, Forwards, block_rows, check_cost
+from picollama.lab.passkey import (
+    DEPTHS,
+    DISTRACTORS,
+    THRESHOLD,
+    effective_length,
+    passkey_read,
+    passkey_rows,
+)
 from picollama.lab.report import BINS_PER_OCTAVE, MIN_BIN
 from picollama.lab.runs import Options, fits, spread
 
@@ -162,6 +171,7 @@ class TextRows:
     protocol: str
     score_tokens: int
     edges: np.ndarray
+    passkeys: dict = field(default_factory=dict)  # passkey.passkey_rows; empty: not scored
 
 
 def forward_key(args: ModelArgs, length: int) -> tuple:
@@ -238,6 +248,31 @@ def probe_reads(model, method: str, rows: TextRows, device, bar, memo: dict) -> 
     return per_distance
 
 
+def passkey_reads(model, method: str, rows: TextRows, device, bar, memo: dict) -> dict:
+    """Passkey accuracy and margin at each length under `method`, over every depth and by depth
+    (None where the model cannot reach the length); `memo` as in length_losses."""
+    per_length = {}
+    for length in rows.lengths:
+        per_length[str(length)] = None
+        keyed = [(depth, keys) for (n, depth), keys in rows.passkeys.items() if n == length]
+        if keyed and fits(model, length):
+            model.args = model.args.stretched(method, length)
+            by_depth = {}
+            for depth, keys in keyed:
+                key = ("passkey", depth, forward_key(model.args, length))
+                if key not in memo:
+                    memo[key] = passkey_read(model, keys, device)
+                by_depth[str(depth)] = memo[key]
+            cells = list(by_depth.values())
+            per_length[str(length)] = {
+                "accuracy": float(np.mean([c["accuracy"] for c in cells])),
+                "margin": float(np.mean([c["margin"] for c in cells])),
+                "by_depth": by_depth,
+            }
+        bar.update(sum(len(keys) for _, keys in keyed))
+    return per_length
+
+
 def evaluate_run(model, run: dict, rows: TextRows, device, bar) -> dict:
     """The perplexity, probe, loss-by-position and effective-context numbers of one run, for each
     of its methods. Lengths a learned-position model cannot reach are None ("n/a")."""
@@ -250,6 +285,10 @@ def evaluate_run(model, run: dict, rows: TextRows, device, bar) -> dict:
         for row in filter(None, per_length.values()):
             row["ratio"] = row["perplexity"] / reference
         per_distance = probe_reads(model, method, rows, device, bar, memo)
+        if rows.passkeys:
+            passkeys = passkey_reads(model, method, rows, device, bar, memo)
+            result.setdefault("passkey", {})[method] = passkeys
+            result.setdefault("passkey_effective", {})[method] = effective_length(passkeys)
         result["perplexity"][method] = per_length
         result["probe"][method] = per_distance
         if per_position:
@@ -301,6 +340,7 @@ def text_work(model, run: dict, lengths: list, distances: list, options: Options
             slides += math.ceil((longest - length) / max(length // 2, 1))
         reads.append((length, options.num_windows, slides))
     reads += [(d + options.probe_span, options.probes, 1) for d in distances]
+    reads += [(n, options.passkeys * len(DEPTHS), 1) for n in lengths if options.passkeys]
     work = []
     for length, rows, slides in reads:
         if fits(model, length):
@@ -341,6 +381,10 @@ def text_rows(loaded: list, options: Options, out_dir: Path, device) -> tuple[Te
     spans = probe_spans(load_meta(data_dir), options.probes, options.probe_span, seed)
     protocol, edges = options.protocol, position_bins(longest)
     rows = TextRows(text, probe_text, spans, lengths, distances, protocol, score_tokens, edges)
+    if options.passkeys:  # real text around the keys, the first run's tokenizer (they share it)
+        filler = document_windows(data_dir, "val", longest, options.passkeys, seed=seed + 2)
+        tokenizer = read_tokenizer(tokenizer_file(Path(runs[0]["name"])))
+        rows.passkeys = passkey_rows(tokenizer, filler, lengths, seed)
     return rows, data_dir
 
 
@@ -350,6 +394,7 @@ def text_study(loaded: list, options: Options, command: list[str], device, out_d
     rows, data_dir = text_rows(loaded, options, out_dir, device)
     start = time.perf_counter()
     reads = len(rows.lengths) * len(rows.text) + len(rows.distances) * len(rows.spans)
+    reads += sum(map(len, rows.passkeys.values()))
     work = sum(len(run["methods"]) * reads for _, run in loaded)
     with torch.inference_mode(), tqdm(total=work, desc="extrapolation", unit="sequence") as bar:
         for model, run in loaded:
@@ -362,6 +407,13 @@ def text_study(loaded: list, options: Options, command: list[str], device, out_d
         "num_windows": options.num_windows,
         "score_tokens": rows.score_tokens,
         "probe": {"span": options.probe_span, "count": options.probes, "distances": rows.distances},
+        "passkey": rows.passkeys
+        and {
+            "count": options.passkeys,
+            "depths": DEPTHS,
+            "distractors": DISTRACTORS,
+            "threshold": THRESHOLD,
+        },
         "per_position_edges": rows.edges.tolist(),
         "per_position_tokens": (np.diff(rows.edges) * options.num_windows).tolist(),
         "seed": options.seed,
