@@ -456,6 +456,9 @@ def test_methods_that_compute_the_same_forward_share_one_key():
     for method in ("linear", "ntk", "dynamic", "yarn", "llama3"):
         assert key(args.stretched(method, 256), 256) != key(args.stretched("none", 256), 256)
     assert key(args.stretched("linear", 256), 256) != key(args.stretched("ntk", 256), 256)
+    # static NTK at factor 2 has dynamic's frequencies at 256 tokens, but dynamic's forward covers
+    # 255 (the scored tokens): never shared
+    assert key(args.stretched("dynamic", 256), 256) != key(args.stretched("ntk", 256), 256)
     assert key(args.stretched("none", 64), 64) != plain  # another length
 
 

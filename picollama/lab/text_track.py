@@ -182,6 +182,10 @@ def forward_key(args: ModelArgs, length: int) -> tuple:
     if args.position == "rope":
         inv_freq, scale = rope_frequencies(args, length)
         frequencies = (inv_freq.numpy().tobytes(), scale)
+        if args.length_dependent and length > args.original_seq_len:
+            # dynamic NTK follows each forward's own end (length - 1 tokens scored, fewer in a
+            # probe), not `length`: its frequencies here say nothing, so it shares no forward
+            frequencies = ("dynamic", length)
     return length, repr(replace(args, rope_scaling="none", rope_factor=1.0)), frequencies
 
 
