@@ -46,7 +46,9 @@ def passkey_row(tokenizer, filler: np.ndarray, length: int, depth: float, rng) -
 @torch.inference_mode()
 def candidate_scores(model, prefix: torch.Tensor, candidates: list[list[int]]) -> list[float]:
     """The log-likelihood of each candidate continuation of prefix (1, P): the prefix runs once,
-    into the KV cache, its logits made at the last position only; then each candidate after it."""
+    into the KV cache, its logits made at the last position only; then each candidate after it
+    (under dynamic NTK, whose frequencies follow the length, a candidate's few tokens are rotated
+    for a sequence a few tokens longer than the cached keys were)."""
     start = prefix.shape[1]
     model.setup_cache(1, start + max(map(len, candidates)))
     try:
