@@ -26,6 +26,7 @@ from picollama.cli import (
     run_command,
     utf8_argument,
 )
+from picollama.config import length_problem, needs_scaling
 from picollama.device import check_compiler, memory_bytes, pick_device, pick_dtype
 from picollama.inference import (
     QUANTIZATIONS,
@@ -167,13 +168,13 @@ def decode_n_tokens(
 
 
 def check_length(args, total: int):
-    """ValueError when the model cannot run `total` tokens (ModelArgs.length_problem). ALiBi, NoPE
+    """ValueError when the model cannot run `total` tokens (config.length_problem). ALiBi, NoPE
     and sinusoidal positions run past their context (sinusoidal ones untrained there: a warning)."""
-    problem = args.length_problem(total)
+    problem = length_problem(args, total)
     if problem:
         hint = (
             f" or choose a RoPE scaling method (--rope-scaling {SCALING_METHODS})"
-            if args.needs_scaling(total)
+            if needs_scaling(args, total)
             else ""
         )
         raise ValueError(f"prompt + new tokens: {problem}; generate fewer tokens{hint}")

@@ -83,27 +83,9 @@ class ModelArgs:
     # ---- the length policy: how far this model runs, and what running past its context takes
 
     @property
-    def position_limit(self) -> int | None:
-        """The longest sequence the model computes at all: a learned table's; else None."""
-        return self.max_seq_len if self.position == "learned" else None
-
-    @property
     def length_dependent(self) -> bool:
         """Whether RoPE's frequencies follow the current length (dynamic): cached keys go stale."""
         return self.position == "rope" and self.rope_scaling == "dynamic"
-
-    def needs_scaling(self, length: int) -> bool:
-        """Whether `length` tokens run this RoPE model past its context, unscaled."""
-        return self.position == "rope" and self.rope_scaling == "none" and length > self.max_seq_len
-
-    def length_problem(self, length: int) -> str | None:
-        """Why the model cannot run `length` tokens as it is; None when it can."""
-        if self.position_limit is not None and length > self.position_limit:
-            table = f"the model's learned position table of {self.position_limit} positions"
-            return f"{length} tokens exceed {table}"
-        if self.needs_scaling(length):
-            return f"{length} tokens exceed the model's context of {self.max_seq_len} tokens"
-        return None
 
     def stretched(self, method: str, length: int, factor: float | None = None) -> "ModelArgs":
         """These args with RoPE scaling `method` for `length` tokens, stretching original_seq_len

@@ -45,7 +45,14 @@ from picollama.cli import (
     resolved,
     run_command,
 )
-from picollama.config import Config, DataConfig, check_config, check_init_model, parse_cli
+from picollama.config import (
+    Config,
+    DataConfig,
+    check_config,
+    check_init_model,
+    length_problem,
+    parse_cli,
+)
 from picollama.device import (
     Dist,
     check_compiler,
@@ -209,7 +216,7 @@ def check_sample_fits(cfg: Config, data_dir: Path):
         return
     tokenizer = open_tokenizer(tokenizer_file(data_dir) or data_dir / "tokenizer.model")
     prompt = 1 + len(tokenizer.encode(t.sample_prompt))  # BOS and the prompt, as generate.py does
-    problem = cfg.model.length_problem(prompt + t.sample_tokens)
+    problem = length_problem(cfg.model, prompt + t.sample_tokens)
     if problem:
         raise UserError(
             f"train.sample_tokens ({t.sample_tokens}) and the prompt ({prompt} tokens): {problem}; "

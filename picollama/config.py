@@ -299,6 +299,26 @@ def check_rope_keys(args: ModelArgs):
         )
 
 
+def position_limit(args: ModelArgs) -> int | None:
+    """The longest sequence a model computes at all: a learned table's; else None."""
+    return args.max_seq_len if args.position == "learned" else None
+
+
+def needs_scaling(args: ModelArgs, length: int) -> bool:
+    """Whether `length` tokens run a RoPE model past its context, unscaled."""
+    return args.position == "rope" and args.rope_scaling == "none" and length > args.max_seq_len
+
+
+def length_problem(args: ModelArgs, length: int) -> str | None:
+    """Why a model cannot run `length` tokens as it is; None when it can."""
+    limit = position_limit(args)
+    if limit is not None and length > limit:
+        return f"{length} tokens exceed the model's learned position table of {limit} positions"
+    if needs_scaling(args, length):
+        return f"{length} tokens exceed the model's context of {args.max_seq_len} tokens"
+    return None
+
+
 def saved_model_args(saved) -> ModelArgs:
     """ModelArgs from config.json's or meta.json's "model": model_args_from_dict, and a UserError
     naming a WRITTEN_KEYS key that is missing."""

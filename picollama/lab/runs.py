@@ -11,6 +11,7 @@ from data.tokenizer import tokenizer_file, tokenizer_sha256
 from model import ROPE_SCALINGS, ModelArgs, Transformer
 from picollama.checkpoint import load_model, load_run
 from picollama.cli import UserError
+from picollama.config import position_limit
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Options:
 
 def fits(model: Transformer, length: int) -> bool:
     """Whether the model can score `length` tokens at all (the model's length policy)."""
-    limit = model.args.position_limit
+    limit = position_limit(model.args)
     return limit is None or length <= limit
 
 
