@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from data.tokenizer import prompt_start
-from model import ROPE_SCALINGS, Transformer
+from model import ROPE_SCALINGS, Transformer, apply_rotary, rope_frequencies
 from picollama.checkpoint import load_run
 from picollama.cli import (
     ArgumentParser,
@@ -61,6 +61,37 @@ class Sampling:
         check_seed(self.seed)
 
 
+@dataclass(frozen=True)
+class Sinks:
+    """Bounded-memory sampling with attention sinks (StreamingLLM, Xiao et al. 2023): a KV cache of
+    `window` tokens (None: the model's context) keeping each row's first `sink_tokens` and the most
+    recent others. It bounds memory and keeps the text fluent past the context; it does not extend
+    the usable context: what leaves the cache is forgotten. Checked on creation (its messages name
+    the flags)."""
+
+    sink_tokens: int = 4
+    window: int | None = None  # the cache's size in tokens, sinks included
+
+    def __post_init__(self):
+        if self.sink_tokens < 0:
+            raise UserError(f"--sink-tokens must be >= 0, not {self.sink_tokens}")
+        if self.window is not None and self.window <= self.sink_tokens:
+            raise UserError(
+                f"--window must be larger than --sink-tokens ({self.sink_tokens}), leaving room "
+                f"for recent tokens; not {self.window}"
+            )
+
+    def window_of(self, args) -> int:
+        """The cache's size for a model of `args`: the window given, else its context."""
+        window = self.window or args.max_seq_len
+        if window <= self.sink_tokens:
+            raise UserError(
+                f"--sink-tokens {self.sink_tokens} fills the model's context of {window} tokens: "
+                "lower it, or give a larger --window"
+            )
+        return window
+
+
 def sample(
     logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator=None
 ):
@@ -92,10 +123,11 @@ def prefill(model: Transformer, tokens: torch.Tensor, pos: int) -> torch.Tensor:
     return model(tokens[:, :pos], start_pos=0)[:, -1]
 
 
-def decode_one_token(decode, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+def decode_one_token(decode, tokens: torch.Tensor, pos: int, slot: int | None = None):
     """Logits (B, vocab) predicting tokens[:, pos] from the one token before it (the KV cache holds
-    the others)."""
-    return decode(tokens[:, pos - 1 : pos], start_pos=pos - 1)[:, -1]
+    the others), that token at cache slot `slot` (default pos - 1)."""
+    slot = pos - 1 if slot is None else slot
+    return decode(tokens[:, pos - 1 : pos], start_pos=slot)[:, -1]
 
 
 def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decode=None):
@@ -123,6 +155,88 @@ def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decod
         yield pos, logits
 
 
+def check_sinks(args):
+    """UserError for a model whose cached keys and values cannot move to new positions."""
+    if args.position in ("sinusoidal", "learned"):
+        raise UserError(
+            f"--sink-tokens: {args.position} positions are added to the token embeddings, so "
+            "cached tokens cannot move to new positions (RoPE, ALiBi and NoPE models can)"
+        )
+    if args.position == "fox":
+        raise UserError(
+            "--sink-tokens: FoX caches each key's running sum of forget gates, which the sink "
+            "cache does not move (RoPE, ALiBi and NoPE models can)"
+        )
+    if args.length_dependent:
+        raise UserError(
+            "--sink-tokens: dynamic NTK turns every cached key as the sequence grows; choose "
+            "another --rope-scaling (the cache never holds more than --window tokens)"
+        )
+
+
+class SinkCache:
+    """The model's KV cache under Sinks, changed in place (a DecodeStep, compiled or not, reads the
+    same tensors). Slots 0..fill-1 hold tokens, the sequence's first sink_tokens in front; full, it
+    drops the `evict` oldest others and moves the rest down. Positions are the slots (StreamingLLM's
+    choice), so a RoPE key moved down `evict` slots is turned back by `evict` positions; ALiBi's
+    bias and NoPE read no stored position."""
+
+    def __init__(self, model: Transformer, sinks: Sinks):
+        check_sinks(model.args)
+        self.model, self.sinks = model, sinks.sink_tokens
+        self.window = sinks.window_of(model.args)
+        # a quarter of the recent part at a time: a move costs O(window) per layer, so it happens
+        # 4 times per window of new tokens, not at every token
+        self.evict = max(1, (self.window - self.sinks) // 4)
+        self.fill = 0
+        self.turn = None  # the rotation by -evict positions, for RoPE
+        if model.args.uses_rope:
+            inv_freq, _ = rope_frequencies(model.args, self.window)
+            angles = -self.evict * inv_freq.to(model.tok_embeddings.weight.device)
+            # unit length: the cached keys carry YaRN's attention scale already
+            self.turn = torch.polar(torch.ones_like(angles), angles)
+
+    def make_room(self):
+        """Where the cache is full, drop the `evict` tokens after the sinks and move the rest down
+        (keys turned back by as many positions: rotations compose)."""
+        if self.fill < self.window:
+            return
+        start, end = self.sinks + self.evict, self.fill
+        for layer in self.model.layers:
+            attention = layer.attention
+            cache = attention.cache
+            kept = cache.k[:, :, start:end]
+            rotated = self.turn is not None and attention.rotary  # not a nope_every layer
+            # copies: the slots read and written overlap
+            kept = apply_rotary(kept, self.turn) if rotated else kept.clone()
+            cache.k[:, :, self.sinks : end - self.evict] = kept
+            cache.v[:, :, self.sinks : end - self.evict] = cache.v[:, :, start:end].clone()
+        self.fill -= self.evict
+
+    def prefill(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        """prefill() into this cache: tokens[:, :pos] in chunks up to the cache's end, evicting
+        between them, which leaves what feeding them one at a time would."""
+        fed = 0
+        while fed < pos:
+            self.make_room()
+            chunk = min(pos - fed, self.window - self.fill)
+            logits = self.model(tokens[:, fed : fed + chunk], start_pos=self.fill)[:, -1]
+            self.fill += chunk
+            fed += chunk
+        return logits
+
+    def steps(self, tokens: torch.Tensor, first_pos: int, decode=None):
+        """decode_steps through this cache (set up by the caller, `window` long): each token goes
+        to the next free slot, at that slot's position."""
+        decode = self.model if decode is None else decode
+        yield first_pos, self.prefill(tokens, first_pos)
+        for pos in range(first_pos + 1, tokens.shape[1]):
+            self.make_room()
+            logits = decode_one_token(decode, tokens, pos, slot=self.fill)
+            self.fill += 1
+            yield pos, logits
+
+
 def hand_over(chosen, emit, finished, on_token) -> bool:
     """Call on_token(row, token) for the rows that emit; whether every row is finished.
 
@@ -138,10 +252,9 @@ def hand_over(chosen, emit, finished, on_token) -> bool:
     return bool(host[-1])
 
 
-def decode_n_tokens(
-    model, tokens, lengths, sampling: Sampling, eos_id, on_token, step, vocab_limit
-):
-    """Write each row's new tokens into `tokens` (B, prompt + new), the prompts already there."""
+def decode_n_tokens(steps, tokens, lengths, sampling: Sampling, eos_id, on_token, vocab_limit):
+    """Write each row's new tokens into `tokens` (B, prompt + new), the prompts already there, from
+    `steps` (decode_steps or SinkCache.steps over tokens from the shortest prompt's end)."""
     device = tokens.device
     prompt_len = torch.tensor(lengths, device=device)
     end = prompt_len + sampling.max_new_tokens  # each row's own stop position (exclusive)
@@ -149,7 +262,7 @@ def decode_n_tokens(
     generator = (
         torch.Generator(device).manual_seed(sampling.seed) if sampling.seed is not None else None
     )
-    for pos, logits in decode_steps(model, tokens, min(lengths), step):
+    for pos, logits in steps:
         if vocab_limit is not None:
             logits[:, vocab_limit:] = float("-inf")
         chosen = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)
@@ -167,27 +280,35 @@ def decode_n_tokens(
             break
 
 
-def check_length(args, total: int):
-    """ValueError when the model cannot run `total` tokens (config.length_problem). ALiBi, NoPE
-    and sinusoidal positions run past their context (sinusoidal ones untrained there: a warning)."""
-    problem = length_problem(args, total)
+def check_length(args, total: int, window: int | None = None):
+    """ValueError when the model cannot run `total` tokens, or with attention sinks the positions
+    of its `window`-token cache where fewer (config.length_problem). ALiBi, NoPE and sinusoidal
+    positions run past their context (sinusoidal ones untrained there: a warning)."""
+    length = total if window is None else min(total, window)
+    problem = length_problem(args, length)
     if problem:
         hint = (
             f" or choose a RoPE scaling method (--rope-scaling {SCALING_METHODS})"
-            if needs_scaling(args, total)
+            if needs_scaling(args, length)
             else ""
         )
-        raise ValueError(f"prompt + new tokens: {problem}; generate fewer tokens{hint}")
+        what, fix = ("prompt + new tokens", "generate fewer tokens")
+        if length < total:
+            what, fix = ("the KV cache (--window)", "give a smaller --window")
+        raise ValueError(f"{what}: {problem}; {fix}{hint}")
 
 
-def prompt_tokens(model: Transformer, prompts: list[list[int]], new: int) -> torch.Tensor:
-    """(B, longest prompt + new) token ids on the model's device, each prompt at its row's start."""
+def prompt_tokens(
+    model: Transformer, prompts: list[list[int]], new: int, window: int | None = None
+) -> torch.Tensor:
+    """(B, longest prompt + new) token ids on the model's device, each prompt at its row's start;
+    window: the KV cache's length with attention sinks (what check_length checks)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
     if any(not 0 <= t < model.args.vocab_size for p in prompts for t in p):
         raise ValueError(f"prompt token ids must lie in 0..{model.args.vocab_size - 1}")
     longest = max(map(len, prompts))
-    check_length(model.args, longest + new)
+    check_length(model.args, longest + new, window)
     device = model.tok_embeddings.weight.device
     tokens = torch.zeros(len(prompts), longest + new, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
@@ -204,6 +325,7 @@ def generate(
     on_token=None,
     step=None,
     vocab_limit: int | None = None,
+    sinks: Sinks | None = None,
 ) -> list[list[int]]:
     """New tokens for each prompt (at most sampling.max_new_tokens; stops after EOS, not included).
 
@@ -212,16 +334,23 @@ def generate(
     greedy output per row is the same as alone. on_token(row, token_id) is called as each new token
     is chosen (for streaming). step computes the one-token decode steps (an inference.DecodeStep of
     the model; default: the model itself). vocab_limit: choose only ids below it (a tokenizer with
-    fewer pieces than the model has embeddings cannot decode the others).
+    fewer pieces than the model has embeddings cannot decode the others). sinks: a KV cache of
+    bounded size (Sinks), else one for every token.
     """
     new = sampling.max_new_tokens
-    tokens = prompt_tokens(model, prompts, new)
+    cache = None if sinks is None else SinkCache(model, sinks)
+    tokens = prompt_tokens(model, prompts, new, None if cache is None else cache.window)
     if new == 0:
         return [[] for _ in prompts]
     lengths = [len(p) for p in prompts]
-    model.setup_cache(*tokens.shape)
+    if cache is None:
+        model.setup_cache(*tokens.shape, dtype=getattr(step, "kv_dtype", None))
+        steps = decode_steps(model, tokens, min(lengths), step)
+    else:
+        model.setup_cache(len(prompts), cache.window, dtype=getattr(step, "kv_dtype", None))
+        steps = cache.steps(tokens, min(lengths), step)
     try:
-        decode_n_tokens(model, tokens, lengths, sampling, eos_id, on_token, step, vocab_limit)
+        decode_n_tokens(steps, tokens, lengths, sampling, eos_id, on_token, vocab_limit)
     finally:
         model.reset_cache()
     rows = [tokens[row, length : length + new].tolist() for row, length in enumerate(lengths)]
@@ -388,14 +517,19 @@ def load_model(args, device: torch.device) -> tuple[Transformer, object, torch.d
     return quantize(model, args.quantize).to(dtype), tokenizer, dtype
 
 
-def fit_length(model: Transformer, args, total: int):
-    """Give the model the --rope-scaling asked for `total` tokens, then check it can run them."""
+def fit_length(model: Transformer, args, total: int, sinks: Sinks | None = None):
+    """Give the model the --rope-scaling asked for `total` tokens (with sinks, for the positions
+    its cache reaches), then check it can run them."""
+    window = None if sinks is None else sinks.window_of(model.args)
+    length = total if window is None else min(total, window)
     if args.rope_scaling is not None:
         try:
-            model.args = model.args.stretched(args.rope_scaling, total, args.rope_factor)
+            model.args = model.args.stretched(args.rope_scaling, length, args.rope_factor)
         except ValueError as e:  # e.g. a run without RoPE
             raise UserError(f"--rope-scaling: {e}") from None
-    check_length(model.args, total)
+    if sinks is not None:
+        check_sinks(model.args)
+    check_length(model.args, total, window)
     if model.args.position == "sinusoidal" and total > model.args.max_seq_len:
         print(
             f"warning: sinusoidal positions past {model.args.max_seq_len} were never trained",
@@ -420,7 +554,7 @@ def fast_step(model: Transformer, compile: bool, batch: int) -> DecodeStep | Non
 
 
 def print_samples(
-    model, tokenizer, prompts: list[list[int]], sampling: Sampling, step
+    model, tokenizer, prompts: list[list[int]], sampling: Sampling, step, sinks=None
 ) -> list[list[int]]:
     """Generate and print: one row streams its text as it comes, several are printed at the end."""
     stream = TextStream(tokenizer, prompts[0]) if len(prompts) == 1 else None
@@ -434,6 +568,7 @@ def print_samples(
         on_token=stream.on_token if stream else None,
         step=step,
         vocab_limit=pieces if pieces < model.args.vocab_size else None,
+        sinks=sinks,
     )
     if stream:
         stream.flush_new(final=True)
@@ -459,10 +594,10 @@ def summary(args, model, prompts, outputs, seconds: float, device, dtype) -> str
 
 
 def batch_prompts(
-    args, model: Transformer, tokenizer, sampling: Sampling, device
+    args, model: Transformer, tokenizer, sampling: Sampling, device, sinks: Sinks | None = None
 ) -> list[list[int]]:
     """Each prompt's token ids, args.num_samples times, once the model is fitted to the longest
-    (fit_length) and the batch is known to fit in memory."""
+    (fit_length) and the batch is known to fit in memory (with sinks: a cache of its window)."""
     free = free_bytes(model, memory_bytes(device))
     texts = read_prompts(args, prompt_file_limit(model, tokenizer, free))
     encoded = [encode_prompt(tokenizer, text) for text in texts]
@@ -471,10 +606,20 @@ def batch_prompts(
             f"{args.run}: its tokenizer has no BOS token to begin an empty prompt; give --prompt"
         )
     total = max(map(len, encoded)) + sampling.max_new_tokens
-    fit_length(model, args, total)
+    fit_length(model, args, total, sinks)
+    cached = total if sinks is None else min(total, sinks.window_of(model.args))
     rows = len(encoded) * args.num_samples
-    check_memory(model, rows, (min(map(len, encoded)), total), sampling.temperature > 0, free)
+    shortest = min(min(map(len, encoded)), cached)
+    check_memory(model, rows, (shortest, cached), sampling.temperature > 0, free)
     return [prompt for prompt in encoded for _ in range(args.num_samples)]
+
+
+def sinks_of(args) -> Sinks | None:
+    """The Sinks that --sink-tokens and --window ask for (either turns them on), else None."""
+    if args.sink_tokens is None and args.window is None:
+        return None
+    sink_tokens = Sinks.sink_tokens if args.sink_tokens is None else args.sink_tokens
+    return Sinks(sink_tokens, args.window)
 
 
 def sample_command(args) -> int:
@@ -482,16 +627,17 @@ def sample_command(args) -> int:
     if args.run is None:
         raise UserError("the following arguments are required: --run (see --help)")
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    sinks = sinks_of(args)
     check_rope_flags(args)
     check_prompt_flags(args)
     device = pick_device(args.device)
     if args.compile:
         check_compiler()
     model, tokenizer, dtype = load_model(args, device)
-    prompts = batch_prompts(args, model, tokenizer, sampling, device)
+    prompts = batch_prompts(args, model, tokenizer, sampling, device, sinks)
     step = fast_step(model, args.compile, len(prompts))
     start = time.perf_counter()
-    outputs = print_samples(model, tokenizer, prompts, sampling, step)
+    outputs = print_samples(model, tokenizer, prompts, sampling, step, sinks)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -561,6 +707,7 @@ def add_sampling_flags(parser: ArgumentParser):
         type=float,
         help="its factor, >= 1 (default: just enough for prompt + new tokens; 1 for dynamic)",
     )
+    add_sink_flags(parser)
     add_device(parser)
     add_compile(parser, "the one-token decode step")
     parser.add_argument(
@@ -569,6 +716,26 @@ def add_sampling_flags(parser: ArgumentParser):
         default="none",
         help="int8: weight-only int8 with per-channel scales "
         "(default none; bfloat16 weights: --dtype bfloat16)",
+    )
+
+
+def add_sink_flags(parser: ArgumentParser):
+    """--sink-tokens and --window: sampling in bounded memory (Sinks)."""
+    parser.add_argument(
+        "--sink-tokens",
+        type=int,
+        metavar="N",
+        help="attention sinks (StreamingLLM), for any length in bounded memory: the KV cache keeps "
+        "each row's first N tokens (default 4) and the most recent ones, dropping the oldest "
+        "quarter of those when full. The text stays fluent past the context, but what is dropped "
+        "is forgotten: this does not extend the usable context. RoPE, ALiBi and NoPE models",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        metavar="W",
+        help="turns on attention sinks (--sink-tokens): the KV cache's size in tokens, sinks "
+        "included (default: the model's context)",
     )
 
 

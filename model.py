@@ -1,5 +1,6 @@
 """The picollama decoder: LLaMA (RMSNorm pre-norm blocks, RoPE attention with GQA, a static KV
-cache and SDPA, SwiGLU FFN), then the alternatives the seed lectures teach, chosen by ModelArgs."""
+cache and SDPA, SwiGLU FFN), then the alternatives the seed lectures teach and the length methods
+past YaRN, chosen by ModelArgs."""
 
 import math
 from dataclasses import asdict, dataclass, replace
@@ -9,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
+ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3", "rerope", "self_extend")
+WINDOWED = ("rerope", "self_extend")  # the scalings that attend in two branches (WindowedRoPE)
 # the ModelArgs keys that leave LLaMA's architecture when away from their defaults
 SWITCHES = (
     "norm norm_placement parallel_block activation qk_norm logit_softcap position rope_fraction"
-    " nope_every logn_attention"
+    " nope_every logn_attention ssmax"
 ).split()
 
 
@@ -31,9 +33,11 @@ class ModelArgs:
     rope_theta: float = 10000.0  # RoPE's base: a larger one turns the slowest pairs more slowly
     max_seq_len: int = 256  # the training context
     tie_embeddings: bool = False  # the output layer reuses the embedding's weights: fewer weights
-    # RoPE scaling, to run past the training context: none | linear | ntk | dynamic | yarn | llama3
+    # RoPE scaling, to run past the training context: none | linear | ntk | dynamic | yarn | llama3,
+    # or attention in two branches (no LLaMA runs it): rerope | self_extend
     rope_scaling: str = "none"
-    rope_factor: float = 1.0  # how many times longer the context becomes
+    rope_factor: float = 1.0  # how many times longer the context becomes (self_extend: rounded)
+    rope_window: int = 0  # rerope, self_extend: nearer keys keep exact RoPE; 0: original_seq_len//4
     rope_original_max_seq_len: int | None = None  # the context stretched from; None: max_seq_len
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths past original/low are interpolated
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept
@@ -44,10 +48,11 @@ class ModelArgs:
     activation: str = "swiglu"  # swiglu | geglu | reglu | gelu | relu | relu2 (ACTIVATIONS)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys: bounded scores (OLMo 2)
     logit_softcap: float = 0.0  # cap·tanh(logits/cap): bounded logits (Gemma 2); 0: off
-    position: str = "rope"  # rope | alibi | nope | sinusoidal | learned (POSITIONS)
+    position: str = "rope"  # rope | alibi | nope | sinusoidal | learned | prope | fox (POSITIONS)
     rope_fraction: float = 1.0  # < 1: only that fraction of each head's dimensions rotates (NeoX)
     nope_every: int = 0  # k > 0: every k-th layer sees no positions, to reach further (Llama 4)
     logn_attention: bool = False  # past the context, queries grow as log n: attention stays sharp
+    ssmax: bool = False  # queries scaled by a learned s·log(keys seen): Scalable-Softmax (SSMax)
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -73,9 +78,21 @@ class ModelArgs:
         """The context RoPE scaling stretches from."""
         return self.rope_original_max_seq_len or self.max_seq_len
 
+    @property
+    def uses_rope(self) -> bool:
+        """Whether positions are RoPE's rotations (p-RoPE's too): what rope_* keys apply to."""
+        return self.position in ("rope", "prope")
+
+    @property
+    def near_window(self) -> int:
+        """rerope's and self_extend's window w: keys nearer than w keep exact RoPE."""
+        return self.rope_window or self.original_seq_len // 4
+
     def non_llama(self) -> list[str]:
-        """The SWITCHES away from LLaMA's: what HF's Llama and llama.cpp cannot run."""
-        return [key for key in SWITCHES if getattr(self, key) != getattr(ModelArgs, key)]
+        """The SWITCHES away from LLaMA's, and rope_scaling where it attends in two branches: what
+        HF's Llama and llama.cpp cannot run."""
+        away = [key for key in SWITCHES if getattr(self, key) != getattr(ModelArgs, key)]
+        return away + ["rope_scaling"] * (self.rope_scaling in WINDOWED)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,22 +102,40 @@ class ModelArgs:
     @property
     def length_dependent(self) -> bool:
         """Whether RoPE's frequencies follow the current length (dynamic): cached keys go stale."""
-        return self.position == "rope" and self.rope_scaling == "dynamic"
+        return self.uses_rope and self.rope_scaling == "dynamic"
 
     def stretched(self, method: str, length: int, factor: float | None = None) -> "ModelArgs":
         """These args with RoPE scaling `method` for `length` tokens, stretching original_seq_len
         by `factor`, else by just enough (1 for "none" and dynamic, which follows the length)."""
-        if self.position != "rope" and method != "none":
+        if not self.uses_rope and method != "none":
             raise ValueError(
-                f"rope_scaling applies to position = 'rope' only, not to position = "
+                f"rope_scaling applies to position = 'rope' only (or 'prope'), not to position = "
                 f"{self.position!r}"
             )
         original = self.original_seq_len
-        if factor is None:
+        if factor is None and method in WINDOWED:
+            factor = self.window_factor(method, length)
+        elif factor is None:
             factor = max(1.0, length / original) if method not in ("none", "dynamic") else 1.0
         return replace(
             self, rope_scaling=method, rope_factor=factor, rope_original_max_seq_len=original
         )
+
+    def window_factor(self, method: str, length: int) -> float:
+        """rerope's k (self_extend's G, an integer) just large enough that the farthest distance
+        of `length` tokens, length - 1, maps to at most original_seq_len - 1, the farthest trained:
+        w + (length-1-w)/k, or (length-1)//G - w//G + w."""
+        w, last = self.near_window, self.original_seq_len - 1
+        if length - 1 <= last:
+            return 1.0
+        if w >= last:
+            raise ValueError(f"rope_window ({w}) must be below original_seq_len - 1 ({last})")
+        if method == "rerope":
+            return (length - 1 - w) / (last - w)
+        group = 1
+        while (length - 1) // group - w // group > last - w:
+            group += 1
+        return float(group)
 
 
 class RMSNorm(nn.Module):
@@ -116,11 +151,19 @@ class RMSNorm(nn.Module):
 
 def rope_frequencies(args: ModelArgs, seq_len: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (float32, head_dim·rope_fraction/2) and attention scale for seq_len
-    tokens, as Hugging Face's RoPE functions give them. `ntk` is static NTK-aware scaling,
-    base·s^(d/(d-2)); `dynamic` takes s from the current length, so every cached key goes stale
-    as it grows (generate.py recomputes)."""
+    tokens: rope_spectrum's, of which p-RoPE keeps the highest (the rest are 0: unrotated)."""
+    inv_freq, scale = rope_spectrum(args, seq_len)
+    return inv_freq[: round(args.head_dim * args.rope_fraction) // 2], scale
+
+
+def rope_spectrum(args: ModelArgs, seq_len: int) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies (float32) and attention scale for seq_len tokens, as Hugging
+    Face's RoPE functions give them, over the d = head_dim·rope_fraction rotated dimensions (partial
+    rotary squeezes the spectrum into them; p-RoPE keeps all of head_dim's). `ntk` is static
+    NTK-aware scaling, base·s^(d/(d-2)); `dynamic` takes s from the current length, so every cached
+    key goes stale as it grows (generate.py recomputes)."""
     base, s, original_len = args.rope_theta, args.rope_factor, args.original_seq_len
-    d = round(args.head_dim * args.rope_fraction)  # partial rotary: the first d dimensions rotate
+    d = args.head_dim if args.position == "prope" else round(args.head_dim * args.rope_fraction)
     exponents = torch.arange(0, d, 2, dtype=torch.float32) / d
     if args.rope_scaling == "ntk":
         base = base * s ** (d / (d - 2))
@@ -206,6 +249,8 @@ class RoPE(NoPE):
     def forward(self, args: ModelArgs, positions, key_positions, mask, end: int | None):
         if end is None:
             end = int(positions.max()) + 1
+        if args.rope_scaling in WINDOWED and args.rope_factor > 1:  # far keys attend apart
+            mask = WindowedRoPE(args, positions, key_positions)
         return self.rotations(args, end, positions.device)[positions], mask
 
     def rotations(self, args: ModelArgs, end: int, device) -> torch.Tensor:
@@ -252,9 +297,15 @@ class Attention(nn.Module):
         qk_norm = partial(RMSNorm, args.head_dim, args.norm_eps) if args.qk_norm else nn.Identity
         self.q_norm, self.k_norm = qk_norm(), qk_norm()
         self.rotary = rotary  # False: a layer without positions
+        self.ssmax = SSMax(args) if args.ssmax else None
         self.cache: KVCache | None = None
 
+    def new_cache(self, shape: tuple, dtype, device) -> KVCache:
+        return KVCache(shape, dtype, device)
+
     def forward(self, x, freqs_cis, start_pos: int | None, mask, q_scale=None):
+        """mask: None (causal), a boolean or additive tensor, or an object that attends itself
+        (WindowedRoPE, ForgetGates)."""
         batch, seqlen, _ = x.shape
         q = self.q_norm(self.wq(x).view(batch, seqlen, self.n_heads, self.head_dim))
         k = self.k_norm(self.wk(x).view(batch, seqlen, self.n_kv_heads, self.head_dim))
@@ -266,8 +317,14 @@ class Attention(nn.Module):
             q = q * q_scale.to(q.dtype)
         if start_pos is not None:
             k, v = self.cache.update(start_pos, k, v)
-        causal, gqa = mask is None and seqlen > 1, self.n_heads != self.n_kv_heads
-        out = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a cache in another dtype; no-ops where equal
+        if self.ssmax is not None:
+            q = self.ssmax(q, k.shape[2])
+        if hasattr(mask, "attend"):
+            out = mask.attend(q, k, v, self.rotary)
+        else:
+            causal, gqa = mask is None and seqlen > 1, self.n_heads != self.n_kv_heads
+            out = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seqlen, -1))
 
 
@@ -290,7 +347,8 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: ModelArgs, rotary: bool = True):
         super().__init__()
-        self.attention = Attention(args, rotary)
+        attention = ForgettingAttention if args.position == "fox" else Attention
+        self.attention = attention(args, rotary)
         ffn, act = ACTIVATIONS[args.activation]
         self.feed_forward = ffn(args.dim, args.hidden_dim, act)
         self.attention_norm = make_norm(args)
@@ -322,17 +380,22 @@ class Transformer(nn.Module):
         """N(0, 0.02), divided by sqrt(2·n_layers) for the layers writing to the residual stream."""
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, p in self.named_parameters():
-            if name.endswith(("norm.weight", "norm.bias")):
-                continue  # norms start as the identity: γ = 1, β = 0
+            if name.endswith(("norm.weight", "norm.bias", "ssmax.scale")):
+                continue  # norms start as the identity (γ = 1, β = 0), SSMax's s as made
+            if name.endswith("wf.bias"):  # FoX's forget gates start at σ(0) = 1/2, as its code's
+                nn.init.zeros_(p)
+                continue
             std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
             nn.init.normal_(p, mean=0.0, std=std)
 
-    def setup_cache(self, max_batch_size: int, max_seq_len: int):
-        """A KV cache for max_batch_size sequences of max_seq_len tokens (prompt and generated)."""
+    def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype=None):
+        """A KV cache for max_batch_size sequences of max_seq_len tokens (prompt and generated), of
+        `dtype` (None: the activations'; bf16 under an fp32 model halves it)."""
         weight = self.tok_embeddings.weight  # the activations' dtype and device
         shape = (max_batch_size, self.args.n_kv_heads, max_seq_len, self.args.head_dim)
+        dtype = dtype or weight.dtype
         for layer in self.layers:
-            layer.attention.cache = KVCache(shape, weight.dtype, weight.device)
+            layer.attention.cache = layer.attention.new_cache(shape, dtype, weight.device)
 
     def reset_cache(self):
         for layer in self.layers:
@@ -564,3 +627,160 @@ class LearnedPositions(NoPE):
 
 
 POSITIONS = dict(rope=RoPE, alibi=ALiBi, nope=NoPE, sinusoidal=Sinusoidal, learned=LearnedPositions)
+
+
+# ---------------------------------------------------------------- past YaRN: length methods
+
+ATTENTION_BLOCK = 1 << 22  # the most scores held at once per sequence and head (16 MiB in fp32)
+
+
+def blockwise(attend, q: torch.Tensor, keys: int) -> torch.Tensor:
+    """attend(queries, first) over blocks of q's queries (B, heads, T, head_dim), concatenated: at
+    most ATTENTION_BLOCK scores per sequence and head at a time, never T×S at long lengths."""
+    step = max(1, ATTENTION_BLOCK // keys)
+    return torch.cat([attend(q[:, :, i : i + step], i) for i in range(0, q.shape[2], step)], 2)
+
+
+def grouped_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q·k/√head_dim in float32 (B, kv heads, group, T, S) of queries (B, heads, T, head_dim) in
+    the groups that share keys (B, kv heads, S, head_dim), as SDPA's GQA pairs them."""
+    q = q.unflatten(1, (k.shape[1], -1))
+    return (q @ k[:, :, None].mT).float() / math.sqrt(q.shape[-1])
+
+
+def softmax_attention(scores, allowed, v: torch.Tensor) -> torch.Tensor:
+    """softmax over the allowed keys of grouped scores, times the values (B, kv heads, S,
+    head_dim): (B, heads, T, head_dim)."""
+    weights = scores.masked_fill(~allowed, -math.inf).softmax(-1).type_as(v)
+    return (weights @ v[:, :, None]).flatten(1, 2)
+
+
+def turn(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, head_dim) rotated by rotations ([B,] T, pairs), as apply_rotary does."""
+    return apply_rotary(x.transpose(1, 2), rotations).transpose(1, 2)
+
+
+class WindowedRoPE:
+    """rope_scaling rerope and self_extend, training-free: keys nearer than the window w keep
+    exact RoPE; a farther key j of query i scores at a distance mapped into the trained range, by
+    turning the query to far(i) and the key to far(j) (rotations compose, so the KV cache keeps
+    the usual keys and decoding is exact).
+    Leaky ReRoPE (Su 2023), k = rope_factor: w + (d - w)/k, the query at i/k + w - w/k, the key at
+    j/k; k = inf is plain ReRoPE, every far key at distance w.
+    Self-Extend (Jin et al. 2024), G = round(rope_factor): ⌊i/G⌋ - ⌊j/G⌋ + w - ⌊w/G⌋, the query
+    at ⌊i/G⌋ + w - ⌊w/G⌋, the key at ⌊j/G⌋."""
+
+    def __init__(self, args: ModelArgs, positions, key_positions):
+        self.window, self.positions, self.key_positions = args.near_window, positions, key_positions
+        inv_freq = rope_frequencies(args, args.max_seq_len)[0].double().to(positions.device)
+        self.q_turn = self.far_turns(args, positions, inv_freq, query=True)
+        self.k_turn = self.far_turns(args, key_positions, inv_freq, query=False)
+
+    def far_turns(self, args: ModelArgs, positions, inv_freq, query: bool) -> torch.Tensor:
+        """The rotations taking `positions` ([B,] T) to the far branch's, complex64."""
+        w, p = self.window, positions.double()
+        if args.rope_scaling == "rerope":
+            far = p / args.rope_factor + (w - w / args.rope_factor) * query
+        else:
+            group = round(args.rope_factor)
+            far = p // group + (w - w // group) * query
+        angles = (far - p)[..., None] * inv_freq
+        return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+    def attend(self, q, k, v, rotary: bool):
+        """Attention of queries (B, heads, T, head_dim) over keys and values (B, kv heads, S,
+        head_dim), both rotated as usual (a layer with rotary False: plain causal attention)."""
+        far_k = turn(k, self.k_turn) if rotary else None
+        return blockwise(partial(self.block, k=k, far_k=far_k, v=v), q, k.shape[2])
+
+    def block(self, q, first: int, k, far_k, v):
+        rows = slice(first, first + q.shape[2])
+        distance = self.positions[..., rows, None] - self.key_positions[..., None, :]
+        if distance.dim() == 3:  # positions per sequence
+            distance = distance[:, None, None]
+        scores = grouped_scores(q, k)
+        if far_k is not None:
+            far = grouped_scores(turn(q, self.q_turn[..., rows, :]), far_k)
+            scores = torch.where(distance < self.window, scores, far)
+        return softmax_attention(scores, distance >= 0, v)
+
+
+# ---------------------------------------------------------------- past YaRN: trained encodings
+
+# p-RoPE (Barbero et al. 2025): RoPE over all of head_dim's spectrum, but only its highest
+# rope_fraction of frequencies turn; the lowest pairs pass unrotated, channels free of position
+# (rope_fraction < 1 with position = "rope" instead squeezes the whole spectrum into fewer pairs).
+# FoX has no positions but its forget gates (ForgettingAttention).
+POSITIONS |= dict(prope=RoPE, fox=NoPE)
+
+
+class SSMax(nn.Module):
+    """Scalable-Softmax (Nakanishi 2025): the query that sees n keys scaled by s·log n, s learned
+    per head, so that attention does not flatten as n grows. s starts at 1/log(max_seq_len): the
+    softmax is plain at the context's last token. It scales q·k; a position bias (ALiBi's,
+    FoX's) is added unscaled."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        s = 1 / math.log(max(args.max_seq_len, 2))
+        self.scale = nn.Parameter(torch.full((args.n_heads,), s))
+
+    def forward(self, q, keys: int):
+        """q (B, heads, T, head_dim) of the last T of `keys` keys, scaled."""
+        n = torch.arange(keys - q.shape[2] + 1, keys + 1, device=q.device)
+        return q * (self.scale[:, None, None] * n.log()[:, None]).to(q.dtype)
+
+
+class ForgettingAttention(Attention):
+    """The Forgetting Transformer's attention (FoX, Lin et al. 2025; position = "fox", no RoPE):
+    per head a forget gate f_t = σ(wf·x_t + b), and query i's score on key j gains log f_{j+1} +
+    ... + log f_i = c_i - c_j, c the running sum of log f: keys fade as gates below 1 pile up,
+    the same way at any length."""
+
+    def __init__(self, args: ModelArgs, rotary: bool = False):
+        super().__init__(args, rotary)
+        self.wf = nn.Linear(args.dim, args.n_heads, bias=True)
+
+    def new_cache(self, shape: tuple, dtype, device) -> KVCache:
+        return ForgetCache(shape, dtype, device, self.n_heads)
+
+    def forward(self, x, freqs_cis, start_pos: int | None, mask, q_scale=None):
+        log_f = F.logsigmoid(self.wf(x).float()).transpose(1, 2)  # (B, heads, T)
+        c = log_f.cumsum(-1) if start_pos is None else self.cache.update_gates(start_pos, log_f)
+        return super().forward(x, freqs_cis, start_pos, ForgetGates(c), q_scale)
+
+
+class ForgetCache(KVCache):
+    """A KV cache that also keeps FoX's c of every key (batch, heads, max length), in float32."""
+
+    def __init__(self, shape: tuple, dtype, device, n_heads: int):
+        super().__init__(shape, dtype, device)
+        c = torch.zeros(shape[0], n_heads, shape[2], device=device)
+        self.register_buffer("c", c, persistent=False)
+
+    def update_gates(self, input_pos: int, log_f: torch.Tensor) -> torch.Tensor:
+        """Write c of log forget gates log_f (B, heads, T) at input_pos.., going on from the cached
+        c, and return c of every key so far."""
+        batch, end = log_f.shape[0], input_pos + log_f.shape[2]
+        before = self.c[:batch, :, input_pos - 1, None] if input_pos else 0.0
+        self.c[:batch, :, input_pos:end] = before + log_f.cumsum(-1)
+        return self.c[:batch, :, :end]
+
+
+class ForgetGates:
+    """FoX's attention: scores q·k/√head_dim + c_i - c_j over the causal keys, a block of queries
+    at a time."""
+
+    def __init__(self, c: torch.Tensor):
+        self.c = c  # (B, heads, S): every key's c; the T queries are the last T keys
+
+    def attend(self, q, k, v, rotary: bool):
+        offset = k.shape[2] - q.shape[2]
+        return blockwise(partial(self.block, k=k, v=v, offset=offset), q, k.shape[2])
+
+    def block(self, q, first: int, k, v, offset: int):
+        at = torch.arange(first, first + q.shape[2], device=q.device) + offset  # as keys
+        c = self.c.unflatten(1, (k.shape[1], -1))  # grouped as the scores
+        bias = c[..., at, None] - c[..., None, :]
+        allowed = torch.arange(k.shape[2], device=q.device) <= at[:, None]
+        return softmax_attention(grouped_scores(q, k) + bias, allowed, v)

@@ -174,6 +174,7 @@ POSITIVE = {
     "checkpoint.keep",
 }
 NOT_NEGATIVE = {
+    "model.rope_window",
     "train.seed",
     "train.sample_tokens",
     "train.random_positions",
@@ -235,6 +236,7 @@ CONTEXT_KEYS = (
     "rope_original_max_seq_len",
     "rope_low_freq_factor",
     "rope_high_freq_factor",
+    "rope_window",
 )
 # Far past any published model (the largest: dim 16384, 126 layers, 256k vocabulary, 10M context):
 # a size beyond its limit is a corrupt or mistyped config, refused naming the key before anything
@@ -261,7 +263,8 @@ def checked_model_args(**values) -> ModelArgs:
         )
     choices = {"norm": NORMS, "norm_placement": PLACEMENTS, "activation": ACTIVATIONS}
     choices["position"] = POSITIONS
-    choices |= dict.fromkeys(("parallel_block", "qk_norm", "logn_attention"), (False, True))
+    switches = ("parallel_block", "qk_norm", "logn_attention", "ssmax")
+    choices |= dict.fromkeys(switches, (False, True))
     choices["rope_scaling"] = ROPE_SCALINGS
     for key, allowed in choices.items():
         if (value := getattr(args, key)) not in allowed:
@@ -287,13 +290,14 @@ def check_rope_keys(args: ModelArgs):
     """ValueError for RoPE's keys on a model without RoPE, and for a RoPE model whose heads (or
     their rotated part) have an odd size: RoPE turns pairs of dimensions."""
     for key, off in (("rope_scaling", "none"), ("rope_fraction", 1.0), ("nope_every", 0)):
-        if args.position != "rope" and getattr(args, key) != off:
+        if not args.uses_rope and getattr(args, key) != off:
             raise ValueError(
-                f"{key} applies to position = 'rope' only, not to position = {args.position!r}"
+                f"{key} applies to position = 'rope' only (or 'prope'), not to position = "
+                f"{args.position!r}"
             )
     pairs = args.head_dim * args.rope_fraction / 2
     odd = args.head_dim % 2 or pairs < 1 or abs(pairs - round(pairs)) > 1e-6
-    if args.position == "rope" and odd:
+    if args.uses_rope and odd:
         raise ValueError(
             f"head_dim ({args.head_dim}) and head_dim·rope_fraction ({2 * pairs:g}) must be even"
         )
@@ -306,7 +310,7 @@ def position_limit(args: ModelArgs) -> int | None:
 
 def needs_scaling(args: ModelArgs, length: int) -> bool:
     """Whether `length` tokens run a RoPE model past its context, unscaled."""
-    return args.position == "rope" and args.rope_scaling == "none" and length > args.max_seq_len
+    return args.uses_rope and args.rope_scaling == "none" and length > args.max_seq_len
 
 
 def length_problem(args: ModelArgs, length: int) -> str | None:

@@ -93,7 +93,7 @@ def test_extrapolation_writes_report(tiny_run, capsys):
 def test_each_position_runs_with_the_scalings_its_args_accept():
     for position in POSITIONS:
         args = ModelArgs(dim=32, n_heads=4, max_seq_len=32, position=position)
-        expected = list(ROPE_SCALINGS) if position == "rope" else ["none"]
+        expected = list(ROPE_SCALINGS) if position in ("rope", "prope") else ["none"]
         assert runs.scalings(args) == expected, position
 
 

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import generate
 from generate import Sampling
@@ -210,13 +211,32 @@ def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
 
 
 def test_compiled_int8_step_reads_the_model_weights(one_thread):
-    """int8 weights compiled: the same logits as the eager int8 step, and the library reads the
-    step's tensors (user-managed constants), so a weight changed in place shows in its next call."""
-    reference, model = (quantize(make_model(n_layers=1), "int8") for _ in range(2))
+    """int8 weights compiled (Int8RowDot, fp32 inputs): the logits of the same model with its
+    weights dequantized to fp32 (the eager int8 kernel rounds its inputs to bf16), and the library
+    reads the step's tensors (user-managed constants), so a weight changed in place shows in its
+    next call."""
+    dequantized = make_model(n_layers=1)
+    model = quantize(copy.deepcopy(dequantized), "int8")
+    with torch.no_grad():
+        for module in dequantized.modules():
+            if isinstance(module, torch.nn.Linear):
+                rounded = Int8Linear.quantized(module.weight)
+                module.weight.copy_(rounded.weight.float() * rounded.scale[:, None])
     step = DecodeStep(model, compiled=True)
+    assert isinstance(step.layers[0].w13, inference.Int8RowDot)
     tokens = torch.randint(0, 97, (1, 12))
-    expected = step_logits(reference, DecodeStep(reference), tokens, 5)
-    torch.testing.assert_close(step_logits(model, step, tokens, 5), expected, atol=1e-2, rtol=1e-2)
+    expected = step_logits(dequantized, DecodeStep(dequantized), tokens, 5)
+
+    # the prefill as the dequantized model's (the int8 model's eager forward rounds inputs to bf16)
+    model.setup_cache(1, 12)
+    dequantized.setup_cache(1, 12)
+    dequantized(tokens[:, :5], start_pos=0)
+    for ours, theirs in zip(model.layers, dequantized.layers):
+        ours.attention.cache.k.copy_(theirs.attention.cache.k)
+        ours.attention.cache.v.copy_(theirs.attention.cache.v)
+    got = torch.cat([step(tokens[:, p : p + 1], start_pos=p) for p in range(5, 12)], 1)
+    model.reset_cache()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     step.output.weight.zero_()
     assert not step_logits(model, step, tokens, 5).any()
 
@@ -277,3 +297,37 @@ def test_compiled_unless_slower_decodes_like_the_model(one_thread):
     # the model's layers hold views of the chosen step's weights (the other's copy went with it)
     storage = step.layers[0].wqkv.weight.untyped_storage().data_ptr()
     assert model.layers[0].attention.wv.weight.untyped_storage().data_ptr() == storage
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, head_dim, length",
+    [(1, 9, 3, 64, 700), (2, 6, 6, 48, 17), (1, 4, 2, 16, 1), (3, 8, 1, 128, 300)],
+)
+def test_decode_attention_kernel_is_sdpa(dtype, batch, heads, kv_heads, head_dim, length):
+    """decode_attention.cpp: PyTorch's SDPA over the first `length` cached positions (fp32 and bf16
+    caches, grouped queries, a cache with more rows and slots than used)."""
+    attend = inference.attention_op()
+    if attend is None:
+        pytest.fail("the decode attention kernel did not build (a C++ compiler is needed)")
+    torch.manual_seed(0)
+    q = torch.randn(batch, heads, head_dim)
+    k, v = (torch.randn(batch + 1, kv_heads, length + 5, head_dim).to(dtype) for _ in range(2))
+    keys, values = (t[:batch, :, :length].float() for t in (k, v))
+    expected = F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)
+    torch.testing.assert_close(attend(q, k, v, length), expected[:, :, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_step_on_a_bf16_cache(one_thread):
+    """kv_dtype=bf16: the compiled fp32 step reads and writes a bf16 KV cache; its logits stay
+    within 2% of the largest logit of the fp32 cache's."""
+    model = make_model()
+    step = DecodeStep(model, compiled=True, kv_dtype=torch.bfloat16)
+    tokens = torch.randint(0, 97, (1, 12))
+    expected = step_logits(model, DecodeStep(model), tokens, 5)
+    model.setup_cache(1, 12, dtype=step.kv_dtype)
+    model(tokens[:, :5], start_pos=0)
+    assert model.layers[0].attention.cache.k.dtype == torch.bfloat16
+    got = torch.cat([step(tokens[:, p : p + 1], start_pos=p) for p in range(5, 12)], 1)
+    model.reset_cache()
+    assert (got - expected).abs().max() < 0.02 * expected.abs().max()

@@ -86,6 +86,24 @@ def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys, 
     assert "rope-yarn` | yarn |" in table
 
 
+def test_the_new_encodings_train_and_every_method_is_compared(tmp_path, capsys):
+    """p-RoPE, FoX and RoPE + SSMax train beside RoPE (a few steps: the pipeline, not accuracy),
+    and the training-free methods that attend in two branches are scored on the RoPE runs."""
+    argv = ["--quick", "--steps", "40", "--runs", "rope,prope,fox,rope-ssmax"]
+    assert run_command(study.main, [*argv, "--out", str(tmp_path / "s")]) == 0
+    capsys.readouterr()
+    report = json.loads((tmp_path / "s" / "compare" / "extrapolation.json").read_text())
+    runs = {run["name"].rsplit("/", 1)[-1]: run for run in report["runs"]}
+    assert [runs[name]["position"] for name in ("prope", "fox")] == ["prope", "fox"]
+    assert runs["rope-ssmax"]["model"]["ssmax"] and runs["fox"]["methods"] == ["none"]
+    for name in ("rope", "prope", "rope-ssmax"):
+        assert {"rerope", "self_extend"} <= set(runs[name]["methods"])
+        assert all(runs[name]["accuracy"]["rerope"][str(n)] is not None for n in report["lengths"])
+    table = (tmp_path / "s" / "study.md").read_text()
+    assert "| `prope` | p-RoPE (highest 75% of frequencies) |" in table
+    assert "s/rope` | rerope |" in table and "s/rope` | self_extend |" in table
+
+
 def planned(tmp_path, *flags: str):
     """study.plan on the default recipe: train.py's arguments and the config of every run."""
     parser = ArgumentParser(prog="study")
@@ -125,6 +143,9 @@ def test_every_run_of_the_recipe_is_the_config_train_py_reads(tmp_path):
         "learned",
         "rope-random",
         "rope-logn",
+        "prope",
+        "fox",
+        "rope-ssmax",
         "rope-yarn",
     ]
     assert commands["rope"][:2] == ["--config", str(study.REPO_ROOT / "configs/retrieval.toml")]

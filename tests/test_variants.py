@@ -458,11 +458,12 @@ def test_positions_and_the_kv_cache_do_not_mix():
         ),
         (
             dict(position="learned", rope_fraction=0.5),
-            "rope_fraction applies to position = 'rope' only, not to",
+            r"rope_fraction applies to position = 'rope' only \(or 'prope'\), not to",
         ),
         (
             dict(position="nope", nope_every=2),
-            "nope_every applies to position = 'rope' only, not to position = 'nope'",
+            r"nope_every applies to position = 'rope' only \(or 'prope'\), "
+            "not to position = 'nope'",
         ),
     ],
 )

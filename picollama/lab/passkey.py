@@ -91,14 +91,15 @@ def passkey_read(model, rows: list, device) -> dict:
     return {"accuracy": float(np.mean(hits)), "margin": float(np.mean(margins)), "n": len(hits)}
 
 
-def effective_length(by_length: dict) -> int | None:
-    """The longest tested length up to which every length scored keeps passkey accuracy >=
-    THRESHOLD (RULER's kind of effective length); None where even the shortest does not. Lengths
-    without a score (too short for a passkey row, or past what the model reaches) are skipped."""
+def effective_length(by_length: dict, field: str = "accuracy") -> int | None:
+    """The longest tested length up to which every length scored keeps its accuracy (each cell's
+    `field`) >= THRESHOLD (RULER's kind of effective length); None where even the shortest does
+    not. Lengths without a score (too short for a passkey row, or past what the model reaches)
+    are skipped."""
     effective = None
     for length in sorted(by_length, key=int):
         cell = by_length[length]
-        if cell is not None and cell["accuracy"] < THRESHOLD:
+        if cell is not None and cell[field] < THRESHOLD:
             break
         effective = int(length) if cell is not None else effective
     return effective

@@ -2,7 +2,7 @@
 
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from picollama.cli import UserError
@@ -32,20 +32,20 @@ def is_tables(value) -> bool:
 KEYS = {
     "config": ("a config file", is_text),
     "multiples": ("a list of positive integers", is_counts),
-    "rows": ("a positive integer", is_count),
-    "steps": ("a positive integer", is_count),
     "settings": ("a table of config sections", is_table),
     "quick": ("a table", is_table),
     "runs": ("a list of [[runs]] tables", is_tables),
     "name": ("a name", is_text),
     "what": ("a description", is_text),
     "from": ("a run's name", is_text),
-    "stretch": ("a positive integer", is_count),
-}
+} | dict.fromkeys(
+    ("rows", "steps", "stretch", "seeds", "passkeys"), ("a positive integer", is_count)
+)
 # The keys of each table of a recipe, the required ones first
+RECIPE_KEYS = "config multiples rows runs steps settings quick seeds passkeys"
 TABLES = {
-    "recipe": ("config", "multiples", "rows", "runs", "steps", "settings", "quick"),
-    "quick": ("multiples", "rows", "steps", "settings"),
+    "recipe": tuple(RECIPE_KEYS.split()),
+    "quick": ("multiples", "rows", "steps", "settings", "passkeys"),
     "run": ("name", "what", "from", "stretch", "steps", "settings", "quick"),
     "run quick": ("steps", "settings"),
 }
@@ -64,12 +64,14 @@ FINE_TUNE_KEYS = ("train.seq_len", "model.max_seq_len")  # a fine-tune's, from `
 @dataclass
 class Level:
     """Steps and settings ({"section.key": value}) of the study, of a run, or of either's --quick;
-    the study's also the lengths compared (× the context) and the rows at each."""
+    the study's also the lengths compared (× the context), the rows at each and (a text recipe)
+    the passkey rows at each length and depth."""
 
     steps: int | None = None
     settings: dict = field(default_factory=dict)
     multiples: list[int] | None = None
     rows: int | None = None
+    passkeys: int | None = None
 
     def config_keys(self) -> dict:
         """The config keys this level sets."""
@@ -84,6 +86,11 @@ class Run:
     quick: Level
     source: str | None = None  # `from`: a fine-tune of that run's weights, once it is trained
     stretch: int = 1  # at this multiple of that run's context
+    seed: int = 0  # added to the config's train.seed; 0: the recipe's run as written
+    base: str = ""  # the recipe's name of the run (its name but for the seed's suffix)
+
+    def __post_init__(self):
+        self.base = self.base or self.name
 
 
 @dataclass
@@ -93,6 +100,32 @@ class Recipe:
     full: Level
     quick: Level
     runs: list[Run]
+    seeds: int = 1  # training runs of each recipe run, train.seed + 0, 1, ...
+
+
+def seed_name(name: str, seed: int) -> str:
+    """The folder of a run trained with seed offset `seed`: the run's own name at 0 (a one-seed
+    study is the study as before), NAME-seedK otherwise."""
+    return name if seed == 0 else f"{name}-seed{seed}"
+
+
+def seeded_runs(runs: list[Run], seeds: int) -> list[Run]:
+    """Each run trained with seed offsets 0 .. seeds-1 (a fine-tune from the same seed's run),
+    grouped by seed so that the first seed's runs train first; UserError where a seeded name is
+    one of the recipe's own."""
+    names = {run.name for run in runs}
+    seeded = []
+    for seed in range(seeds):
+        for run in runs:
+            name = seed_name(run.name, seed)
+            if seed and name in names:
+                raise UserError(
+                    f"--seeds {seeds}: run {run.name}'s seed {seed} is named {name}, "
+                    "the name of another run of the recipe; rename that run"
+                )
+            source = run.source and seed_name(run.source, seed)
+            seeded.append(replace(run, name=name, source=source, seed=seed, base=run.name))
+    return seeded
 
 
 def check_table(table: dict, kind: str, where: str) -> dict:
@@ -123,7 +156,8 @@ def level(table: dict, where: str) -> Level:
             if not isinstance(value, (bool, int, float, str)):
                 raise UserError(f"{where}: settings {dotted} must be one value, not {value!r}")
             settings[dotted] = value
-    return Level(table.get("steps"), settings, table.get("multiples"), table.get("rows"))
+    multiples, rows, passkeys = (table.get(key) for key in ("multiples", "rows", "passkeys"))
+    return Level(table.get("steps"), settings, multiples, rows, passkeys)
 
 
 def read_run(table: dict, where: str) -> Run:
@@ -162,7 +196,8 @@ def load_recipe(path: Path) -> Recipe:
         if run.source is not None and run.source not in seen:
             raise UserError(f"{path}: run {run.name}: from {run.source!r} names no earlier run")
         seen.add(run.name)
-    return Recipe(path, raw["config"], level(raw, str(path)), level(quick, str(path)), runs)
+    full, quick = level(raw, str(path)), level(quick, str(path))
+    return Recipe(path, raw["config"], full, quick, runs, raw.get("seeds", 1))
 
 
 def chosen_runs(recipe: Recipe, names: list[str] | None) -> list[Run]:

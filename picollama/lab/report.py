@@ -171,9 +171,11 @@ def markdown_report(report: dict) -> str:
         "",
         *probe_section(report, distances, span, inside),
         *passkey_section(report),
+        *key_token_section(report),
         "Effective context: the longest tested length up to which perplexity stays within 5% of "
         "its training-length value and the probe (its farthest repeat that fits) within 10 points "
-        "of its in-context accuracy:",
+        "of its in-context accuracy; with passkeys, beside it the passkey's (its accuracy held at "
+        "the threshold, RULER's kind):",
         "",
         *effective_table(report, with_basis=True),
         "",
@@ -185,18 +187,70 @@ def markdown_report(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def accuracy_effective(report: dict) -> tuple[str, str] | None:
+    """(column, run key) of the effective context by an accuracy threshold (RULER's kind) that a
+    report holds: retrieval accuracy, or passkey accuracy where passkeys were scored; None
+    otherwise (an older report, or --passkeys 0)."""
+    if report.get("kind") == "retrieval":
+        if "threshold" not in report:
+            return None
+        return f"accuracy ≥ {report['threshold']:.0%}", "accuracy_effective"
+    if report.get("passkey"):
+        return f"passkey ≥ {report['passkey']['threshold']:.0%}", "passkey_effective"
+    return None
+
+
 def effective_table(report: dict, with_basis: bool) -> list[str]:
+    """Effective context both ways, a row per run and method: the report's own rule (perplexity
+    band, or share of the in-context retrieval accuracy) and, where the report has one, an
+    accuracy threshold (accuracy_effective)."""
     first, keys, label = run_rows(report["runs"])
+    threshold = accuracy_effective(report)
     rows = []
     for run, m in keys:
         effective = run["effective_context"][m]
         rows.append(
             label(run, m)
             + [str(run["train_context"]), str(effective["tokens"] or "none")]
+            + ([str(run[threshold[1]][m] or "none")] if threshold else [])
             + ([effective["basis"]] if with_basis else [])
         )
-    columns = ["training context", "effective context"] + (["basis"] if with_basis else [])
-    return table(first + columns, rows)
+    columns = ["training context", "effective context"] + ([threshold[0]] if threshold else [])
+    return table(first + columns + (["basis"] if with_basis else []), rows)
+
+
+def key_token_cell(cell: dict | None) -> str:
+    """Key-token perplexity ± its standard error over the key tokens, and its ratio to the
+    training length's."""
+    if cell is None:
+        return "n/a"
+    error = 100 * math.expm1(cell["loss"]["sem"])
+    return f"{short_number(cell['perplexity'])} ±{error:.0f}% ({ratio_text(cell['ratio'])})"
+
+
+def key_token_section(report: dict) -> list[str]:
+    """The LongPPL-style paragraph and table: nothing for a report made before it."""
+    found = report.get("key_tokens")
+    if not found:
+        return []
+    what = (
+        f"Key-token perplexity (LongPPL-style, Fang et al. 2025): perplexity on the scored tokens "
+        f"whose loss falls by more than {found['gain']:g} nats from {found['short']} tokens of "
+        f"context to {found['long']} and ends below {found['confident']:g} nats (log-probability "
+        f"> −{found['confident']:g}), as judged by the run and method that finds the most such "
+        "tokens"
+    )
+    if not found["count"]:
+        return [f"{what}: no key token among the {found['scored']:,} scored tokens.", ""]
+    name, method = found["evaluator"]
+    lengths = report["lengths"]
+    return [
+        f"{what} (`{name}` with {method}): {found['count']} of the {found['scored']:,} scored "
+        f"tokens; ± its standard error over them (ratio to {found['short']} tokens).",
+        "",
+        *run_table(report, [str(n) for n in lengths], "key_token", lengths, key_token_cell),
+        "",
+    ]
 
 
 def retrieval_markdown(report: dict) -> str:
@@ -230,7 +284,8 @@ def retrieval_markdown(report: dict) -> str:
         "",
         "Effective context from retrieval: the longest tested length up to which every tested "
         f"length keeps at least {keeps} of the run's accuracy at its training length (none where "
-        f"that accuracy is under {keeps}):",
+        f"that accuracy is under {keeps}), and beside it RULER's kind, up to which the accuracy "
+        "itself stays at the threshold:",
         "",
         *effective_table(report, with_basis=False),
     ]
@@ -246,6 +301,118 @@ def effective_line(report: dict) -> str:
         )
         for run in report["runs"]
     )
+
+
+# ---------------------------------------------------------------- across seeds
+
+
+def seed_metric(report: dict) -> tuple[str, str, bool]:
+    """What the seeds of a study are compared on: (report key, cell field, higher is better)."""
+    if report.get("kind") == "retrieval":
+        return "accuracy", "mean", True
+    return "perplexity", "perplexity", False
+
+
+def seed_cell(values: list[float]) -> dict:
+    """Mean and spread (min and max) of one cell's values across seeds."""
+    return {
+        "mean": float(np.mean(values)),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def separated(a: dict, b: dict) -> bool:
+    """Whether two cells' min-max ranges across seeds do not overlap (an ordering is called)."""
+    return a["min"] > b["max"] or b["min"] > a["max"]
+
+
+def tiers(cells: dict, higher: bool) -> list[list]:
+    """The keys of cells ({key: seed_cell}) in tiers, best first: ranges that overlap, directly or
+    through others, share a tier, so that every member of a tier is separated from (better than)
+    every member of the tiers after it, and no order is called within one."""
+    merged = []  # [low, high, keys], by low
+    for key in sorted(cells, key=lambda k: (cells[k]["min"], cells[k]["max"])):
+        cell = cells[key]
+        if merged and cell["min"] <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], cell["max"])
+            merged[-1][2].append(key)
+        else:
+            merged.append([cell["min"], cell["max"], [key]])
+    groups = [sorted(keys, key=lambda k: cells[k]["mean"], reverse=higher) for *_, keys in merged]
+    return groups[::-1] if higher else groups
+
+
+def seeds_summary(report: dict, groups: dict[str, list[str]]) -> dict:
+    """The study's cells across seeds: for each recipe run (groups: {name: its seeds' folder
+    names}) and method, mean, min and max over the seeds at each length (None where a seed has no
+    value), and at each length the (run, method) pairs in tiers (tiers)."""
+    key, field, higher = seed_metric(report)
+    by_name = {run_title(run): run for run in report["runs"]}
+    cells = {}
+    for name, folders in groups.items():
+        seeds = [by_name[folder] for folder in folders]
+        for method in seeds[0]["methods"]:
+            for n in map(str, report["lengths"]):
+                values = [run[key][method][n] for run in seeds]
+                if None not in values:
+                    cells.setdefault(n, {})[(name, method)] = seed_cell([v[field] for v in values])
+    runs = {}
+    for n, by_pair in cells.items():
+        for (name, method), cell in by_pair.items():
+            runs.setdefault(name, {}).setdefault(method, {})[n] = cell
+    return {
+        "metric": f"{key} ({field})",
+        "spread": "min-max across seeds",
+        "seeds": {name: len(folders) for name, folders in groups.items()},
+        "runs": runs,
+        "tiers": {
+            n: [[list(pair) for pair in tier] for tier in tiers(c, higher)]
+            for n, c in cells.items()
+        },
+    }
+
+
+def seed_text(cell: dict | None, percent: bool) -> str:
+    if cell is None:
+        return "n/a"
+    if percent:
+        return f"{cell['mean']:.0%} [{cell['min']:.0%}–{cell['max']:.0%}]"
+    return f"{short_number(cell['mean'])} [{short_number(cell['min'])}–{short_number(cell['max'])}]"
+
+
+def seeds_markdown(report: dict, groups: dict[str, list[str]]) -> list[str]:
+    """The across-seeds section of a study's Markdown: nothing with one seed."""
+    if not groups:
+        return []
+    summary = seeds_summary(report, groups)
+    lengths = [str(n) for n in report["lengths"]]
+    percent = report.get("kind") == "retrieval"
+    rows = [
+        [f"`{name}`", method] + [seed_text(cells.get(n), percent) for n in lengths]
+        for name, methods in summary["runs"].items()
+        for method, cells in methods.items()
+    ]
+    counts = sorted(set(summary["seeds"].values()))
+    lines = [
+        f"## Across seeds ({'/'.join(map(str, counts))} a run)",
+        "",
+        f"Each run's {summary['metric'].split()[0]} at each length: the mean over its seeds "
+        "[the min–max range across them; a range, not a confidence interval].",
+        "",
+        *table(["run", "method", *lengths], rows),
+        "",
+        "Orderings called: at each length the runs and methods in tiers, best first, separated "
+        "by `>` only where every member's min–max range lies apart from every member's of the "
+        "next tier; within a tier (`,`) the ranges overlap and no order is called.",
+        "",
+    ]
+    for n in lengths:
+        ranked = summary["tiers"].get(n, [])
+        text = " > ".join(", ".join(f"`{name}` {method}" for name, method in t) for t in ranked)
+        lines.append(f"- {n}: {text or 'n/a'}")
+    return lines + [""]
 
 
 # ---------------------------------------------------------------- plots

@@ -1,5 +1,6 @@
 """The retrieval study (`python generate.py study`): the runs of a recipe (configs/study/),
-every position encoding trained on the synthetic retrieval task, compared past their context."""
+every position encoding trained on the synthetic retrieval task (or, configs/study/text.toml, on
+text), compared past their context, with one seed or several."""
 
 import json
 import os
@@ -25,10 +26,13 @@ from picollama.cli import (
 )
 from picollama.config import Config, check_config, parse_cli
 from picollama.lab import extrapolate
-from picollama.lab.recipe import FINE_TUNE_KEYS, Recipe, Run, chosen_runs, load_recipe
+from picollama.lab.recipe import FINE_TUNE_KEYS, Recipe, Run, chosen_runs, load_recipe, seeded_runs
 from picollama.lab.report import (
+    markdown_report,
     pyplot,
     retrieval_markdown,
+    seeds_markdown,
+    seeds_summary,
     side_by_side_plot,
     table,
     text_report_problem,
@@ -44,7 +48,8 @@ RECIPE = Path("configs/study/retrieval.toml")  # in the repository
 def run_keys(recipe: Recipe, run: Run, args, configs: dict[str, Config], out: Path) -> dict:
     """The config keys one run trains with: the study's, the run's, --quick's, the run's own
     --quick, --steps (but for a fine-tune), then a fine-tune's start (in `out`) and context (from
-    `from`'s config, in configs)."""
+    `from`'s config, in configs), and past the first seed its seed (the first seed's + the run's
+    offset)."""
     keys = recipe.full.config_keys() | run.own.config_keys()
     if args.quick:
         keys |= recipe.quick.config_keys() | run.quick.config_keys()
@@ -54,6 +59,8 @@ def run_keys(recipe: Recipe, run: Run, args, configs: dict[str, Config], out: Pa
         context = run.stretch * configs[run.source].train.seq_len
         keys["train.init_from"] = str(out / run.source)
         keys |= dict.fromkeys(FINE_TUNE_KEYS, context)
+    if run.seed:
+        keys["train.seed"] = configs[run.base].train.seed + run.seed
     return keys
 
 
@@ -64,13 +71,19 @@ def flag(key: str, value) -> str:
     return f"--{key}={value}"
 
 
+def seeds(recipe: Recipe, args) -> int:
+    """How many seeds each run trains with: --seeds, else the recipe's (1 where it names none)."""
+    return args.seeds or recipe.seeds
+
+
 def plan(recipe: Recipe, args) -> tuple[dict[str, list[str]], dict[str, Config]]:
-    """train.py's arguments for each run of the recipe, and the config each trains, checked as
-    train.py checks them: a run it would refuse fails here, before any training. Their paths are
-    absolute: train.py runs in the repository, not in the caller's folder."""
+    """train.py's arguments for each run of the recipe and each seed (recipe.seeded_runs), and
+    the config each trains, checked as train.py checks them: a run it would refuse fails here,
+    before any training. Their paths are absolute: train.py runs in the repository, not in the
+    caller's folder."""
     commands, configs = {}, {}
     out, config = resolved(args.out), str(REPO_ROOT / recipe.config)
-    for run in recipe.runs:
+    for run in seeded_runs(recipe.runs, seeds(recipe, args)):
         keys = run_keys(recipe, run, args, configs, out)
         rest = [f"--train.out_dir={out / run.name}"]
         rest += [flag(key, value) for key, value in keys.items()]
@@ -135,10 +148,7 @@ def train_all(runs: list[Run], commands: dict[str, list[str]], out: Path, jobs: 
             futures[run.source].result()  # submitted earlier, so running or done: no deadlock
         return train_run(run.name, commands[run.name], out)
 
-    with (
-        ThreadPoolExecutor(jobs) as pool,
-        tqdm(total=len(runs), desc="retrieval study", unit="run") as bar,
-    ):
+    with ThreadPoolExecutor(jobs) as pool, tqdm(total=len(runs), desc="study", unit="run") as bar:
         for run in runs:
             futures[run.name] = pool.submit(one, run)
         for future in as_completed(futures.values()):
@@ -164,12 +174,16 @@ def compare(recipe: Recipe, runs: list[Run], configs: dict[str, Config], args, o
     chosen = recipe.quick if args.quick else recipe.full
     multiples = chosen.multiples or recipe.full.multiples
     context = min(configs[run.name].train.seq_len for run in runs)
+    rows = chosen.rows or recipe.full.rows
     options = Options(
         lengths=[context * k for k in multiples],
-        retrieval_rows=chosen.rows or recipe.full.rows,
+        retrieval_rows=rows,
         device=args.device,
         dtype=args.dtype,
     )
+    if configs[runs[0].name].data.task != "retrieval":  # a text recipe: its rows are windows
+        options.num_windows = rows
+        options.passkeys = chosen.passkeys or recipe.full.passkeys or 0
     names = [out / run.name for run in runs]
     compared = out / "compare"
     with one_thread():
@@ -177,7 +191,8 @@ def compare(recipe: Recipe, runs: list[Run], configs: dict[str, Config], args, o
 
 
 def summary(recipe: Recipe, runs: list[Run], trained: dict, report: dict, seconds: float) -> str:
-    """The study's Markdown: what each run is and cost, then the comparison."""
+    """The study's Markdown: what each run is and cost, then the comparison (with several seeds,
+    first the mean and spread across them)."""
     rows = []
     for run in runs:
         numbers = trained[run.name]
@@ -188,20 +203,32 @@ def summary(recipe: Recipe, runs: list[Run], trained: dict, report: dict, second
             + [f"{numbers['wall_s']:.0f}", f"{numbers['cpu_s'] / 60:.1f}"]
         )
     header = ["run", "what", "steps", "val accuracy", "train wall s", "train CPU min"]
+    retrieval = report.get("kind") == "retrieval"
+    compared = retrieval_markdown(report) if retrieval else markdown_report(report)
+    kind = "retrieval" if retrieval else "perplexity"
     lines = [
-        f"# The retrieval study ({seconds / 60:.1f} min)",
+        f"# The {kind} study ({seconds / 60:.1f} min)",
         "",
         f"Each run: `python train.py --config {recipe.config}` with its overrides (study.json has "
         "the commands).",
         "",
         *table(header, rows),
         "",
-        retrieval_markdown(report).replace("# ", "## ", 1),
+        *seeds_markdown(report, seed_groups(runs)),
+        compared.replace("# ", "## ", 1),
     ]
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the command
+
+
+def seed_groups(runs: list[Run]) -> dict[str, list[str]]:
+    """{the recipe's run name: the folder names of its seeds}, where some run has several."""
+    groups = {}
+    for run in runs:
+        groups.setdefault(run.base, []).append(run.name)
+    return groups if any(len(names) > 1 for names in groups.values()) else {}
 
 
 def add_arguments(parser: cli.ArgumentParser):
@@ -215,7 +242,8 @@ def add_arguments(parser: cli.ArgumentParser):
         "--recipe",
         type=Path,
         default=REPO_ROOT / RECIPE,
-        help=f"the study's runs and their settings (default {RECIPE})",
+        help=f"the study's runs and their settings (default {RECIPE}; configs/study/text.toml: "
+        "the perplexity study)",
     )
     default = Path("out/retrieval-study")
     cli.add_out(parser, f"output directory (default {default})", default=default)
@@ -236,6 +264,13 @@ def add_arguments(parser: cli.ArgumentParser):
         "--steps",
         type=positive(),
         help="training steps of each run but fine-tunes (default: the recipe's)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=positive(),
+        help="train each run with this many seeds (train.seed + 0, 1, ...; runs past the first "
+        "in OUT/NAME-seedK) and report the mean and spread across them (default: the recipe's "
+        "seeds, else 1)",
     )
     parser.add_argument(
         "--jobs",
@@ -289,7 +324,8 @@ def run(args) -> int:
     """The `study` command, on parsed flags (add_arguments)."""
     pyplot()  # matplotlib is there: a missing one fails now, not after the training
     recipe = load_recipe(args.recipe)
-    runs, out = chosen_runs(recipe, args.runs), resolved(args.out)
+    runs = seeded_runs(chosen_runs(recipe, args.runs), seeds(recipe, args))
+    out = resolved(args.out)
     commands, configs = plan(recipe, args)
     beside = read_beside(args.beside) if args.beside else None
     check_writable(out / "study.json")
@@ -301,6 +337,9 @@ def run(args) -> int:
         report = compare(recipe, runs, configs, args, out)
         seconds = time.perf_counter() - started
         numbers = {"quick": args.quick, "seconds": round(seconds, 1), "runs": trained}
+        groups = seed_groups(runs)
+        if groups:  # with one seed, study.json as before
+            numbers["seeds"] = seeds_summary(report, groups)
         markdown = summary(recipe, runs, trained, report, seconds)
         write_summary(out, numbers, markdown, beside, report)
     figure = f", {out}/study.png" if beside is not None else ""

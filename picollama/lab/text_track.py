@@ -12,11 +12,12 @@ from tqdm import tqdm
 
 from data.loader import copy_vocabulary, document_windows, load_meta
 from data.tokenizer import same_tokenizer, tokenizer_file
-from model import ModelArgs, Transformer, rope_frequencies
+from model import WINDOWED, ModelArgs, Transformer, rope_frequencies
 from picollama import REPO_ROOT
 from picollama.checkpoint import read_tokenizer
 from picollama.cli import UserError, check_writable
 from picollama.lab.cost import HEAD_CHUNK, Forwards, block_rows, check_cost
+from picollama.lab.longppl import key_tokens
 from picollama.lab.passkey import (
     DEPTHS,
     DISTRACTORS,
@@ -177,9 +178,13 @@ class TextRows:
 def forward_key(args: ModelArgs, length: int) -> tuple:
     """What a forward of `length` tokens computes with: the model's args but the name of its RoPE
     scaling, and the exact frequencies and attention scale that scaling gives at this length
-    (every static scaling at factor 1 gives RoPE's own)."""
+    (every static scaling at factor 1 gives RoPE's own); the whole args for model.WINDOWED methods,
+    which move the positions attention sees rather than the frequencies: their forwards are their
+    own."""
+    if args.rope_scaling in WINDOWED:
+        return length, repr(args), None
     frequencies = None
-    if args.position == "rope":
+    if args.uses_rope:
         inv_freq, scale = rope_frequencies(args, length)
         frequencies = (inv_freq.numpy().tobytes(), scale)
         if args.length_dependent and length > args.original_seq_len:
@@ -189,11 +194,12 @@ def forward_key(args: ModelArgs, length: int) -> tuple:
     return length, repr(replace(args, rope_scaling="none", rope_factor=1.0)), frequencies
 
 
-def window_losses(model, rows: TextRows, length: int, device, bar) -> tuple[list, list]:
-    """Each window's mean loss on its scored tokens with `length` tokens of context, and (at the
-    longest length, where the whole window is one forward) its mean loss in each position bin."""
+def window_losses(model, rows: TextRows, length: int, device, bar) -> tuple[list, list, np.ndarray]:
+    """Each window's mean loss on its scored tokens with `length` tokens of context, (at the
+    longest length, where the whole window is one forward) its mean loss in each position bin,
+    and the loss of each scored token (windows, scored tokens) for the key tokens (longppl.py)."""
     fixed = rows.protocol == "fixed-target"
-    means, per_position = [], []
+    means, per_position, scored = [], [], []
     for tokens in row_blocks(rows.text[:, -length:] if fixed else rows.text, length, device):
         if fixed:
             losses = token_losses(model, tokens)
@@ -201,22 +207,23 @@ def window_losses(model, rows: TextRows, length: int, device, bar) -> tuple[list
         else:
             losses = targets = sliding_losses(model, tokens, length)
         means += targets.mean(1).tolist()
+        scored.append(targets.cpu().numpy())
         if length == max(rows.lengths):
             bins = list(zip(rows.edges[:-1], rows.edges[1:]))
             per_position += [[row[a:b].mean().item() for a, b in bins] for row in losses]
         bar.update(len(tokens))
-    return means, per_position
+    return means, per_position, np.concatenate(scored)
 
 
 def length_losses(model, method: str, rows: TextRows, device, bar, memo: dict) -> tuple:
     """The loss and perplexity at each length under `method` (None where the model cannot reach
-    it), and each window's mean loss in each position bin at the longest length. `memo` keeps
-    the scores by forward_key: methods that compute the same forward at a length are run once.
-    """
-    per_length = {}
+    it), each window's mean loss in each position bin at the longest length, and the loss of
+    each scored token at each length (None where not reached). `memo` keeps the scores by
+    forward_key: methods that compute the same forward at a length are run once."""
+    per_length, scored = {}, {}
     per_position = []
     for length in rows.lengths:
-        per_length[str(length)] = None
+        per_length[str(length)] = scored[str(length)] = None
         if not fits(model, length):
             bar.update(len(rows.text))
             continue
@@ -226,11 +233,11 @@ def length_losses(model, method: str, rows: TextRows, device, bar, memo: dict) -
             bar.update(len(rows.text))
         else:
             memo[key] = window_losses(model, rows, length, device, bar)
-        means, positions = memo[key]
+        means, positions, scored[str(length)] = memo[key]
         per_position = positions or per_position
         loss = spread(means)
         per_length[str(length)] = {"loss": loss, "perplexity": math.exp(loss["mean"])}
-    return per_length, per_position
+    return per_length, per_position, scored
 
 
 def probe_reads(model, method: str, rows: TextRows, device, bar, memo: dict) -> dict:
@@ -277,14 +284,17 @@ def passkey_reads(model, method: str, rows: TextRows, device, bar, memo: dict) -
     return per_length
 
 
-def evaluate_run(model, run: dict, rows: TextRows, device, bar) -> dict:
+def evaluate_run(model, run: dict, rows: TextRows, device, bar, scored: dict) -> dict:
     """The perplexity, probe, loss-by-position and effective-context numbers of one run, for each
-    of its methods. Lengths a learned-position model cannot reach are None ("n/a")."""
+    of its methods (and in `scored`, {method: {length: token losses}}, for the key tokens).
+    Lengths a learned-position model cannot reach are None ("n/a")."""
     context = run["train_context"]
     result = {"perplexity": {}, "probe": {}, "per_position": {}, "effective_context": {}}
     memo = {}
     for method in run["methods"]:
-        per_length, per_position = length_losses(model, method, rows, device, bar, memo)
+        per_length, per_position, scored[method] = length_losses(
+            model, method, rows, device, bar, memo
+        )
         reference = per_length[str(context)]["perplexity"]
         for row in filter(None, per_length.values()):
             row["ratio"] = row["perplexity"] / reference
@@ -392,6 +402,18 @@ def text_rows(loaded: list, options: Options, out_dir: Path, device) -> tuple[Te
     return rows, data_dir
 
 
+def add_key_tokens(loaded: list, scored: dict, short: int, long: int) -> dict:
+    """The key tokens (longppl.key_tokens) between the `short` length (the training context) and
+    the `long` one, and each run's perplexity on them by method and length (its "key_token")."""
+    found, cells = key_tokens(scored, short, long)
+    if found["evaluator"] is not None:
+        index, method = found["evaluator"]
+        found["evaluator"] = [loaded[index][1]["name"], method]
+    for (index, method), by_length in cells.items():
+        loaded[index][1].setdefault("key_token", {})[method] = by_length
+    return found
+
+
 def text_study(loaded: list, options: Options, command: list[str], device, out_dir: Path) -> dict:
     """The perplexity, copy-probe and loss-by-position report of runs trained on text, on the same
     windows."""
@@ -400,9 +422,14 @@ def text_study(loaded: list, options: Options, command: list[str], device, out_d
     reads = len(rows.lengths) * len(rows.text) + len(rows.distances) * len(rows.spans)
     reads += sum(map(len, rows.passkeys.values()))
     work = sum(len(run["methods"]) * reads for _, run in loaded)
+    scored = {}  # {(run, method): {length: token losses}}
     with torch.inference_mode(), tqdm(total=work, desc="extrapolation", unit="sequence") as bar:
-        for model, run in loaded:
-            run.update(evaluate_run(model, run, rows, device, bar))
+        for index, (model, run) in enumerate(loaded):
+            by_method = {}
+            run.update(evaluate_run(model, run, rows, device, bar, by_method))
+            scored |= {(index, method): losses for method, losses in by_method.items()}
+    context = min(run["train_context"] for _, run in loaded)
+    found = add_key_tokens(loaded, scored, context, max(rows.lengths))
     return {
         "command": command,
         "data": str(data_dir),
@@ -418,6 +445,7 @@ def text_study(loaded: list, options: Options, command: list[str], device, out_d
             "distractors": DISTRACTORS,
             "threshold": THRESHOLD,
         },
+        "key_tokens": found,
         "per_position_edges": rows.edges.tolist(),
         "per_position_tokens": (np.diff(rows.edges) * options.num_windows).tolist(),
         "seed": options.seed,

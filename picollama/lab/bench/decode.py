@@ -19,9 +19,9 @@ from tqdm import tqdm
 
 from generate import Sampling, generate
 from model import ModelArgs
-from picollama.checkpoint import read_tokenizer
+from picollama.checkpoint import load_run, read_tokenizer
 from picollama.cli import UserError, add_compile, comma_list, positive, run_command
-from picollama.convert import write_gguf
+from picollama.convert import imported_run, write_gguf
 from picollama.device import cpu_has_bf16
 from picollama.inference import DecodeStep, cpu_isa, int8_dtype, quantize
 from picollama.lab.bench import common
@@ -56,15 +56,16 @@ def hf_greedy(hf, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
 
 def variants(model, device, compiled: bool) -> dict:
     """Our decoders, each (model, step) on its own copy of the weights: the plain model as its own
-    step, the fused step eager and compiled, and with int8 weights (bf16 activations where the CPU
-    has bf16), each also on one thread on a CPU (what generate.py's tune_threads picks on a busy
-    one); compiled bf16 weights where the CPU has bf16 units (elsewhere bf16 is emulated, slower
-    than fp32)."""
+    step, the fused step eager and compiled, and with int8 weights (eager: bf16 activations where
+    the CPU has bf16, for _weight_int8pack_mm; compiled: int8_dtype's), each also on one thread on
+    a CPU (what generate.py's tune_threads picks on a busy one); compiled bf16 weights where the CPU
+    has bf16 units (elsewhere bf16 is emulated, slower than fp32); and the compiled fp32 and int8
+    steps on a bf16 KV cache."""
     found = {"ours_model_step": (model, None)}
 
-    def fused(dtype, mode="none", compile_it=True, threads=None):
+    def fused(dtype, mode="none", compile_it=True, threads=None, kv_dtype=None):
         twin = quantize(copy.deepcopy(model), mode).to(dtype)
-        return twin, DecodeStep(twin, threads, compiled=compile_it)
+        return twin, DecodeStep(twin, threads, compiled=compile_it, kv_dtype=kv_dtype)
 
     threads = [None, 1] if device.type == "cpu" and torch.get_num_threads() > 1 else [None]
     for n in threads:
@@ -75,9 +76,16 @@ def variants(model, device, compiled: bool) -> dict:
         )
         if compiled:
             found["ours_compiled" + suffix] = fused(torch.float32, threads=n)
-            found["ours_int8_compiled" + suffix] = fused(int8_dtype(device), "int8", threads=n)
+            found["ours_int8_compiled" + suffix] = fused(
+                int8_dtype(device, compiled=True), "int8", threads=n
+            )
     if compiled and (device.type == "cuda" or cpu_has_bf16()):
         found["ours_bf16_compiled"] = fused(torch.bfloat16)
+    if compiled:
+        found["ours_compiled_kv_bf16"] = fused(torch.float32, kv_dtype=torch.bfloat16)
+        found["ours_int8_compiled_kv_bf16"] = fused(
+            int8_dtype(device, compiled=True), "int8", kv_dtype=torch.bfloat16
+        )
     return found
 
 
@@ -122,22 +130,17 @@ class LlamaCpp:
         self.api.llama_model_free(self.model)
 
 
-def llama_cpp_decoders(
-    model, tokenizer_path: Path, context: int, folder: Path
-) -> tuple[dict, str | None]:
+def llama_cpp_decoders(model, tokenizer, context: int, folder: Path) -> tuple[dict, str | None]:
     """({name: LlamaCpp} of our model exported as f32, bf16 and q8_0 GGUF files, or {}; why not)."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         return {}, "llama-cpp-python is not installed (pip install -e '.[llama]')"
-    if not tokenizer_path.is_file():
-        return {}, f"no tokenizer at {tokenizer_path} (--tokenizer) for the GGUF vocabulary"
-    tokenizer = read_tokenizer(tokenizer_path)
+    if tokenizer is None:
+        return {}, "no tokenizer (--tokenizer, or a --run) for the GGUF vocabulary"
     if tokenizer.get_piece_size() > model.args.vocab_size:
-        return (
-            {},
-            f"{tokenizer_path} has more pieces than the model's {model.args.vocab_size} embeddings",
-        )
+        vocab = model.args.vocab_size
+        return {}, f"the tokenizer has more pieces than the model's {vocab} embeddings"
     decoders = {}
     for kind in LLAMA_CPP_TYPES:
         write_gguf(model, tokenizer, folder / f"{kind}.gguf", kind, "bench")
@@ -152,8 +155,10 @@ def step_seconds(
     model, step, positions: list[int], device, calls: int, repeats: int, progress
 ) -> dict[int, float]:
     """Median seconds of one decode step (step, or the model) at each position p, 0..p-1 cached."""
+    kv_dtype = getattr(step, "kv_dtype", None)
     step = model if step is None else step
-    model.setup_cache(1, max(positions) + 2)  # +2: never the cache's last slot, as in generate()
+    # +2: never the cache's last slot, as in generate()
+    model.setup_cache(1, max(positions) + 2, dtype=kv_dtype)
     try:
         generator = torch.Generator().manual_seed(1)
         model(
@@ -235,6 +240,12 @@ def parse_args(argv: list[str]):
     p.add_argument(
         "--config", default="small", help="small, base or a configs/NAME.toml name (default small)"
     )
+    p.add_argument(
+        "--run",
+        type=Path,
+        help="a trained run, a .gguf file or a Hugging Face folder to time in place of --config "
+        "(llama.cpp then reads the same weights, exported with the run's tokenizer)",
+    )
     p.add_argument("--prompt-len", type=positive(), default=16, help="prompt tokens (default 16)")
     p.add_argument(
         "--new-tokens", type=positive(), default=512, help="tokens to generate (default 512)"
@@ -266,13 +277,19 @@ def parse_args(argv: list[str]):
 
 
 def build(cli, device, dtype) -> tuple:
-    """Our model (its context raised to fit the run), a random prompt, our decoders
-    {name: (model, step)}, and every method to time {name: run(n) -> n greedy tokens}: HF's
-    generate, ours without a cache, and our decoders."""
-    margs = common.model_args(cli.config)
+    """Our model (its context raised to fit the run), its tokenizer for the GGUF files, a random
+    prompt, our decoders {name: (model, step)}, and every method to time {name: run(n) -> n greedy
+    tokens}: HF's generate, ours without a cache, and our decoders."""
+    if cli.run:
+        ours, _, tokenizer = load_run(imported_run(cli.run), device, dtype)
+    else:
+        ours = common.build_ours(common.model_args(cli.config), device, dtype)
+        tokenizer = read_tokenizer(cli.tokenizer) if cli.tokenizer.is_file() else None
+    margs = ours.args
     # RoPE is computed for any position: raise the context to fit the prompt, new tokens, positions
     context = max(margs.max_seq_len, cli.prompt_len + cli.new_tokens, max(cli.positions) + 2)
-    ours = common.build_ours(dataclasses.replace(margs, max_seq_len=context), device, dtype).eval()
+    ours.args = dataclasses.replace(margs, max_seq_len=context)
+    ours.eval()
     hf = common.build_hf(ours).eval()
     prompt = torch.randint(
         0, margs.vocab_size, (1, cli.prompt_len), generator=torch.Generator().manual_seed(0)
@@ -288,7 +305,7 @@ def build(cli, device, dtype) -> tuple:
         "ours_no_cache": functools.partial(greedy_without_cache, ours, prompt),
         **{name: ours_greedy(model, step) for name, (model, step) in decoders.items()},
     }
-    return ours, prompt, decoders, methods
+    return ours, tokenizer, prompt, decoders, methods
 
 
 def recording(methods: dict, outputs: dict, n: int) -> dict:
@@ -317,6 +334,8 @@ def time_ours(cli, ours, decoders: dict, methods: dict, device) -> Measured:
         "ours_compiled",
         "ours_compiled_1thread",
         "ours_int8_compiled",
+        "ours_compiled_kv_bf16",
+        "ours_int8_compiled_kv_bf16",
     )
     timed_steps = [name for name in timed if name in decoders]
     total = cli.repeats + len(timed_steps) * (2 * cli.repeats + 1) + 2 * cli.repeats + 1
@@ -334,7 +353,7 @@ def time_ours(cli, ours, decoders: dict, methods: dict, device) -> Measured:
     return Measured(seconds, samples, outputs, steps, bounds, compile_seconds)
 
 
-def time_llama_cpp(cli, ours, prompt: torch.Tensor, device, measured: Measured):
+def time_llama_cpp(cli, ours, tokenizer, prompt: torch.Tensor, device, measured: Measured):
     """Add llama.cpp's greedy runs (f32, bf16, q8_0 GGUF exports of our model) to `measured`, or why
     it was skipped. On its own (its contexts freed after): its idle worker threads keep polling for
     work between calls, which slowed the torch decoders run between them by up to 40% here."""
@@ -343,7 +362,7 @@ def time_llama_cpp(cli, ours, prompt: torch.Tensor, device, measured: Measured):
         return
     with tempfile.TemporaryDirectory() as folder:
         context = cli.prompt_len + cli.new_tokens
-        llama_cpp, measured.why_not = llama_cpp_decoders(ours, cli.tokenizer, context, Path(folder))
+        llama_cpp, measured.why_not = llama_cpp_decoders(ours, tokenizer, context, Path(folder))
         try:
             theirs = {
                 name: functools.partial(decoder.greedy, prompt[0].tolist())
@@ -359,13 +378,14 @@ def time_llama_cpp(cli, ours, prompt: torch.Tensor, device, measured: Measured):
 
 
 def time_ours_again(cli, methods: dict, device, measured: Measured):
-    """Run our fastest fp32 and int8 decoders again after llama.cpp (its threads gone), pooling
-    these runs with their first ones: a VM's speed can drift over minutes (llama.cpp f32 from 472 to
-    778 tok/s in five runs on one), so the decoders compared with llama.cpp are timed on both sides
-    of its runs."""
+    """Run our fastest fp32 and int8 decoders (and bf16) again after llama.cpp (its threads gone),
+    pooling these runs with their first ones: a VM's speed can drift over minutes (llama.cpp f32
+    from 472 to 778 tok/s in five runs on one), so the decoders compared with llama.cpp are timed on
+    both sides of its runs."""
     if measured.why_not:
         return
     again = [best(measured.seconds, FP32_DECODERS), best(measured.seconds, ("ours_int8",))]
+    again += [name for name in ("ours_bf16_compiled",) if name in methods]
     runs = recording({name: methods[name] for name in again}, measured.outputs, cli.new_tokens)
     for name, times in common.interleaved_times(runs, device, 0, cli.repeats).items():
         measured.samples[name] += times
@@ -389,6 +409,23 @@ def agreement(measured: Measured, n: int, dtype) -> dict[str, int]:
     if dtype == torch.float32 and any(agree[name] != n for name in exact if name in agree):
         raise UserError(f"fp32 decoders disagree with the plain model's greedy tokens: {agree}")
     return agree
+
+
+def bytes_per_weight(method: str) -> float:
+    """What a method reads a weight: 4 bytes fp32, 2 bf16, 1 int8 (+ its row scales, ignored) and
+    34/32 for q8_0 (a 2-byte scale a block of 32)."""
+    if "q8_0" in method:
+        return 34 / 32
+    if "int8" in method:
+        return 1.0
+    return 2.0 if "bf16" in method.removesuffix("_kv_bf16") else 4.0
+
+
+def bound_share(method: str, seconds_per_token: float, bounds: dict) -> float:
+    """The share of the streaming-read bound a method reaches: the time its weights take to read at
+    the measured streaming rate, over its time a token."""
+    weight_bytes = bounds["weight_bytes"] / 4 * bytes_per_weight(method)  # weight_bytes: fp32
+    return weight_bytes / bounds["stream_read_bytes_per_s"] / seconds_per_token
 
 
 def ratios_of(measured: Measured, n: int, positions: list[int]) -> dict[str, float]:
@@ -416,6 +453,11 @@ def ratios_of(measured: Measured, n: int, positions: list[int]) -> dict[str, flo
             for k in ("llama_cpp_q8_0",)
             if k in seconds
         },
+        **{
+            f"ours_bf16_compiled_over_{k}": seconds[k] / seconds["ours_bf16_compiled"]
+            for k in ("llama_cpp_bf16",)
+            if k in seconds and "ours_bf16_compiled" in seconds
+        },
     }
 
 
@@ -431,9 +473,19 @@ def report(cli, margs: ModelArgs, measured: Measured, agree: dict, ratios: dict)
         + (f"; llama.cpp skipped: {measured.why_not}" if measured.why_not else "")
     )
     rows = [
-        [name, n / s, s, seconds["hf_generate"] / s, agree[name]] for name, s in seconds.items()
+        [
+            name,
+            n / s,
+            s,
+            seconds["hf_generate"] / s,
+            f"{bound_share(name, s / n, measured.bounds):.0%}",
+            agree[name],
+        ]
+        for name, s in seconds.items()
     ]
-    common.print_table(["method", "tok/s", "seconds", "vs HF", "same tokens"], rows)
+    common.print_table(
+        ["method", "tok/s", "seconds", "vs HF", "of read bound", "same tokens"], rows
+    )
     positions = cli.positions
     first, last = positions[0], positions[-1]
     common.print_table(
@@ -461,7 +513,7 @@ def write(cli, margs: ModelArgs, dtype, measured: Measured, agree: dict, ratios:
     common.write_results(
         cli,
         {
-            "config": cli.config,
+            "config": str(cli.run) if cli.run else cli.config,
             "cpu_isa": cpu_isa(),
             "model_args": margs.to_dict(),
             "prompt_len": cli.prompt_len,
@@ -471,6 +523,7 @@ def write(cli, margs: ModelArgs, dtype, measured: Measured, agree: dict, ratios:
                 name: {
                     "seconds": s,
                     "tokens_per_second": n / s,
+                    "share_of_stream_read_bound": bound_share(name, s / n, measured.bounds),
                     "runs_seconds": measured.samples.get(name),
                 }
                 for name, s in measured.seconds.items()
@@ -490,9 +543,9 @@ def write(cli, margs: ModelArgs, dtype, measured: Measured, agree: dict, ratios:
 def main(argv: list[str]) -> int:
     cli = parse_args(argv)
     device, dtype = common.setup(cli)
-    ours, prompt, decoders, methods = build(cli, device, dtype)
+    ours, tokenizer, prompt, decoders, methods = build(cli, device, dtype)
     measured = time_ours(cli, ours, decoders, methods, device)
-    time_llama_cpp(cli, ours, prompt, device, measured)
+    time_llama_cpp(cli, ours, tokenizer, prompt, device, measured)
     time_ours_again(cli, methods, device, measured)
     agree = agreement(measured, cli.new_tokens, dtype)
     ratios = ratios_of(measured, cli.new_tokens, cli.positions)
