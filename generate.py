@@ -537,13 +537,16 @@ def fit_length(model: Transformer, args, total: int, sinks: Sinks | None = None)
         )
 
 
-def fast_step(model: Transformer, compile: bool, batch: int) -> DecodeStep | None:
+KV_CACHES = {"same": None, "bfloat16": torch.bfloat16, "int8": torch.int8}  # --kv-cache
+
+
+def fast_step(model: Transformer, compile: bool, batch: int, kv_dtype=None) -> DecodeStep | None:
     """The fused one-token step for `batch` rows on its fastest thread count (compiled unless that
-    measures slower), or None where the model itself decodes: dynamic NTK re-runs the prefix as it
-    grows, and the fused step is LLaMA's."""
+    measures slower), on a KV cache of kv_dtype (None: the activations'), or None where the model
+    itself decodes: dynamic NTK re-runs the prefix as it grows, and the fused step is LLaMA's."""
     if not model.is_llama() or model.args.length_dependent:
         return None
-    step = DecodeStep(model)
+    step = DecodeStep(model, kv_dtype=kv_dtype)
     notes = [tune_threads(model, step, batch)]
     if compile:
         step, note = compiled_unless_slower(model, step, batch)
@@ -628,6 +631,8 @@ def sample_command(args) -> int:
         raise UserError("the following arguments are required: --run (see --help)")
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     sinks = sinks_of(args)
+    if sinks and args.kv_cache == "int8":
+        raise UserError("--sink-tokens moves cached keys, which an int8 --kv-cache cannot turn")
     check_rope_flags(args)
     check_prompt_flags(args)
     device = pick_device(args.device)
@@ -635,7 +640,7 @@ def sample_command(args) -> int:
         check_compiler()
     model, tokenizer, dtype = load_model(args, device)
     prompts = batch_prompts(args, model, tokenizer, sampling, device, sinks)
-    step = fast_step(model, args.compile, len(prompts))
+    step = fast_step(model, args.compile, len(prompts), KV_CACHES[args.kv_cache])
     start = time.perf_counter()
     outputs = print_samples(model, tokenizer, prompts, sampling, step, sinks)
     if device.type == "cuda":
@@ -714,8 +719,15 @@ def add_sampling_flags(parser: ArgumentParser):
         "--quantize",
         choices=QUANTIZATIONS,
         default="none",
-        help="int8: weight-only int8 with per-channel scales "
+        help="int8: weight-only int8 with per-channel scales; int4 (CPU): 4-bit in groups of 32 "
         "(default none; bfloat16 weights: --dtype bfloat16)",
+    )
+    parser.add_argument(
+        "--kv-cache",
+        choices=tuple(KV_CACHES),
+        default="same",
+        help="the KV cache's dtype for LLaMA models: same (as the activations, default), bfloat16 "
+        "or int8 (a scale a token and head): less to read a step at long lengths",
     )
 
 

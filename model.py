@@ -301,7 +301,7 @@ class Attention(nn.Module):
         self.cache: KVCache | None = None
 
     def new_cache(self, shape: tuple, dtype, device) -> KVCache:
-        return KVCache(shape, dtype, device)
+        return (Int8KVCache if dtype == torch.int8 else KVCache)(shape, dtype, device)
 
     def forward(self, x, freqs_cis, start_pos: int | None, mask, q_scale=None):
         """mask: None (causal), a boolean or additive tensor, or an object that attends itself
@@ -390,7 +390,8 @@ class Transformer(nn.Module):
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype=None):
         """A KV cache for max_batch_size sequences of max_seq_len tokens (prompt and generated), of
-        `dtype` (None: the activations'; bf16 under an fp32 model halves it)."""
+        `dtype` (None: the activations'; bf16 under an fp32 model halves it, int8 (Int8KVCache)
+        quarters it)."""
         weight = self.tok_embeddings.weight  # the activations' dtype and device
         shape = (max_batch_size, self.args.n_kv_heads, max_seq_len, self.args.head_dim)
         dtype = dtype or weight.dtype
@@ -629,6 +630,33 @@ class LearnedPositions(NoPE):
 POSITIONS = dict(rope=RoPE, alibi=ALiBi, nope=NoPE, sinusoidal=Sinusoidal, learned=LearnedPositions)
 
 
+# ---------------------------------------------------------------- inference: a quantized cache
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., n) as int8 and one float32 scale a row (absmax / 127): x ≈ values · scale."""
+    scale = x.float().abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return (x.float() / scale[..., None]).round().to(torch.int8), scale
+
+
+class Int8KVCache(KVCache):
+    """A KV cache of int8 keys and values with one scale per token and head (quantize_rows): a
+    quarter of fp32's bytes, what a long decode step reads (picollama.inference reads it as is)."""
+
+    def __init__(self, shape: tuple, dtype, device):
+        super().__init__(shape, torch.int8, device)
+        for name in ("k_scale", "v_scale"):
+            self.register_buffer(name, torch.zeros(shape[:3], device=device), persistent=False)
+
+    def update(self, input_pos: int, k: torch.Tensor, v: torch.Tensor):
+        batch, end = k.shape[0], input_pos + k.shape[2]
+        kept = []
+        for values, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            values[:batch, :, input_pos:end], scales[:batch, :, input_pos:end] = quantize_rows(new)
+            kept.append(values[:batch, :, :end] * scales[:batch, :, :end, None])
+        return kept
+
+
 # ---------------------------------------------------------------- past YaRN: length methods
 
 ATTENTION_BLOCK = 1 << 22  # the most scores held at once per sequence and head (16 MiB in fp32)
@@ -742,6 +770,8 @@ class ForgettingAttention(Attention):
         self.wf = nn.Linear(args.dim, args.n_heads, bias=True)
 
     def new_cache(self, shape: tuple, dtype, device) -> KVCache:
+        if dtype == torch.int8:
+            raise ValueError("FoX's KV cache is not quantized: use a float dtype")
         return ForgetCache(shape, dtype, device, self.n_heads)
 
     def forward(self, x, freqs_cis, start_pos: int | None, mask, q_scale=None):

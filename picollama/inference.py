@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import ModelArgs, Transformer, rope_frequencies
+from model import Int8KVCache, KVCache, ModelArgs, Transformer, quantize_rows, rope_frequencies
 from picollama import REPO_ROOT
 from picollama.cli import atomic_output
 from picollama.device import cpu_flags, cpu_has_bf16
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 # Inductor options for the compiled decode step (DecodeStep.compile_step): the weights stay out of
 # the package (the step reads the model's own); realize_acc_reads_threshold=1 stores point-wise
 # results that read more than one buffer instead of inlining them into their readers: 2.3-2.4
@@ -87,34 +87,101 @@ class Int8RowDot(Int8Linear):
         return (products.sum(-1) * self.scale).to(x.dtype)
 
 
+class Int4Linear(nn.Module):
+    """A bias-free CPU linear layer whose weight is 4-bit: groups of 32 inputs with a scale and a
+    minimum each (llama.cpp's Q4_1), packed for PyTorch's CPU kernel (_weight_int4pack_mm_for_cpu,
+    bf16 inputs and outputs). Its packing interleaves rows, so layers are not fused (Concatenated).
+    """
+
+    GROUP = 32
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor):
+        super().__init__()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)  # (in / GROUP, out, 2) bf16
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.scales_zeros = self.scales_zeros.to(torch.bfloat16)  # the kernel's, whatever .to()
+        return self
+
+    @classmethod
+    def fits(cls, linear: nn.Linear) -> bool:
+        """Whether the kernel takes the layer's shape: inputs a multiple of 32, outputs of 16."""
+        return linear.in_features % cls.GROUP == 0 and linear.out_features % 16 == 0
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor) -> "Int4Linear":
+        """weight (out, in), in a multiple of GROUP, rounded to 16 levels between each group's
+        minimum and maximum."""
+        out, inputs = weight.shape
+        groups = weight.detach().float().view(out, inputs // cls.GROUP, cls.GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        levels = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            levels.to(torch.int32).view(out, inputs), 1
+        )
+        # the kernel reads a weight as (level - 8)·scale + zero
+        scales_zeros = torch.stack((scale, low + 8 * scale), -1).transpose(0, 1)
+        return cls(packed, scales_zeros.contiguous().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        # exported for a compiled step: the kernel under our own op's name (decode_ops.cpp)
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        if torch.compiler.is_exporting() and decode_ops() is not None:
+            mm = torch.ops.picollama.int4_linear
+        out = mm(rows, self.packed, self.GROUP, self.scales_zeros)
+        return out.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+class Concatenated(nn.Module):
+    """Layers reading one input, their outputs concatenated: Int4Linears, which cannot be joined."""
+
+    def __init__(self, layers: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([layer(x) for layer in self.parts], -1)
+
+
 @functools.cache
-def attention_op():
-    """torch.ops.picollama.decode_attention (decode_attention.cpp), built at the first call (~20 s)
-    into the project's cache for this CPU and torch, or None where it cannot be built (no C++
-    compiler), with a warning: the compiled step then attends with SDPA."""
+def decode_ops():
+    """torch.ops.picollama (decode_ops.cpp: decode_attention, int4_linear), built at the first call
+    (~20 s) into the project's cache for this CPU and torch, or None where it cannot be built (no
+    C++ compiler), with a warning: the compiled step then attends with SDPA."""
     from torch.utils.cpp_extension import load_inline
 
-    source = (Path(__file__).parent / "decode_attention.cpp").read_text()
+    source = (Path(__file__).parent / "decode_ops.cpp").read_text()
     key = hashlib.sha256(f"{source}|{cpu_isa()}|{torch.__version__}".encode()).hexdigest()[:16]
     folder = REPO_ROOT / ".cache" / "extensions" / key
     folder.mkdir(parents=True, exist_ok=True)
     try:
         load_inline(
-            "picollama_decode_attention",
+            "picollama_decode_ops",
             cpp_sources=source,
             is_python_module=False,
             build_directory=str(folder),
-            extra_cflags=["-O3", "-march=native"],
+            # -fopenmp: at::parallel_for is inlined here, and without it runs on one thread
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # a missing or failing compiler: SDPA still works
-        warnings.warn(f"decode attention kernel not built ({e}); attending with SDPA", stacklevel=2)
+        warnings.warn(f"decode_ops.cpp not built ({e}); attending with SDPA", stacklevel=2)
         return None
     torch.library.register_fake("picollama::decode_attention")(_attention_shape)
-    return torch.ops.picollama.decode_attention
+    torch.library.register_fake("picollama::int4_linear")(_int4_shape)
+    return torch.ops.picollama
 
 
-def _attention_shape(q, k, v, length):
+def _attention_shape(q, k, v, length, k_scale=None, v_scale=None):
     return q.new_empty(q.shape, dtype=torch.float32)
+
+
+def _int4_shape(x, packed, group, scales_zeros):
+    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 def isa_class(flags: set[str]) -> str:
@@ -140,15 +207,22 @@ def int8_dtype(device: torch.device, compiled: bool = False) -> torch.dtype:
 def quantize(model: Transformer, mode: str) -> Transformer:
     """The model for inference with its weights as `mode` says, changed in place: "none" leaves them
     as they are, "int8" replaces every linear layer (not the embedding or the norms) by an
-    Int8Linear. Quantize before casting the model to its activation dtype (.to(torch.bfloat16)): the
-    int8 weights are rounded from the given ones."""
+    Int8Linear, "int4" (CPU only) by an Int4Linear where its shape fits the kernel (the output layer
+    by an Int8Linear). Quantize before casting the model to its activation dtype
+    (.to(torch.bfloat16)): the weights are rounded from the given ones."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {mode!r}")
-    if mode == "int8":
-        for module in list(model.modules()):
-            for name, child in module.named_children():
-                if isinstance(child, nn.Linear):
-                    setattr(module, name, Int8Linear.quantized(child.weight))
+    if mode == "int4" and model.tok_embeddings.weight.device.type != "cpu":
+        raise ValueError("int4 weights run on the CPU only (PyTorch's CPU int4 kernel)")
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if not isinstance(child, nn.Linear):
+                continue
+            # int4 keeps the output layer in int8, as llama.cpp's Q4 files keep it in 8 bits or more
+            if mode == "int8" or (mode == "int4" and child is model.output):
+                setattr(module, name, Int8Linear.quantized(child.weight))
+            elif mode == "int4" and Int4Linear.fits(child):
+                setattr(module, name, Int4Linear.quantized(child.weight))
     return model.requires_grad_(False)
 
 
@@ -189,7 +263,9 @@ def projection(layers: list[nn.Module], rows: bool) -> tuple[nn.Module, list]:
     """One layer computing the outputs of `layers` (which read the same input) concatenated, on its
     own copy of their weights in the layout its product reads fastest: int8 as it is, dense weights
     as dense(rows) lays them out. And [(layer, name, view)]: each layer's tensors as views of that
-    copy, for DecodeStep.share_weights."""
+    copy, for DecodeStep.share_weights. Int4 layers are kept as they are (Concatenated)."""
+    if isinstance(layers[0], Int4Linear):
+        return Concatenated(layers), []
     int8 = isinstance(layers[0], Int8Linear)
     names = ("weight", "scale") if int8 else ("weight",)
     tensors = {
@@ -235,12 +311,14 @@ class FusedBlock(nn.Module):
         self.shared = qkv + o + w13 + w2
         self.attention_norm = block.attention_norm
         self.ffn_norm = block.ffn_norm
-        cpu = attention.wq.weight.device.type == "cpu"
+        cpu = block.attention_norm.weight.device.type == "cpu"
         fits = self.head_dim % 16 == 0 and self.head_dim <= 128 and self.heads // self.kv_heads <= 8
-        # a compiled CPU step attends with decode_attention.cpp where it builds
-        self.attend = attention_op() if rows and cpu and fits else None
+        # a compiled CPU step attends with decode_ops.cpp where it builds
+        ops = decode_ops() if rows and cpu and fits else None
+        self.attend = ops.decode_attention if ops is not None else None
 
-    def forward(self, x, pos, cos, sin, k_cache, v_cache):
+    def forward(self, x, pos, cos, sin, k_cache, v_cache, k_scale=None, v_scale=None):
+        """k_scale, v_scale: an Int8KVCache's (its keys and values int8), else None."""
         batch = x.shape[0]
         heads = self.heads
         kv_heads = self.kv_heads
@@ -250,19 +328,34 @@ class FusedBlock(nn.Module):
         qk = (qk * cos + qk.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).type_as(v)
         q, k = qk.split((heads, kv_heads), 1)
         # a slice, not [pos]: one compiled graph for every pos
-        k_cache[:batch, :, pos : pos + 1] = k.unsqueeze(2)
-        v_cache[:batch, :, pos : pos + 1] = v.unsqueeze(2)
+        new = slice(pos, pos + 1)
+        if k_scale is None:
+            k_cache[:batch, :, new], v_cache[:batch, :, new] = k.unsqueeze(2), v.unsqueeze(2)
+        else:
+            k_cache[:batch, :, new], k_scale[:batch, :, new] = quantize_rows(k.unsqueeze(2))
+            v_cache[:batch, :, new], v_scale[:batch, :, new] = quantize_rows(v.unsqueeze(2))
         if self.attend is not None:
-            out = self.attend(q, k_cache, v_cache, pos + 1).type_as(x)
+            out = self.attend(q, k_cache, v_cache, pos + 1, k_scale, v_scale).type_as(x)
         else:
             keys, values = k_cache[:batch, :, : pos + 1], v_cache[:batch, :, : pos + 1]
-            keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache (kv_dtype)
+            if k_scale is not None:
+                keys = keys * k_scale[:batch, :, : pos + 1, None]
+                values = values * v_scale[:batch, :, : pos + 1, None]
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # another cache dtype (kv_dtype)
             out = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys, values, enable_gqa=heads != kv_heads
             )
         x = x + self.wo(out.view(batch, -1))
         gate, up = self.w13(self.ffn_norm(x)).chunk(2, -1)
         return x + self.w2(F.silu(gate) * up)
+
+
+def cache_tensors(cache: KVCache) -> tuple:
+    """What a step reads and writes of a layer's KV cache: keys and values, and an Int8KVCache's
+    scales."""
+    if isinstance(cache, Int8KVCache):
+        return cache.k, cache.v, cache.k_scale, cache.v_scale
+    return cache.k, cache.v
 
 
 class DecodeStep(nn.Module):
@@ -274,8 +367,8 @@ class DecodeStep(nn.Module):
     (None: as set; a compiled step keeps the count it was compiled with). compiled: the step
     compiled ahead of time into one C++ library at its first call with each batch size, its
     matrix-vector products RowDots on the CPU (see compile_step), attending with
-    decode_attention.cpp. kv_dtype: the KV cache's dtype for generate() (bf16 halves what a long
-    cache reads a step; None: the activations')."""
+    decode_ops.cpp. kv_dtype: the KV cache's dtype for generate() (bf16 halves what a long
+    cache reads a step, int8 quarters it; None: the activations')."""
 
     def __init__(
         self,
@@ -306,7 +399,8 @@ class DecodeStep(nn.Module):
         self.norm = model.norm
         self.layers = nn.ModuleList(FusedBlock(block, compiled) for block in model.layers)
         self.shared = [view for layer in self.layers for view in layer.shared]
-        if model.output.weight is model.tok_embeddings.weight:  # tied: kept shared, as laid out
+        tied = getattr(model.output, "weight", None) is model.tok_embeddings.weight
+        if tied:  # kept shared, as laid out
             self.output = dense(model.output.weight, rows=True) if compiled else model.output
         else:
             self.output, views = projection([model.output], compiled)
@@ -335,7 +429,7 @@ class DecodeStep(nn.Module):
     def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         if start_pos >= self.cos.shape[0]:
             self.tables(2 * start_pos)
-        caches = [(attention.cache.k, attention.cache.v) for attention in self.attentions]
+        caches = [cache_tensors(attention.cache) for attention in self.attentions]
         threads = torch.get_num_threads()
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # ~0.3 µs a change
@@ -359,8 +453,8 @@ class DecodeStep(nn.Module):
 
     def step(self, ids, pos, cos, sin, caches):
         x = self.tok_embeddings(ids)
-        for layer, (k_cache, v_cache) in zip(self.layers, caches):
-            x = layer(x, pos, cos, sin, k_cache, v_cache)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, pos, cos, sin, *cache)
         return self.output(self.norm(x))
 
     def compile_step(self, ids, cos, sin, caches):
@@ -372,7 +466,7 @@ class DecodeStep(nn.Module):
         and values] and returns [logits]."""
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
         length = torch.export.Dim("cache_length", min=2, max=1 << 24)
-        dims = [({2: length}, {2: length}) for _ in caches]
+        dims = [tuple({2: length} for _ in cache) for cache in caches]
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
             # torch's own use of its pytree API
             warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
@@ -440,7 +534,9 @@ def step_seconds(
     the others of up to `calls` calls, as many as the first says fit in `budget` seconds; no new
     round once the rounds took `budget` (on a busy CPU one step can take 20x longer on two threads
     than on one: one round then decides)."""
-    model.setup_cache(batch, calls + 1)
+    # the steps timed together share one cache
+    kv_dtype = getattr(next(iter(steps.values())), "kv_dtype", None)
+    model.setup_cache(batch, calls + 1, dtype=kv_dtype)
     device = model.tok_embeddings.weight.device
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
     times = {name: [] for name in steps}
@@ -493,7 +589,8 @@ def compiled_unless_slower(
     """pick_step between `step` (eager) and a compiled step of the model on the same threads, at the
     batch size it will decode (which it is compiled for). The model's layers then share the chosen
     step's weights: the other's copy goes with it."""
-    chosen, note = pick_step(model, step, DecodeStep(model, step.threads, compiled=True), batch)
+    compiled = DecodeStep(model, step.threads, compiled=True, kv_dtype=step.kv_dtype)
+    chosen, note = pick_step(model, step, compiled, batch)
     chosen.share_weights()
     return chosen, note
 

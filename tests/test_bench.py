@@ -56,7 +56,7 @@ def test_smoke_run_writes_results(script, tmp_path):
         assert agree["ours_no_cache"] == agree["ours_fused_eager"] == result["new_tokens"]
         assert all(m["tokens_per_second"] > 0 for m in result["methods"].values())
     elif script == "quantize":
-        assert result["results"].keys() == {"fp32", "bf16", "int8"}
+        assert result["results"].keys() == {"fp32", "bf16", "int8", "int4"}
         assert all(0.99 < r["perplexity_over_fp32"] < 1.01 for r in result["results"].values())
     elif script == "perplexity":  # a random tiny model: the same numbers from both
         assert result["ours_over_llama_cpp"] == pytest.approx(1.0, abs=1e-4)
@@ -185,4 +185,4 @@ def test_quantize_scores_a_run_on_its_own_tokenizer_s_data(
         )
         == 0
     )
-    assert json.loads(Path(out).read_text())["results"].keys() == {"fp32", "bf16", "int8"}
+    assert json.loads(Path(out).read_text())["results"].keys() == {"fp32", "bf16", "int8", "int4"}

@@ -361,3 +361,21 @@ print("picollama.lab.study" in sys.modules)
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["[]", "True", "True"], result.stdout
+
+
+@pytest.mark.parametrize("kv_cache", ["bfloat16", "int8"])
+def test_kv_cache_flag_sets_the_cache_dtype(kv_cache):
+    """--kv-cache: the fused step's KV cache dtype (KV_CACHES), which generate() sets up."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=97)).eval()
+    step = generate.fast_step(model, False, 1, generate.KV_CACHES[kv_cache])
+    seen = []
+    original = model.setup_cache
+
+    def spy(*args, dtype=None):
+        seen.append(dtype)
+        original(*args, dtype=dtype)
+
+    model.setup_cache = spy
+    tokens = generate.generate(model, [[1, 2, 3]], Sampling(5, temperature=0), step=step)[0]
+    assert len(tokens) == 5 and seen[-1] == generate.KV_CACHES[kv_cache]

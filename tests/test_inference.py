@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import generate
 from generate import Sampling
-from model import ModelArgs, Transformer, apply_rotary, rope_rotations
+from model import ModelArgs, Transformer, apply_rotary, quantize_rows, rope_rotations
 from picollama import inference
 from picollama.inference import DecodeStep, Int8Linear, projection, quantize, rope_table
 
@@ -178,7 +178,7 @@ def test_projection_concatenates_int8_rows_and_scales():
 
 def test_quantize_refuses_an_unknown_mode():
     with pytest.raises(ValueError, match="int8"):
-        quantize(make_model(), "int4")
+        quantize(make_model(), "int3")
 
 
 def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
@@ -299,35 +299,80 @@ def test_compiled_unless_slower_decodes_like_the_model(one_thread):
     assert model.layers[0].attention.wv.weight.untyped_storage().data_ptr() == storage
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize(
     "batch, heads, kv_heads, head_dim, length",
     [(1, 9, 3, 64, 700), (2, 6, 6, 48, 17), (1, 4, 2, 16, 1), (3, 8, 1, 128, 300)],
 )
 def test_decode_attention_kernel_is_sdpa(dtype, batch, heads, kv_heads, head_dim, length):
-    """decode_attention.cpp: PyTorch's SDPA over the first `length` cached positions (fp32 and bf16
-    caches, grouped queries, a cache with more rows and slots than used)."""
-    attend = inference.attention_op()
-    if attend is None:
-        pytest.fail("the decode attention kernel did not build (a C++ compiler is needed)")
+    """decode_ops.cpp: PyTorch's SDPA over the first `length` cached positions (fp32, bf16
+    and int8 caches (one scale a token and head), grouped queries, a cache with more rows and
+    slots than used)."""
+    ops = inference.decode_ops()
+    if ops is None:
+        pytest.fail("decode_ops.cpp did not build (a C++ compiler is needed)")
+    attend = ops.decode_attention
     torch.manual_seed(0)
     q = torch.randn(batch, heads, head_dim)
-    k, v = (torch.randn(batch + 1, kv_heads, length + 5, head_dim).to(dtype) for _ in range(2))
-    keys, values = (t[:batch, :, :length].float() for t in (k, v))
+    k, v = (torch.randn(batch + 1, kv_heads, length + 5, head_dim) for _ in range(2))
+    if dtype == torch.int8:
+        (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
+        keys, values = k * k_scale[..., None], v * v_scale[..., None]
+        got = attend(q, k, v, length, k_scale, v_scale)
+    else:
+        k, v = k.to(dtype), v.to(dtype)
+        keys, values = k.float(), v.float()
+        got = attend(q, k, v, length)
+    keys, values = keys[:batch, :, :length], values[:batch, :, :length]
     expected = F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)
-    torch.testing.assert_close(attend(q, k, v, length), expected[:, :, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, expected[:, :, 0], atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_step_on_a_bf16_cache(one_thread):
-    """kv_dtype=bf16: the compiled fp32 step reads and writes a bf16 KV cache; its logits stay
-    within 2% of the largest logit of the fp32 cache's."""
+@pytest.mark.parametrize("kv_dtype, tolerance", [(torch.bfloat16, 0.02), (torch.int8, 0.05)])
+def test_compiled_step_on_a_smaller_cache(one_thread, kv_dtype, tolerance):
+    """kv_dtype bf16 or int8: the compiled fp32 step reads and writes a bf16 or int8 KV cache (the
+    model's prefill too); its logits stay within 2% (bf16) or 5% (int8: 16-dim heads rounded to
+    255 levels) of the largest logit of the fp32 cache's, on a model with sharp N(0, 0.3)
+    weights."""
     model = make_model()
-    step = DecodeStep(model, compiled=True, kv_dtype=torch.bfloat16)
+    step = DecodeStep(model, compiled=True, kv_dtype=kv_dtype)
     tokens = torch.randint(0, 97, (1, 12))
     expected = step_logits(model, DecodeStep(model), tokens, 5)
     model.setup_cache(1, 12, dtype=step.kv_dtype)
     model(tokens[:, :5], start_pos=0)
-    assert model.layers[0].attention.cache.k.dtype == torch.bfloat16
+    assert model.layers[0].attention.cache.k.dtype == kv_dtype
     got = torch.cat([step(tokens[:, p : p + 1], start_pos=p) for p in range(5, 12)], 1)
     model.reset_cache()
-    assert (got - expected).abs().max() < 0.02 * expected.abs().max()
+    assert (got - expected).abs().max() < tolerance * expected.abs().max()
+
+
+def test_int4_linear_is_its_groups_dequantized():
+    """Int4Linear: 16 levels between each group of 32 inputs' minimum and maximum (Q4_1), through
+    PyTorch's CPU kernel: the product of the dequantized weight within bf16 rounding."""
+    torch.manual_seed(0)
+    weight = torch.randn(48, 64)
+    layer = inference.Int4Linear.quantized(weight)
+    groups = weight.view(48, 2, 32)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    step = (high - low) / 15
+    dequantized = (((groups - low) / step).round() * step + low).view(48, 64)
+    assert (dequantized - weight).abs().max() <= step.max() / 2 + 1e-6
+    x = torch.randn(3, 64)
+    expected = F.linear(x.bfloat16().float(), dequantized)
+    torch.testing.assert_close(layer(x), expected, atol=0.05, rtol=0.01)
+
+
+def test_int4_model_decodes_compiled_as_eager(one_thread):
+    """--quantize int4: the compiled step (the kernel under picollama::int4_linear) gives the eager
+    step's logits, and both the model's; the output layer is int8 (as in llama.cpp's Q4 files)."""
+    model = quantize(make_model(), "int4")
+    assert isinstance(model.layers[0].attention.wq, inference.Int4Linear)
+    assert isinstance(model.output, Int8Linear)
+    tokens = torch.randint(0, 97, (1, 12))
+    with torch.no_grad():
+        expected = model(tokens)[:, 5:]
+    eager = step_logits(model, DecodeStep(model), tokens, 5)
+    torch.testing.assert_close(eager, expected, atol=1e-4, rtol=1e-4)
+    # compiled, the int8 head reads fp32 inputs (Int8RowDot) where eager rounds them to bf16
+    compiled = step_logits(model, DecodeStep(model, compiled=True), tokens, 5)
+    torch.testing.assert_close(compiled, expected, atol=0.05, rtol=0.01)

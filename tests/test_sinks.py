@@ -225,6 +225,7 @@ def test_the_command_samples_past_the_context_in_a_window(runs, capsys):
         ("rope", ["--sink-tokens", "32"], "fills the model's context of 32"),
         ("rope", ["--window", "64"], "the KV cache (--window): 64 tokens exceed"),
         ("rope", ["--window", "16", "--rope-scaling", "dynamic"], "dynamic NTK"),
+        ("rope", ["--window", "16", "--kv-cache", "int8"], "an int8 --kv-cache cannot turn"),
     ],
 )
 def test_the_command_refuses_in_one_line(runs, capsys, position, flags, message):

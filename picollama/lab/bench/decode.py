@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import operator
 import statistics
 import sys
 import tempfile
@@ -60,7 +61,7 @@ def variants(model, device, compiled: bool) -> dict:
     the CPU has bf16, for _weight_int8pack_mm; compiled: int8_dtype's), each also on one thread on
     a CPU (what generate.py's tune_threads picks on a busy one); compiled bf16 weights where the CPU
     has bf16 units (elsewhere bf16 is emulated, slower than fp32); and the compiled fp32 and int8
-    steps on a bf16 KV cache."""
+    steps on a bf16 KV cache, the int8 one on an int8 cache too; compiled int4 weights on a CPU."""
     found = {"ours_model_step": (model, None)}
 
     def fused(dtype, mode="none", compile_it=True, threads=None, kv_dtype=None):
@@ -83,9 +84,12 @@ def variants(model, device, compiled: bool) -> dict:
         found["ours_bf16_compiled"] = fused(torch.bfloat16)
     if compiled:
         found["ours_compiled_kv_bf16"] = fused(torch.float32, kv_dtype=torch.bfloat16)
-        found["ours_int8_compiled_kv_bf16"] = fused(
-            int8_dtype(device, compiled=True), "int8", kv_dtype=torch.bfloat16
-        )
+        if device.type == "cpu":
+            found["ours_int4_compiled"] = fused(torch.float32, "int4")
+        for name, kv_dtype in (("bf16", torch.bfloat16), ("int8", torch.int8)):
+            found[f"ours_int8_compiled_kv_{name}"] = fused(
+                int8_dtype(device, compiled=True), "int8", kv_dtype=kv_dtype
+            )
     return found
 
 
@@ -128,6 +132,16 @@ class LlamaCpp:
     def close(self):
         self.api.llama_free(self.context)
         self.api.llama_model_free(self.model)
+
+
+def gguf_type(path: Path) -> str:
+    """A GGUF file's weight type as llama.cpp names it (q4_1, q8_0, ...), from its metadata."""
+    import gguf
+
+    field = gguf.GGUFReader(path).fields["general.file_type"]
+    return (
+        gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").lower()
+    )
 
 
 def llama_cpp_decoders(model, tokenizer, context: int, folder: Path) -> tuple[dict, str | None]:
@@ -187,8 +201,8 @@ def step_seconds(
 @torch.inference_mode()
 def decode_bounds(model, device, repeats: int, progress) -> dict:
     """What bounds a batch-1 fp32 decode step: the bare matrix-vector products over every weight
-    matrix (each Linear once), and a plain streaming read (a sum over 512 MB) for the bandwidth the
-    memory itself gives."""
+    matrix (each Linear once, median), and a plain streaming read (a sum over 512 MB, fastest) for
+    the bandwidth the memory itself gives."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     inputs = {w.shape[1]: torch.ones(1, w.shape[1], device=device, dtype=w.dtype) for w in weights}
@@ -198,9 +212,12 @@ def decode_bounds(model, device, repeats: int, progress) -> dict:
         for w in weights:
             F.linear(inputs[w.shape[1]], w)
 
-    seconds = common.interleaved_medians(
+    times = common.interleaved_times(
         {"matvecs": matvecs, "read": big.sum}, device, 1, repeats, progress
     )
+    # the read's fastest run: a bound is the best the memory gave (its median moved 45-82 GB/s
+    # between runs on a 2-core Zen 5)
+    seconds = {"matvecs": statistics.median(times["matvecs"]), "read": min(times["read"])}
     read_bytes_per_s = big.numel() * big.element_size() / seconds["read"]
     return {
         "weight_bytes": nbytes,
@@ -322,7 +339,8 @@ def recording(methods: dict, outputs: dict, n: int) -> dict:
 
 def time_ours(cli, ours, decoders: dict, methods: dict, device) -> Measured:
     """Compile (warm up) the compiled decoders, then time the whole greedy runs of every method
-    interleaved, the one-token step of a few decoders at each position, and the bounds."""
+    interleaved, the one-token step of a few decoders at each position, and the bounds (before and
+    after)."""
     compile_seconds = {
         name: warm_up(run, cli.new_tokens) for name, run in methods.items() if "compiled" in name
     }
@@ -336,10 +354,13 @@ def time_ours(cli, ours, decoders: dict, methods: dict, device) -> Measured:
         "ours_int8_compiled",
         "ours_compiled_kv_bf16",
         "ours_int8_compiled_kv_bf16",
+        "ours_int8_compiled_kv_int8",
+        "ours_int4_compiled",
     )
     timed_steps = [name for name in timed if name in decoders]
-    total = cli.repeats + len(timed_steps) * (2 * cli.repeats + 1) + 2 * cli.repeats + 1
+    total = cli.repeats + len(timed_steps) * (2 * cli.repeats + 1) + 4 * cli.repeats + 2
     with tqdm(total=total, desc="decode runs", disable=None) as progress:
+        before = decode_bounds(ours, device, 2 * cli.repeats, progress)
         runs = recording(methods, outputs, cli.new_tokens)
         samples = common.interleaved_times(runs, device, 0, cli.repeats, progress)
         seconds = {name: statistics.median(times) for name, times in samples.items()}
@@ -349,7 +370,10 @@ def time_ours(cli, ours, decoders: dict, methods: dict, device) -> Measured:
             )
             for name in timed_steps
         }
-        bounds = decode_bounds(ours, device, 2 * cli.repeats, progress)
+        # the memory's speed drifts over minutes on a shared machine: the faster of before and after
+        after = decode_bounds(ours, device, 2 * cli.repeats, progress)
+        bounds = max(before, after, key=operator.itemgetter("stream_read_bytes_per_s"))
+        bounds["stream_read_rates"] = [b["stream_read_bytes_per_s"] for b in (before, after)]
     return Measured(seconds, samples, outputs, steps, bounds, compile_seconds)
 
 
@@ -363,6 +387,10 @@ def time_llama_cpp(cli, ours, tokenizer, prompt: torch.Tensor, device, measured:
     with tempfile.TemporaryDirectory() as folder:
         context = cli.prompt_len + cli.new_tokens
         llama_cpp, measured.why_not = llama_cpp_decoders(ours, tokenizer, context, Path(folder))
+        if llama_cpp and cli.run and cli.run.suffix == ".gguf":  # and the file as it is
+            llama_cpp[f"llama_cpp_{gguf_type(cli.run)}"] = LlamaCpp(
+                cli.run, context, torch.get_num_threads()
+            )
         try:
             theirs = {
                 name: functools.partial(decoder.greedy, prompt[0].tolist())
@@ -385,7 +413,7 @@ def time_ours_again(cli, methods: dict, device, measured: Measured):
     if measured.why_not:
         return
     again = [best(measured.seconds, FP32_DECODERS), best(measured.seconds, ("ours_int8",))]
-    again += [name for name in ("ours_bf16_compiled",) if name in methods]
+    again += [name for name in ("ours_bf16_compiled", "ours_int4_compiled") if name in methods]
     runs = recording({name: methods[name] for name in again}, measured.outputs, cli.new_tokens)
     for name, times in common.interleaved_times(runs, device, 0, cli.repeats).items():
         measured.samples[name] += times
@@ -412,10 +440,13 @@ def agreement(measured: Measured, n: int, dtype) -> dict[str, int]:
 
 
 def bytes_per_weight(method: str) -> float:
-    """What a method reads a weight: 4 bytes fp32, 2 bf16, 1 int8 (+ its row scales, ignored) and
-    34/32 for q8_0 (a 2-byte scale a block of 32)."""
+    """What a method reads a weight: 4 bytes fp32, 2 bf16, 1 int8 (+ its row scales, ignored), 34/32
+    for q8_0 (a 2-byte scale a block of 32), 20/32 for q4_1 and our int4 (a 2-byte scale and minimum
+    a block of 32; the output layer's 8 bits, in both, left out)."""
     if "q8_0" in method:
         return 34 / 32
+    if "q4_1" in method or "int4" in method:
+        return 20 / 32
     if "int8" in method:
         return 1.0
     return 2.0 if "bf16" in method.removesuffix("_kv_bf16") else 4.0
@@ -454,9 +485,12 @@ def ratios_of(measured: Measured, n: int, positions: list[int]) -> dict[str, flo
             if k in seconds
         },
         **{
-            f"ours_bf16_compiled_over_{k}": seconds[k] / seconds["ours_bf16_compiled"]
-            for k in ("llama_cpp_bf16",)
-            if k in seconds and "ours_bf16_compiled" in seconds
+            f"{ours}_over_{k}": seconds[k] / seconds[ours]
+            for ours, k in (
+                ("ours_bf16_compiled", "llama_cpp_bf16"),
+                ("ours_int4_compiled", "llama_cpp_q4_1"),
+            )
+            if k in seconds and ours in seconds
         },
     }
 
@@ -499,10 +533,12 @@ def report(cli, margs: ModelArgs, measured: Measured, agree: dict, ratios: dict)
             ["weights at the streaming-read rate", bounds["stream_read_bound_seconds"] * 1e3],
         ],
     )
+    rates = " and ".join(f"{rate / 1e9:.1f}" for rate in bounds["stream_read_rates"])
     print(
         f"{bounds['weight_bytes'] / 1e6:.1f} MB of fp32 weights per token: read at "
         f"{bounds['matvec_bytes_per_s'] / 1e9:.1f} GB/s by the matrix-vector products, "
-        f"{bounds['stream_read_bytes_per_s'] / 1e9:.1f} GB/s by a plain streaming read"
+        f"{bounds['stream_read_bytes_per_s'] / 1e9:.1f} GB/s by a plain streaming read (the faster "
+        f"of {rates}, before and after)"
         + "".join(f"; {name} compiled in {s:.1f} s" for name, s in measured.compile_seconds.items())
     )
     print("  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))

@@ -21,6 +21,7 @@ PRECISIONS = {
     "fp32": (torch.float32, "none"),
     "bf16": (torch.bfloat16, "none"),
     "int8": (None, "int8"),
+    "int4": (torch.float32, "int4"),  # CPU only
 }
 
 
@@ -82,6 +83,8 @@ def evaluate(original: Transformer, batches: list, bytes_per_token, device) -> d
     """{precision: its loss, perplexity (also over fp32's) and bits per byte where known}."""
     results = {}
     for name, (dtype, mode) in tqdm(PRECISIONS.items(), desc="precisions", disable=None):
+        if mode == "int4" and device.type != "cpu":
+            continue
         model = Transformer(original.args).eval()
         model.load_state_dict(original.state_dict())
         model = quantize(model, mode).to(device=device, dtype=dtype or int8_dtype(device))
