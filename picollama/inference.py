@@ -58,9 +58,7 @@ class Int8Linear(nn.Module):
     @classmethod
     def quantized(cls, weight: torch.Tensor) -> "Int8Linear":
         """weight (out, in) rounded to int8 per row (float32 scales: .to(dtype) casts them)."""
-        w = weight.detach().float()
-        scale = w.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        return cls((w / scale[:, None]).round().to(torch.int8), scale)
+        return cls(*quantize_rows(weight.detach()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # PyTorch's int8 kernel (gpt-fast's on CPU) reads a quarter of fp32's bytes. With bf16
