@@ -676,6 +676,10 @@ def grouped_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return (q @ k[:, :, None].mT).float() / math.sqrt(q.shape[-1])
 
 
+# SDPA's CPU flash kernel, called directly for the log-sum-exp it returns beside the output
+flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
 def softmax_attention(scores, allowed, v: torch.Tensor) -> torch.Tensor:
     """softmax over the allowed keys of grouped scores, times the values (B, kv heads, S,
     head_dim): (B, heads, T, head_dim)."""
@@ -719,7 +723,35 @@ class WindowedRoPE:
         """Attention of queries (B, heads, T, head_dim) over keys and values (B, kv heads, S,
         head_dim), both rotated as usual (a layer with rotary False: plain causal attention)."""
         far_k = turn(k, self.k_turn) if rotary else None
+        if q.device.type == "cpu" and self.positions.dim() == 1 and rotary:
+            group = q.shape[1] // k.shape[1]  # the flash kernel takes no GQA: keys per head
+            k, far_k, v = (x.repeat_interleave(group, 1) for x in (k, far_k, v))
+            return blockwise(partial(self.flash_block, k=k, far_k=far_k, v=v), q, k.shape[2])
         return blockwise(partial(self.block, k=k, far_k=far_k, v=v), q, k.shape[2])
+
+    def flash_block(self, q, first: int, k, far_k, v):
+        """block's attention by CPU flash attention, the kernel SDPA calls, once a branch over
+        the keys it sees, merged by the branches' log-sum-exps (SDPA does not return them):
+        about the cost of one causal attention, not of two full score matrices."""
+        rows = slice(first, first + q.shape[2])
+        positions, keys = self.positions[rows], self.key_positions  # increasing
+        stop = int(torch.searchsorted(keys, positions[-1], right=True))
+        near = int(torch.searchsorted(keys, positions[0] - self.window, right=True))
+        far = int(torch.searchsorted(keys, positions[-1] - self.window, right=True))
+        distance = positions[:, None] - keys[:stop]
+        branches = [(q, k, slice(near, stop), (distance >= 0) & (distance < self.window))]
+        if far > 0:
+            far_q = turn(q, self.q_turn[rows])
+            branches.append((far_q, far_k, slice(0, far), distance >= self.window))
+        outs, lses = [], []
+        for query, key, span, allowed in branches:
+            allowed = allowed[:, span]
+            bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, -math.inf)
+            out, lse = flash_attention_cpu(query, key[:, :, span], v[:, :, span], attn_mask=bias)
+            outs.append(out.float())
+            lses.append(lse.masked_fill(~allowed.any(-1), -math.inf))  # the kernel says 0
+        lse = torch.stack(lses).logsumexp(0)
+        return sum(out * (part - lse).exp()[..., None] for out, part in zip(outs, lses)).type_as(q)
 
     def block(self, q, first: int, k, far_k, v):
         rows = slice(first, first + q.shape[2])

@@ -99,6 +99,16 @@ def test_trains(name):
     assert last < first - 1.0, (first, last)
 
 
+def spying(scores, blocks: list):
+    """scores(q, k, ...), recording the size of each call's score matrix in blocks."""
+
+    def spy(q, k, *args, **kwargs):
+        blocks.append(q.shape[2] * k.shape[2])
+        return scores(q, k, *args, **kwargs)
+
+    return spy
+
+
 @pytest.mark.parametrize("name", ["rerope", "self_extend", "fox", "ssmax-fox"])
 def test_blocks_of_queries_equal_one_block_in_bounded_memory(name, monkeypatch):
     model = make_model(**VARIANTS[name])
@@ -106,13 +116,8 @@ def test_blocks_of_queries_equal_one_block_in_bounded_memory(name, monkeypatch):
     with torch.no_grad():
         whole = model(tokens)
         blocks = []
-        scores = model_module.grouped_scores
-
-        def spy(q, k):
-            blocks.append(q.shape[2] * k.shape[2])
-            return scores(q, k)
-
-        monkeypatch.setattr(model_module, "grouped_scores", spy)
+        for name in ("grouped_scores", "flash_attention_cpu"):  # the scores' two makers
+            monkeypatch.setattr(model_module, name, spying(getattr(model_module, name), blocks))
         monkeypatch.setattr(model_module, "ATTENTION_BLOCK", 1000)  # 6 queries over 150 keys
         torch.testing.assert_close(model(tokens), whole, atol=1e-5, rtol=0)
     assert max(blocks) <= 1000 and len(blocks) >= 2 * 25  # 25 blocks per layer at least
@@ -185,6 +190,20 @@ def test_each_score_is_rope_at_the_mapped_distance(method, factor, positions):
             turn = torch.polar(torch.ones(4), m * inv_freq)
             expected[i, j] = (rotated(q[..., i : i + 1, :], turn[None]) * k[..., j, :]).sum()
     torch.testing.assert_close(weights, (expected / math.sqrt(8)).softmax(-1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", list(WINDOWED))
+def test_the_flash_branches_equal_the_score_matrix(method):
+    # on CPU with one row of positions, each branch runs in SDPA's flash kernel and the two merge
+    # by log-sum-exp; positions per sequence take the score-matrix path, which the test above
+    # checks against the papers' distances
+    args = ModelArgs(**{**TINY, **WINDOWED[method]})
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 40, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    positions = torch.arange(7, 47)
+    flash = WindowedRoPE(args, positions, positions).attend(q, k, v, rotary=True)
+    rows = WindowedRoPE(args, positions[None], positions[None]).attend(q, k, v, rotary=True)
+    torch.testing.assert_close(flash, rows, atol=1e-5, rtol=0)
 
 
 def farthest(method: str, length: int, w: int, factor: float) -> float:

@@ -260,3 +260,31 @@ def test_the_text_recipe_plans_the_perplexity_study_with_the_new_encodings(tmp_p
     assert configs["rope-yarn"].train.seq_len == 1024 and configs["rope-yarn"].optim.lr == 2e-3
     _, quick = planned(tmp_path, "--recipe", path, "--quick")
     assert quick["rope"].train.max_steps == 30 and quick["rope-yarn"].train.max_steps == 10
+
+
+def retrieval_runs(name: str, accuracy: list[float]) -> dict:
+    """A retrieval report's run at lengths 32 and 64, with its accuracy there."""
+    cells = {str(n): {"mean": a} for n, a in zip((32, 64), accuracy)}
+    run = dict(name=f"out/{name}", methods=["none"], accuracy={"none": cells})
+    return run | dict(original_context=32, train_context=32)
+
+
+def test_the_figure_draws_a_run_s_seeds_as_their_mean_in_a_min_max_band(tmp_path, monkeypatch):
+    drawn = []
+
+    def keep(fig, axes, path, note=""):
+        drawn.extend(axes)
+
+    monkeypatch.setattr(report, "save_figure", keep)
+    older = {"lengths": [32, 64], "task": {"chance": 0.1}, "runs": [retrieval_runs("rope", [0, 0])]}
+    seeds = [retrieval_runs("rope", [0.9, 0.5]), retrieval_runs("rope-seed1", [0.7, 0.3])]
+    newer = {**older, "runs": seeds}
+    report.side_by_side_plot([], [older, newer], tmp_path / "study.png")  # the last one draws
+    text, retrieval = drawn  # one pair of panels: one run, its seeds under its name
+    assert text.get_title() == "rope: perplexity ratio" and not text.lines
+    (line,) = [line for line in retrieval.lines if line.get_label() == "none"]
+    assert list(line.get_xdata()) == [1, 2]
+    assert list(line.get_ydata()) == pytest.approx([0.8, 0.4])
+    (band,) = retrieval.collections
+    low, high = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
+    assert (low, high) == pytest.approx((0.3, 0.9))

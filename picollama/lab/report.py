@@ -3,6 +3,7 @@ tables, the effective-context line and the plots, of perplexity and the copy pro
 text) or of retrieval accuracy (runs trained on the retrieval task)."""
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -513,16 +514,40 @@ def plot_report(report: dict, path: Path):
     save_figure(fig, list(grid.flat), path, note)
 
 
+def seed_line(ax, points: list[list[tuple]], **style):
+    """A line through the mean of each x's values across seeds (points: [(x, y)] a seed), in a band
+    from their min to their max where there are several seeds."""
+    ys = {}
+    for seed in points:
+        for x, y in seed:
+            ys.setdefault(x, []).append(y)
+    if not ys:
+        return
+    xs = sorted(ys)
+    ax.plot(xs, [np.mean(ys[x]) for x in xs], linestyle="-", **style)
+    if len(points) > 1:
+        low, high = ([f(ys[x]) for x in xs] for f in (min, max))
+        ax.fill_between(xs, low, high, color=style["color"], alpha=0.15, linewidth=0)
+
+
 def accuracy_panel(
-    ax, run: dict, key: str, xs: list[int], chance: float, mark: float, title: str, scale: int = 1
+    ax,
+    runs: list[dict],
+    key: str,
+    xs: list[int],
+    chance: float,
+    mark: float,
+    title: str,
+    scale: int = 1,
 ):
-    """One run's accuracy (report key "accuracy" or "by_distance") against xs / scale, a line per
-    method; chance dotted, the training context (at mark) dashed."""
-    for method in run["methods"]:
-        points = [(x, run[key][method][str(x)]) for x in xs]
-        points = [(x / scale, cell["mean"]) for x, cell in points if cell is not None]
-        if points:
-            ax.plot(*zip(*points), linestyle="-", **method_style(method))
+    """Accuracy (report key "accuracy" or "by_distance") against xs / scale, a line per method
+    over a run's seeds (runs); chance dotted, the training context (at mark) dashed."""
+    for method in runs[0]["methods"]:
+        points = []
+        for run in runs:
+            cells = [(x, run[key][method][str(x)]) for x in xs]
+            points.append([(x / scale, cell["mean"]) for x, cell in cells if cell is not None])
+        seed_line(ax, points, **method_style(method))
     ax.axhline(chance, color="gray", linestyle=":", linewidth=1)
     ax.axvline(mark, color="black", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
@@ -564,9 +589,9 @@ def retrieval_plot(report: dict, path: Path):
         bottom = grid[2 * (index // columns) + 1, index % columns]
         context = run["train_context"]
         title = f"{run_title(run)}: by length"
-        accuracy_panel(top, run, "accuracy", lengths, chance, context, title)
+        accuracy_panel(top, [run], "accuracy", lengths, chance, context, title)
         title = "by key-query distance"
-        accuracy_panel(bottom, run, "by_distance", distances, chance, context, title)
+        accuracy_panel(bottom, [run], "by_distance", distances, chance, context, title)
         top.set_xlabel("row length (tokens)", fontsize="small")
         bottom.set_xlabel(f"distance in rows of {max(lengths)}", fontsize="small")
         for ax, xs in ((top, lengths), (bottom, distances)):
@@ -576,17 +601,18 @@ def retrieval_plot(report: dict, path: Path):
     save_figure(fig, [ax for ax in grid.flat if ax.get_visible()], path)
 
 
-def ratio_panel(ax, run: dict, lengths: list[int], title: str):
-    """One text run's perplexity ratio to its training length against the length in multiples of
-    the context it was first trained at, a line per method."""
-    base = run["original_context"]
-    for method in run["methods"]:
-        points = [(n, run["perplexity"][method][str(n)]) for n in lengths]
-        points = [(n / base, cell["ratio"]) for n, cell in points if cell is not None]
-        if points:
-            ax.plot(*zip(*points), linestyle="-", **method_style(method))
+def ratio_panel(ax, runs: list[dict], lengths: list[int], title: str):
+    """A text run's perplexity ratio to its training length against the length in multiples of
+    the context it was first trained at, a line per method over the run's seeds (runs)."""
+    base = runs[0]["original_context"]
+    for method in runs[0]["methods"]:
+        points = []
+        for run in runs:
+            cells = [(n, run["perplexity"][method][str(n)]) for n in lengths]
+            points.append([(n / base, cell["ratio"]) for n, cell in cells if cell is not None])
+        seed_line(ax, points, **method_style(method))
     ax.axhline(1, color="gray", linestyle=":", linewidth=1)
-    ax.axvline(run["train_context"] / base, color="black", linestyle="--", linewidth=1)
+    ax.axvline(runs[0]["train_context"] / base, color="black", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set(ylim=(0.6, 30), title=title)
@@ -625,35 +651,48 @@ def text_report_problem(report) -> str | None:
     return None
 
 
-def side_by_side_plot(text_report: dict, retrieval_report: dict, path: Path, columns: int = 3):
-    """Small multiples, one pair of panels per run name (a text study's run and a retrieval
-    study's run of the same name, e.g. `rope`): perplexity ratio by length beside retrieval
-    accuracy by length, a line per method, the training context dashed."""
+def seed_sets(report: dict) -> dict[str, list[dict]]:
+    """A report's runs by name, the seeds of a study run (NAME-seedK) under NAME."""
+    sets = {}
+    for run in report["runs"]:
+        sets.setdefault(re.sub(r"-seed\d+$", "", run_title(run)), []).append(run)
+    return sets
+
+
+def side_by_side_plot(
+    text_reports: list[dict], retrieval_reports: list[dict], path: Path, columns: int = 3
+):
+    """Small multiples, one pair of panels per run name (text studies' run and retrieval studies'
+    run of the same name, e.g. `rope`; of each kind, the last report naming it): perplexity
+    ratio by length beside retrieval accuracy by length, a line per method (the mean of a run's
+    seeds, in their min–max band), the training context dashed."""
     import matplotlib.ticker
 
-    text = {run_title(run): run for run in text_report["runs"]}
-    retrieval = {run_title(run): run for run in retrieval_report["runs"]}
+    text, retrieval = {}, {}
+    for kind, reports in ((text, text_reports), (retrieval, retrieval_reports)):
+        for report in reports:
+            for name, runs in seed_sets(report).items():
+                kind[name] = (runs, report["lengths"], report.get("task"))  # at its first place
     names = list(retrieval) + [name for name in text if name not in retrieval]
     rows = math.ceil(len(names) / columns)
     size = (3.0 * 2 * columns, 2.9 * rows)
     fig, grid = pyplot().subplots(rows, 2 * columns, figsize=size, squeeze=False)
     for ax in grid.flat[2 * len(names) :]:
         ax.set_visible(False)
-    chance = retrieval_report["task"]["chance"]
     times = matplotlib.ticker.FuncFormatter(times_tick)
     for index, name in enumerate(names):
         left, right = grid.flat[2 * index], grid.flat[2 * index + 1]
         if name in text:
-            ratio_panel(left, text[name], text_report["lengths"], f"{name}: perplexity ratio")
+            ratio_panel(left, *text[name][:2], f"{name}: perplexity ratio")
             left.yaxis.set_major_formatter(times)
         else:
             missing_panel(left, f"{name}: perplexity ratio", "perplexity")
         if name in retrieval:
-            run = retrieval[name]
-            base, lengths = run["original_context"], retrieval_report["lengths"]
-            mark = run["train_context"] / base
+            runs, lengths, task = retrieval[name]
+            base = runs[0]["original_context"]
+            mark = runs[0]["train_context"] / base
             title = f"{name}: retrieval"
-            accuracy_panel(right, run, "accuracy", lengths, chance, mark, title, base)
+            accuracy_panel(right, runs, "accuracy", lengths, task["chance"], mark, title, base)
         else:
             missing_panel(right, f"{name}: retrieval", "retrieval")
         for ax in (left, right):
@@ -663,6 +702,6 @@ def side_by_side_plot(text_report: dict, retrieval_report: dict, path: Path, col
     note = (
         "x: length in multiples of the training context (of the base run for a fine-tune); "
         "dashed: the run's training context; dotted: chance (retrieval) or the in-context "
-        "perplexity"
+        "perplexity; bands: min–max across seeds"
     )
     save_figure(fig, [ax for ax in grid.flat if ax.get_visible()], path, note)

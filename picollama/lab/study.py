@@ -257,8 +257,9 @@ def add_arguments(parser: cli.ArgumentParser):
     )
     parser.add_argument(
         "--beside",
-        type=Path,
-        help="a text study's extrapolation.json: its perplexity beside retrieval",
+        type=comma_list(),
+        help="text studies' extrapolation.json, comma-separated: their perplexity beside "
+        "retrieval (a run named in several drawn from the last)",
     )
     parser.add_argument(
         "--steps",
@@ -282,8 +283,8 @@ def add_arguments(parser: cli.ArgumentParser):
 
 
 def read_beside(path: Path) -> dict:
-    """--beside's report, checked as side_by_side_plot reads it; UserError, before any training,
-    for anything but a text study's extrapolation.json."""
+    """One of --beside's reports, checked as side_by_side_plot reads it; UserError, before any
+    training, for anything but a text study's extrapolation.json."""
     what = f"--beside {path} must be a text study's extrapolation.json (generate.py extrapolate)"
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
@@ -310,14 +311,14 @@ def check_unused(out: Path):
         )
 
 
-def write_summary(out: Path, numbers: dict, markdown: str, beside: dict | None, report: dict):
+def write_summary(out: Path, numbers: dict, markdown: str, beside: list | None, report: dict):
     """study.json, study.md and (with --beside) study.png in out."""
     with atomic_output(out / "study.json") as json_path, atomic_output(out / "study.md") as md_path:
         json_path.write_text(json.dumps(numbers) + "\n")
         md_path.write_text(markdown)
     if beside is not None:
         with atomic_output(out / "study.png") as png_path:
-            side_by_side_plot(beside, report, png_path)
+            side_by_side_plot(beside, [report], png_path)
 
 
 def run(args) -> int:
@@ -327,7 +328,7 @@ def run(args) -> int:
     runs = seeded_runs(chosen_runs(recipe, args.runs), seeds(recipe, args))
     out = resolved(args.out)
     commands, configs = plan(recipe, args)
-    beside = read_beside(args.beside) if args.beside else None
+    beside = [read_beside(Path(path)) for path in args.beside] if args.beside else None
     check_writable(out / "study.json")
     with exclusive(out):  # one study at a time in a folder
         check_unused(out)
