@@ -530,6 +530,17 @@ def seed_line(ax, points: list[list[tuple]], **style):
         ax.fill_between(xs, low, high, color=style["color"], alpha=0.15, linewidth=0)
 
 
+def seed_lines(ax, runs: list[dict], key: str, field: str, xs: list[int], scale: float):
+    """seed_line of each method: its cells' `field` under run[key][method] at xs, against x /
+    scale, over a run's seeds (runs)."""
+    for method in runs[0]["methods"]:
+        points = []
+        for run in runs:
+            cells = [(x, run[key][method][str(x)]) for x in xs]
+            points.append([(x / scale, cell[field]) for x, cell in cells if cell is not None])
+        seed_line(ax, points, **method_style(method))
+
+
 def accuracy_panel(
     ax,
     runs: list[dict],
@@ -542,12 +553,7 @@ def accuracy_panel(
 ):
     """Accuracy (report key "accuracy" or "by_distance") against xs / scale, a line per method
     over a run's seeds (runs); chance dotted, the training context (at mark) dashed."""
-    for method in runs[0]["methods"]:
-        points = []
-        for run in runs:
-            cells = [(x, run[key][method][str(x)]) for x in xs]
-            points.append([(x / scale, cell["mean"]) for x, cell in cells if cell is not None])
-        seed_line(ax, points, **method_style(method))
+    seed_lines(ax, runs, key, "mean", xs, scale)
     ax.axhline(chance, color="gray", linestyle=":", linewidth=1)
     ax.axvline(mark, color="black", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
@@ -605,12 +611,7 @@ def ratio_panel(ax, runs: list[dict], lengths: list[int], title: str):
     """A text run's perplexity ratio to its training length against the length in multiples of
     the context it was first trained at, a line per method over the run's seeds (runs)."""
     base = runs[0]["original_context"]
-    for method in runs[0]["methods"]:
-        points = []
-        for run in runs:
-            cells = [(n, run["perplexity"][method][str(n)]) for n in lengths]
-            points.append([(n / base, cell["ratio"]) for n, cell in cells if cell is not None])
-        seed_line(ax, points, **method_style(method))
+    seed_lines(ax, runs, "perplexity", "ratio", lengths, base)
     ax.axhline(1, color="gray", linestyle=":", linewidth=1)
     ax.axvline(runs[0]["train_context"] / base, color="black", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
