@@ -292,6 +292,23 @@ def test_a_study_never_writes_into_a_folder_that_holds_anything(
     assert "stopped before training" in study_error(["--out", str(out)], capsys)  # empty: fine
 
 
+@pytest.mark.parametrize("recipe", ["retrieval", "text"])
+def test_a_study_writes_by_default_into_out_named_for_its_recipe(
+    tmp_path, capsys, monkeypatch, recipe
+):
+    """Without --out, the retrieval recipe's study goes to out/retrieval-study and the text
+    recipe's to out/text-study (relative to the caller's folder), never one into the other's."""
+    stop_training(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    path = study.REPO_ROOT / f"configs/study/{recipe}.toml"
+    assert "stopped before training" in study_error(["--recipe", str(path)], capsys)
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == [
+        "out",
+        f"out/{recipe}-study",
+        f"out/{recipe}-study/logs",
+    ]
+
+
 TEXT_REPORT = study.REPO_ROOT / "docs/results/extrapolation_study.json"  # the perplexity study's
 
 

@@ -288,3 +288,27 @@ def test_the_figure_draws_a_run_s_seeds_as_their_mean_in_a_min_max_band(tmp_path
     (band,) = retrieval.collections
     low, high = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
     assert (low, high) == pytest.approx((0.3, 0.9))
+
+
+def test_the_ratio_panels_share_a_range_that_spans_the_drawn_ratios(tmp_path, monkeypatch):
+    """Every perplexity-ratio panel gets the same y range, from the ratios drawn (with a margin)
+    rather than a fixed 0.6–30×: lines near 1× stay apart, the largest ratio stays in view."""
+    drawn = []
+
+    def keep(fig, axes, path, note=""):
+        drawn.extend(axes)
+
+    monkeypatch.setattr(report, "save_figure", keep)
+
+    def text_run(name: str, ratios: list[float | None]) -> dict:
+        cells = {str(n): r and {"ratio": r} for n, r in zip((256, 512), ratios)}
+        run = dict(name=f"out/{name}", methods=["none"], perplexity={"none": cells})
+        return run | dict(original_context=256, train_context=256)
+
+    text = {
+        "lengths": [256, 512],
+        "runs": [text_run("rope", [1, 2.5]), text_run("nope", [1, None])],
+    }
+    report.side_by_side_plot([text], [], tmp_path / "study.png")
+    limits = [ax.get_ylim() for ax in drawn if ax.get_title().endswith("perplexity ratio")]
+    assert limits == [pytest.approx((0.8 / 1.1, 2.5 * 1.1))] * 2

@@ -607,7 +607,21 @@ def retrieval_plot(report: dict, path: Path):
     save_figure(fig, [ax for ax in grid.flat if ax.get_visible()], path)
 
 
-def ratio_panel(ax, runs: list[dict], lengths: list[int], title: str):
+def ratio_range(text: dict) -> tuple[float, float]:
+    """The y range every ratio panel shares: the drawn runs' ratios (text: {name: (seeds, ...)})
+    with a margin, at least 0.8–2×, so that lines near 1× stay apart."""
+    ratios = [
+        cell["ratio"]
+        for runs, *_ in text.values()
+        for run in runs
+        for cells in run["perplexity"].values()
+        for cell in cells.values()
+        if cell is not None
+    ]
+    return min([0.8, *ratios]) / 1.1, max([2.0, *ratios]) * 1.1
+
+
+def ratio_panel(ax, runs: list[dict], lengths: list[int], title: str, ylim: tuple):
     """A text run's perplexity ratio to its training length against the length in multiples of
     the context it was first trained at, a line per method over the run's seeds (runs)."""
     base = runs[0]["original_context"]
@@ -616,7 +630,8 @@ def ratio_panel(ax, runs: list[dict], lengths: list[int], title: str):
     ax.axvline(runs[0]["train_context"] / base, color="black", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set(ylim=(0.6, 30), title=title)
+    plain_log_ticks(ax.yaxis)
+    ax.set(ylim=ylim, title=title)
     ax.grid(alpha=0.3)
 
 
@@ -681,10 +696,11 @@ def side_by_side_plot(
     for ax in grid.flat[2 * len(names) :]:
         ax.set_visible(False)
     times = matplotlib.ticker.FuncFormatter(times_tick)
+    ylim = ratio_range(text)
     for index, name in enumerate(names):
         left, right = grid.flat[2 * index], grid.flat[2 * index + 1]
         if name in text:
-            ratio_panel(left, *text[name][:2], f"{name}: perplexity ratio")
+            ratio_panel(left, *text[name][:2], f"{name}: perplexity ratio", ylim)
             left.yaxis.set_major_formatter(times)
         else:
             missing_panel(left, f"{name}: perplexity ratio", "perplexity")

@@ -245,8 +245,9 @@ def add_arguments(parser: cli.ArgumentParser):
         help=f"the study's runs and their settings (default {RECIPE}; configs/study/text.toml: "
         "the perplexity study)",
     )
-    default = Path("out/retrieval-study")
-    cli.add_out(parser, f"output directory (default {default})", default=default)
+    cli.add_out(
+        parser, "output directory (default out/RECIPE-study: out/retrieval-study, out/text-study)"
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -325,6 +326,7 @@ def run(args) -> int:
     """The `study` command, on parsed flags (add_arguments)."""
     pyplot()  # matplotlib is there: a missing one fails now, not after the training
     recipe = load_recipe(args.recipe)
+    args.out = args.out or Path("out") / f"{args.recipe.stem}-study"
     runs = seeded_runs(chosen_runs(recipe, args.runs), seeds(recipe, args))
     out = resolved(args.out)
     commands, configs = plan(recipe, args)
