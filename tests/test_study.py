@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_corpus
 
 import generate
+from data.prepare import prepare
 from data.retrieval import RetrievalTask
 from model import ROPE_SCALINGS, ModelArgs, Transformer
 from picollama.checkpoint import save_model
 from picollama.cli import ArgumentParser, UserError, run_command
+from picollama.config import parse_cli
 from picollama.lab import retrieval_track, study
 
 TASK = RetrievalTask(keys=16, values=16, pairs=4)
@@ -378,3 +381,25 @@ def test_a_retrieval_evaluation_too_large_is_refused_before_any_work(
     err = capsys.readouterr().err
     assert err.startswith("error: this evaluation ") and message in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_dataset_is_prepared_once_before_runs_train_side_by_side(tmp_path, monkeypatch):
+    """Runs that share an unprepared data.dir would each start preparing it, and all but the first
+    fail on its lock: the study prepares it first, once."""
+    corpus, data_dir = write_corpus(tmp_path / "corpus"), tmp_path / "data"
+    flags = [f"--data.dir={data_dir}", f"--data.source={corpus}", "--model.vocab_size=320"]
+    configs = {
+        name: parse_cli(["--config", "configs/default.toml", *flags, f"--train.seed={seed}"])[0]
+        for seed, name in enumerate(["rope", "rope-seed1"])
+    }
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(study, "prepare", counted)
+    study.prepare_datasets(configs)
+    assert len(calls) == 1 and (data_dir / "meta.json").is_file()
+    study.prepare_datasets(configs)  # prepared: nothing to do
+    assert len(calls) == 1

@@ -9,11 +9,14 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+import train
+from data.prepare import prepare
 from picollama import REPO_ROOT, cli
 from picollama.cli import (
     UserError,
@@ -136,6 +139,21 @@ def train_run(name: str, command: list[str], out: Path) -> dict:
         "steps": max((m["step"] for m in metrics if "step" in m), default=0),
         "val_acc": accuracy[-1] if accuracy else None,
     }
+
+
+def prepare_datasets(configs: dict[str, Config]):
+    """Each text dataset the runs train on, prepared here once if missing, before they train side
+    by side: each run would start preparing it, and all but the first fail on its lock."""
+    missing = {}
+    for cfg in configs.values():
+        data_dir = resolved(REPO_ROOT / cfg.data.dir)  # train.py runs in the repository
+        if cfg.data.task == "text" and not (data_dir / "meta.json").is_file():
+            missing.setdefault(data_dir, cfg)
+    for data_dir, cfg in missing.items():
+        train.check_dataset(replace(cfg, data=replace(cfg.data, dir=str(data_dir))))
+        print(f"{data_dir} is not prepared yet: preparing it from {cfg.data.source}")
+        vocab_size = cfg.data.vocab_size or cfg.model.vocab_size
+        prepare(cfg.data.source, vocab_size, out_dir=data_dir, command=["generate.py", "study"])
 
 
 def train_all(runs: list[Run], commands: dict[str, list[str]], out: Path, jobs: int) -> dict:
@@ -336,6 +354,7 @@ def run(args) -> int:
         check_unused(out)
         (out / "logs").mkdir(parents=True)
         started = time.perf_counter()
+        prepare_datasets(configs)
         trained = train_all(runs, commands, out, args.jobs)
         report = compare(recipe, runs, configs, args, out)
         seconds = time.perf_counter() - started
