@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3", "rerope", "self_extend")
-WINDOWED = ("rerope", "self_extend")  # the scalings that attend in two branches (WindowedRoPE)
+WINDOWED = ("rerope", "self_extend", "rerope_topk")  # attend in two branches (WindowedRoPE)
+ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3") + WINDOWED
 # the ModelArgs keys that leave LLaMA's architecture when away from their defaults
 SWITCHES = (
     "norm norm_placement parallel_block activation qk_norm logit_softcap position rope_fraction"
@@ -34,10 +34,12 @@ class ModelArgs:
     max_seq_len: int = 256  # the training context
     tie_embeddings: bool = False  # the output layer reuses the embedding's weights: fewer weights
     # RoPE scaling, to run past the training context: none | linear | ntk | dynamic | yarn | llama3,
-    # or attention in two branches (no LLaMA runs it): rerope | self_extend
+    # or attention in two branches (no LLaMA runs it): rerope | self_extend | rerope_topk
     rope_scaling: str = "none"
     rope_factor: float = 1.0  # how many times longer the context becomes (self_extend: rounded)
-    rope_window: int = 0  # rerope, self_extend: nearer keys keep exact RoPE; 0: original_seq_len//4
+    # rerope, self_extend, rerope_topk: nearer keys keep exact RoPE; 0: original_seq_len//4 (·3/4)
+    rope_window: int = 0
+    rope_far_keys: int = 1  # rerope_topk: the far keys each query attends, its best-scoring
     rope_original_max_seq_len: int | None = None  # the context stretched from; None: max_seq_len
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths past original/low are interpolated
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept
@@ -85,8 +87,10 @@ class ModelArgs:
 
     @property
     def near_window(self) -> int:
-        """rerope's and self_extend's window w: keys nearer than w keep exact RoPE."""
-        return self.rope_window or self.original_seq_len // 4
+        """The window w of the scalings in WINDOWED: keys nearer than w keep exact RoPE (by
+        default a quarter of the context; rerope_topk's, which attends few far keys, 3/4)."""
+        quarters = 3 if self.rope_scaling == "rerope_topk" else 1
+        return self.rope_window or quarters * self.original_seq_len // 4
 
     def non_llama(self) -> list[str]:
         """The SWITCHES away from LLaMA's, and rope_scaling where it attends in two branches: what
@@ -113,24 +117,26 @@ class ModelArgs:
                 f"{self.position!r}"
             )
         original = self.original_seq_len
+        args = replace(self, rope_scaling=method, rope_original_max_seq_len=original)
         if factor is None and method in WINDOWED:
-            factor = self.window_factor(method, length)
+            factor = args.window_factor(length)
         elif factor is None:
             factor = max(1.0, length / original) if method not in ("none", "dynamic") else 1.0
-        return replace(
-            self, rope_scaling=method, rope_factor=factor, rope_original_max_seq_len=original
-        )
+        return replace(args, rope_factor=factor)
 
-    def window_factor(self, method: str, length: int) -> float:
+    def window_factor(self, length: int) -> float:
         """rerope's k (self_extend's G, an integer) just large enough that the farthest distance
         of `length` tokens, length - 1, maps to at most original_seq_len - 1, the farthest trained:
-        w + (length-1-w)/k, or (length-1)//G - w//G + w."""
+        w + (length-1-w)/k, or (length-1)//G - w//G + w; rerope_topk's length / original_seq_len
+        (its far keys all sit at distance w: the factor says only how far it stretches)."""
         w, last = self.near_window, self.original_seq_len - 1
         if length - 1 <= last:
             return 1.0
         if w >= last:
             raise ValueError(f"rope_window ({w}) must be below original_seq_len - 1 ({last})")
-        if method == "rerope":
+        if self.rope_scaling == "rerope_topk":
+            return length / self.original_seq_len
+        if self.rope_scaling == "rerope":
             return (length - 1 - w) / (last - w)
         group = 1
         while (length - 1) // group - w // group > last - w:
@@ -692,18 +698,34 @@ def turn(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     return apply_rotary(x.transpose(1, 2), rotations).transpose(1, 2)
 
 
+def keep_best(scores: torch.Tensor, allowed, count: int) -> torch.Tensor:
+    """scores with all but each query's `count` best allowed ones at -inf: `count` exactly, not
+    every one tied with the last (far keys of one token, all turned to one position, tie up to
+    rounding, which would then decide how many are kept)."""
+    scores = scores.masked_fill(~allowed, -math.inf)
+    best = scores.topk(min(count, scores.shape[-1]), -1).indices
+    kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, best, True)
+    return scores.masked_fill(~kept, -math.inf)
+
+
 class WindowedRoPE:
-    """rope_scaling rerope and self_extend, training-free: keys nearer than the window w keep
-    exact RoPE; a farther key j of query i scores at a distance mapped into the trained range, by
-    turning the query to far(i) and the key to far(j) (rotations compose, so the KV cache keeps
-    the usual keys and decoding is exact).
+    """rope_scaling rerope, self_extend and rerope_topk, training-free: keys nearer than the window
+    w keep exact RoPE; a farther key j of query i scores at a distance mapped into the trained
+    range, by turning the query to far(i) and the key to far(j) (rotations compose, so the KV
+    cache keeps the usual keys and decoding is exact).
     Leaky ReRoPE (Su 2023), k = rope_factor: w + (d - w)/k, the query at i/k + w - w/k, the key at
     j/k; k = inf is plain ReRoPE, every far key at distance w.
     Self-Extend (Jin et al. 2024), G = round(rope_factor): ⌊i/G⌋ - ⌊j/G⌋ + w - ⌊w/G⌋, the query
-    at ⌊i/G⌋ + w - ⌊w/G⌋, the key at ⌊j/G⌋."""
+    at ⌊i/G⌋ + w - ⌊w/G⌋, the key at ⌊j/G⌋.
+    rerope_topk: plain ReRoPE (every far key at distance w, 3/4 of the context by default), each
+    query attending only its rope_far_keys best-scoring far keys: a far key that matches well is
+    found (a passkey, a copy) while the rest, which a model trained at the context never had to
+    ignore, take no attention from the near window (InfLLM, Xiao et al. 2024, selects far blocks
+    so and puts them at one distance too)."""
 
     def __init__(self, args: ModelArgs, positions, key_positions):
         self.window, self.positions, self.key_positions = args.near_window, positions, key_positions
+        self.far_keys = args.rope_far_keys if args.rope_scaling == "rerope_topk" else 0
         inv_freq = rope_frequencies(args, args.max_seq_len)[0].double().to(positions.device)
         self.q_turn = self.far_turns(args, positions, inv_freq, query=True)
         self.k_turn = self.far_turns(args, key_positions, inv_freq, query=False)
@@ -713,6 +735,8 @@ class WindowedRoPE:
         w, p = self.window, positions.double()
         if args.rope_scaling == "rerope":
             far = p / args.rope_factor + (w - w / args.rope_factor) * query
+        elif args.rope_scaling == "rerope_topk":
+            far = torch.full_like(p, w * query)
         else:
             group = round(args.rope_factor)
             far = p // group + (w - w // group) * query
@@ -743,15 +767,30 @@ class WindowedRoPE:
         if far > 0:
             far_q = turn(q, self.q_turn[rows])
             branches.append((far_q, far_k, slice(0, far), distance >= self.window))
-        outs, lses = [], []
-        for query, key, span, allowed in branches:
-            allowed = allowed[:, span]
-            bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, -math.inf)
-            out, lse = flash_attention_cpu(query, key[:, :, span], v[:, :, span], attn_mask=bias)
-            outs.append(out.float())
-            lses.append(lse.masked_fill(~allowed.any(-1), -math.inf))  # the kernel says 0
+        outs, lses = zip(
+            *[
+                self.branch(query, key[:, :, span], v[:, :, span], allowed[:, span], key is far_k)
+                for query, key, span, allowed in branches
+            ]
+        )
         lse = torch.stack(lses).logsumexp(0)
         return sum(out * (part - lse).exp()[..., None] for out, part in zip(outs, lses)).type_as(q)
+
+    def branch(self, q, k, v, allowed, far: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One branch's output (float32) and log-sum-exp: the flash kernel's, or for
+        rerope_topk's far keys, of the few each query keeps, from its scores."""
+        if far and self.far_keys:
+            scores = (q @ k.mT).float().masked_fill(~allowed, -math.inf) / math.sqrt(q.shape[-1])
+            best, index = scores.topk(min(self.far_keys, k.shape[2]), -1)
+            lse = best.logsumexp(-1)
+            weights = (best - lse.nan_to_num(neginf=0)[..., None]).exp()  # all 0: none allowed
+            # the values of the kept keys gathered, not a product with a matrix of zeros
+            rows = index.flatten(2)[..., None].expand(-1, -1, -1, v.shape[-1])
+            chosen = v.float().gather(2, rows).unflatten(2, index.shape[2:])
+            return (weights[..., None] * chosen).sum(-2), lse
+        bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, -math.inf)
+        out, lse = flash_attention_cpu(q, k, v, attn_mask=bias)
+        return out.float(), lse.masked_fill(~allowed.any(-1), -math.inf)  # the kernel says 0
 
     def block(self, q, first: int, k, far_k, v):
         rows = slice(first, first + q.shape[2])
@@ -761,6 +800,8 @@ class WindowedRoPE:
         scores = grouped_scores(q, k)
         if far_k is not None:
             far = grouped_scores(turn(q, self.q_turn[..., rows, :]), far_k)
+            if self.far_keys:
+                far = keep_best(far, distance >= self.window, self.far_keys)
             scores = torch.where(distance < self.window, scores, far)
         return softmax_attention(scores, distance >= 0, v)
 

@@ -152,6 +152,7 @@ POSITIVE = {
     "model.rope_original_max_seq_len",
     "model.rope_low_freq_factor",
     "model.rope_high_freq_factor",
+    "model.rope_far_keys",
     "data.vocab_size",
     "data.copy_span",
     "data.copy_repeats",
@@ -237,6 +238,7 @@ CONTEXT_KEYS = (
     "rope_low_freq_factor",
     "rope_high_freq_factor",
     "rope_window",
+    "rope_far_keys",
 )
 # Far past any published model (the largest: dim 16384, 126 layers, 256k vocabulary, 10M context):
 # a size beyond its limit is a corrupt or mistyped config, refused naming the key before anything

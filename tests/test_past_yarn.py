@@ -29,6 +29,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 WINDOWED = {
     "rerope": dict(rope_scaling="rerope", rope_factor=3.0, rope_window=4),
     "self_extend": dict(rope_scaling="self_extend", rope_factor=3.0, rope_window=4),
+    "rerope_topk": dict(
+        rope_scaling="rerope_topk", rope_factor=3.0, rope_window=4, rope_far_keys=3
+    ),
 }
 VARIANTS = {
     **WINDOWED,
@@ -109,7 +112,7 @@ def spying(scores, blocks: list):
     return spy
 
 
-@pytest.mark.parametrize("name", ["rerope", "self_extend", "fox", "ssmax-fox"])
+@pytest.mark.parametrize("name", ["rerope", "self_extend", "rerope_topk", "fox", "ssmax-fox"])
 def test_blocks_of_queries_equal_one_block_in_bounded_memory(name, monkeypatch):
     model = make_model(**VARIANTS[name])
     tokens = torch.randint(0, 50, (2, 150))
@@ -158,6 +161,8 @@ def mapped_distance(method: str, i: int, j: int, w: int, factor: float) -> float
         return d
     if method == "rerope":
         return w + (d - w) / factor
+    if method == "rerope_topk":
+        return w
     g = round(factor)
     return i // g - j // g + w - w // g
 
@@ -192,6 +197,51 @@ def test_each_score_is_rope_at_the_mapped_distance(method, factor, positions):
     torch.testing.assert_close(weights, (expected / math.sqrt(8)).softmax(-1), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("far_keys", [1, 3])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_rerope_topk_attends_each_querys_best_far_keys(far_keys, rows):
+    # one head, values one-hot: the output rows are the attention weights, the softmax over the
+    # keys nearer than w at their distance and the far_keys best far keys at distance w, by
+    # the flash branches (one row of positions) and by the score matrix (a row per sequence)
+    args = ModelArgs(
+        dim=8,
+        n_heads=1,
+        rope_scaling="rerope_topk",
+        rope_factor=2.0,
+        rope_window=3,
+        rope_far_keys=far_keys,
+    )
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 8, 8), torch.randn(1, 1, 8, 8)
+    positions = torch.arange(8)
+    inv_freq = rope_frequencies(args, 40)[0]
+
+    def turned(x, distance):
+        return apply_rotary(
+            x.transpose(1, 2), torch.polar(torch.ones(4), distance * inv_freq)[None]
+        )
+
+    near = rope_rotations(args, 0, 8, "cpu")
+    rotated_q, rotated_k = (apply_rotary(x.transpose(1, 2), near).transpose(1, 2) for x in (q, k))
+    given = positions if rows == 1 else positions[None]
+    weights = WindowedRoPE(args, given, given).attend(
+        rotated_q, rotated_k, torch.eye(8)[None, None], rotary=True
+    )[0, 0]
+    expected = torch.full((8, 8), -math.inf)
+    for i in range(8):
+        far = {}
+        for j in range(i + 1):
+            d = mapped_distance("rerope_topk", i, j, 3, 2.0)
+            score = (turned(q[..., i : i + 1, :], d) * k[..., j : j + 1, :]).sum() / math.sqrt(8)
+            if i - j < 3:
+                expected[i, j] = score
+            else:
+                far[j] = score
+        for j in sorted(far, key=far.get, reverse=True)[:far_keys]:
+            expected[i, j] = far[j]
+    torch.testing.assert_close(weights, expected.softmax(-1), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("method", list(WINDOWED))
 def test_the_flash_branches_equal_the_score_matrix(method):
     # on CPU with one row of positions, each branch runs in SDPA's flash kernel and the two merge
@@ -224,6 +274,10 @@ def test_stretched_takes_just_enough(length, window):
     assert g == 1 or farthest("self_extend", length, w, g - 1) > 31
     # given, the factor is kept
     assert args.stretched("self_extend", length, 5.0).rope_factor == 5.0
+    # rerope_topk puts every far key at w (3/4 of the context unless given): its factor is the
+    # stretch
+    topk = args.stretched("rerope_topk", length)
+    assert topk.rope_factor == max(1.0, length / 32) and topk.near_window == (window or 24)
 
 
 def test_stretched_refuses_what_cannot_fit():
