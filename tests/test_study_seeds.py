@@ -312,3 +312,26 @@ def test_the_ratio_panels_share_a_range_that_spans_the_drawn_ratios(tmp_path, mo
     report.side_by_side_plot([text], [], tmp_path / "study.png")
     limits = [ax.get_ylim() for ax in drawn if ax.get_title().endswith("perplexity ratio")]
     assert limits == [pytest.approx((0.8 / 1.1, 2.5 * 1.1))] * 2
+
+
+def test_methods_with_the_same_numbers_are_one_line_named_for_each(tmp_path, monkeypatch):
+    """ntk and dynamic NTK read the same wherever a forward's end is its length: one line,
+    `ntk = dynamic`, so that a panel keeps to 8 lines with every method."""
+    drawn = []
+
+    def keep(fig, axes, path, note=""):
+        drawn.extend(axes)
+
+    monkeypatch.setattr(report, "save_figure", keep)
+    run = retrieval_runs("rope", [1.0, 0.5])
+    same = run["accuracy"]["none"]
+    run |= dict(methods=["ntk", "dynamic", "yarn"])
+    run["accuracy"] = {"ntk": same, "dynamic": same, "yarn": {"32": {"mean": 1}, "64": {"mean": 1}}}
+    retrieval = {"lengths": [32, 64], "task": {"chance": 0.1}, "runs": [run]}
+    report.side_by_side_plot([], [retrieval], tmp_path / "study.png")
+    lines = {
+        line.get_label(): list(line.get_ydata())
+        for line in drawn[1].lines
+        if line.get_label()[0] != "_"
+    }
+    assert lines == {"ntk = dynamic": [1.0, 0.5], "yarn": [1, 1]}

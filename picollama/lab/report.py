@@ -532,13 +532,30 @@ def seed_line(ax, points: list[list[tuple]], **style):
 
 def seed_lines(ax, runs: list[dict], key: str, field: str, xs: list[int], scale: float):
     """seed_line of each method: its cells' `field` under run[key][method] at xs, against x /
-    scale, over a run's seeds (runs)."""
+    scale, over a run's seeds (runs); methods whose lines would coincide (every point within
+    0.5%, closer than a figure shows) as one line labelled with each name (`ntk = dynamic`: dynamic
+    NTK is NTK at each forward's own length)."""
+    lines = []  # [(points, methods)]
     for method in runs[0]["methods"]:
         points = []
         for run in runs:
             cells = [(x, run[key][method][str(x)]) for x in xs]
             points.append([(x / scale, cell[field]) for x, cell in cells if cell is not None])
-        seed_line(ax, points, **method_style(method))
+        same = [line for line in lines if coincide(line[0], points)]
+        if same:
+            same[0][1].append(method)
+        else:
+            lines.append((points, [method]))
+    for points, methods in lines:
+        seed_line(ax, points, **method_style(methods[0]) | dict(label=" = ".join(methods)))
+
+
+def coincide(a: list[list[tuple]], b: list[list[tuple]]) -> bool:
+    """Whether two methods' points (a list of (x, y) per seed) are at the same xs, their ys within
+    0.5%: one line in a figure."""
+    shape = [[x for x, _ in seed] for seed in a] == [[x for x, _ in seed] for seed in b]
+    values = [y for seed in a for _, y in seed], [y for seed in b for _, y in seed]
+    return shape and np.allclose(*values, rtol=5e-3, atol=0)
 
 
 def accuracy_panel(
