@@ -778,19 +778,27 @@ class WindowedRoPE:
 
     def branch(self, q, k, v, allowed, far: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One branch's output (float32) and log-sum-exp: the flash kernel's, or for
-        rerope_topk's far keys, of the few each query keeps, from its scores."""
+        rerope_topk's far keys, of the few each query keeps (far_branch)."""
         if far and self.far_keys:
-            scores = (q @ k.mT).float().masked_fill(~allowed, -math.inf) / math.sqrt(q.shape[-1])
-            best, index = scores.topk(min(self.far_keys, k.shape[2]), -1)
-            lse = best.logsumexp(-1)
-            weights = (best - lse.nan_to_num(neginf=0)[..., None]).exp()  # all 0: none allowed
-            # the values of the kept keys gathered, not a product with a matrix of zeros
-            rows = index.flatten(2)[..., None].expand(-1, -1, -1, v.shape[-1])
-            chosen = v.float().gather(2, rows).unflatten(2, index.shape[2:])
-            return (weights[..., None] * chosen).sum(-2), lse
+            return self.far_branch(q, k, v, allowed)
         bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, -math.inf)
         out, lse = flash_attention_cpu(q, k, v, attn_mask=bias)
         return out.float(), lse.masked_fill(~allowed.any(-1), -math.inf)  # the kernel says 0
+
+    def far_branch(self, q, k, v, allowed) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's far_keys best-scoring allowed keys, chosen on scores in q's dtype (one
+        matmul, no float copy of them all), then weighted in float32 from the kept keys and values
+        alone, gathered."""
+        scale = 1 / math.sqrt(q.shape[-1])
+        scores = (q * scale) @ k.mT
+        top, index = scores.masked_fill_(~allowed, -math.inf).topk(min(self.far_keys, k.shape[2]))
+        rows = index.flatten(2)[..., None].expand(-1, -1, -1, q.shape[-1])
+        kept_k, kept_v = (x.gather(2, rows).float().unflatten(2, index.shape[2:]) for x in (k, v))
+        best = (q.float()[..., None, :] * kept_k).sum(-1) * scale
+        best = best.masked_fill(top.isneginf(), -math.inf)  # no key allowed: none kept
+        lse = best.logsumexp(-1)
+        weights = (best - lse.nan_to_num(neginf=0)[..., None]).exp()
+        return (weights[..., None] * kept_v).sum(-2), lse
 
     def block(self, q, first: int, k, far_k, v):
         rows = slice(first, first + q.shape[2])
