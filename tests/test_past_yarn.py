@@ -4,6 +4,7 @@ queries), and a KV cache in bf16 under an fp32 model."""
 
 import dataclasses
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -254,6 +255,22 @@ def test_the_flash_branches_equal_the_score_matrix(method):
     flash = WindowedRoPE(args, positions, positions).attend(q, k, v, rotary=True)
     rows = WindowedRoPE(args, positions[None], positions[None]).attend(q, k, v, rotary=True)
     torch.testing.assert_close(flash, rows, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rerope_topk_keeping_every_far_key_is_plain_rerope(dtype):
+    # plain ReRoPE is leaky ReRoPE with k = inf (every far key at distance w): the far keys
+    # gathered and weighed in float32 give what the flash kernel gives over all of them
+    topk = ModelArgs(**{**TINY, **WINDOWED["rerope_topk"], "rope_far_keys": 40})
+    plain = replace(topk, rope_scaling="rerope", rope_factor=math.inf)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 40, 8, dtype=dtype) for heads in (4, 2, 2))
+    positions = torch.arange(7, 47)
+    kept = WindowedRoPE(topk, positions, positions).attend(q, k, v, rotary=True)
+    flash = WindowedRoPE(plain, positions, positions).attend(q, k, v, rotary=True)
+    assert kept.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(kept.float(), flash.float(), atol=tolerance, rtol=0)
 
 
 def farthest(method: str, length: int, w: int, factor: float) -> float:
