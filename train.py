@@ -8,317 +8,39 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from data.loader import RandomBatches, checked_meta, eval_batches, open_tokens
-from data.prepare import prepare
-from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
-from data.tokenizer import open_tokenizer, tokenizer_file, tokenizer_sha256
-from model import ModelArgs, Transformer
+from data.tokenizer import tokenizer_file
+from model import Transformer
 from picollama import REPO_ROOT
 from picollama.budget import Budget, run_length
-from picollama.checkpoint import (
-    check_tokenizer,
-    checkpoints,
-    load_checkpoint,
-    load_model,
-    resume_point,
-    save_checkpoint,
-    stopped,
-)
-from picollama.cli import (
-    Interrupted,
-    UserError,
-    check_writable,
-    exclusive,
-    listed,
-    resolved,
-    run_command,
-)
-from picollama.config import (
-    Config,
-    DataConfig,
-    check_config,
-    check_init_model,
-    length_problem,
-    parse_cli,
-)
-from picollama.device import (
-    Dist,
-    check_compiler,
-    gib,
-    keep_freed_memory,
-    memory_bytes,
-    peak_flops,
-    pick_device,
-    pick_dtype,
-)
+from picollama.cli import UserError
+from picollama.command import Interrupted, run_command
+from picollama.config import Config, parse_cli
+from picollama.config_checks import check_config
+from picollama.device import Dist, check_compiler, keep_freed_memory, peak_flops, pick_dtype
 from picollama.metrics import RunLog, Throughput, flops_per_token, memory_gb
 from picollama.optim import build_optimizer, lr_at
-
-VALIDATION_FORMATS = {
-    "val_ppl": "perplexity {:.2f}",
-    "val_bpb": "{:.4f} bits/byte",
-    "val_acc": "accuracy {:.1%}",
-}
-
-# ---------------------------------------------------------------- the run's settings
-
-
-def init_from_weights(cfg: Config) -> tuple[dict | None, ModelArgs]:
-    """The weights of the run directory train.init_from (None without one), whose model must equal
-    model.* (which config.py took from it) but for the context keys and share data.dir's
-    tokenizer, and the model this run trains: model.*, where a run that stretches the source's
-    context gets rope_original_max_seq_len = that context, so that RoPE scaling and extrapolate
-    stretch from it."""
-    source_dir = cfg.train.init_from
-    if source_dir is None:
-        return None, cfg.model
-    try:
-        source, _ = load_model(source_dir)
-    except UserError as e:
-        raise UserError(f"train.init_from: {e}") from None
-    check_init_model(source_dir, source.args.to_dict(), cfg.model.to_dict())
-    theirs, ours = tokenizer_file(source_dir), tokenizer_file(cfg.data.dir)
-    if theirs and ours and tokenizer_sha256(theirs) != tokenizer_sha256(ours):
-        raise UserError(f"train.init_from {source_dir} has another tokenizer than {cfg.data.dir}")
-    original = source.args.original_seq_len
-    if cfg.model.rope_original_max_seq_len is None and cfg.model.max_seq_len > original:
-        return source.state_dict(), replace(cfg.model, rope_original_max_seq_len=original)
-    return source.state_dict(), cfg.model
-
-
-def with_length(cfg: Config, max_steps: int, decay_start: int | None) -> Config:
-    """cfg, running for max_steps steps, a wsd schedule decaying from decay_start."""
-    train, optim = (
-        replace(cfg.train, max_steps=max_steps),
-        replace(cfg.optim, decay_start=decay_start),
-    )
-    return replace(cfg, train=train, optim=optim)
-
-
-def check_memory(cfg: Config, world_size: int):
-    """UserError, before any work, for a model or batch that cannot fit in the device's memory, by
-    a lower bound: 12 bytes a parameter (fp32 weights, gradients and one optimizer moment; sharded
-    over the ranks) and, per token of a rank's micro-step, the logits and their gradient in fp32
-    and, in training, each block's input (all that activation checkpointing keeps)."""
-    device = pick_device(cfg.train.device)
-    memory = memory_bytes(device)
-    if memory is None:
-        return
-    m, t, e = cfg.model, cfg.train, cfg.eval
-    with torch.device("meta"):  # sizes only, no memory
-        params = Transformer(m).num_params()
-    state = 12 * params // world_size
-    logits = 8 * m.vocab_size
-    blocks = m.n_layers * m.dim * pick_dtype(t.dtype, device).itemsize
-    ranks = f" on each of {world_size} ranks" if world_size > 1 else ""
-    train_rows = t.batch_size // (t.grad_accum * world_size)
-    for key, size, rows, per_token in [
-        ("train.batch_size", t.batch_size, train_rows, logits + blocks),
-        ("eval.batch_size", e.batch_size, e.batch_size, logits),
-    ]:
-        activations = rows * t.seq_len * per_token
-        if state + activations <= memory:
-            continue
-        fits = (memory - state) // (t.seq_len * per_token)
-        if fits < 1:
-            raise UserError(
-                f"the model ({params:,} parameters) cannot fit in memory: its weights, gradients "
-                f"and optimizer state and one sequence of {t.seq_len} tokens need at least "
-                f"{gib(state + t.seq_len * per_token)}{ranks}, and {device.type} memory is "
-                f"{gib(memory)}; choose a smaller model or train.seq_len"
-            )
-        more = " or raise train.grad_accum" if key.startswith("train") else ""
-        raise UserError(
-            f"{key} {size:,} cannot fit in memory: {rows:,} sequences of {t.seq_len} tokens at "
-            f"once{ranks} need at least {gib(activations)} for their logits and activations, "
-            f"beside {gib(state)} for the weights and optimizer state, and {device.type} memory "
-            f"is {gib(memory)}: at most {fits:,} fit; lower {key}{more}"
-        )
-
-
-# ---------------------------------------------------------------- data
-
-
-def check_dataset(cfg: Config):
-    """UserError, before any work, unless data.dir is a prepared dataset (a folder with meta.json)
-    or a missing (absent or empty) folder that train.py prepares from data.source: the default
-    source's own folder (data/shakespeare, from the current directory or the repository), or any
-    folder for a data.source given (so that a mistyped --data.dir is never filled with
-    Shakespeare)."""
-    d = cfg.data
-    data_dir = Path(d.dir)
-    if d.task != "text" or (data_dir / "meta.json").is_file():
-        return
-    if data_dir.is_file():
-        problem = "it is a file"
-    elif data_dir.is_dir() and any(data_dir.iterdir()):
-        held = listed(sorted(p.name + "/" * p.is_dir() for p in data_dir.iterdir()))
-        problem = f"no meta.json; it holds {held}"
-    else:
-        own = {resolved(DataConfig.dir), resolved(REPO_ROOT / DataConfig.dir)}
-        if d.source != DataConfig.source or resolved(data_dir) in own:
-            return
-        problem = "it is empty" if data_dir.is_dir() else "it does not exist"
-        raise UserError(
-            f"data.dir {data_dir} is not a prepared dataset ({problem}); make one with python "
-            f"data/prepare.py --source YOUR_TEXT --out {data_dir}, or give --data.source=YOUR_TEXT "
-            f"to prepare it here (only {DataConfig.dir} is prepared by itself, with Shakespeare)"
-        )
-    raise UserError(
-        f"data.dir {data_dir} is not a prepared dataset ({problem}); make one with python "
-        "data/prepare.py --source YOUR_TEXT --out DIR and train with --data.dir=DIR"
-    )
-
-
-def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
-    """data.dir (prepared from data.source if missing, as check_dataset allows) and its meta.json,
-    checked against cfg."""
-    data_dir = Path(cfg.data.dir)
-    if not (data_dir / "meta.json").is_file() and dist.main:
-        print(f"{data_dir} is not prepared yet: preparing it from {cfg.data.source}")
-        vocab_size = cfg.data.vocab_size or cfg.model.vocab_size
-        command = ["train.py", "(auto-prepare)"]
-        prepare(cfg.data.source, vocab_size, out_dir=data_dir, command=command)
-    dist.barrier()
-    meta = checked_meta(data_dir)
-    if meta["vocab_size"] > cfg.model.vocab_size:
-        raise UserError(
-            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer of "
-            f"{data_dir} ({meta['vocab_size']}); set --model.vocab_size={meta['vocab_size']}"
-        )
-    for split in ("train", "val"):
-        open_tokens(data_dir, split)  # checks the shard against meta.json
-        tokens = meta["splits"][split]["tokens"]
-        if tokens < cfg.train.seq_len + 1:
-            raise UserError(
-                f"the {split} split of {data_dir} has {tokens} tokens, too few for train.seq_len "
-                f"{cfg.train.seq_len}; lower train.seq_len or use more text"
-            )
-    return data_dir, meta
-
-
-def check_sample_fits(cfg: Config, data_dir: Path):
-    """UserError, before training, if the final sample (prompt and sample_tokens) is too long."""
-    t = cfg.train
-    if not t.sample_tokens:
-        return
-    tokenizer = open_tokenizer(tokenizer_file(data_dir) or data_dir / "tokenizer.model")
-    prompt = 1 + len(tokenizer.encode(t.sample_prompt))  # BOS and the prompt, as generate.py does
-    problem = length_problem(cfg.model, prompt + t.sample_tokens)
-    if problem:
-        raise UserError(
-            f"train.sample_tokens ({t.sample_tokens}) and the prompt ({prompt} tokens): {problem}; "
-            "lower train.sample_tokens"
-        )
-
-
-def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist) -> dict:
-    """Validation loss, perplexity and bits/byte over the first eval.batches batches, over ranks."""
-    batches = list(
-        eval_batches(data_dir, "val", cfg.eval.batch_size, cfg.train.seq_len, cfg.eval.batches)
-    )
-    per_rank = math.ceil(len(batches) / dist.world_size)
-    totals = torch.zeros(2, dtype=torch.float64, device=dist.device)
-    with torch.no_grad():
-        for i in range(per_rank):
-            index = i * dist.world_size + dist.rank
-            # ranks without a batch still join FSDP's collectives
-            x, y = batches[min(index, len(batches) - 1)]
-            loss = model(x.to(dist.device), y.to(dist.device))
-            if index < len(batches):
-                count = torch.tensor(y.numel(), device=dist.device)
-                totals += torch.stack([loss.double() * y.numel(), count])
-    loss_sum, count = dist.all_reduce_sum(totals).tolist()
-    loss = loss_sum / count
-    bits_per_byte = loss / math.log(2) / meta["bytes_per_token"]
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)), "val_bpb": bits_per_byte}
-
-
-@dataclass
-class DataSource:
-    loader: object  # next_batch(), state_dict(), load_state_dict()
-    validate: Callable[..., dict]  # model -> {"val_loss": ..., ...}
-    probe_batches: list  # a few validation (x, y) batches, which a budget probe times
-    tokenizer: Path | None  # the tokenizer saved with the model (None: the task has none)
-    line: str  # what the data is
-
-
-def data_source(cfg: Config, dist: Dist) -> DataSource:
-    """The batches and validation of data.task: a prepared dataset, or the retrieval task."""
-    t, d, e = cfg.train, cfg.data, cfg.eval
-    if d.task == "retrieval":
-        task = RetrievalTask(d.retrieval_keys, d.retrieval_values, d.retrieval_pairs)
-        batches = task.fixed_batches(e.batches, e.batch_size, t.seq_len)
-        loader = RetrievalBatches(
-            task, t.batch_size, t.seq_len, seed=t.seed, filler=d.retrieval_filler
-        )
-        validate = partial(retrieval_metrics, batches=batches, device=dist.device)
-        sizes = f"{task.pairs} pairs of {task.keys} keys and {task.values} values"
-        line = f"data: retrieval task ({sizes})"
-        return DataSource(loader, validate, batches[:3], None, line)
-    data_dir, meta = prepare_data(cfg, dist)
-    check_sample_fits(cfg, data_dir)
-    loader = RandomBatches(
-        data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **d.copy_options()
-    )
-    probe = list(eval_batches(data_dir, "val", e.batch_size, t.seq_len, min(3, e.batches)))
-    validate = partial(evaluate, cfg=cfg, data_dir=data_dir, meta=meta, dist=dist)
-    line = f"data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens)"
-    tokenizer = tokenizer_file(data_dir) or data_dir / "tokenizer.model"
-    return DataSource(loader, validate, probe, tokenizer, line)
-
-
-def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:
-    """Randomized positions (Ruoss et al. 2023), (batch, seq_len) int64: each row a sorted random
-    subset of seq_len distinct positions from [0, k·seq_len), drawn from torch's global generator
-    (seeded, and checkpointed)."""
-    return torch.rand(batch, k * seq_len).topk(seq_len, dim=1).indices.sort(dim=1).values
-
-
-def next_rows(loader, cfg: Config, rows: slice, device: torch.device):
-    """(x, y, positions): this rank's rows of the next global batch, and of its random positions
-    (None when train.random_positions is off), on the device."""
-    t = cfg.train
-    x, y = (batch[rows].to(device) for batch in loader.next_batch())
-    if not t.random_positions:
-        return x, y, None
-    # drawn for the global batch, as the data is: the same on any number of ranks
-    positions = random_positions(t.batch_size, t.seq_len, t.random_positions)
-    return x, y, positions[rows].to(device)
-
+from picollama.outputs import check_writable, exclusive
+from picollama.parallel import parallelize
+from picollama.resume import check_tokenizer, checkpoints, resume_point
+from picollama.train_checks import check_memory, init_from_weights
+from picollama.train_data import (
+    VALIDATION_FORMATS,
+    DataSource,
+    check_dataset,
+    data_source,
+    next_rows,
+)
+from picollama.train_state import load_checkpoint, save_checkpoint, stopped
 
 # ---------------------------------------------------------------- model and step
-
-
-def parallelize(model: Transformer, cfg: Config, mesh, dtype: torch.dtype) -> Transformer:
-    """Activation checkpointing, torch.compile and FSDP2 on the plain model, per block. Mixed
-    precision is FSDP2's policy: fp32 master weights, sharded, gathered as `dtype` for the forward
-    and backward, gradients reduced in fp32 (the same on any device and number of ranks)."""
-    if cfg.train.activation_checkpointing:
-        for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-    if cfg.train.compile:
-        for block in model.layers:
-            block.compile()  # in place: parameter names keep no _orig_mod. prefix
-    if mesh is None:  # a device without collectives (UNGROUPED): the plain model, in its own dtype
-        return model
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
 
 
 def build_model(
@@ -451,6 +173,15 @@ def save(
         run_dir, step, model, optimizer, data.loader, dist, settings, data.tokenizer, keep
     )
     log.say(f"step {step}: saved checkpoint {checkpoints(run_dir)[-1]}")
+
+
+def with_length(cfg: Config, max_steps: int, decay_start: int | None) -> Config:
+    """cfg, running for max_steps steps, a wsd schedule decaying from decay_start."""
+    train, optim = (
+        replace(cfg.train, max_steps=max_steps),
+        replace(cfg.optim, decay_start=decay_start),
+    )
+    return replace(cfg, train=train, optim=optim)
 
 
 def train(cfg: Config, resume: bool, dist: Dist, started: float):

@@ -1,1 +1,2 @@
-"""Dataset preparation (prepare.py) and the token loader of training and evaluation (loader.py)."""
+"""Datasets: prepared from a corpus (prepare.py, the command, and its rooms) and read as batches by
+training and evaluation (loader.py)."""

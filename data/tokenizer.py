@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from picollama.cli import UserError
+
 # The files a tokenizer lives in, in the order they are looked for (new ones train as the first)
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
 # Beside tokenizer.json: its special tokens, whether a prompt starts with BOS, the chat template.
@@ -46,6 +48,33 @@ def open_tokenizer(path: Path | str):
         config = None
     tokenizer.add_bos = adds_bos(config)
     return tokenizer
+
+
+def load_tokenizer(model_proto: bytes, what, config: dict | None = None):
+    """The tokenizer of a tokenizer.model's bytes, or a tokenizer.json's with its `config`; `what`
+    names the file in messages (or the folder it is in)."""
+    import sentencepiece as spm
+
+    if Path(what).is_dir():
+        what = Path(what) / tokenizer_name(model_proto)
+    if tokenizer_name(model_proto) == "tokenizer.json":
+        try:
+            return HFTokenizer(spec=model_proto.decode("utf-8"), config=config)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UserError(f"{what}: {e}") from None
+    try:
+        tokenizer = spm.SentencePieceProcessor(model_proto=model_proto)
+    except Exception:
+        raise UserError(f"{what}: not a sentencepiece model") from None
+    if tokenizer.bos_id() < 0:
+        raise UserError(f"{what}: the tokenizer defines no BOS piece")
+    tokenizer.add_bos = adds_bos(config)  # whether each document starts with BOS (join_documents)
+    return tokenizer
+
+
+def tokenizer_name(model_proto: bytes) -> str:
+    """The file name of a tokenizer's bytes: tokenizer.json (JSON text) or tokenizer.model."""
+    return "tokenizer.json" if model_proto.lstrip()[:1] == b"{" else "tokenizer.model"
 
 
 def adds_bos(config) -> bool:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from picollama.checkpoint import read_meta, recorded_max_steps, unusable
 from picollama.cli import UserError, check_type
 from picollama.config import Config
+from picollama.resume import read_meta, recorded_max_steps, unusable
 
 PROBE_STEPS = 10  # a cosine budget decides after the first steps (within the warmup)
 # Later steps ran slower than the probe's: 13% on average over a 5-minute run on a 2-core EPYC VM

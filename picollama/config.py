@@ -1,9 +1,7 @@
-"""Training configuration: a TOML config's sections, `--section.key=value` overrides, and their
-validation (ModelArgs' included)."""
+"""Training configuration: a TOML config's sections and defaults, and --section.key=value flags."""
 
 import difflib
 import json
-import math
 import re
 import tomllib
 import types
@@ -11,7 +9,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from model import ACTIVATIONS, NORMS, PLACEMENTS, POSITIONS, ROPE_SCALINGS, ModelArgs
+from model import ModelArgs
 from picollama import REPO_ROOT
 from picollama.cli import (
     ArgumentParser,
@@ -20,9 +18,10 @@ from picollama.cli import (
     add_device,
     add_out,
     add_seed,
-    check_type,
     utf8_argument,
 )
+from picollama.config_values import TEXT_KEYS, check_value
+from picollama.model_args import CONTEXT_KEYS, checked_model_args, saved_model_args
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
 
@@ -141,215 +140,6 @@ class Config:
         return {f.name: asdict(getattr(self, f.name)) for f in fields(self)}
 
 
-# The range of each key that has one, checked as the key is read so that the error names it. Every
-# float must also be finite; ModelArgs checks how its fields fit together.
-POSITIVE = {
-    "model.multiple_of",
-    "model.ffn_dim_multiplier",
-    "model.ffn_hidden_dim",
-    "model.norm_eps",
-    "model.rope_theta",
-    "model.rope_original_max_seq_len",
-    "model.rope_low_freq_factor",
-    "model.rope_high_freq_factor",
-    "model.rope_far_keys",
-    "data.vocab_size",
-    "data.copy_span",
-    "data.copy_repeats",
-    "data.retrieval_keys",
-    "data.retrieval_values",
-    "data.retrieval_pairs",
-    "train.max_steps",
-    "train.max_minutes",
-    "train.batch_size",
-    "train.grad_accum",
-    "train.seq_len",
-    "train.log_interval",
-    "train.peak_tflops",
-    "optim.lr",
-    "optim.eps",
-    "optim.muon_lr",
-    "optim.decay_fraction",
-    "eval.batches",
-    "eval.batch_size",
-    "checkpoint.keep",
-}
-NOT_NEGATIVE = {
-    "model.rope_window",
-    "train.seed",
-    "train.sample_tokens",
-    "train.random_positions",
-    "optim.min_lr",
-    "optim.warmup_steps",
-    "optim.decay_start",
-    "optim.weight_decay",
-    "optim.grad_clip",
-    "optim.z_loss",
-    "eval.interval",
-    "checkpoint.interval",
-}
-BELOW_ONE = {
-    "data.copy_fraction",
-    "data.retrieval_filler",
-    "optim.beta1",
-    "optim.beta2",
-    "optim.muon_momentum",
-    "optim.decay_fraction",
-}  # and not negative
-TEXT_KEYS = {"train.sample_prompt"}  # text for the tokenizer: UTF-8 only (paths may be any bytes)
-CHOICES = {
-    "data.task": ("text", "retrieval"),
-    "train.device": ("auto", "cpu", "cuda", "mps"),
-    "train.dtype": ("auto", "float32", "bfloat16"),
-    "optim.name": ("adamw", "muon"),
-    "optim.schedule": ("cosine", "wsd"),
-}
-
-
-# The model keys every picollama version has written to config.json and meta.json: one that is
-# missing was edited away, and its default would describe another model. Keys added since may be
-# absent: their defaults are what older versions computed.
-WRITTEN_KEYS = (
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "vocab_size",
-    "multiple_of",
-    "ffn_dim_multiplier",
-    "ffn_hidden_dim",
-    "norm_eps",
-    "rope_theta",
-    "max_seq_len",
-    "tie_embeddings",
-    "rope_scaling",
-    "rope_factor",
-    "rope_original_max_seq_len",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-)
-# What config.json may change in the model its weights were saved with: the context and its RoPE
-# scaling (as train.init_from may, and generate.py's --rope-scaling does).
-CONTEXT_KEYS = (
-    "max_seq_len",
-    "rope_scaling",
-    "rope_factor",
-    "rope_original_max_seq_len",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_window",
-    "rope_far_keys",
-)
-# Far past any published model (the largest: dim 16384, 126 layers, 256k vocabulary, 10M context):
-# a size beyond its limit is a corrupt or mistyped config, refused naming the key before anything
-# is allocated.
-SIZE_LIMITS = dict(
-    dim=1 << 16, n_layers=1 << 10, n_heads=1 << 10, n_kv_heads=1 << 10, vocab_size=1 << 22
-)
-SIZE_LIMITS |= dict(max_seq_len=1 << 24, ffn_hidden_dim=1 << 20)
-
-
-def checked_model_args(**values) -> ModelArgs:
-    """ModelArgs(**values), refused (ValueError naming the key) where a size is past any
-    published model's or the architecture's switches do not fit together."""
-    args = ModelArgs(**values)
-    for key, limit in SIZE_LIMITS.items():
-        if (value := getattr(args, key)) is not None and not 1 <= value <= limit:
-            problem = f"at most {limit:,}" if value > 0 else "positive"
-            raise ValueError(f"{key} must be {problem}, not {value!r}")
-    if args.dim % args.n_heads:
-        raise ValueError(f"dim ({args.dim}) must be divisible by n_heads ({args.n_heads})")
-    if args.n_heads % args.n_kv_heads:
-        raise ValueError(
-            f"n_heads ({args.n_heads}) must be divisible by n_kv_heads ({args.n_kv_heads})"
-        )
-    choices = {"norm": NORMS, "norm_placement": PLACEMENTS, "activation": ACTIVATIONS}
-    choices["position"] = POSITIONS
-    switches = ("parallel_block", "qk_norm", "logn_attention", "ssmax")
-    choices |= dict.fromkeys(switches, (False, True))
-    choices["rope_scaling"] = ROPE_SCALINGS
-    for key, allowed in choices.items():
-        if (value := getattr(args, key)) not in allowed:
-            allowed = ", ".join(map(str, allowed))
-            raise ValueError(f"{key} must be one of {allowed}, not {value!r}")
-    for key, ok, allowed in [
-        ("rope_factor", args.rope_factor >= 1, ">= 1"),
-        ("rope_fraction", 0 < args.rope_fraction <= 1, "in (0, 1]"),
-        ("nope_every", args.nope_every >= 0, ">= 0"),
-        ("logit_softcap", 0 <= args.logit_softcap < math.inf, "a finite number >= 0"),
-    ]:
-        if not ok:
-            raise ValueError(f"{key} must be {allowed}, not {getattr(args, key)!r}")
-    check_rope_keys(args)
-    for f in fields(ModelArgs):  # the ranges the training config checks, e.g. rope_theta > 0
-        value = getattr(args, f.name)
-        if value is not None and (problem := range_problem(f"model.{f.name}", value)):
-            raise ValueError(f"{f.name} must be {problem}, not {value!r}")
-    return args
-
-
-def check_rope_keys(args: ModelArgs):
-    """ValueError for RoPE's keys on a model without RoPE, and for a RoPE model whose heads (or
-    their rotated part) have an odd size: RoPE turns pairs of dimensions."""
-    for key, off in (("rope_scaling", "none"), ("rope_fraction", 1.0), ("nope_every", 0)):
-        if not args.uses_rope and getattr(args, key) != off:
-            raise ValueError(
-                f"{key} applies to position = 'rope' only (or 'prope'), not to position = "
-                f"{args.position!r}"
-            )
-    pairs = args.head_dim * args.rope_fraction / 2
-    odd = args.head_dim % 2 or pairs < 1 or abs(pairs - round(pairs)) > 1e-6
-    if args.uses_rope and odd:
-        raise ValueError(
-            f"head_dim ({args.head_dim}) and head_dim·rope_fraction ({2 * pairs:g}) must be even"
-        )
-
-
-def position_limit(args: ModelArgs) -> int | None:
-    """The longest sequence a model computes at all: a learned table's; else None."""
-    return args.max_seq_len if args.position == "learned" else None
-
-
-def needs_scaling(args: ModelArgs, length: int) -> bool:
-    """Whether `length` tokens run a RoPE model past its context, unscaled."""
-    return args.uses_rope and args.rope_scaling == "none" and length > args.max_seq_len
-
-
-def length_problem(args: ModelArgs, length: int) -> str | None:
-    """Why a model cannot run `length` tokens as it is; None when it can."""
-    limit = position_limit(args)
-    if limit is not None and length > limit:
-        return f"{length} tokens exceed the model's learned position table of {limit} positions"
-    if needs_scaling(args, length):
-        return f"{length} tokens exceed the model's context of {args.max_seq_len} tokens"
-    return None
-
-
-def saved_model_args(saved) -> ModelArgs:
-    """ModelArgs from config.json's or meta.json's "model": model_args_from_dict, and a UserError
-    naming a WRITTEN_KEYS key that is missing."""
-    missing = [key for key in WRITTEN_KEYS if key not in saved] if isinstance(saved, dict) else []
-    if missing:
-        raise UserError(f"model.{missing[0]} is missing")
-    return model_args_from_dict(saved)
-
-
-def model_args_from_dict(d: dict) -> ModelArgs:
-    """ModelArgs from a dict read from a file: each value checked for its field's type (UserError
-    naming model.KEY), unknown keys refused."""
-    if not isinstance(d, dict):
-        raise UserError(f"model must be a table of settings, not {type(d).__name__}")
-    unknown = set(d) - {f.name for f in fields(ModelArgs)}
-    if unknown:
-        raise ValueError(f"unknown model argument(s): {', '.join(sorted(unknown))}")
-    hints = typing.get_type_hints(ModelArgs)
-    values = {key: check_type(f"model.{key}", value, hints[key]) for key, value in d.items()}
-    try:
-        return checked_model_args(**values)
-    except ValueError as e:  # a size or combination no model has: name it like a type error
-        raise UserError(f"model.{e}") from None
-
-
 def section_types() -> dict[str, type]:
     return {f.name: typing.get_type_hints(Config)[f.name] for f in fields(Config)}
 
@@ -371,34 +161,6 @@ def type_options(annotation) -> tuple[type, bool]:
         typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     )
     return next(t for t in options if t is not type(None)), type(None) in options
-
-
-def range_problem(key: str, value) -> str | None:
-    """What a value of the right type fails to be, or None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "finite"
-    if key in POSITIVE and value <= 0:
-        return "positive"
-    if key in NOT_NEGATIVE and value < 0:
-        return "zero or more"
-    if key in BELOW_ONE and not 0 <= value < 1:
-        return "at least 0 and below 1"
-    if key in CHOICES and value not in CHOICES[key]:
-        return "one of " + ", ".join(CHOICES[key])
-    return None
-
-
-def check_value(key: str, name: str, value, annotation):
-    """value converted to the field's type (int → float is allowed) and checked against its range;
-    UserError naming the key (as `name`: "config key K" in a file, "--K" on the command line)
-    otherwise."""
-    value = check_type(name, value, annotation)
-    if value is None:
-        return None
-    problem = range_problem(key, value)
-    if problem:
-        raise UserError(f"{name} must be {problem}, not {value!r}")
-    return value
 
 
 def parse_override(key: str, text: str, annotation):
@@ -566,98 +328,3 @@ def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, 
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{args.config} is not valid TOML: {e}") from None
     return build_config(raw, overrides), args.resume
-
-
-def check_config(cfg: Config, world_size: int) -> None:
-    """Refuse, before any work, configs whose batch or context does not fit (single keys are checked
-    as read)."""
-    t = cfg.train
-    m = cfg.model
-    if t.batch_size % (t.grad_accum * world_size):
-        raise UserError(
-            f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum × ranks "
-            f"({t.grad_accum} × {world_size}); change batch_size or grad_accum"
-        )
-    if t.seq_len > m.max_seq_len:
-        raise UserError(
-            f"train.seq_len ({t.seq_len}) exceeds the model's context model.max_seq_len "
-            f"({m.max_seq_len}); lower train.seq_len or raise model.max_seq_len"
-        )
-    check_training_options(cfg)
-    if cfg.data.task == "retrieval":
-        check_retrieval(cfg)
-
-
-def check_retrieval(cfg: Config) -> None:
-    """Refuse a retrieval task the model's vocabulary or the row cannot hold, and a sample it has no
-    tokenizer for."""
-    d = cfg.data
-    needed = 1 + d.retrieval_keys + d.retrieval_values
-    if cfg.model.vocab_size < needed:
-        raise UserError(
-            f"model.vocab_size ({cfg.model.vocab_size}) cannot hold the retrieval task's "
-            f"1 + {d.retrieval_keys} keys + {d.retrieval_values} values; "
-            f"set --model.vocab_size={needed}"
-        )
-    if d.retrieval_pairs > d.retrieval_keys:
-        raise UserError(
-            f"data.retrieval_pairs ({d.retrieval_pairs}) exceeds data.retrieval_keys: "
-            "keys are distinct"
-        )
-    if 4 * d.retrieval_pairs > cfg.train.seq_len + 1:
-        raise UserError(
-            f"train.seq_len ({cfg.train.seq_len}) cannot hold {d.retrieval_pairs} retrieval pairs "
-            "and their queries; lower data.retrieval_pairs or raise train.seq_len to "
-            f"{4 * d.retrieval_pairs}"
-        )
-    if cfg.train.sample_tokens:
-        raise UserError(
-            "data.task retrieval has no tokenizer to sample with; set train.sample_tokens = 0"
-        )
-
-
-def check_training_options(cfg: Config) -> None:
-    """Refuse random positions the model cannot use, an init_from run that would be overwritten, and
-    a cosine budget without the warmup steps it times."""
-    t = cfg.train
-    m = cfg.model
-    check_schedule(cfg)
-    if t.max_minutes and cfg.optim.schedule == "cosine" and cfg.optim.warmup_steps < 4:
-        raise UserError(
-            "train.max_minutes needs optim.warmup_steps of 4 or more with optim.schedule cosine "
-            f"(not {cfg.optim.warmup_steps}): it times the first warmup steps, whose learning rate "
-            "does not depend on the run's length, to size the run"
-        )
-    if t.random_positions and m.position == "nope":
-        raise UserError(
-            "train.random_positions needs a position encoding, and model.position nope has none"
-        )
-    if m.position == "learned" and t.random_positions * t.seq_len > m.max_seq_len:
-        raise UserError(
-            f"train.random_positions ({t.random_positions}) × train.seq_len ({t.seq_len}) exceeds "
-            f"the learned position table model.max_seq_len ({m.max_seq_len}); "
-            "raise model.max_seq_len or lower random_positions"
-        )
-    if t.init_from is not None and Path(t.init_from).resolve() == Path(t.out_dir).resolve():
-        raise UserError(
-            f"train.init_from ({t.init_from}) must be another run directory than train.out_dir"
-        )
-
-
-def check_schedule(cfg: Config) -> None:
-    """Refuse an optim.decay_start that no wsd decay of train.max_steps can begin at."""
-    o = cfg.optim
-    if o.decay_start is None:
-        return
-    if o.schedule != "wsd":
-        raise UserError(f"optim.decay_start applies to optim.schedule wsd, not {o.schedule}")
-    if cfg.train.max_minutes:
-        raise UserError(
-            "optim.decay_start is decided by the train.max_minutes budget; give train.max_steps "
-            "with it"
-        )
-    if o.decay_start >= cfg.train.max_steps:
-        raise UserError(
-            f"optim.decay_start ({o.decay_start}) must be below train.max_steps "
-            f"({cfg.train.max_steps})"
-        )

@@ -1,4 +1,4 @@
-// The compiled CPU decode step's own ops (picollama/inference.py; built once by decode_ops()).
+// The compiled CPU decode step's own ops (picollama/decode_step.py; built by decode_ops.py).
 // decode_attention(q, k_cache, v_cache, length, k_scale, v_scale) -> (B, H, D) float32: one query
 // a row over the first `length` cached positions of float32, bfloat16 or int8 caches (int8: one
 // scale a token and head). Written by hand: SDPA, Inductor's reductions, MKL's batched matmuls and

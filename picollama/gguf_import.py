@@ -10,8 +10,9 @@ import torch
 
 from data.tokenizer import TOKENIZER_CONFIG
 from model import ModelArgs, rope_frequencies
-from picollama.checkpoint import model_from_state_dict, save_model
-from picollama.cli import UserError, atomic_output
+from picollama.cli import UserError
+from picollama.outputs import atomic_output
+from picollama.run_files import model_from_state_dict, save_model
 
 # llama.cpp's tensor name (without .weight) -> ours; per layer, blk.N.<theirs> -> layers.N.<ours>
 GLOBAL_TENSORS = {"token_embd": "tok_embeddings", "output_norm": "norm", "output": "output"}

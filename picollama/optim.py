@@ -8,7 +8,7 @@ from picollama.config import Config
 
 
 class Optimizers(list):
-    """Several optimizers stepped as one; checkpoint.py's DCP state dicts take such a list as is."""
+    """Several optimizers stepped as one; train_state's DCP state dicts take such a list as is."""
 
     @property
     def param_groups(self) -> list[dict]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from model import ModelArgs, Transformer
-from picollama.cli import run_command
+from picollama.command import run_command
 from picollama.lab.bench import common
 
 REPO = Path(__file__).resolve().parent.parent

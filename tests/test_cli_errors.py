@@ -19,9 +19,11 @@ from safetensors.torch import load_file, save_file
 
 import generate
 import train
-from data import prepare
-from picollama import cli, convert
-from picollama.cli import UserError, run_command
+from data import prepare, tokenizer_training
+from picollama import convert, hf_format
+from picollama.cli import UserError
+from picollama.command import run_command
+from picollama.outputs import atomic_output, exclusive
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [
@@ -40,7 +42,7 @@ TRAIN = [
 
 def small_tokenizer() -> bytes:
     """A real sentencepiece model with fewer pieces (280) than the runs' 320, of another text."""
-    return prepare.train_tokenizer(["the cat sat on the mat.\n"] * 50, 280, 0)
+    return tokenizer_training.train_tokenizer(["the cat sat on the mat.\n"] * 50, 280, 0)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def ws(make_tiny_run, tmp_path_factory):
     torch.set_num_threads(1)
     argv = [*TRAIN, f"--data.dir={ws / 'data'}", f"--train.out_dir={ws / 'trained'}"]
     assert run_command(train.main, argv) == 0
-    convert.export_hf(ws / "run", ws / "hf")
+    hf_format.export_hf(ws / "run", ws / "hf")
     torch.set_num_threads(threads)
     add_broken_runs(ws)
     add_broken_data(ws)
@@ -497,7 +499,7 @@ def test_outputs_that_are_not_files_are_refused_and_left_alone(ws, tmp_path, cap
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and f"cannot write {path}: " in err and kind in err, err
         with pytest.raises(UserError, match=kind):
-            with cli.atomic_output(path) as tmp:
+            with atomic_output(path) as tmp:
                 tmp.write_text("never renamed over it")
     assert (
         stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode) and not (tmp_path / "device").is_file()
@@ -535,7 +537,7 @@ def test_force_replaces_what_picollama_wrote(ws, tmp_path, capsys):
 def test_a_second_prepare_into_one_out_waits_for_none(ws, tmp_path, capsys):
     """One writer: while a process holds --out, another prepare names it and writes nothing."""
     out = tmp_path / "data"
-    with cli.exclusive(out):
+    with exclusive(out):
         assert (tmp_path / ".data.lock").read_text() == f"{os.getpid()}\n"
         assert run_command(prepare.main, ["--source", str(ws / "corpus"), "--out", str(out)]) == 2
     err = capsys.readouterr().err

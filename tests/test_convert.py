@@ -9,12 +9,13 @@ from contextlib import closing
 import pytest
 import torch
 
-from generate import Sampling, encode_prompt, generate
 from model import ModelArgs, Transformer
-from picollama import convert
-from picollama.checkpoint import load_model, load_run, save_model
-from picollama.cli import run_command
-from picollama.convert import from_hf_state_dict, hf_config, to_hf_state_dict
+from picollama import convert, gguf_export
+from picollama.command import run_command
+from picollama.decoding import Sampling, generate
+from picollama.hf_format import from_hf_state_dict, hf_config, to_hf_state_dict
+from picollama.prompts import encode_prompt
+from picollama.run_files import load_model, load_run, save_model
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32, multiple_of=16)
 CONFIGS = {
@@ -270,9 +271,9 @@ def llama_cpp_logits(llama_cpp, path, tokens: list[int]) -> torch.Tensor:
 def gguf_files(run_dir, tmp_path_factory, llama_cpp):
     """run_dir exported as f32, f16 and q8_0 GGUF files (for llama.cpp to read)."""
     out = tmp_path_factory.mktemp("gguf")
-    for kind in convert.GGUF_TYPES:
+    for kind in gguf_export.GGUF_TYPES:
         assert convert_command("to-gguf", run_dir, out / f"{kind}.gguf", "--type", kind) == 0
-    return {kind: out / f"{kind}.gguf" for kind in convert.GGUF_TYPES}
+    return {kind: out / f"{kind}.gguf" for kind in gguf_export.GGUF_TYPES}
 
 
 def test_gguf_continues_like_generate_in_llama_cpp(run_dir, gguf_files, llama_cpp):

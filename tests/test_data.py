@@ -15,7 +15,8 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from data import prepare as prepare_module
+from data import build as build_module
+from data.build import prepare
 from data.loader import (
     RandomBatches,
     checked_meta,
@@ -27,8 +28,9 @@ from data.loader import (
     open_tokens,
     plant_copies,
 )
-from data.prepare import prepare, split_documents, tokenizer_sample, train_tokenizer
+from data.splitting import split_documents
 from data.tokenizer import open_tokenizer, same_tokenizer, tokenizer_sha256
+from data.tokenizer_training import tokenizer_sample, train_tokenizer
 from picollama.cli import UserError
 from picollama.config import build_config
 
@@ -700,8 +702,8 @@ def test_a_format_2_dataset_still_loads_and_asks_for_force(corpus, tmp_path):
 def small_blocks(monkeypatch):
     """Blocks of ~6 kB and a tokenizer sample of ~30 kB, so that a small corpus streams through many
     blocks."""
-    monkeypatch.setattr(prepare_module, "BLOCK_BYTES", 6_000)
-    monkeypatch.setattr(prepare_module, "TOKENIZER_SAMPLE_BYTES", 30_000)
+    monkeypatch.setattr(build_module, "BLOCK_BYTES", 6_000)
+    monkeypatch.setattr(build_module, "TOKENIZER_SAMPLE_BYTES", 30_000)
 
 
 def files_of(folder: Path) -> dict[str, bytes]:
@@ -749,9 +751,9 @@ def test_streamed_shards_are_the_same_for_any_number_of_workers(tmp_path, small_
 
 KILLED_RUN = """
 import os, signal, sys
-from data import prepare
+from data import build
 from data.shards import ShardWriter
-prepare.BLOCK_BYTES, prepare.TOKENIZER_SAMPLE_BYTES = 6_000, 30_000
+build.BLOCK_BYTES, build.TOKENIZER_SAMPLE_BYTES = 6_000, 30_000
 write, calls = ShardWriter.write, []
 def write_then_die(self, *args):
     write(self, *args)
@@ -759,7 +761,7 @@ def write_then_die(self, *args):
     if len(calls) == 2 * 6 + 1:  # block 6's train tokens are written, its progress not committed
         os.kill(os.getpid(), signal.SIGKILL)
 ShardWriter.write = write_then_die
-prepare.prepare(sys.argv[1], 400, sys.argv[2], shard_tokens=700, command=["test"])
+build.prepare(sys.argv[1], 400, sys.argv[2], shard_tokens=700, command=["test"])
 """
 
 
@@ -782,9 +784,9 @@ def test_a_killed_preparation_resumes_and_ends_byte_identical(tmp_path, small_bl
     assert len(stamps) > finished  # tokens past the last commit were written, and must be cut back
 
     encoded = []
-    pieces = prepare_module.document_pieces
+    pieces = build_module.document_pieces
     monkeypatch.setattr(
-        prepare_module,
+        build_module,
         "document_pieces",
         lambda texts, *a: encoded.append(len(texts)) or pieces(texts, *a),
     )
@@ -838,7 +840,7 @@ def test_random_windows_span_all_shards_in_proportion_and_resume(corpus, tmp_pat
 def test_preparation_refuses_to_start_without_the_disk_space(tmp_path, monkeypatch):
     write_corpus(tmp_path / "texts", docs=10)
     monkeypatch.setattr(
-        prepare_module.shutil,
+        build_module.shutil,
         "disk_usage",
         lambda path: shutil._ntuple_diskusage(10**12, 10**12, 1000),
     )

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from test_train import TINY, config_file, losses, run_in_process
 
+from data.build import prepare
 from data.loader import RandomBatches, load_meta, open_tokens
-from data.prepare import prepare, train_tokenizer
+from data.tokenizer_training import train_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = (
@@ -27,7 +28,7 @@ import os, sys
 sys.path.insert(0, {repo!r})
 import numpy as np
 import train
-from picollama.cli import run_command
+from picollama.command import run_command
 seen, step = [], train.train_step
 def recording(model, optimizer, x, y, *args):
     seen.append(x.cpu().numpy())

@@ -17,10 +17,12 @@ import torch
 
 import generate
 from data.loader import load_meta
-from model import POSITIONS, ROPE_SCALINGS, ModelArgs, Transformer
-from picollama.checkpoint import load_run
-from picollama.cli import ArgumentParser, UserError, run_command
-from picollama.lab import extrapolate, passkey, runs, text_track
+from model import POSITIONS, ModelArgs, Transformer
+from picollama.cli import ArgumentParser, UserError
+from picollama.command import run_command
+from picollama.lab import extrapolate, passkey, runs, scoring, text_track
+from picollama.length import ROPE_SCALINGS, stretched
+from picollama.run_files import load_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SPAN = 8  # the probe span in these tests: a quarter of the tiny runs' context
@@ -311,9 +313,9 @@ def test_sliding_losses_match_one_forward_when_the_window_fits(tiny_run):
     model, _, _ = load_run(run_dir, torch.device("cpu"), torch.float32)
     tokens = torch.from_numpy(np.arange(48) * 7 % 300)[None]
     with torch.inference_mode():
-        full = text_track.token_losses(model, tokens)
-        assert torch.allclose(text_track.sliding_losses(model, tokens, 48), full)
-        sliding = text_track.sliding_losses(model, tokens, 16)
+        full = scoring.token_losses(model, tokens)
+        assert torch.allclose(scoring.sliding_losses(model, tokens, 48), full)
+        sliding = scoring.sliding_losses(model, tokens, 16)
     assert sliding.shape == full.shape  # every token scored exactly once
     # the first window is the same forward
     assert torch.allclose(sliding[:, :15], full[:, :15], atol=1e-5)
@@ -434,9 +436,9 @@ def test_scores_come_from_the_logits_a_slice_of_positions_at_a_time(monkeypatch)
     model = Transformer(args).eval()
     tokens = torch.randint(0, 64, (2, 50))
     logits = model(tokens[:, :-1])
-    monkeypatch.setattr(text_track, "HEAD_CHUNK", 7)
+    monkeypatch.setattr(scoring, "HEAD_CHUNK", 7)
     with torch.inference_mode():
-        losses, hits = text_track.losses_and_hits(model, tokens)
+        losses, hits = scoring.losses_and_hits(model, tokens)
     expected = torch.nn.functional.cross_entropy(
         logits.transpose(1, 2), tokens[:, 1:], reduction="none"
     )
@@ -450,16 +452,16 @@ def test_methods_that_compute_the_same_forward_share_one_key():
     may round), never two different forwards."""
     args = ModelArgs(dim=64, n_heads=4, max_seq_len=128, rope_theta=1e4)
     key = text_track.forward_key
-    plain = key(args.stretched("none", 128), 128)
+    plain = key(stretched(args, "none", 128), 128)
     for method in ("linear", "ntk", "dynamic"):
-        assert key(args.stretched(method, 128), 128) == plain
+        assert key(stretched(args, method, 128), 128) == plain
     for method in ("linear", "ntk", "dynamic", "yarn", "llama3"):
-        assert key(args.stretched(method, 256), 256) != key(args.stretched("none", 256), 256)
-    assert key(args.stretched("linear", 256), 256) != key(args.stretched("ntk", 256), 256)
+        assert key(stretched(args, method, 256), 256) != key(stretched(args, "none", 256), 256)
+    assert key(stretched(args, "linear", 256), 256) != key(stretched(args, "ntk", 256), 256)
     # static NTK at factor 2 has dynamic's frequencies at 256 tokens, but dynamic's forward covers
     # 255 (the scored tokens): never shared
-    assert key(args.stretched("dynamic", 256), 256) != key(args.stretched("ntk", 256), 256)
-    assert key(args.stretched("none", 64), 64) != plain  # another length
+    assert key(stretched(args, "dynamic", 256), 256) != key(stretched(args, "ntk", 256), 256)
+    assert key(stretched(args, "none", 64), 64) != plain  # another length
 
 
 def test_passkey_rows_hide_the_key_and_score_it_as_a_full_forward_does(tiny_run):
@@ -477,7 +479,7 @@ def test_passkey_rows_hide_the_key_and_score_it_as_a_full_forward_does(tiny_run)
     true_key = tokenizer.decode(candidates[0]).strip()
     assert f"The pass key is {true_key}." in tokenizer.decode(row.tolist())
     assert len({tuple(c) for c in candidates}) == 10  # ten different keys
-    model.args = model.args.stretched("yarn", 160)  # past the tiny run's 32 tokens, scaled
+    model.args = stretched(model.args, "yarn", 160)  # past the tiny run's 32 tokens, scaled
     scores = passkey.candidate_scores(model, torch.from_numpy(row)[None], candidates[:3])
     for score, tokens in zip(scores, candidates):
         full = torch.tensor([[*row.tolist(), *tokens]])

@@ -11,7 +11,7 @@ import generate
 import train
 from data import prepare
 from picollama import convert
-from picollama.cli import run_command
+from picollama.command import run_command
 
 REPO = Path(__file__).resolve().parent.parent
 FLAG_TABLE = REPO / "docs" / "usage.md"  # the one set of flags table (the README points there)

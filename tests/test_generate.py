@@ -11,11 +11,15 @@ import pytest
 import torch
 
 import generate
-from data.prepare import train_tokenizer
-from generate import Sampling, TextStream, decode_steps, sample
+from data.tokenizer_training import train_tokenizer
 from model import ModelArgs, Transformer
-from picollama.checkpoint import load_model, model_from_state_dict, save_model
-from picollama.cli import run_command
+from picollama import decoding
+from picollama.caches import KV_CACHES
+from picollama.command import run_command
+from picollama.decoding import Sampling, decode_steps, sample
+from picollama.length import stretched
+from picollama.prompts import TextStream
+from picollama.run_files import load_model, model_from_state_dict, save_model
 
 TINY = dict(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16
@@ -38,19 +42,19 @@ def make_model(std=None, **overrides) -> Transformer:
 
 def test_seeded_sampling_is_reproducible():
     model = make_model()
-    first = generate.generate(
+    first = decoding.generate(
         model, PROMPTS, Sampling(12, temperature=1.0, top_k=20, top_p=0.9, seed=3)
     )
-    assert first == generate.generate(
+    assert first == decoding.generate(
         model, PROMPTS, Sampling(12, temperature=1.0, top_k=20, top_p=0.9, seed=3)
     )
-    assert first != generate.generate(
+    assert first != decoding.generate(
         model, PROMPTS, Sampling(12, temperature=1.0, top_k=20, top_p=0.9, seed=4)
     )
     assert [len(row) for row in first] == [12, 12, 12]
-    greedy = generate.generate(model, PROMPTS, Sampling(12, temperature=0))
+    greedy = decoding.generate(model, PROMPTS, Sampling(12, temperature=0))
     assert (
-        generate.generate(model, PROMPTS, Sampling(12, temperature=1.0, top_k=1, seed=5)) == greedy
+        decoding.generate(model, PROMPTS, Sampling(12, temperature=1.0, top_k=1, seed=5)) == greedy
     )
 
 
@@ -72,20 +76,20 @@ def test_top_k_and_top_p_restrict_the_support():
 def test_batch_of_different_lengths_equals_one_by_one(rope):
     # dynamic: past its context
     model = make_model(rope_scaling=rope, max_seq_len=16 if rope == "dynamic" else 32)
-    batch = generate.generate(model, PROMPTS, Sampling(20, temperature=0))
+    batch = decoding.generate(model, PROMPTS, Sampling(20, temperature=0))
     alone = [
-        generate.generate(model, [prompt], Sampling(20, temperature=0))[0] for prompt in PROMPTS
+        decoding.generate(model, [prompt], Sampling(20, temperature=0))[0] for prompt in PROMPTS
     ]
     assert batch == alone and all(len(row) == 20 for row in batch)
 
 
 def test_eos_stops_each_row_and_is_not_returned():
     model = make_model()
-    free = generate.generate(model, PROMPTS, Sampling(16, temperature=0))
+    free = decoding.generate(model, PROMPTS, Sampling(16, temperature=0))
     # an EOS that row 0 produces at step i > 0 for the first time
     i, eos = next((i, t) for i, t in enumerate(free[0]) if i > 0 and t not in free[0][:i])
     streamed = [[] for _ in PROMPTS]
-    out = generate.generate(
+    out = decoding.generate(
         model,
         PROMPTS,
         Sampling(16, temperature=0),
@@ -99,9 +103,9 @@ def test_eos_stops_each_row_and_is_not_returned():
 def test_too_long_needs_rope_scaling():
     model = make_model()
     with pytest.raises(ValueError, match="--rope-scaling"):
-        generate.generate(model, [[1] * 10], Sampling(30))
-    model.args = model.args.stretched("linear", 64, factor=2.0)
-    assert len(generate.generate(model, [[1] * 10], Sampling(30, temperature=0))[0]) == 30
+        decoding.generate(model, [[1] * 10], Sampling(30))
+    model.args = stretched(model.args, "linear", 64, factor=2.0)
+    assert len(decoding.generate(model, [[1] * 10], Sampling(30, temperature=0))[0]) == 30
 
 
 def test_dynamic_ntk_with_cache_is_exact():
@@ -139,10 +143,10 @@ def test_ids_beyond_the_tokenizer_are_never_chosen():
     model = make_model()
     with torch.no_grad():  # the ids a 60-piece tokenizer could not decode dominate the logits
         model.output.weight[60:] *= 50
-    rows = generate.generate(model, PROMPTS, Sampling(12, temperature=0))
+    rows = decoding.generate(model, PROMPTS, Sampling(12, temperature=0))
     assert max(t for row in rows for t in row) >= 60
     for temperature in (0, 1.0):
-        rows = generate.generate(
+        rows = decoding.generate(
             model, PROMPTS, Sampling(12, temperature=temperature, seed=0), vocab_limit=60
         )
         assert all(len(row) == 12 and max(row) < 60 for row in rows)
@@ -164,7 +168,8 @@ def test_the_thread_timing_stays_within_its_budget(one_thread):
     on two threads of a busy CPU) is timed in a few calls, not 5 rounds of 16."""
     import time
 
-    from picollama.inference import DecodeStep, step_seconds
+    from picollama.decode_step import DecodeStep
+    from picollama.step_timing import step_seconds
 
     model = make_model()
     fast = DecodeStep(model)
@@ -349,6 +354,7 @@ import importlib, sys
 for name in {modules!r}:
     importlib.import_module(name)
 import generate
+from picollama.length import stretched
 generate.parser().parse_args(["--run", "r", "--prompt", "extrapolate"])
 print(sorted(m for m in sys.modules if m.startswith("picollama.lab")))
 generate.parser().parse_args(["extrapolate", "--run", "r", "--lengths", "64"])
@@ -368,14 +374,14 @@ def test_kv_cache_flag_sets_the_cache_dtype(kv_cache):
     """--kv-cache: the fused step's KV cache dtype (KV_CACHES), which generate() sets up."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=97)).eval()
-    step = generate.fast_step(model, False, 1, generate.KV_CACHES[kv_cache])
+    step = generate.fast_step(model, False, 1, KV_CACHES[kv_cache])
     seen = []
     original = model.setup_cache
 
-    def spy(*args, dtype=None):
+    def spy(*args, dtype=None, **kwargs):
         seen.append(dtype)
-        original(*args, dtype=dtype)
+        original(*args, dtype=dtype, **kwargs)
 
     model.setup_cache = spy
-    tokens = generate.generate(model, [[1, 2, 3]], Sampling(5, temperature=0), step=step)[0]
-    assert len(tokens) == 5 and seen[-1] == generate.KV_CACHES[kv_cache]
+    tokens = decoding.generate(model, [[1, 2, 3]], Sampling(5, temperature=0), step=step)[0]
+    assert len(tokens) == 5 and seen[-1] == KV_CACHES[kv_cache]

@@ -9,10 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import generate
-from generate import Sampling, sample
-from picollama import convert
-from picollama.checkpoint import load_model, load_run
-from picollama.cli import UserError, run_command
+from picollama import convert, hf_format, memory_budget
+from picollama.cli import UserError
+from picollama.command import run_command
+from picollama.decoding import Sampling, sample
+from picollama.run_files import load_model, load_run
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,7 @@ def test_a_prompt_file_larger_than_memory_could_take_is_refused_before_reading(
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     monkeypatch.setattr(generate, "memory_bytes", lambda device: weights + 2**20)
     tokenizer = load_run(run_dir, "cpu", torch.float32)[2]
-    limit = generate.prompt_file_limit(model, tokenizer, 2**20)
+    limit = memory_budget.prompt_file_limit(model, tokenizer, 2**20)
     assert 0 < limit < 2**20
     (tmp_path / "big.txt").write_bytes(b"ab cd\n" * (limit // 6 + 1))
     argv[-1] = str(tmp_path / "big.txt")
@@ -230,7 +231,7 @@ def test_the_context_may_change_in_config_json_and_old_runs_load(run_dir, tmp_pa
 )
 def test_impossible_values_in_config_json_are_one_line(run_dir, tmp_path, capsys, changes, named):
     """A run saved before the weights recorded their model: config.json's values are checked for
-    their range (picollama.config's model_args_from_dict). A newer one's: refused either way."""
+    their range (picollama.model_args's model_args_from_dict). A newer one's: refused either way."""
     old = without_recorded_model(run_dir, tmp_path)
     edited = edited_run(old, tmp_path, lambda model: model.update(changes))
     status, out, err = sample_text(edited, capsys)
@@ -275,7 +276,7 @@ def test_weights_of_a_shape_no_config_has_are_one_line(run_dir, tmp_path, capsys
 )
 def test_a_broken_shard_index_is_one_line(run_dir, tmp_path, capsys, index, named):
     hf = tmp_path / "hf"
-    convert.export_hf(run_dir, hf)
+    hf_format.export_hf(run_dir, hf)
     (hf / "model.safetensors").unlink()
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     argv = ["from-hf", "--hf-dir", str(hf), "--out", str(tmp_path / "out")]
@@ -314,7 +315,7 @@ def test_a_failed_write_removes_the_folders_it_made(run_dir, tmp_path, capsys, m
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(convert, "save_file", full_disk)
+    monkeypatch.setattr(hf_format, "save_file", full_disk)
     argv = ["to-hf", "--run", str(run_dir), "--out", str(tmp_path / "a" / "b" / "hf")]
     assert run_command(convert.main, argv) == 2
     assert "No space left on device" in one_error_line(capsys.readouterr().err)

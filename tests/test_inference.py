@@ -1,4 +1,4 @@
-"""inference.py: the fused decode step (eager and compiled) and int8 weights compute what the plain
+"""The fused decode step (eager and compiled) and int8 weights compute what the plain
 model does."""
 
 import copy
@@ -8,11 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import generate
-from generate import Sampling
-from model import ModelArgs, Transformer, apply_rotary, quantize_rows, rope_rotations
-from picollama import inference
-from picollama.inference import DecodeStep, Int8Linear, projection, quantize, rope_table
+from model import ModelArgs, Transformer, apply_rotary, rope_frequencies, rope_rotations
+from picollama import decoding
+from picollama.caches import quantize_rows, setup_cache
+from picollama.decode_ops import cpu_isa, decode_ops, isa_class
+from picollama.decode_step import DecodeStep, RowDot, projection
+from picollama.decoding import Sampling
+from picollama.quantize import Int4Linear, Int8Linear, Int8RowDot, quantize
+from picollama.step_timing import compiled_unless_slower, pick_step, tune_threads
 
 TINY = dict(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16
@@ -60,14 +63,22 @@ def step_logits(model: Transformer, decode, tokens: torch.Tensor, prefill: int) 
 
 
 @pytest.mark.parametrize("scaling", STATIC_SCALINGS, ids=lambda d: d["rope_scaling"])
-def test_the_real_rope_table_rotates_like_the_complex_one(scaling):
+def test_the_real_rotation_is_the_complex_product(scaling):
+    # the one RoPE of the model and the fused step, against pairs as complex numbers turned by
+    # polar(scale, angle)
     args = ModelArgs(**TINY | scaling)
     x = torch.randn(2, 40, 4, args.head_dim)
-    cos, sin = rope_table(args, 40)
-    pairs_swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    real = x * cos[:, None] + pairs_swapped * sin[:, None]
+    inv_freq, scale = rope_frequencies(args, 40)
+    angles = torch.outer(torch.arange(40.0), inv_freq)
+    turned = (
+        torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+        * torch.polar(torch.full_like(angles, scale), angles)[:, None]
+    )
     torch.testing.assert_close(
-        real, apply_rotary(x, rope_rotations(args, 0, 40, "cpu")), atol=1e-6, rtol=0
+        torch.view_as_real(turned).flatten(-2),
+        apply_rotary(x, rope_rotations(args, 0, 40, "cpu")),
+        atol=1e-6,
+        rtol=0,
     )
 
 
@@ -108,9 +119,9 @@ def test_dynamic_ntk_is_refused():
 
 def test_generate_with_the_fused_step_gives_the_same_tokens():
     model = make_model()
-    expected = generate.generate(copy_of(model), PROMPTS, Sampling(20, temperature=0))
+    expected = decoding.generate(copy_of(model), PROMPTS, Sampling(20, temperature=0))
     assert (
-        generate.generate(model, PROMPTS, Sampling(20, temperature=0), step=DecodeStep(model))
+        decoding.generate(model, PROMPTS, Sampling(20, temperature=0), step=DecodeStep(model))
         == expected
     )
 
@@ -189,19 +200,19 @@ def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
     reference = copy_of(model)
     step = DecodeStep(model, compiled=True)
     # on the CPU: products written by Inductor
-    assert isinstance(step.layers[0].w13, inference.RowDot)
+    assert isinstance(step.layers[0].w13, RowDot)
     # cache lengths 17, 42, 16
     for prompts, new in (([[1, 5, 6, 7]], 13), ([[1, 9]], 40), ([[1, 2, 3]], 13)):
-        expected = generate.generate(reference, prompts, Sampling(new, temperature=0))
+        expected = decoding.generate(reference, prompts, Sampling(new, temperature=0))
         assert (
-            generate.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
+            decoding.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
         )
     assert list(step.compiled) == [(1, 1)]
     for new in (13, 20):  # rows of a token buffer as wide as the run
         prompts = [[1, 5, 6, 7], [1, 9, 2, 3]]
-        expected = generate.generate(reference, prompts, Sampling(new, temperature=0))
+        expected = decoding.generate(reference, prompts, Sampling(new, temperature=0))
         assert (
-            generate.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
+            decoding.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
         )
     assert list(step.compiled) == [(1, 1), (2, 2)]
     # up to the cache's last slot, whose keys are the whole cache
@@ -223,7 +234,7 @@ def test_compiled_int8_step_reads_the_model_weights(one_thread):
                 rounded = Int8Linear.quantized(module.weight)
                 module.weight.copy_(rounded.weight.float() * rounded.scale[:, None])
     step = DecodeStep(model, compiled=True)
-    assert isinstance(step.layers[0].w13, inference.Int8RowDot)
+    assert isinstance(step.layers[0].w13, Int8RowDot)
     tokens = torch.randint(0, 97, (1, 12))
     expected = step_logits(dequantized, DecodeStep(dequantized), tokens, 5)
 
@@ -252,8 +263,8 @@ def test_compiled_int8_step_reads_the_model_weights(one_thread):
     ],
 )
 def test_isa_class(flags, isa):
-    assert inference.isa_class(flags) == isa
-    assert inference.cpu_isa() in ("amx", "avx512_bf16", "avx512", "avx2", "other")
+    assert isa_class(flags) == isa
+    assert cpu_isa() in ("amx", "avx512_bf16", "avx512", "avx2", "other")
 
 
 def slowed(step, seconds):
@@ -263,12 +274,12 @@ def slowed(step, seconds):
 def test_pick_step_keeps_the_faster_step_and_says_when_it_is_eager(one_thread):
     model = make_model()
     step = DecodeStep(model)
-    chosen, note = inference.pick_step(model, step, slowed(step, 0.002))
+    chosen, note = pick_step(model, step, slowed(step, 0.002))
     assert chosen is step and note.startswith(
         "--compile: the compiled decode step ran slower than eager"
     )
     fast = DecodeStep(model)
-    assert inference.pick_step(model, slowed(step, 0.002), fast) == (fast, None)
+    assert pick_step(model, slowed(step, 0.002), fast) == (fast, None)
     # the timing's cache is gone
     assert all(attention.cache is None for attention in step.attentions)
 
@@ -281,18 +292,19 @@ def test_step_threads_hold_while_it_runs_and_are_restored(one_thread):
     tokens = torch.randint(0, 97, (2, 12))
     reference = copy_of(model)
     expected = step_logits(reference, reference, tokens, 5)
-    torch.testing.assert_close(step_logits(model, step, tokens, 5), expected, atol=1e-5, rtol=0)
+    # two threads split the reductions otherwise than one: 1.5e-5 apart on a Xeon with AMX
+    torch.testing.assert_close(step_logits(model, step, tokens, 5), expected, atol=5e-5, rtol=0)
     assert set(seen) == {2} and torch.get_num_threads() == 1
     # on one thread there is nothing to choose
-    assert inference.tune_threads(model, DecodeStep(model)) is None
+    assert tune_threads(model, DecodeStep(model)) is None
 
 
 def test_compiled_unless_slower_decodes_like_the_model(one_thread):
     model = make_model(n_layers=1)
-    expected = generate.generate(copy_of(model), PROMPTS[:2], Sampling(12, temperature=0))
-    step, note = inference.compiled_unless_slower(model, DecodeStep(model), batch=2)
+    expected = decoding.generate(copy_of(model), PROMPTS[:2], Sampling(12, temperature=0))
+    step, note = compiled_unless_slower(model, DecodeStep(model), batch=2)
     assert note is None or note.startswith("--compile:")
-    assert generate.generate(model, PROMPTS[:2], Sampling(12, temperature=0), step=step) == expected
+    assert decoding.generate(model, PROMPTS[:2], Sampling(12, temperature=0), step=step) == expected
     assert step.compiled is None or list(step.compiled) == [(2, 2)]  # timed at the batch it decodes
     # the model's layers hold views of the chosen step's weights (the other's copy went with it)
     storage = step.layers[0].wqkv.weight.untyped_storage().data_ptr()
@@ -308,7 +320,7 @@ def test_decode_attention_kernel_is_sdpa(dtype, batch, heads, kv_heads, head_dim
     """decode_ops.cpp: PyTorch's SDPA over the first `length` cached positions (fp32, bf16
     and int8 caches (one scale a token and head), grouped queries, a cache with more rows and
     slots than used)."""
-    ops = inference.decode_ops()
+    ops = decode_ops()
     if ops is None:
         pytest.fail("decode_ops.cpp did not build (a C++ compiler is needed)")
     attend = ops.decode_attention
@@ -338,7 +350,7 @@ def test_compiled_step_on_a_smaller_cache(one_thread, kv_dtype, tolerance):
     step = DecodeStep(model, compiled=True, kv_dtype=kv_dtype)
     tokens = torch.randint(0, 97, (1, 12))
     expected = step_logits(model, DecodeStep(model), tokens, 5)
-    model.setup_cache(1, 12, dtype=step.kv_dtype)
+    setup_cache(model, 1, 12, step.kv_dtype)
     model(tokens[:, :5], start_pos=0)
     assert model.layers[0].attention.cache.k.dtype == kv_dtype
     got = torch.cat([step(tokens[:, p : p + 1], start_pos=p) for p in range(5, 12)], 1)
@@ -351,7 +363,7 @@ def test_int4_linear_is_its_groups_dequantized():
     PyTorch's CPU kernel: the product of the dequantized weight within bf16 rounding."""
     torch.manual_seed(0)
     weight = torch.randn(48, 64)
-    layer = inference.Int4Linear.quantized(weight)
+    layer = Int4Linear.quantized(weight)
     groups = weight.view(48, 2, 32)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
     step = (high - low) / 15
@@ -366,7 +378,7 @@ def test_int4_model_decodes_compiled_as_eager(one_thread):
     """--quantize int4: the compiled step (the kernel under picollama::int4_linear) gives the eager
     step's logits, and both the model's; the output layer is int8 (as in llama.cpp's Q4 files)."""
     model = quantize(make_model(), "int4")
-    assert isinstance(model.layers[0].attention.wq, inference.Int4Linear)
+    assert isinstance(model.layers[0].attention.wq, Int4Linear)
     assert isinstance(model.output, Int8Linear)
     tokens = torch.randint(0, 97, (1, 12))
     with torch.no_grad():

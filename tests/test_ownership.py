@@ -11,10 +11,11 @@ from test_data import write_corpus
 
 import train
 from data import prepare as prepare_module
+from data.build import prepare
 from data.loader import load_meta
-from data.prepare import prepare
-from picollama import cli, convert
-from picollama.cli import UserError, run_command
+from picollama import cli, convert, outputs
+from picollama.cli import UserError
+from picollama.command import run_command
 
 
 @pytest.fixture(scope="module")
@@ -108,26 +109,26 @@ def test_force_replaces_a_dataset_picollama_prepared(dataset, tmp_path, capsys):
 def test_check_replaceable_names_what_is_in_the_way(tmp_path):
     folder = tmp_path / "run"
     own = {"files": r"model\.safetensors|config\.json", "folders": "train_state"}
-    cli.check_replaceable(folder, **own)  # absent
+    outputs.check_replaceable(folder, **own)  # absent
     folder.mkdir()
-    cli.check_replaceable(folder, **own)  # empty
+    outputs.check_replaceable(folder, **own)  # empty
     for name in ("model.safetensors", "config.json", ".config.json.tmp-7", "train_state/a"):
         (folder / name).parent.mkdir(exist_ok=True)
         (folder / name).write_text(name)
     (folder / "link.bin").symlink_to(tmp_path)  # a link is a file: only the link would go
-    cli.check_replaceable(folder, own["files"] + r"|link\.bin", own["folders"])
+    outputs.check_replaceable(folder, own["files"] + r"|link\.bin", own["folders"])
     (folder / "link.bin").unlink()
-    cli.check_replaceable(folder, **own, marks=["model.safetensors", "config.json"])
+    outputs.check_replaceable(folder, **own, marks=["model.safetensors", "config.json"])
     with pytest.raises(UserError, match="it holds no tokenizer.model, so picollama did not"):
-        cli.check_replaceable(folder, **own, marks=["tokenizer.model"])
+        outputs.check_replaceable(folder, **own, marks=["tokenizer.model"])
     (folder / "config.json").unlink()
     (folder / "config.json").mkdir()  # an own name, but a folder: it could hold anything
     with pytest.raises(UserError, match=r"it holds config\.json/, so .*; move them out"):
-        cli.check_replaceable(folder, **own)
+        outputs.check_replaceable(folder, **own)
     for i in range(5):
         (folder / f"mine{i}.txt").write_text("mine")
     with pytest.raises(UserError, match=r"holds config\.json/, mine0\.txt, mine1\.txt and 3 more"):
-        cli.check_replaceable(folder, **own)
+        outputs.check_replaceable(folder, **own)
 
 
 # ---------------------------------------------------------------- symbolic links
@@ -156,9 +157,9 @@ def test_atomic_output_writes_through_a_symbolic_link(tmp_path):
     (tmp_path / "disk" / "folder").mkdir()
     (tmp_path / "file_link").symlink_to(tmp_path / "disk" / "notes.txt")
     (tmp_path / "folder_link").symlink_to(tmp_path / "disk" / "folder")
-    with cli.atomic_output(tmp_path / "file_link") as tmp:
+    with outputs.atomic_output(tmp_path / "file_link") as tmp:
         tmp.write_text("new")
-    with cli.atomic_output(tmp_path / "folder_link") as tmp:
+    with outputs.atomic_output(tmp_path / "folder_link") as tmp:
         tmp.mkdir()
         (tmp / "inside.txt").write_text("inside")
     assert (tmp_path / "file_link").is_symlink() and (tmp_path / "folder_link").is_symlink()
@@ -167,10 +168,10 @@ def test_atomic_output_writes_through_a_symbolic_link(tmp_path):
     assert sorted(os.listdir(tmp_path / "disk")) == ["folder", "notes.txt"]
     # a file never replaces a folder (its files), nor a folder a file, through a link or not
     with pytest.raises(UserError, match=f"cannot write {tmp_path / 'folder_link'}: it is a direc"):
-        with cli.atomic_output(tmp_path / "folder_link") as tmp:
+        with outputs.atomic_output(tmp_path / "folder_link") as tmp:
             tmp.write_text("a file")
     with pytest.raises(UserError, match=f"cannot write {tmp_path / 'file_link'}: it is a file"):
-        with cli.atomic_output(tmp_path / "file_link") as tmp:
+        with outputs.atomic_output(tmp_path / "file_link") as tmp:
             tmp.mkdir()
     assert (tmp_path / "disk" / "notes.txt").read_text() == "new"
     assert (tmp_path / "disk" / "folder" / "inside.txt").read_text() == "inside"

@@ -5,28 +5,25 @@ queries), and a KV cache in bf16 under an fp32 model."""
 import dataclasses
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 from test_variants import TINY, make_model  # a tiny model (context 32), sharp weights
 
-import model as model_module
-from model import (
-    ForgetGates,
-    ModelArgs,
-    SSMax,
-    Transformer,
-    WindowedRoPE,
-    apply_rotary,
-    rope_frequencies,
-    rope_rotations,
-)
-from picollama import convert
+from model import ModelArgs, Transformer, apply_rotary, rope_frequencies, rope_rotations
+from picollama import gguf_export, hf_format, length_encodings, windowed_rope
 from picollama.cli import UserError
-from picollama.config import checked_model_args, parse_cli
+from picollama.config import parse_cli
+from picollama.length import near_window, stretched
+from picollama.length_encodings import SSMax, forget_gate_attention
+from picollama.model_args import checked_model_args
+from picollama.variants import non_llama
+from picollama.windowed_rope import WindowedRoPE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+ROTARY = SimpleNamespace(rotary=True)  # an attention module that rotates
 WINDOWED = {
     "rerope": dict(rope_scaling="rerope", rope_factor=3.0, rope_window=4),
     "self_extend": dict(rope_scaling="self_extend", rope_factor=3.0, rope_window=4),
@@ -120,9 +117,14 @@ def test_blocks_of_queries_equal_one_block_in_bounded_memory(name, monkeypatch):
     with torch.no_grad():
         whole = model(tokens)
         blocks = []
-        for name in ("grouped_scores", "flash_attention_cpu"):  # the scores' two makers
-            monkeypatch.setattr(model_module, name, spying(getattr(model_module, name), blocks))
-        monkeypatch.setattr(model_module, "ATTENTION_BLOCK", 1000)  # 6 queries over 150 keys
+        # the scores' two makers, where the windowed methods and FoX call them
+        for module, name in [
+            (windowed_rope, "grouped_scores"),
+            (windowed_rope, "flash_attention_cpu"),
+            (length_encodings, "grouped_scores"),
+        ]:
+            monkeypatch.setattr(module, name, spying(getattr(module, name), blocks))
+        monkeypatch.setattr(windowed_rope, "ATTENTION_BLOCK", 1000)  # 6 queries over 150 keys
         torch.testing.assert_close(model(tokens), whole, atol=1e-5, rtol=0)
     assert max(blocks) <= 1000 and len(blocks) >= 2 * 25  # 25 blocks per layer at least
 
@@ -186,7 +188,7 @@ def test_each_score_is_rope_at_the_mapped_distance(method, factor, positions):
         return apply_rotary(x.transpose(1, 2), rotations).transpose(1, 2)
 
     weights = WindowedRoPE(args, positions, positions).attend(
-        rotated(q, near), rotated(k, near), torch.eye(8)[None, None], rotary=True
+        rotated(q, near), rotated(k, near), torch.eye(8)[None, None], ROTARY
     )[0, 0]
     inv_freq = rope_frequencies(args, 40)[0]
     expected = torch.full((8, 8), -math.inf)
@@ -226,7 +228,7 @@ def test_rerope_topk_attends_each_querys_best_far_keys(far_keys, rows):
     rotated_q, rotated_k = (apply_rotary(x.transpose(1, 2), near).transpose(1, 2) for x in (q, k))
     given = positions if rows == 1 else positions[None]
     weights = WindowedRoPE(args, given, given).attend(
-        rotated_q, rotated_k, torch.eye(8)[None, None], rotary=True
+        rotated_q, rotated_k, torch.eye(8)[None, None], ROTARY
     )[0, 0]
     expected = torch.full((8, 8), -math.inf)
     for i in range(8):
@@ -252,8 +254,8 @@ def test_the_flash_branches_equal_the_score_matrix(method):
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 40, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
     positions = torch.arange(7, 47)
-    flash = WindowedRoPE(args, positions, positions).attend(q, k, v, rotary=True)
-    rows = WindowedRoPE(args, positions[None], positions[None]).attend(q, k, v, rotary=True)
+    flash = WindowedRoPE(args, positions, positions).attend(q, k, v, ROTARY)
+    rows = WindowedRoPE(args, positions[None], positions[None]).attend(q, k, v, ROTARY)
     torch.testing.assert_close(flash, rows, atol=1e-5, rtol=0)
 
 
@@ -266,8 +268,8 @@ def test_rerope_topk_keeping_every_far_key_is_plain_rerope(dtype):
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, heads, 40, 8, dtype=dtype) for heads in (4, 2, 2))
     positions = torch.arange(7, 47)
-    kept = WindowedRoPE(topk, positions, positions).attend(q, k, v, rotary=True)
-    flash = WindowedRoPE(plain, positions, positions).attend(q, k, v, rotary=True)
+    kept = WindowedRoPE(topk, positions, positions).attend(q, k, v, ROTARY)
+    flash = WindowedRoPE(plain, positions, positions).attend(q, k, v, ROTARY)
     assert kept.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kept.float(), flash.float(), atol=tolerance, rtol=0)
@@ -283,37 +285,37 @@ def farthest(method: str, length: int, w: int, factor: float) -> float:
 def test_stretched_takes_just_enough(length, window):
     args = ModelArgs(**TINY, rope_window=window)  # 0: 32 // 4
     w = window or 8
-    k = args.stretched("rerope", length).rope_factor
+    k = stretched(args, "rerope", length).rope_factor
     assert farthest("rerope", length, w, k) == pytest.approx(min(length - 1, 31))
     assert k == 1.0 or farthest("rerope", length, w, k * 0.999) > 31
-    g = args.stretched("self_extend", length).rope_factor
+    g = stretched(args, "self_extend", length).rope_factor
     assert g == round(g) and farthest("self_extend", length, w, g) <= 31
     assert g == 1 or farthest("self_extend", length, w, g - 1) > 31
     # given, the factor is kept
-    assert args.stretched("self_extend", length, 5.0).rope_factor == 5.0
+    assert stretched(args, "self_extend", length, 5.0).rope_factor == 5.0
     # rerope_topk puts every far key at w (3/4 of the context unless given): its factor is the
     # stretch
-    topk = args.stretched("rerope_topk", length)
-    assert topk.rope_factor == max(1.0, length / 32) and topk.near_window == (window or 24)
+    topk = stretched(args, "rerope_topk", length)
+    assert topk.rope_factor == max(1.0, length / 32) and near_window(topk) == (window or 24)
 
 
 def test_stretched_refuses_what_cannot_fit():
     with pytest.raises(ValueError, match=r"rope_window \(31\) must be below"):
-        ModelArgs(**TINY, rope_window=31).stretched("rerope", 40)
+        stretched(ModelArgs(**TINY, rope_window=31), "rerope", 40)
     with pytest.raises(ValueError, match="position = 'rope' only"):
-        ModelArgs(**TINY, position="fox").stretched("self_extend", 40)
+        stretched(ModelArgs(**TINY, position="fox"), "self_extend", 40)
     # the RoPE scalings apply to p-RoPE too
-    assert ModelArgs(**TINY, position="prope").stretched("yarn", 80).rope_factor == 2.5
+    assert stretched(ModelArgs(**TINY, position="prope"), "yarn", 80).rope_factor == 2.5
 
 
 @pytest.mark.parametrize("method", list(WINDOWED))
 def test_two_branch_attention_is_not_exported(method):
     args = checked_model_args(**TINY, rope_scaling=method, rope_factor=2.0)
-    assert args.non_llama() == ["rope_scaling"] and not Transformer(args).is_llama()
+    assert non_llama(args) == ["rope_scaling"]
     with pytest.raises(ValueError, match=f"no model.rope_scaling = '{method}'"):
-        convert.hf_config(args)
+        hf_format.hf_config(args)
     with pytest.raises(ValueError, match=f"RoPE scaling '{method}' is not exported to GGUF"):
-        convert.gguf_rope(args)
+        gguf_export.gguf_rope(args)
 
 
 # ---------------------------------------------------------------- p-RoPE
@@ -359,7 +361,7 @@ def test_fox_scores_gain_the_forget_gates_between_key_and_query():
     torch.manual_seed(0)
     q, k, log_f = torch.randn(1, 2, 6, 6), torch.randn(1, 1, 6, 6), -torch.rand(1, 2, 6)
     c = log_f.cumsum(-1)
-    weights = ForgetGates(c).attend(q, k, torch.eye(6)[None, None], rotary=False)
+    weights = forget_gate_attention(q, k, torch.eye(6)[None, None], SimpleNamespace(c=c))
     scores = q @ k.mT / math.sqrt(6)
     for i in range(6):
         for j in range(i + 1):
@@ -395,7 +397,7 @@ def test_new_switches_are_not_llama():
     for switch in (dict(position="fox"), dict(position="prope"), dict(ssmax=True)):
         key = next(iter(switch))
         with pytest.raises(ValueError, match=f"no model.{key} = "):
-            convert.hf_config(checked_model_args(**TINY, **switch))
+            hf_format.hf_config(checked_model_args(**TINY, **switch))
 
 
 # ---------------------------------------------------------------- configuration, the KV cache

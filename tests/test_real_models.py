@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from data.tokenizer import HFTokenizer
-from generate import Sampling, TextStream, encode_prompt, generate
 from model import ModelArgs, Transformer
-from picollama import convert
-from picollama.checkpoint import load_model, load_run
-from picollama.cli import run_command
+from picollama import convert, gguf_export, hf_format
+from picollama.command import run_command
+from picollama.decoding import Sampling, generate
+from picollama.prompts import TextStream, encode_prompt
+from picollama.run_files import load_model, load_run
 
 TEXTS = [
     "Héllo wörld, ça va? Ñandú über naïve café",
@@ -85,13 +86,13 @@ def write_tiny_gguf(tokenizer_file: Path, out: Path, type_="f32", seed=0, **mode
     """A random tiny Llama with this tokenizer as a GGUF file of weight type `type_`."""
     tokenizer = HFTokenizer(tokenizer_file) if tokenizer_file.suffix == ".json" else None
     if tokenizer is None:
-        from picollama.checkpoint import read_tokenizer
+        from picollama.run_files import read_tokenizer
 
         tokenizer = read_tokenizer(tokenizer_file)
     torch.manual_seed(seed)
     args = ModelArgs(**TINY | dict(vocab_size=tokenizer.get_piece_size() + 3) | model_args)
     model = Transformer(args).eval()
-    convert.write_gguf(model, tokenizer, out, type_, "tiny")
+    gguf_export.write_gguf(model, tokenizer, out, type_, "tiny")
     return out
 
 
@@ -209,7 +210,7 @@ def random_blocks_gguf(path: Path, tokenizer_file: Path, kind: str) -> Path:
     writer.add_head_count(4)
     writer.add_head_count_kv(2)
     writer.add_layer_norm_rms_eps(1e-5)
-    convert.add_gguf_vocab(writer, HFTokenizer(tokenizer_file), 512, gguf)
+    gguf_export.add_gguf_vocab(writer, HFTokenizer(tokenizer_file), 512, gguf)
     shapes = {"token_embd": (512, 256), "output": (512, 256), "blk.0.attn_q": (256, 256)}
     shapes |= {"blk.0.attn_k": (128, 256), "blk.0.attn_v": (128, 256)}
     for name in ("attn_output", "ffn_gate", "ffn_up", "ffn_down"):
@@ -285,7 +286,7 @@ def test_gguf_rope_scaling_comes_back(bpe_ggufs, scaling, tmp_path, monkeypatch,
     if scaling["rope_scaling"] == "yarn":
         written = Transformer(ModelArgs(**TINY | dict(vocab_size=420, max_seq_len=16384)))
         written.load_state_dict(model.state_dict())
-    convert.write_gguf(written.eval(), tokenizer, tmp_path / "m.gguf", "f32", "tiny")
+    gguf_export.write_gguf(written.eval(), tokenizer, tmp_path / "m.gguf", "f32", "tiny")
     assert convert_main(["from-gguf", "--gguf", tmp_path / "m.gguf", "--out", tmp_path / "r"]) == 0
     imported, _ = load_model(tmp_path / "r")
     assert {key: getattr(imported.args, key) for key in scaling} == scaling
@@ -372,14 +373,14 @@ def test_from_hf_takes_a_tokenizer_json_folder(bpe_ggufs, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     args = ModelArgs(**TINY | dict(vocab_size=423))
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**convert.hf_config(args))
+    config = transformers.LlamaConfig(**hf_format.hf_config(args))
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "hf" / name).write_bytes((bpe_ggufs["gpt2"][0].parent / name).read_bytes())
     assert convert_main(["from-hf", "--hf-dir", tmp_path / "hf", "--out", tmp_path / "run"]) == 0
     _, _, tokenizer = load_run(tmp_path / "run", "cpu", torch.float32)
     assert tokenizer.encode(TEXTS[0]) == HFTokenizer(bpe_ggufs["gpt2"][0]).encode(TEXTS[0])
-    small = convert.hf_config(ModelArgs(**TINY | dict(vocab_size=97)))
+    small = hf_format.hf_config(ModelArgs(**TINY | dict(vocab_size=97)))
     (tmp_path / "hf" / "config.json").write_text(json.dumps(small))
     argv = ["from-hf", "--hf-dir", tmp_path / "hf", "--out", tmp_path / "run2"]
     capsys.readouterr()
@@ -515,9 +516,10 @@ def test_smollm2_exports_back_to_transformers_and_llama_cpp(smollm2_run, tmp_pat
 IMPORT_AND_SAMPLE = """
 import sys, torch
 from pathlib import Path
-from generate import Sampling, encode_prompt, generate
-from picollama.checkpoint import load_run
 from picollama.convert import imported_run
+from picollama.decoding import Sampling, generate
+from picollama.prompts import encode_prompt
+from picollama.run_files import load_run
 model, _, tokenizer = load_run(imported_run(Path(sys.argv[1])), "cpu", torch.float32)
 print(tokenizer.decode(generate(model, [encode_prompt(tokenizer, "Hi")], Sampling(8, 0))[0]))
 status = Path("/proc/self/status").read_text()
@@ -576,7 +578,7 @@ def import_once(gguf: Path, folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def bpe_data(bpe_ggufs, tmp_path_factory) -> tuple[Path, Path]:
     """(the gpt2 GGUF imported as a run, a dataset prepared with its tokenizer)."""
-    from data.prepare import prepare
+    from data.build import prepare
 
     root = tmp_path_factory.mktemp("bpe_data")
     run = import_once(bpe_ggufs["gpt2"][1], root)

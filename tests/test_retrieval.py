@@ -9,7 +9,8 @@ import torch
 
 import train
 from data.retrieval import FILLER, RetrievalBatches, RetrievalTask
-from picollama.cli import UserError, run_command
+from picollama.cli import UserError
+from picollama.command import run_command
 
 TASK = RetrievalTask(keys=16, values=16, pairs=4)
 

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 import generate
-from generate import Sampling, SinkCache, Sinks
 from model import ModelArgs, Transformer, apply_rotary, rope_rotations
-from picollama.checkpoint import save_model
-from picollama.cli import run_command
-from picollama.inference import DecodeStep
+from picollama import decoding
+from picollama.caches import SinkCache, Sinks
+from picollama.command import run_command
+from picollama.decode_step import DecodeStep
+from picollama.decoding import Sampling
+from picollama.run_files import save_model
 
 TINY = dict(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16
@@ -48,8 +50,8 @@ def fast(model: Transformer, fused: bool):
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_window_longer_than_the_generation_changes_nothing(fused, one_thread):
     model = make_model()
-    plain = generate.generate(model, PROMPTS, Sampling(20, temperature=0), step=fast(model, fused))
-    sunk = generate.generate(
+    plain = decoding.generate(model, PROMPTS, Sampling(20, temperature=0), step=fast(model, fused))
+    sunk = decoding.generate(
         model, PROMPTS, Sampling(20, temperature=0), step=fast(model, fused), sinks=Sinks(4)
     )
     assert sunk == plain and all(len(row) == 20 for row in sunk)
@@ -66,7 +68,7 @@ def test_the_cache_never_grows_past_the_window(fused, one_thread):
         cache = model.layers[-1].attention.cache
         seen.add((tuple(cache.k.shape), tuple(cache.v.shape), cache.k.data_ptr()))
 
-    rows = generate.generate(
+    rows = decoding.generate(
         model,
         PROMPTS,
         Sampling(200, temperature=1.0, seed=0),
@@ -174,9 +176,9 @@ def test_a_batch_with_sinks_equals_one_by_one(one_thread):
     (chunked into the cache alone, one token a step in the batch) gives the same text."""
     model = make_model()
     sinks = Sinks(2, window=8)
-    batch = generate.generate(model, PROMPTS, Sampling(40, temperature=0), sinks=sinks)
+    batch = decoding.generate(model, PROMPTS, Sampling(40, temperature=0), sinks=sinks)
     alone = [
-        generate.generate(model, [p], Sampling(40, temperature=0), sinks=sinks)[0] for p in PROMPTS
+        decoding.generate(model, [p], Sampling(40, temperature=0), sinks=sinks)[0] for p in PROMPTS
     ]
     assert batch == alone
 
@@ -187,7 +189,7 @@ def test_the_flags_are_checked():
     with pytest.raises(ValueError, match="--window must be larger than --sink-tokens"):
         Sinks(4, window=4)
     with pytest.raises(ValueError, match="fills the model's context of 32"):
-        generate.generate(make_model(), PROMPTS, Sampling(4), sinks=Sinks(32))
+        decoding.generate(make_model(), PROMPTS, Sampling(4), sinks=Sinks(32))
 
 
 @pytest.fixture(scope="module")

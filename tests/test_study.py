@@ -10,13 +10,15 @@ import torch
 from conftest import write_corpus
 
 import generate
-from data.prepare import prepare
+from data.build import prepare
 from data.retrieval import RetrievalTask
-from model import ROPE_SCALINGS, ModelArgs, Transformer
-from picollama.checkpoint import save_model
-from picollama.cli import ArgumentParser, UserError, run_command
+from model import ModelArgs, Transformer
+from picollama.cli import ArgumentParser, UserError
+from picollama.command import run_command
 from picollama.config import parse_cli
 from picollama.lab import retrieval_track, study
+from picollama.length import ROPE_SCALINGS
+from picollama.run_files import save_model
 
 TASK = RetrievalTask(keys=16, values=16, pairs=4)
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from picollama.cli import ArgumentParser, UserError, run_command
-from picollama.lab import passkey, recipe, report, study
+from picollama.cli import ArgumentParser, UserError
+from picollama.command import run_command
+from picollama.lab import passkey, plots, recipe, report, seeds, study
 
 RECIPE = """config = "configs/retrieval.toml"
 multiples = [1, 2]
@@ -127,7 +128,7 @@ GROUPS = {
 
 
 def test_the_mean_and_spread_across_seeds_are_the_hand_computed_ones():
-    summary = report.seeds_summary(REPORT, GROUPS)
+    summary = seeds.seeds_summary(REPORT, GROUPS)
     none = summary["runs"]["rope"]["none"]["64"]
     assert none["mean"] == pytest.approx(0.60) and (none["min"], none["max"]) == (0.50, 0.70)
     yarn = summary["runs"]["rope"]["yarn"]["32"]
@@ -142,13 +143,13 @@ def test_the_mean_and_spread_across_seeds_are_the_hand_computed_ones():
 
 
 def test_an_ordering_is_called_only_where_the_ranges_separate():
-    tiers = report.seeds_summary(REPORT, GROUPS)["tiers"]
+    tiers = seeds.seeds_summary(REPORT, GROUPS)["tiers"]
     # at 32: RoPE's ranges [0.98, 1.0] and [0.96, 1.0] overlap each other, and lie above NoPE's
     # [0.80, 0.90]
     assert tiers["32"] == [[["rope", "none"], ["rope", "yarn"]], [["nope", "none"]]]
     # at 64: yarn [0.85, 0.95] is above RoPE none [0.5, 0.7], which overlaps NoPE [0.3, 0.65]
     assert tiers["64"] == [[["rope", "yarn"]], [["rope", "none"], ["nope", "none"]]]
-    lines = report.seeds_markdown(REPORT, GROUPS)
+    lines = seeds.seeds_markdown(REPORT, GROUPS)
     assert "- 64: `rope` yarn > `rope` none, `nope` none" in lines
     assert "| `rope` | none | 99% [98%–100%] | 60% [50%–70%] |" in lines
 
@@ -160,14 +161,14 @@ def test_overlap_through_a_third_range_shares_a_tier():
         "c": {"mean": 0.6, "min": 0.50, "max": 0.72},  # overlaps b, not a
         "d": {"mean": 0.2, "min": 0.10, "max": 0.30},
     }
-    assert not report.separated(cells["a"], cells["b"]) and report.separated(cells["a"], cells["c"])
-    assert report.tiers(cells, higher=True) == [["a", "b", "c"], ["d"]]
+    assert not seeds.separated(cells["a"], cells["b"]) and seeds.separated(cells["a"], cells["c"])
+    assert seeds.tiers(cells, higher=True) == [["a", "b", "c"], ["d"]]
     # perplexity: lower is better, the tiers run the other way
-    assert report.tiers(cells, higher=False) == [["d"], ["c", "b", "a"]]
+    assert seeds.tiers(cells, higher=False) == [["d"], ["c", "b", "a"]]
 
 
 def test_with_one_seed_there_is_no_seeds_section():
-    assert report.seeds_markdown(REPORT, {}) == []
+    assert seeds.seeds_markdown(REPORT, {}) == []
     assert study.seed_groups([recipe.Run("a", "x", recipe.Level(), recipe.Level())]) == {}
 
 
@@ -179,7 +180,7 @@ def test_a_text_study_is_compared_on_perplexity_lower_first():
         perplexity = {"none": cells, "alibi": alibi}
         runs.append({"name": folder, "methods": ["none", "alibi"], "perplexity": perplexity})
     text = {"lengths": [256, 512], "runs": runs}
-    summary = report.seeds_summary(text, {"rope": ["rope", "rope-seed1"]})
+    summary = seeds.seeds_summary(text, {"rope": ["rope", "rope-seed1"]})
     assert summary["metric"] == "perplexity (perplexity)"
     assert summary["tiers"]["256"] == [[["rope", "none"]], [["rope", "alibi"]]]
     assert summary["tiers"]["512"] == [[["rope", "alibi"]], [["rope", "none"]]]
@@ -275,11 +276,11 @@ def test_the_figure_draws_a_run_s_seeds_as_their_mean_in_a_min_max_band(tmp_path
     def keep(fig, axes, path, note=""):
         drawn.extend(axes)
 
-    monkeypatch.setattr(report, "save_figure", keep)
+    monkeypatch.setattr(plots, "save_figure", keep)
     older = {"lengths": [32, 64], "task": {"chance": 0.1}, "runs": [retrieval_runs("rope", [0, 0])]}
     seeds = [retrieval_runs("rope", [0.9, 0.5]), retrieval_runs("rope-seed1", [0.7, 0.3])]
     newer = {**older, "runs": seeds}
-    report.side_by_side_plot([], [older, newer], tmp_path / "study.png")  # the last one draws
+    plots.side_by_side_plot([], [older, newer], tmp_path / "study.png")  # the last one draws
     text, retrieval = drawn  # one pair of panels: one run, its seeds under its name
     assert text.get_title() == "rope: perplexity ratio" and not text.lines
     (line,) = [line for line in retrieval.lines if line.get_label() == "none"]
@@ -298,7 +299,7 @@ def test_the_ratio_panels_share_a_range_that_spans_the_drawn_ratios(tmp_path, mo
     def keep(fig, axes, path, note=""):
         drawn.extend(axes)
 
-    monkeypatch.setattr(report, "save_figure", keep)
+    monkeypatch.setattr(plots, "save_figure", keep)
 
     def text_run(name: str, ratios: list[float | None]) -> dict:
         cells = {str(n): r and {"ratio": r} for n, r in zip((256, 512), ratios)}
@@ -309,7 +310,7 @@ def test_the_ratio_panels_share_a_range_that_spans_the_drawn_ratios(tmp_path, mo
         "lengths": [256, 512],
         "runs": [text_run("rope", [1, 2.5]), text_run("nope", [1, None])],
     }
-    report.side_by_side_plot([text], [], tmp_path / "study.png")
+    plots.side_by_side_plot([text], [], tmp_path / "study.png")
     limits = [ax.get_ylim() for ax in drawn if ax.get_title().endswith("perplexity ratio")]
     assert limits == [pytest.approx((0.8 / 1.1, 2.5 * 1.1))] * 2
 
@@ -322,13 +323,13 @@ def test_methods_with_the_same_numbers_are_one_line_named_for_each(tmp_path, mon
     def keep(fig, axes, path, note=""):
         drawn.extend(axes)
 
-    monkeypatch.setattr(report, "save_figure", keep)
+    monkeypatch.setattr(plots, "save_figure", keep)
     run = retrieval_runs("rope", [1.0, 0.5])
     same = run["accuracy"]["none"]
     run |= dict(methods=["ntk", "dynamic", "yarn"])
     run["accuracy"] = {"ntk": same, "dynamic": same, "yarn": {"32": {"mean": 1}, "64": {"mean": 1}}}
     retrieval = {"lengths": [32, 64], "task": {"chance": 0.1}, "runs": [run]}
-    report.side_by_side_plot([], [retrieval], tmp_path / "study.png")
+    plots.side_by_side_plot([], [retrieval], tmp_path / "study.png")
     lines = {
         line.get_label(): list(line.get_ydata())
         for line in drawn[1].lines

@@ -19,14 +19,19 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 import train
+from data.build import prepare
 from data.loader import RandomBatches
-from data.prepare import prepare, train_tokenizer
 from data.tokenizer import tokenizer_sha256
+from data.tokenizer_training import train_tokenizer
 from model import ModelArgs, Transformer
-from picollama import budget, checkpoint, cli, device, metrics, optim
-from picollama.checkpoint import checkpoints, load_model, non_finite, save_model
-from picollama.cli import UserError, run_command
-from picollama.config import CONTEXT_KEYS, build_config, check_config, parse_cli
+from picollama import budget, device, metrics, optim, outputs, train_checks, train_data, train_state
+from picollama.cli import UserError
+from picollama.command import run_command
+from picollama.config import build_config, parse_cli
+from picollama.config_checks import check_config
+from picollama.model_args import CONTEXT_KEYS
+from picollama.resume import checkpoints
+from picollama.run_files import load_model, non_finite, save_model
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {
@@ -199,7 +204,7 @@ def test_loss_falls(dataset, tmp_path):
     assert curve[60] < curve[1] - 1.5, curve
     val = losses(tmp_path / "run", "val_loss")
     assert val[60] < val[6] and (tmp_path / "run" / "model.safetensors").is_file()
-    from picollama.checkpoint import load_model
+    from picollama.run_files import load_model
 
     model, saved = load_model(tmp_path / "run")
     assert saved["train"]["seq_len"] == 32 and saved["data"]["dir"] == str(dataset)
@@ -384,7 +389,7 @@ def test_tokens_per_s_counts_training_time_only(dataset, tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     # once a step
     monkeypatch.setattr(RandomBatches, "next_batch", taking(1.0, RandomBatches.next_batch))
-    monkeypatch.setattr(train, "evaluate", taking(100.0, train.evaluate))
+    monkeypatch.setattr(train_data, "evaluate", taking(100.0, train_data.evaluate))
     monkeypatch.setattr(train, "save_checkpoint", taking(50.0, train.save_checkpoint))
     config = config_file(
         tmp_path,
@@ -477,7 +482,7 @@ def test_resume_after_sigkill_with_two_ranks(runs, tmp_path):
 
 
 def test_one_process_checkpoint_resumes_on_two_ranks(runs, tmp_path):
-    """One process saves without DCP's collectives (checkpoint.py); the checkpoint is still one that
+    """One process saves without DCP's collectives (train_state); the checkpoint is still one that
     2 ranks resume."""
     fp32 = runs["float32"]
     shutil.copytree(fp32["single"], tmp_path / "run")
@@ -731,14 +736,14 @@ def test_z_loss_adds_the_squared_log_normaliser_and_is_logged_beside_the_loss(da
 
 def test_random_positions_are_sorted_distinct_in_range_and_seeded():
     torch.manual_seed(0)
-    positions = train.random_positions(16, 32, 4)
+    positions = train_data.random_positions(16, 32, 4)
     assert positions.shape == (16, 32) and positions.dtype == torch.int64
     assert (positions.diff(dim=1) > 0).all() and positions.min() >= 0 and positions.max() < 128
     # they reach far, differently in every row
     assert positions.max() >= 96 and len(positions.unique(dim=0)) == 16
     torch.manual_seed(0)
-    assert torch.equal(train.random_positions(16, 32, 4), positions)
-    assert torch.equal(train.random_positions(2, 8, 1), torch.arange(8).expand(2, 8))
+    assert torch.equal(train_data.random_positions(16, 32, 4), positions)
+    assert torch.equal(train_data.random_positions(2, 8, 1), torch.arange(8).expand(2, 8))
 
 
 def test_random_positions_reach_the_model_only_when_on_and_resume_exactly(
@@ -893,7 +898,7 @@ def test_a_missing_data_dir_is_prepared_only_where_python_train_py_prepares_it(
     monkeypatch.chdir(tmp_path)
 
     def check(*overrides):
-        train.check_dataset(build_config({}, list(overrides)))
+        train_data.check_dataset(build_config({}, list(overrides)))
 
     check()  # data/shakespeare, here
     check(("data.dir", str(REPO / "data" / "shakespeare")))
@@ -921,8 +926,8 @@ def test_no_shipped_config_is_too_big_for_the_machine_it_is_for(path, monkeypatc
     80 GB H100 (one, or eight for llama-1b)."""
     cfg, _ = parse_cli(["--config", str(path)])
     gpu = cfg.model.dim >= 768
-    monkeypatch.setattr(train, "memory_bytes", lambda device: 80e9 if gpu else 16 * 2**30)
-    train.check_memory(cfg, 8 if "llama-1b" in path.name else 1)
+    monkeypatch.setattr(train_checks, "memory_bytes", lambda device: 80e9 if gpu else 16 * 2**30)
+    train_checks.check_memory(cfg, 8 if "llama-1b" in path.name else 1)
 
 
 def test_a_batch_past_memory_is_refused_naming_what_fits(monkeypatch):
@@ -932,10 +937,12 @@ def test_a_batch_past_memory_is_refused_naming_what_fits(monkeypatch):
     with torch.device("meta"):
         params = Transformer(cfg.model).num_params()
     per_token = 8 * 300 + 2 * 32 * 4
-    monkeypatch.setattr(train, "memory_bytes", lambda device: 12 * params + 10 * 32 * per_token)
+    monkeypatch.setattr(
+        train_checks, "memory_bytes", lambda device: 12 * params + 10 * 32 * per_token
+    )
 
     def check(world_size=1, **train_):
-        train.check_memory(
+        train_checks.check_memory(
             dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train_)), world_size
         )
 
@@ -952,7 +959,7 @@ def test_a_batch_past_memory_is_refused_naming_what_fits(monkeypatch):
         check(batch_size=11)
     assert str(refused.value) == message
     with pytest.raises(UserError, match="eval.batch_size 12 cannot fit in memory: .* at most 11 "):
-        train.check_memory(
+        train_checks.check_memory(
             dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, batch_size=12)), 1
         )
 
@@ -1048,7 +1055,8 @@ class FakeClock:
 # train.py at 0.125 s a step (sums of it are exact in binary), killed as step {die_at} begins
 KILLED_ON_A_FAKE_CLOCK = (
     "import sys, train; from tests.test_train import FakeClock; "
-    "from picollama.cli import run_command; FakeClock(0.125, die_at={die_at}).install(setattr); "
+    "from picollama.command import run_command; "
+    "FakeClock(0.125, die_at={die_at}).install(setattr); "
     "sys.exit(run_command(train.main, sys.argv[1:]))"
 )
 
@@ -1247,7 +1255,7 @@ def test_a_signal_during_a_save_waits_for_it_and_a_second_one_stops_it(
     (the run stops at the checkpoint just written); a second one stops the save at once, leaving
     nothing of it. Either way: one line, exit 130, no temporary, export and checkpoint alike."""
     config = config_file(tmp_path, dataset, train={"max_steps": 6}, checkpoint={"interval": 2})
-    pending, save, write = [], torch.save, checkpoint.write_train_state
+    pending, save, write = [], torch.save, train_state.write_train_state
 
     def interrupted_save(obj, f, *args, **kwargs):
         return save(obj, InterruptingStream(f, pending), *args, **kwargs)
@@ -1257,7 +1265,7 @@ def test_a_signal_during_a_save_waits_for_it_and_a_second_one_stops_it(
         return write(tmp, step, *args)
 
     monkeypatch.setattr(torch, "save", interrupted_save)
-    monkeypatch.setattr(checkpoint, "write_train_state", write_train_state)
+    monkeypatch.setattr(train_state, "write_train_state", write_train_state)
     assert run_in_process(config, tmp_path / "run") == 128 + signal.SIGINT
     assert_saved_consistently(tmp_path / "run", 4 if signals == 1 else 2, capsys.readouterr().err)
 
@@ -1269,7 +1277,7 @@ def test_an_interrupt_anywhere_in_a_save_leaves_no_temporary(
     """A KeyboardInterrupt raised in the second save: after its temporary directory is made (where
     a gap before the cleanup's try once left it), while writing, and while exporting the model."""
     config = config_file(tmp_path, dataset, train={"max_steps": 6}, checkpoint={"interval": 2})
-    owner = device.Dist if where == "barrier" else checkpoint
+    owner = device.Dist if where == "barrier" else train_state
     original = getattr(owner, where)
 
     def interrupted(*args, **kwargs):
@@ -1293,7 +1301,7 @@ def test_a_signal_while_the_model_files_are_renamed_waits_for_the_last_rename(
         torch.manual_seed(seed)
         models.append(Transformer(args))
     save_model(models[0], tmp_path / "run", {"train": {"seed": 0}})
-    renames, rename = [], cli.replace
+    renames, rename = [], outputs.replace
 
     def interrupted(src, dst):
         renames.append(dst.name)
@@ -1301,7 +1309,7 @@ def test_a_signal_while_the_model_files_are_renamed_waits_for_the_last_rename(
             signal.raise_signal(signal.SIGINT)
         rename(src, dst)
 
-    monkeypatch.setattr(cli, "replace", interrupted)
+    monkeypatch.setattr(outputs, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
         save_model(models[1], tmp_path / "run", {"train": {"seed": 1}})
     assert renames == ["config.json", "model.safetensors"]
@@ -1327,7 +1335,7 @@ def small_disk(tmp_path):
 def checkpoint_weights(path: Path, like: dict) -> dict:
     """The model weights of a train_state checkpoint, as tensors shaped like `like`."""
     state = {"model": {k: torch.empty_like(v) for k, v in like.items()}}
-    with checkpoint.single_process_quiet():
+    with train_state.single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return state["model"]
 
@@ -1340,7 +1348,8 @@ def test_a_full_disk_ends_the_run_in_one_line_with_checkpoint_and_model_consiste
     before writing, or, with that check off, by the write itself). One error line naming the path,
     no temporary file left, and the model export is the latest checkpoint's weights."""
     if not checked_first:
-        monkeypatch.setattr(checkpoint, "check_free_space", lambda *args, **kwargs: None)
+        monkeypatch.setattr(train_state, "check_free_space", lambda *args, **kwargs: None)
+        monkeypatch.setattr("picollama.run_files.check_free_space", lambda *a, **k: None)
     config = config_file(
         small_disk.parent, dataset, train={"max_steps": 20}, checkpoint={"interval": 1, "keep": 2}
     )
@@ -1370,7 +1379,7 @@ def test_a_full_disk_during_to_hf_leaves_nothing(make_tiny_run, small_disk, monk
     (small_disk / "filler").write_bytes(b"\0" * (1900 * 1024))
     for checked_first in (True, False):
         if not checked_first:
-            monkeypatch.setattr("picollama.cli.check_free_space", lambda *args, **kwargs: None)
+            monkeypatch.setattr("picollama.outputs.check_free_space", lambda *args, **kwargs: None)
         assert (
             run_command(
                 convert.main, ["to-hf", "--run", str(run_dir), "--out", str(small_disk / "hf")]

@@ -10,20 +10,18 @@ import torch.nn.functional as F
 
 from model import (
     ACTIVATIONS,
-    MLP,
     NORMS,
-    SWITCHES,
-    ALiBi,
     FeedForward,
     ModelArgs,
-    Sinusoidal,
     Transformer,
     apply_rotary,
+    sdpa_attention,
 )
-from picollama import convert
-from picollama.checkpoint import save_model
-from picollama.cli import run_command
-from picollama.config import checked_model_args
+from picollama import convert, hf_format
+from picollama.command import run_command
+from picollama.model_args import checked_model_args
+from picollama.run_files import save_model
+from picollama.variants import MLP, SWITCHES, ALiBi, Sinusoidal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,7 +79,7 @@ def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
 def alibi_bias(n_heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """ALiBi's bias ([B,] heads, T, S) for queries at q_pos over keys at k_pos."""
     args = ModelArgs(dim=8 * n_heads, n_heads=n_heads, position="alibi")
-    return ALiBi(args)(args, q_pos, k_pos, None, None)[1]
+    return ALiBi(args)(args, q_pos, k_pos, None, None)[1].keywords["mask"]  # sdpa's
 
 
 # ---------------------------------------------------------------- the seed lectures' worked numbers
@@ -174,7 +172,7 @@ def test_post_norm_output_is_normalised(norm):
     x = torch.randn(2, 5, 32) * 3 + 1
     freqs_cis = rotations(model, 5)
     with torch.no_grad():
-        out = block(x, freqs_cis, None, None, None)
+        out = block(x, freqs_cis, None, sdpa_attention)
     if norm == "layernorm":
         torch.testing.assert_close(out.mean(-1), torch.zeros(2, 5), atol=1e-5, rtol=0)
         torch.testing.assert_close(out.var(-1, unbiased=False), torch.ones(2, 5), atol=1e-3, rtol=0)
@@ -214,8 +212,8 @@ def test_block_equals_its_formula(switches, formula):
     x = torch.randn(2, 6, 32)
     freqs_cis = rotations(model, 6)
     with torch.no_grad():
-        expected = formula(block, x, lambda h: block.attention(h, freqs_cis, None, None))
-        torch.testing.assert_close(block(x, freqs_cis, None, None, None), expected)
+        expected = formula(block, x, lambda h: block.attention(h, freqs_cis, None, sdpa_attention))
+        torch.testing.assert_close(block(x, freqs_cis, None, sdpa_attention), expected)
     if switches.get("parallel_block"):
         assert block.ffn_norm is None  # one norm, read by both sublayers
 
@@ -484,9 +482,9 @@ def test_hf_export_refuses_what_llama_cannot_express(name):
     model = make_model(**VARIANTS[name])
     key = next(k for k in SWITCHES if k in VARIANTS[name])
     with pytest.raises(ValueError, match=f"no model.{key} = "):
-        convert.hf_config(model.args)
+        hf_format.hf_config(model.args)
     with pytest.raises(ValueError, match=f"no model.{key} = "):
-        convert.to_hf_state_dict(model)
+        hf_format.to_hf_state_dict(model)
 
 
 @pytest.mark.parametrize("command", ["to-hf", "to-gguf"])

@@ -14,6 +14,7 @@ from picollama.config import DataConfig
 from picollama.lab.cost import Forwards, check_cost
 from picollama.lab.passkey import THRESHOLD, effective_length
 from picollama.lab.runs import Options, fits, spread
+from picollama.length import stretched
 
 RETRIEVAL_MULTIPLES = (1, 2, 4, 8, 16)  # the default lengths of a retrieval report
 KEEPS = 0.5  # retrieval's effective context keeps at least this fraction of the in-context accuracy
@@ -77,7 +78,7 @@ def retrieval_cells(model, method: str, rows: dict, row_length: int | None, devi
         length = row_length or key
         cells[str(key)] = None
         if fits(model, length):
-            model.args = model.args.stretched(method, length)
+            model.args = stretched(model.args, method, length)
             cells[str(key)] = spread(retrieval_scores(model, batches, device))
         bar.update(sum(len(x) for x, _ in batches))
     return cells

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from data.tokenizer import tokenizer_file, tokenizer_sha256
-from model import ROPE_SCALINGS, ModelArgs, Transformer
-from picollama.checkpoint import load_model, load_run
+from model import ModelArgs, Transformer
 from picollama.cli import UserError
-from picollama.config import position_limit
+from picollama.length import ROPE_SCALINGS, position_limit, stretched
+from picollama.run_files import load_model, load_run
 
 
 @dataclass
@@ -62,7 +62,7 @@ def scalings(args: ModelArgs) -> list[str]:
     usable = []
     for method in ROPE_SCALINGS:
         try:
-            args.stretched(method, args.max_seq_len)
+            stretched(args, method, args.max_seq_len)
         except ValueError:
             continue
         usable.append(method)

@@ -15,32 +15,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import train
-from data.prepare import prepare
+from data.build import prepare
 from picollama import REPO_ROOT, cli
-from picollama.cli import (
-    UserError,
-    atomic_output,
-    check_writable,
-    comma_list,
-    exclusive,
-    positive,
-    resolved,
-)
-from picollama.config import Config, check_config, parse_cli
+from picollama.cli import UserError, comma_list, positive
+from picollama.config import Config, parse_cli
+from picollama.config_checks import check_config
 from picollama.lab import extrapolate
+from picollama.lab.plots import pyplot, side_by_side_plot, text_report_problem
 from picollama.lab.recipe import FINE_TUNE_KEYS, Recipe, Run, chosen_runs, load_recipe, seeded_runs
-from picollama.lab.report import (
-    markdown_report,
-    pyplot,
-    retrieval_markdown,
-    seeds_markdown,
-    seeds_summary,
-    side_by_side_plot,
-    table,
-    text_report_problem,
-)
+from picollama.lab.report import markdown_report, retrieval_markdown, table
 from picollama.lab.runs import Options
+from picollama.lab.seeds import seeds_markdown, seeds_summary
+from picollama.outputs import atomic_output, check_writable, exclusive, resolved
+from picollama.train_data import check_dataset
 
 RECIPE = Path("configs/study/retrieval.toml")  # in the repository
 
@@ -150,7 +137,7 @@ def prepare_datasets(configs: dict[str, Config]):
         if cfg.data.task == "text" and not (data_dir / "meta.json").is_file():
             missing.setdefault(data_dir, cfg)
     for data_dir, cfg in missing.items():
-        train.check_dataset(replace(cfg, data=replace(cfg.data, dir=str(data_dir))))
+        check_dataset(replace(cfg, data=replace(cfg.data, dir=str(data_dir))))
         print(f"{data_dir} is not prepared yet: preparing it from {cfg.data.source}")
         vocab_size = cfg.data.vocab_size or cfg.model.vocab_size
         prepare(cfg.data.source, vocab_size, out_dir=data_dir, command=["generate.py", "study"])

@@ -7,16 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from data.loader import copy_vocabulary, document_windows, load_meta
 from data.tokenizer import same_tokenizer, tokenizer_file
-from model import WINDOWED, ModelArgs, Transformer, rope_frequencies
+from model import ModelArgs, Transformer, rope_frequencies
 from picollama import REPO_ROOT
-from picollama.checkpoint import read_tokenizer
-from picollama.cli import UserError, check_writable
-from picollama.lab.cost import HEAD_CHUNK, Forwards, block_rows, check_cost
+from picollama.cli import UserError
+from picollama.lab.cost import Forwards, block_rows, check_cost
 from picollama.lab.longppl import key_tokens
 from picollama.lab.passkey import (
     DEPTHS,
@@ -28,51 +26,12 @@ from picollama.lab.passkey import (
 )
 from picollama.lab.report import BINS_PER_OCTAVE, MIN_BIN
 from picollama.lab.runs import Options, fits, spread
+from picollama.lab.scoring import losses_and_hits, row_blocks, sliding_losses, token_losses
+from picollama.length import WINDOWED, length_dependent, stretched, uses_rope
+from picollama.outputs import check_writable
+from picollama.run_files import read_tokenizer
 
 TEXT_MULTIPLES = (1, 2, 4, 8)  # the default lengths of a text report, × the training context
-
-
-def losses_and_hits(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy in float32 (B, T-1) and top-1 hits (B, T-1) of each of tokens[:, 1:] given
-    everything before it. The logits are made HEAD_CHUNK positions at a time: at 32k tokens and
-    a 49k vocabulary they would be 6 GB in float32 at once."""
-    h = model.features(tokens[:, :-1])
-    targets = tokens[:, 1:]
-    losses, hits = [], []
-    for start in range(0, h.shape[1], HEAD_CHUNK):
-        logits = model.head(h[:, start : start + HEAD_CHUNK]).float()
-        wanted = targets[:, start : start + HEAD_CHUNK]
-        losses.append(F.cross_entropy(logits.transpose(1, 2), wanted, reduction="none"))
-        hits.append(logits.argmax(-1) == wanted)
-    return torch.cat(losses, dim=1), torch.cat(hits, dim=1)
-
-
-def token_losses(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy (B, T-1) of each of tokens[:, 1:] given everything before it, in float32."""
-    return losses_and_hits(model, tokens)[0]
-
-
-def sliding_losses(model: Transformer, tokens: torch.Tensor, context: int) -> torch.Tensor:
-    """token_losses over (1, T) tokens seen through windows of `context` tokens moving by
-    context/2: each token after the first window is scored with at least context/2 before it."""
-    length = tokens.shape[1]
-    stride = max(context // 2, 1)
-    pieces = []
-    start = 0
-    scored = 1  # scored: the next target position
-    while scored < length:
-        end = min(start + context, length)
-        pieces.append(token_losses(model, tokens[:, start:end])[:, scored - start - 1 :])
-        scored = end
-        start += stride
-    return torch.cat(pieces, dim=1)
-
-
-def row_blocks(array: np.ndarray, length: int, device):
-    """The rows of array in consecutive blocks, as tensors on device, of cost.block_rows rows."""
-    rows = block_rows(length, len(array))
-    for start in range(0, len(array), rows):
-        yield torch.from_numpy(array[start : start + rows]).to(device)
 
 
 # ---------------------------------------------------------------- the copy probe
@@ -184,10 +143,10 @@ def forward_key(args: ModelArgs, length: int) -> tuple:
     if args.rope_scaling in WINDOWED:
         return length, repr(args), None
     frequencies = None
-    if args.uses_rope:
+    if uses_rope(args):
         inv_freq, scale = rope_frequencies(args, length)
         frequencies = (inv_freq.numpy().tobytes(), scale)
-        if args.length_dependent and length > args.original_seq_len:
+        if length_dependent(args) and length > args.original_seq_len:
             # dynamic NTK follows each forward's own end (length - 1 tokens scored, fewer in a
             # probe), not `length`: its frequencies here say nothing, so it shares no forward
             frequencies = ("dynamic", length)
@@ -227,7 +186,7 @@ def length_losses(model, method: str, rows: TextRows, device, bar, memo: dict) -
         if not fits(model, length):
             bar.update(len(rows.text))
             continue
-        model.args = model.args.stretched(method, length)
+        model.args = stretched(model.args, method, length)
         key = forward_key(model.args, length)
         if key in memo:
             bar.update(len(rows.text))
@@ -248,7 +207,7 @@ def probe_reads(model, method: str, rows: TextRows, device, bar, memo: dict) -> 
     for distance in rows.distances:
         per_distance[str(distance)] = None
         if fits(model, distance + span):
-            model.args = model.args.stretched(method, distance + span)
+            model.args = stretched(model.args, method, distance + span)
             key = ("probe", distance, forward_key(model.args, distance + span))
             if key not in memo:
                 sequences = probe_sequences(rows.probe_text, rows.spans, distance)
@@ -267,7 +226,7 @@ def passkey_reads(model, method: str, rows: TextRows, device, bar, memo: dict) -
         per_length[str(length)] = None
         keyed = [(depth, keys) for (n, depth), keys in rows.passkeys.items() if n == length]
         if keyed and fits(model, length):
-            model.args = model.args.stretched(method, length)
+            model.args = stretched(model.args, method, length)
             by_depth = {}
             for depth, keys in keyed:
                 key = ("passkey", depth, forward_key(model.args, length))

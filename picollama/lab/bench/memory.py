@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from picollama.cli import UserError, positive, run_command
+from picollama.cli import UserError, positive
+from picollama.command import run_command
 from picollama.lab.bench import common
 
 # (batch, seq_len): base at B=4, T=512 fits 24 GB easily

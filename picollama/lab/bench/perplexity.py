@@ -13,12 +13,14 @@ import torch.nn.functional as F
 from data.loader import document_windows
 from data.tokenizer import HFTokenizer
 from model import Transformer
-from picollama.checkpoint import load_model
-from picollama.cli import UserError, positive, run_command
-from picollama.convert import imported_run, write_gguf
+from picollama.cli import UserError, positive
+from picollama.command import run_command
+from picollama.convert import imported_run
+from picollama.gguf_export import write_gguf
 from picollama.gguf_import import import_gguf
 from picollama.lab.bench import common
-from picollama.lab.text_track import token_losses
+from picollama.lab.scoring import token_losses
+from picollama.run_files import load_model
 
 
 def parse_args(argv: list[str]):

@@ -10,12 +10,13 @@ from tqdm import tqdm
 
 from data.loader import eval_batches, load_meta
 from model import Transformer
-from picollama.checkpoint import load_model
-from picollama.cli import UserError, add_run, positive, run_command
+from picollama.cli import UserError, add_run, positive
+from picollama.command import run_command
 from picollama.convert import imported_run
-from picollama.inference import int8_dtype, quantize
 from picollama.lab.bench import common
 from picollama.lab.text_track import check_same_tokenizer
+from picollama.quantize import int8_dtype, quantize
+from picollama.run_files import load_model
 
 PRECISIONS = {
     "fp32": (torch.float32, "none"),

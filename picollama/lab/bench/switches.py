@@ -14,7 +14,8 @@ import torch
 from tqdm import tqdm
 
 from model import Transformer
-from picollama.cli import comma_list, positive, run_command
+from picollama.cli import comma_list, positive
+from picollama.command import run_command
 from picollama.config import parse_cli
 from picollama.lab.bench import common
 

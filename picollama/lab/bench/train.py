@@ -8,7 +8,8 @@ from contextlib import nullcontext
 import torch
 from tqdm import tqdm
 
-from picollama.cli import UserError, add_compile, comma_list, positive, run_command
+from picollama.cli import UserError, add_compile, comma_list, positive
+from picollama.command import run_command
 from picollama.device import keep_freed_memory
 from picollama.lab.bench import common
 from picollama.metrics import flops_per_token

@@ -1,0 +1,82 @@
+"""Split a corpus into train and val by whole documents, seeded: at once or block by block."""
+
+import numpy as np
+
+from data.sources import utf8_size
+from picollama.cli import UserError
+
+VAL_FRACTION = 0.05
+SEED = 0
+
+
+def split_documents(
+    documents: list[str], val_fraction: float, seed: int
+) -> tuple[list[str], list[str]]:
+    """Hold out whole documents, seeded: val gets a document and at least val_fraction of bytes."""
+    if len(documents) == 1:  # a single book: hold out its tail, cut after a line break
+        text = documents[0]
+        if len(text) < 2:
+            raise UserError(
+                "the corpus is a single document of one character; nothing to split into train and "
+                "val"
+            )
+        cut = int(len(text) * (1 - val_fraction))
+        cut = text.rfind("\n", 0, cut) + 1 or cut
+        cut = min(max(cut, 1), len(text) - 1)
+        tail = len(text) - cut
+        print(f"note: the corpus is a single document; its last {tail:,} characters become val")
+        return [text[:cut]], [text[cut:]]
+    sizes = [utf8_size(d) for d in documents]
+    target = val_fraction * sum(sizes)
+    order = np.random.default_rng(seed).permutation(len(documents))
+    val = []
+    val_bytes = 0
+    for i in order:  # in seeded order, take documents that keep val under twice the target
+        if val_bytes >= target or len(val) == len(documents) - 1:
+            break
+        if val_bytes + sizes[i] <= 2 * target:
+            val.append(i)
+            val_bytes += sizes[i]
+    rest = sorted(set(range(len(documents))) - set(val), key=lambda i: sizes[i])
+    # nothing small enough: top up with the smallest
+    while (val_bytes < target or not val) and len(rest) > 1:
+        val.append(rest.pop(0))
+        val_bytes += sizes[val[-1]]
+    val_set = set(val)
+    return (
+        [d for i, d in enumerate(documents) if i not in val_set],
+        [d for i, d in enumerate(documents) if i in val_set],
+    )
+
+
+class Splitter:
+    """Splits each block of a streamed corpus into train and val documents, in order, seeded.
+
+    A corpus of a single block is split as split_documents does. In a longer one, val takes whole
+    documents of each block in a seeded order while they fit under VAL_FRACTION of the bytes read so
+    far (what a block leaves unused carries over to the next), so that val holds about VAL_FRACTION
+    of the bytes however large the documents; the last block gives val its smallest document if it
+    has none yet. `seen` and `val` (bytes) are all it remembers."""
+
+    def __init__(self, seen: int = 0, val: int = 0):
+        self.seen, self.val = seen, val
+
+    def __call__(
+        self, index: int, texts: list[str], sizes: list[int], last: bool
+    ) -> tuple[list[str], list[str]]:
+        if index == 0 and last:
+            train, val = split_documents(texts, VAL_FRACTION, SEED)
+        else:
+            budget = VAL_FRACTION * (self.seen + sum(sizes)) - self.val
+            chosen = set()
+            for i in np.random.default_rng([SEED, index]).permutation(len(texts)):
+                if sizes[i] <= budget:
+                    chosen.add(i)
+                    budget -= sizes[i]
+            if last and not self.val and not chosen:
+                chosen.add(int(np.argmin(sizes)))
+            train = [text for i, text in enumerate(texts) if i not in chosen]
+            val = [text for i, text in enumerate(texts) if i in chosen]
+        self.seen += sum(sizes)
+        self.val += sum(map(utf8_size, val))
+        return train, val

@@ -1,0 +1,92 @@
+"""Train a dataset's tokenizer: byte-fallback BPE sentencepiece on a seeded sample of its text."""
+
+import io
+import os
+import re
+
+import numpy as np
+import sentencepiece as spm
+from tqdm import tqdm
+
+from data.sources import utf8_size
+from picollama.cli import UserError
+
+MAX_SENTENCE_CHARS = 16_384  # longer lines reach the tokenizer trainer in pieces
+# sentencepiece's options: byte-fallback BPE on the text exactly as it is (no normalization, no
+# added or removed spaces), so that decode(encode(text)) == text for any UTF-8 text; digits split
+# one by one
+TOKENIZER_RECIPE = {
+    "model_type": "bpe",
+    "byte_fallback": True,
+    "split_digits": True,
+    "normalization_rule_name": "identity",
+    "add_dummy_prefix": False,
+    "remove_extra_whitespaces": False,
+    "allow_whitespace_only_pieces": True,
+    "unk_id": 0,
+    "bos_id": 1,
+    "eos_id": 2,
+    "pad_id": -1,
+    "input_sentence_size": 2_000_000,
+    "shuffle_input_sentence": True,
+    "max_sentence_length": 4 * MAX_SENTENCE_CHARS,
+    "minloglevel": 2,
+}
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def tokenizer_sample(texts: list[str], cap: int, seed: int) -> list[str]:
+    """What the tokenizer trains on: all the texts when they hold at most `cap` bytes, else a seeded
+    random choice of whole texts (kept in corpus order) up to `cap` bytes, the last one cut
+    short."""
+    sizes = [utf8_size(text) for text in texts]
+    if sum(sizes) <= cap:
+        return texts
+    chosen = {}
+    total = 0
+    for i in np.random.default_rng(seed).permutation(len(texts)):
+        if total >= cap:
+            break
+        chosen[i] = texts[i] if total + sizes[i] <= cap else texts[i][: cap - total]
+        total += sizes[i]
+    return [chosen[i] for i in sorted(chosen)]
+
+
+def training_sentences(documents: list[str]):
+    """Lines of the documents, as sentencepiece trains on lines; very long lines come in pieces."""
+    for document in tqdm(documents, desc="training tokenizer", unit="doc", disable=None):
+        for line in document.split("\n"):
+            for start in range(0, len(line), MAX_SENTENCE_CHARS):
+                yield line[start : start + MAX_SENTENCE_CHARS]
+
+
+def train_tokenizer(documents: list[str], vocab_size: int, seed: int) -> bytes:
+    """A byte-fallback BPE sentencepiece model (serialized) that round-trips any UTF-8 text."""
+    spm.set_random_generator_seed(seed)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=training_sentences(documents),
+            model_writer=model,
+            vocab_size=vocab_size,
+            num_threads=cpu_count(),
+            **TOKENIZER_RECIPE,
+        )
+    except RuntimeError as exc:
+        message = str(exc)
+        if most := re.search(r"Please set it to a value <= (\d+)", message):
+            raise UserError(
+                f"--vocab-size {vocab_size} is too large for this corpus: sentencepiece can learn "
+                f"at most {most[1]} pieces from it; use --vocab-size {most[1]} or less, or more "
+                "text"
+            ) from None
+        if least := re.search(r"required_chars\. \d+ vs (\d+)", message):
+            raise UserError(
+                f"--vocab-size {vocab_size} is too small for this corpus: it needs at least "
+                f"{least[1]} (256 byte pieces, 3 special pieces and its common characters)"
+            ) from None
+        raise UserError(f"tokenizer training failed: {message.strip().splitlines()[0]}") from None
+    return model.getvalue()

@@ -1,0 +1,66 @@
+"""The Python side of decode_ops.cpp: its build into torch.ops.picollama (decode_attention,
+int4_linear), and this CPU's vector ISA class (cpu_isa), which keys what is built for it."""
+
+import functools
+import hashlib
+import warnings
+from pathlib import Path
+
+import torch
+
+from picollama import REPO_ROOT
+from picollama.device import cpu_flags
+
+ISA_FLAGS = (
+    ("amx", "amx_tile"),
+    ("avx512_bf16", "avx512_bf16"),
+    ("avx512", "avx512f"),
+    ("avx2", "avx2"),
+)
+
+
+@functools.cache
+def decode_ops():
+    """torch.ops.picollama (decode_ops.cpp: decode_attention, int4_linear), built at the first call
+    (~20 s) into the project's cache for this CPU and torch, or None where it cannot be built (no
+    C++ compiler), with a warning: the compiled step then attends with SDPA."""
+    from torch.utils.cpp_extension import load_inline
+
+    source = (Path(__file__).parent / "decode_ops.cpp").read_text()
+    key = hashlib.sha256(f"{source}|{cpu_isa()}|{torch.__version__}".encode()).hexdigest()[:16]
+    folder = REPO_ROOT / ".cache" / "extensions" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        load_inline(
+            "picollama_decode_ops",
+            cpp_sources=source,
+            is_python_module=False,
+            build_directory=str(folder),
+            # -fopenmp: at::parallel_for is inlined here, and without it runs on one thread
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as e:  # a missing or failing compiler: SDPA still works
+        warnings.warn(f"decode_ops.cpp not built ({e}); attending with SDPA", stacklevel=2)
+        return None
+    torch.library.register_fake("picollama::decode_attention")(_attention_shape)
+    torch.library.register_fake("picollama::int4_linear")(_int4_shape)
+    return torch.ops.picollama
+
+
+def _attention_shape(q, k, v, length, k_scale=None, v_scale=None):
+    return q.new_empty(q.shape, dtype=torch.float32)
+
+
+def _int4_shape(x, packed, group, scales_zeros):
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def isa_class(flags: set[str]) -> str:
+    """The vector ISA class of /proc/cpuinfo flags: amx, avx512_bf16, avx512, avx2 or other."""
+    return next((isa for isa, flag in ISA_FLAGS if flag in flags), "other")
+
+
+def cpu_isa() -> str:
+    """This machine's isa_class ("other" where /proc/cpuinfo has no flags line)."""
+    return isa_class(cpu_flags())

@@ -1,0 +1,82 @@
+"""llama.cpp for the decode benchmark: our model exported to GGUF, greedy decoding at batch 1."""
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from picollama.gguf_export import write_gguf
+
+LLAMA_CPP_TYPES = ("f32", "bf16", "q8_0")
+
+
+class LlamaCpp:
+    """A llama.cpp model and context (llama-cpp-python's C API) for greedy decoding at batch 1, with
+    its defaults (f16 KV cache, flash attention where it chooses) except the extra CPU buffer types:
+    their AMX kernel crashes on q8_0 weights on AMX CPUs (ggml_backend_amx_mul_mat, llama-cpp-python
+    0.3.36)."""
+
+    def __init__(self, path: Path, context: int, threads: int):
+        import llama_cpp
+
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # where its C logging goes
+        self.api = llama_cpp
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.use_extra_bufts = False
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        context_params = llama_cpp.llama_context_default_params()
+        context_params.n_ctx = context_params.n_batch = context
+        context_params.n_threads = context_params.n_threads_batch = threads
+        self.context = llama_cpp.llama_init_from_model(self.model, context_params)
+        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        api = self.api
+        out = []
+        api.llama_memory_clear(api.llama_get_memory(self.context), True)
+        tokens = prompt
+        for _ in range(max_new_tokens):
+            ids = (api.llama_token * len(tokens))(*tokens)  # kept alive while llama_decode reads it
+            if api.llama_decode(self.context, api.llama_batch_get_one(ids, len(tokens))):
+                raise RuntimeError("llama_decode failed")
+            logits = np.ctypeslib.as_array(
+                api.llama_get_logits_ith(self.context, -1), shape=(self.vocab,)
+            )
+            tokens = [int(logits.argmax())]
+            out.append(tokens[0])
+        return out
+
+    def close(self):
+        self.api.llama_free(self.context)
+        self.api.llama_model_free(self.model)
+
+
+def gguf_type(path: Path) -> str:
+    """A GGUF file's weight type as llama.cpp names it (q4_1, q8_0, ...), from its metadata."""
+    import gguf
+
+    field = gguf.GGUFReader(path).fields["general.file_type"]
+    return (
+        gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").lower()
+    )
+
+
+def llama_cpp_decoders(model, tokenizer, context: int, folder: Path) -> tuple[dict, str | None]:
+    """({name: LlamaCpp} of our model exported as f32, bf16 and q8_0 GGUF files, or {}; why not)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return {}, "llama-cpp-python is not installed (pip install -e '.[llama]')"
+    if tokenizer is None:
+        return {}, "no tokenizer (--tokenizer, or a --run) for the GGUF vocabulary"
+    if tokenizer.get_piece_size() > model.args.vocab_size:
+        vocab = model.args.vocab_size
+        return {}, f"the tokenizer has more pieces than the model's {vocab} embeddings"
+    decoders = {}
+    for kind in LLAMA_CPP_TYPES:
+        write_gguf(model, tokenizer, folder / f"{kind}.gguf", kind, "bench")
+        decoders[f"llama_cpp_{kind}"] = LlamaCpp(
+            folder / f"{kind}.gguf", context, torch.get_num_threads()
+        )
+    return decoders, None

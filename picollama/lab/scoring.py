@@ -1,0 +1,51 @@
+"""A model's per-token losses and top-1 hits on rows of tokens: whole, sliding or in blocks."""
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from model import Transformer
+from picollama.lab.cost import HEAD_CHUNK, block_rows
+
+
+def losses_and_hits(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy in float32 (B, T-1) and top-1 hits (B, T-1) of each of tokens[:, 1:] given
+    everything before it. The logits are made HEAD_CHUNK positions at a time: at 32k tokens and
+    a 49k vocabulary they would be 6 GB in float32 at once."""
+    h = model.features(tokens[:, :-1])
+    targets = tokens[:, 1:]
+    losses, hits = [], []
+    for start in range(0, h.shape[1], HEAD_CHUNK):
+        logits = model.head(h[:, start : start + HEAD_CHUNK]).float()
+        wanted = targets[:, start : start + HEAD_CHUNK]
+        losses.append(F.cross_entropy(logits.transpose(1, 2), wanted, reduction="none"))
+        hits.append(logits.argmax(-1) == wanted)
+    return torch.cat(losses, dim=1), torch.cat(hits, dim=1)
+
+
+def token_losses(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy (B, T-1) of each of tokens[:, 1:] given everything before it, in float32."""
+    return losses_and_hits(model, tokens)[0]
+
+
+def sliding_losses(model: Transformer, tokens: torch.Tensor, context: int) -> torch.Tensor:
+    """token_losses over (1, T) tokens seen through windows of `context` tokens moving by
+    context/2: each token after the first window is scored with at least context/2 before it."""
+    length = tokens.shape[1]
+    stride = max(context // 2, 1)
+    pieces = []
+    start = 0
+    scored = 1  # scored: the next target position
+    while scored < length:
+        end = min(start + context, length)
+        pieces.append(token_losses(model, tokens[:, start:end])[:, scored - start - 1 :])
+        scored = end
+        start += stride
+    return torch.cat(pieces, dim=1)
+
+
+def row_blocks(array: np.ndarray, length: int, device):
+    """The rows of array in consecutive blocks, as tensors on device, of cost.block_rows rows."""
+    rows = block_rows(length, len(array))
+    for start in range(0, len(array), rows):
+        yield torch.from_numpy(array[start : start + rows]).to(device)

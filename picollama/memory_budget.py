@@ -1,0 +1,50 @@
+"""What a sampling batch needs in memory: its KV cache and logits, refused before they are made."""
+
+from model import Transformer
+from picollama.cli import UserError
+from picollama.device import gib
+
+
+def bytes_per_token(model: Transformer) -> int:
+    """What each token of a batch holds while it is sampled: its keys and values in every layer,
+    and its id."""
+    args = model.args
+    size = model.tok_embeddings.weight.element_size()  # the activations' (and the cache's) dtype
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * size + 8
+
+
+def free_bytes(model: Transformer, memory: int | None) -> int | None:
+    """The memory left beside the model's weights."""
+    if memory is None:
+        return None
+    tensors = [*model.parameters(), *model.buffers()]
+    return memory - sum(t.numel() * t.element_size() for t in tensors)
+
+
+def prompt_file_limit(model: Transformer, tokenizer, free: int | None) -> int | None:
+    """The most bytes of prompts whose tokens' KV cache could fit in `free` bytes, each token
+    spelling at most the tokenizer's longest piece."""
+    if free is None:
+        return None
+    pieces = range(tokenizer.get_piece_size())
+    longest = max(len(tokenizer.id_to_piece(i).encode()) for i in pieces)
+    return max(free, 0) // bytes_per_token(model) * longest
+
+
+def check_memory(model: Transformer, rows: int, lengths: tuple[int, int], sampled: bool, free):
+    """UserError, before anything is allocated, when `rows` rows of prompts (shortest, longest +
+    new tokens) = `lengths` cannot fit in `free` bytes: at least their KV cache and token ids, the
+    first step's logits over the shortest prompt (alive while the second step's are made), and
+    where `sampled` (a temperature above 0) the float32 logits and probabilities of a step."""
+    if free is None:
+        return
+    shortest, total = lengths
+    size = model.tok_embeddings.weight.element_size()
+    logits = rows * model.args.vocab_size * ((shortest + 1) * size + (8 if sampled else 0))
+    needed = rows * total * bytes_per_token(model) + logits
+    if needed > free:
+        raise UserError(
+            f"{rows:,} rows of up to {total:,} tokens need at least {gib(needed)} for their KV "
+            f"cache and logits, but {gib(free)} of memory is left beside the weights: lower "
+            "--num-samples or --max-new-tokens, or give fewer prompts"
+        )

@@ -1,0 +1,237 @@
+"""Writing outputs safely: atomic replacement, checks before writing, free space, locks."""
+
+import errno
+import fcntl
+import os
+import re
+import shutil
+import stat
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from picollama.cli import UserError
+
+
+def remove(path: Path):
+    """Delete a file or directory tree if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def replace(src: Path, dst: Path):
+    """Rename src over dst (a file or a directory, which need not be empty)."""
+    if dst.is_dir() and not dst.is_symlink():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        remove(old)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        remove(old)
+    else:
+        os.replace(src, dst)
+
+
+@contextmanager
+def atomic_output(path, needed: int | None = None):
+    """Yield a temporary path beside `path`; when the block succeeds it is renamed to `path` (file
+    or directory), otherwise it is removed and `path` keeps what it held. `path` must be absent, a
+    regular file or a directory; `needed` bytes (where the size is known) must be free first. A full
+    disk ends in a UserError naming the path, and so does a file written over a directory or the
+    reverse. A symbolic link is written through: its target is replaced, by a temporary beside it
+    (on its disk; renaming a folder over a link fails)."""
+    path = Path(path)
+    check_output_kind(path)
+    target = resolved(path)
+    if needed is not None:
+        check_free_space(target, needed)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    remove(tmp)
+    try:
+        yield tmp
+        if target.exists() and target.is_dir() != tmp.is_dir():  # never one for the other
+            raise UserError(
+                f"cannot write {path}: it is {'a directory' if target.is_dir() else 'a file'}"
+            )
+        replace(tmp, target)
+    except BaseException as e:
+        remove(tmp)
+        failure = write_failure(path, e, needed)
+        if failure is not None:
+            raise failure from None
+        raise
+
+
+def write_failure(path, e: BaseException, needed: int | None = None) -> "UserError | None":
+    """The one-line error for an exception that means the disk is full while writing `path` (an
+    OSError ENOSPC or EDQUOT, or torch's and safetensors' reports of one); None otherwise."""
+    text = str(e)
+    full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+    full = full or "No space left on device" in text or "Disk quota exceeded" in text
+    full = full or (
+        isinstance(e, RuntimeError) and "inline_container" in text and "unexpected pos" in text
+    )
+    if not full:
+        return None
+    note = space_note(path, needed)
+    return UserError(f"cannot write {path}: No space left on device ({note}); free some space")
+
+
+def space_note(path, needed: int | None) -> str:
+    free = shutil.disk_usage(existing_parent(Path(path))).free
+    return f"{free:,} bytes free" + (f", about {needed:,} needed" if needed is not None else "")
+
+
+def check_free_space(path, needed: int, what: str | None = None):
+    """UserError unless the file system that will hold `path` has `needed` bytes free."""
+    if shutil.disk_usage(existing_parent(Path(path))).free < needed:
+        raise UserError(
+            f"cannot write {what or path}: not enough disk space ({space_note(path, needed)})"
+        )
+
+
+def existing_parent(path: Path) -> Path:
+    return next(p for p in Path(os.path.abspath(path)).parents if p.exists())
+
+
+FILE_KINDS = {
+    stat.S_ISCHR: "a character device",
+    stat.S_ISBLK: "a block device",
+    stat.S_ISFIFO: "a FIFO",
+    stat.S_ISSOCK: "a socket",
+}
+
+
+def file_kind(path) -> str | None:
+    """What `path` is when it exists but is neither a regular file nor a directory ("a FIFO", "a
+    character device", "a symbolic link loop", ...; links are followed); None otherwise."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return "a symbolic link loop" if e.errno == errno.ELOOP else None
+    return next((name for test, name in FILE_KINDS.items() if test(mode)), None)
+
+
+def check_output_kind(path):
+    """UserError unless path is absent, a regular file or a directory (a symbolic link is followed:
+    to one of those it is fine; into a loop, a device, a FIFO or a socket it is refused, and nothing
+    is replaced). Absent includes a dangling link (atomic_output writes its target) and a folder
+    that is not one (check_writable says)."""
+    kind = file_kind(path)
+    if kind == "a symbolic link loop":
+        raise UserError(f"cannot write {path}: a symbolic link loop; choose another output")
+    if kind is not None:
+        raise UserError(
+            f"cannot write {path}: it is {kind}, not a regular file or directory; choose another "
+            "output"
+        )
+
+
+def check_writable(path, inputs=(), directory: bool = False):
+    """UserError unless `path` (a directory if `directory`, else a file) can be created or replaced:
+    it is absent, a regular file or a directory (check_output_kind), its folder can be made and
+    written to, and it is not, does not contain, and does not lie inside any of `inputs`. Called
+    before long work starts, so that it never ends in a failed write."""
+    check_output_kind(path)
+    path = resolved(path)
+    for given in inputs:
+        given = resolved(given)
+        if path == given or given.is_relative_to(path) or path.is_relative_to(given):
+            raise UserError(f"the output {path} overlaps the input {given}; choose another output")
+    if path.exists() and path.is_dir() != directory:
+        raise UserError(f"cannot write {path}: it is {'a file' if directory else 'a directory'}")
+    # test there: creating folders would leave them behind
+    existing = next(p for p in path.parents if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"cannot write {path}: {existing} is a file, not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".picollama-check-"):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+# what an interrupted atomic_output or replace leaves in a folder: .NAME.tmp-PID, .NAME.old-PID
+LEFTOVER = r"\..+\.(tmp|old)-\d+"
+
+
+def check_replaceable(folder: Path, files: str, folders: str = "", marks=(), what: str = ""):
+    """UserError unless `folder` is absent, empty or what picollama wrote: it holds the files
+    `marks` and nothing else but files whose names match the regular expression `files`, folders
+    whose names match `folders`, and leftovers of an interrupted write. So that replacing it never
+    deletes a user's files; `what` says, in the message, what may be replaced (links count as
+    files: only the link is removed). A file `folder` is the caller's to judge."""
+    entries = sorted(folder.iterdir()) if folder.is_dir() else []
+    foreign = []
+    for entry in entries:
+        is_folder = entry.is_dir() and not entry.is_symlink()
+        if not re.fullmatch(f"{folders if is_folder else files}|{LEFTOVER}", entry.name):
+            foreign.append(entry.name + "/" * is_folder)
+    missing = [mark for mark in marks if not (folder / mark).is_file()]
+    if not entries or not foreign and not missing:
+        return
+    held = f"holds {listed(foreign)}" if foreign else f"holds no {' and '.join(missing)}"
+    advice = "move them out or choose another output" if foreign else "choose another output"
+    raise UserError(
+        f"not replacing {folder}: it {held}, so picollama did not write it all ({what}); {advice}"
+    )
+
+
+def listed(names: list[str], most: int = 3) -> str:
+    """'a', 'a and b', 'a, b and c', 'a, b, c and 2 more'."""
+    shown = names[:most] if len(names) <= most else [*names[:most], f"{len(names) - most} more"]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}"
+
+
+def resolved(path) -> Path:
+    try:
+        return Path(path).resolve()
+    except RuntimeError:  # Python 3.11's report of a symbolic link loop
+        raise UserError(f"{path}: a symbolic link loop") from None
+
+
+@contextmanager
+def exclusive(path):
+    """Hold the one-writer lock of `path` (a run or dataset directory) for the block: an advisory
+    fcntl.flock on the lock file .NAME.lock beside it, which records the holder's pid and which the
+    OS releases on any exit, even SIGKILL. UserError, naming that pid, when another process holds
+    it. Folders made for the lock file are removed again if left empty."""
+    path = resolved(path)
+    lock_path = path.parent / f".{path.name}.lock"
+    made = [p for p in path.parents if not p.exists()]
+    while True:
+        try:
+            lock_path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UserError(
+                f"{path} is in use by another process (pid {holder}, lock file {lock_path}); wait "
+                "for it to end"
+            ) from None
+        # the file may have been removed by its last holder between our open and our lock: lock
+        # the new one
+        try:
+            if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)  # before unlocking: no one locks a file that is going
+        os.close(fd)
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break

@@ -1,0 +1,27 @@
+"""How the model trains over devices: activation checkpointing, torch.compile, FSDP2 per block."""
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from model import Transformer
+from picollama.config import Config
+
+
+def parallelize(model: Transformer, cfg: Config, mesh, dtype: torch.dtype) -> Transformer:
+    """Activation checkpointing, torch.compile and FSDP2 on the plain model, per block. Mixed
+    precision is FSDP2's policy: fp32 master weights, sharded, gathered as `dtype` for the forward
+    and backward, gradients reduced in fp32 (the same on any device and number of ranks)."""
+    if cfg.train.activation_checkpointing:
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    if cfg.train.compile:
+        for block in model.layers:
+            block.compile()  # in place: parameter names keep no _orig_mod. prefix
+    if mesh is None:  # a device without collectives (UNGROUPED): the plain model, in its own dtype
+        return model
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model

@@ -1,0 +1,123 @@
+"""Prompts in, text out: --prompt or --prompt-file read and encoded; samples streamed or printed."""
+
+import os
+import stat
+import sys
+
+from data.tokenizer import prompt_start
+from picollama.cli import UserError, utf8_argument
+from picollama.decoding import Sampling, generate
+from picollama.outputs import file_kind
+
+
+class TextStream:
+    """Print a row's text as its tokens arrive: decode the whole sequence, print the new suffix, and
+    hold back an incomplete UTF-8 character (a trailing U+FFFD) until its next bytes come."""
+
+    def __init__(self, tokenizer, prompt: list[int], out=None):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt)
+        self.printed = 0  # characters of the decoded text written so far
+        self.out = out or sys.stdout
+        self.flush_new(final=False)
+
+    def add(self, token: int):
+        self.ids.append(token)
+        self.flush_new(final=False)
+
+    def on_token(self, row: int, token: int):
+        """generate()'s on_token for a batch of this one row."""
+        self.add(token)
+
+    def flush_new(self, final: bool):
+        text = self.tokenizer.decode(self.ids)
+        if not final:
+            text = text.rstrip("\ufffd")
+        if len(text) > self.printed:
+            self.out.write(text[self.printed :])
+            self.out.flush()
+            self.printed = len(text)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """BOS (where the tokenizer adds one) and the text's ids; an empty prompt is BOS, if any."""
+    ids = prompt_start(tokenizer) + tokenizer.encode(text)
+    return ids or ([tokenizer.bos_id()] if tokenizer.bos_id() >= 0 else [])
+
+
+def check_prompt_flags(args):
+    """UserError for --prompt with --prompt-file, or a --prompt-file that is not a regular file."""
+    if args.prompt is not None and args.prompt_file is not None:
+        raise UserError("give --prompt or --prompt-file, not both")
+    if args.prompt_file is not None:
+        prompt_file_size(args.prompt_file)
+
+
+def prompt_file_size(path) -> int:
+    """The size of --prompt-file; UserError unless it is a regular file, which is never opened (a
+    device such as /dev/zero, a FIFO or a socket could be read forever, or block)."""
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        raise UserError(f"--prompt-file {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else file_kind(path) or "not a file"
+        raise UserError(f"--prompt-file {path} is {kind}, not a regular file of prompts")
+    return info.st_size
+
+
+def read_prompts(args, max_bytes: int | None) -> list[str]:
+    """[--prompt], or --prompt-file's non-blank lines; UserError for text that is not UTF-8, and for
+    a file over max_bytes (None: no limit), refused before it is read."""
+    if args.prompt_file is None:
+        return [utf8_argument(args.prompt or "", "--prompt")]
+    path = args.prompt_file
+    size = prompt_file_size(path)
+    try:
+        with open(path, "rb") as file:  # no further than the limit: the file may be growing
+            data = file.read(-1 if max_bytes is None else max_bytes + 1)
+    except OSError as e:
+        raise UserError(f"--prompt-file {path}: {e.strerror or e}") from None
+    held = max(size, len(data))
+    if max_bytes is not None and held > max_bytes:
+        raise UserError(
+            f"--prompt-file {path} holds {held:,} bytes: more prompt text than this model could "
+            f"take in this machine's memory (at most {max_bytes:,} bytes)"
+        )
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"--prompt-file {path} is not UTF-8 text (byte {e.start}); re-save it"
+        ) from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise UserError(f"--prompt-file {path} has no prompts (one per line)")
+    return prompts
+
+
+def print_samples(
+    model, tokenizer, prompts: list[list[int]], sampling: Sampling, step, sinks=None
+) -> list[list[int]]:
+    """Generate and print: one row streams its text as it comes, several are printed at the end."""
+    stream = TextStream(tokenizer, prompts[0]) if len(prompts) == 1 else None
+    eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
+    pieces = tokenizer.get_piece_size()
+    outputs = generate(
+        model,
+        prompts,
+        sampling,
+        eos,
+        on_token=stream.on_token if stream else None,
+        step=step,
+        vocab_limit=pieces if pieces < model.args.vocab_size else None,
+        sinks=sinks,
+    )
+    if stream:
+        stream.flush_new(final=True)
+        print()
+    else:
+        for i, (prompt, new) in enumerate(zip(prompts, outputs, strict=True)):
+            print(f"--- sample {i + 1}/{len(prompts)} ---")
+            print(tokenizer.decode(prompt + new))
+    return outputs

@@ -1,0 +1,174 @@
+"""A training run's data: the dataset checked or prepared, its batches and positions, validation."""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from data.build import prepare
+from data.loader import RandomBatches, checked_meta, eval_batches, open_tokens
+from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
+from data.tokenizer import open_tokenizer, tokenizer_file
+from picollama import REPO_ROOT
+from picollama.cli import UserError
+from picollama.config import Config, DataConfig
+from picollama.device import Dist
+from picollama.length import length_problem
+from picollama.outputs import listed, resolved
+
+VALIDATION_FORMATS = {
+    "val_ppl": "perplexity {:.2f}",
+    "val_bpb": "{:.4f} bits/byte",
+    "val_acc": "accuracy {:.1%}",
+}
+
+
+def check_dataset(cfg: Config):
+    """UserError, before any work, unless data.dir is a prepared dataset (a folder with meta.json)
+    or a missing (absent or empty) folder that train.py prepares from data.source: the default
+    source's own folder (data/shakespeare, from the current directory or the repository), or any
+    folder for a data.source given (so that a mistyped --data.dir is never filled with
+    Shakespeare)."""
+    d = cfg.data
+    data_dir = Path(d.dir)
+    if d.task != "text" or (data_dir / "meta.json").is_file():
+        return
+    if data_dir.is_file():
+        problem = "it is a file"
+    elif data_dir.is_dir() and any(data_dir.iterdir()):
+        held = listed(sorted(p.name + "/" * p.is_dir() for p in data_dir.iterdir()))
+        problem = f"no meta.json; it holds {held}"
+    else:
+        own = {resolved(DataConfig.dir), resolved(REPO_ROOT / DataConfig.dir)}
+        if d.source != DataConfig.source or resolved(data_dir) in own:
+            return
+        problem = "it is empty" if data_dir.is_dir() else "it does not exist"
+        raise UserError(
+            f"data.dir {data_dir} is not a prepared dataset ({problem}); make one with python "
+            f"data/prepare.py --source YOUR_TEXT --out {data_dir}, or give --data.source=YOUR_TEXT "
+            f"to prepare it here (only {DataConfig.dir} is prepared by itself, with Shakespeare)"
+        )
+    raise UserError(
+        f"data.dir {data_dir} is not a prepared dataset ({problem}); make one with python "
+        "data/prepare.py --source YOUR_TEXT --out DIR and train with --data.dir=DIR"
+    )
+
+
+def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
+    """data.dir (prepared from data.source if missing, as check_dataset allows) and its meta.json,
+    checked against cfg."""
+    data_dir = Path(cfg.data.dir)
+    if not (data_dir / "meta.json").is_file() and dist.main:
+        print(f"{data_dir} is not prepared yet: preparing it from {cfg.data.source}")
+        vocab_size = cfg.data.vocab_size or cfg.model.vocab_size
+        command = ["train.py", "(auto-prepare)"]
+        prepare(cfg.data.source, vocab_size, out_dir=data_dir, command=command)
+    dist.barrier()
+    meta = checked_meta(data_dir)
+    if meta["vocab_size"] > cfg.model.vocab_size:
+        raise UserError(
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer of "
+            f"{data_dir} ({meta['vocab_size']}); set --model.vocab_size={meta['vocab_size']}"
+        )
+    for split in ("train", "val"):
+        open_tokens(data_dir, split)  # checks the shard against meta.json
+        tokens = meta["splits"][split]["tokens"]
+        if tokens < cfg.train.seq_len + 1:
+            raise UserError(
+                f"the {split} split of {data_dir} has {tokens} tokens, too few for train.seq_len "
+                f"{cfg.train.seq_len}; lower train.seq_len or use more text"
+            )
+    return data_dir, meta
+
+
+def check_sample_fits(cfg: Config, data_dir: Path):
+    """UserError, before training, if the final sample (prompt and sample_tokens) is too long."""
+    t = cfg.train
+    if not t.sample_tokens:
+        return
+    tokenizer = open_tokenizer(tokenizer_file(data_dir) or data_dir / "tokenizer.model")
+    prompt = 1 + len(tokenizer.encode(t.sample_prompt))  # BOS and the prompt, as generate.py does
+    problem = length_problem(cfg.model, prompt + t.sample_tokens)
+    if problem:
+        raise UserError(
+            f"train.sample_tokens ({t.sample_tokens}) and the prompt ({prompt} tokens): {problem}; "
+            "lower train.sample_tokens"
+        )
+
+
+def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist) -> dict:
+    """Validation loss, perplexity and bits/byte over the first eval.batches batches, over ranks."""
+    batches = list(
+        eval_batches(data_dir, "val", cfg.eval.batch_size, cfg.train.seq_len, cfg.eval.batches)
+    )
+    per_rank = math.ceil(len(batches) / dist.world_size)
+    totals = torch.zeros(2, dtype=torch.float64, device=dist.device)
+    with torch.no_grad():
+        for i in range(per_rank):
+            index = i * dist.world_size + dist.rank
+            # ranks without a batch still join FSDP's collectives
+            x, y = batches[min(index, len(batches) - 1)]
+            loss = model(x.to(dist.device), y.to(dist.device))
+            if index < len(batches):
+                count = torch.tensor(y.numel(), device=dist.device)
+                totals += torch.stack([loss.double() * y.numel(), count])
+    loss_sum, count = dist.all_reduce_sum(totals).tolist()
+    loss = loss_sum / count
+    bits_per_byte = loss / math.log(2) / meta["bytes_per_token"]
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)), "val_bpb": bits_per_byte}
+
+
+@dataclass
+class DataSource:
+    loader: object  # next_batch(), state_dict(), load_state_dict()
+    validate: Callable[..., dict]  # model -> {"val_loss": ..., ...}
+    probe_batches: list  # a few validation (x, y) batches, which a budget probe times
+    tokenizer: Path | None  # the tokenizer saved with the model (None: the task has none)
+    line: str  # what the data is
+
+
+def data_source(cfg: Config, dist: Dist) -> DataSource:
+    """The batches and validation of data.task: a prepared dataset, or the retrieval task."""
+    t, d, e = cfg.train, cfg.data, cfg.eval
+    if d.task == "retrieval":
+        task = RetrievalTask(d.retrieval_keys, d.retrieval_values, d.retrieval_pairs)
+        batches = task.fixed_batches(e.batches, e.batch_size, t.seq_len)
+        loader = RetrievalBatches(
+            task, t.batch_size, t.seq_len, seed=t.seed, filler=d.retrieval_filler
+        )
+        validate = partial(retrieval_metrics, batches=batches, device=dist.device)
+        sizes = f"{task.pairs} pairs of {task.keys} keys and {task.values} values"
+        line = f"data: retrieval task ({sizes})"
+        return DataSource(loader, validate, batches[:3], None, line)
+    data_dir, meta = prepare_data(cfg, dist)
+    check_sample_fits(cfg, data_dir)
+    loader = RandomBatches(
+        data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **d.copy_options()
+    )
+    probe = list(eval_batches(data_dir, "val", e.batch_size, t.seq_len, min(3, e.batches)))
+    validate = partial(evaluate, cfg=cfg, data_dir=data_dir, meta=meta, dist=dist)
+    line = f"data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens)"
+    tokenizer = tokenizer_file(data_dir) or data_dir / "tokenizer.model"
+    return DataSource(loader, validate, probe, tokenizer, line)
+
+
+def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:
+    """Randomized positions (Ruoss et al. 2023), (batch, seq_len) int64: each row a sorted random
+    subset of seq_len distinct positions from [0, k·seq_len), drawn from torch's global generator
+    (seeded, and checkpointed)."""
+    return torch.rand(batch, k * seq_len).topk(seq_len, dim=1).indices.sort(dim=1).values
+
+
+def next_rows(loader, cfg: Config, rows: slice, device: torch.device):
+    """(x, y, positions): this rank's rows of the next global batch, and of its random positions
+    (None when train.random_positions is off), on the device."""
+    t = cfg.train
+    x, y = (batch[rows].to(device) for batch in loader.next_batch())
+    if not t.random_positions:
+        return x, y, None
+    # drawn for the global batch, as the data is: the same on any number of ranks
+    positions = random_positions(t.batch_size, t.seq_len, t.random_positions)
+    return x, y, positions[rows].to(device)
