@@ -28,6 +28,7 @@ from picollama.prompts import check_prompt_flags, encode_prompt, print_samples, 
 from picollama.quantize import QUANTIZATIONS, quantize
 from picollama.run_files import load_run
 from picollama.step_timing import compiled_unless_slower, tune_threads
+from picollama.terminal_chat import add_chat_flags, chat_command, check_chat_flags
 from picollama.variants import non_llama
 
 # ---------------------------------------------------------------- the sampling command
@@ -72,14 +73,17 @@ def fit_length(model: Transformer, args, total: int, sinks: Sinks | None = None)
         )
 
 
-def fast_step(model: Transformer, compile: bool, batch: int, kv_dtype=None) -> DecodeStep | None:
-    """The fused one-token step for `batch` rows on its fastest thread count (compiled unless that
-    measures slower), on a KV cache of kv_dtype (None: the activations'), or None where the model
-    itself decodes: dynamic NTK re-runs the prefix as it grows, and the fused step is LLaMA's."""
+def fast_step(
+    model: Transformer, compile: bool, batch: int, kv_dtype=None, threads: int | None = None
+) -> DecodeStep | None:
+    """The fused one-token step for `batch` rows on its fastest thread count (timed; or on
+    `threads`, untimed), compiled unless that measures slower, on a KV cache of kv_dtype (None: the
+    activations'), or None where the model itself decodes: dynamic NTK re-runs the prefix as it
+    grows, and the fused step is LLaMA's."""
     if non_llama(model.args) or length_dependent(model.args):
         return None
-    step = DecodeStep(model, kv_dtype=kv_dtype)
-    notes = [tune_threads(model, step, batch)]
+    step = DecodeStep(model, threads, kv_dtype=kv_dtype)
+    notes = [tune_threads(model, step, batch) if threads is None else None]
     if compile:
         step, note = compiled_unless_slower(model, step, batch)
         notes.append(note)
@@ -218,6 +222,7 @@ def add_sampling_flags(parser: ArgumentParser):
         help="its factor, >= 1 (default: just enough for prompt + new tokens; 1 for dynamic)",
     )
     add_sink_flags(parser)
+    add_chat_flags(parser)
     add_device(parser)
     add_compile(parser, "the one-token decode step")
     parser.add_argument(
@@ -276,6 +281,9 @@ def main(argv: list[str]) -> int:
         return lab("extrapolate").run(args, argv)
     if args.command == "study":
         return lab("study").run(args)
+    if args.chat:
+        return chat_command(args, load_model, fast_step)
+    check_chat_flags(args)
     return sample_command(args)
 
 

@@ -322,6 +322,8 @@ class Transformer(nn.Module):
     def init_weights(self):
         """N(0, 0.02), divided by sqrt(2·n_layers) for the layers writing to the residual stream;
         parameters named in INITS as INITS says."""
+        if self.tok_embeddings.weight.is_meta:  # built to be assigned weights: nothing to draw
+            return
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, p in self.named_parameters():
             ending = next((end for end in INITS if name.endswith(end)), None)

@@ -73,11 +73,13 @@ def read_prompts(args, max_bytes: int | None) -> list[str]:
         return [utf8_argument(args.prompt or "", "--prompt")]
     path = args.prompt_file
     size = prompt_file_size(path)
-    try:
-        with open(path, "rb") as file:  # no further than the limit: the file may be growing
-            data = file.read(-1 if max_bytes is None else max_bytes + 1)
-    except OSError as e:
-        raise UserError(f"--prompt-file {path}: {e.strerror or e}") from None
+    data = b""
+    if max_bytes is None or size <= max_bytes:  # a file its size already refuses is never read
+        try:
+            with open(path, "rb") as file:  # no further than the limit: the file may be growing
+                data = file.read(-1 if max_bytes is None else max_bytes + 1)
+        except OSError as e:
+            raise UserError(f"--prompt-file {path}: {e.strerror or e}") from None
     held = max(size, len(data))
     if max_bytes is not None and held > max_bytes:
         raise UserError(

@@ -10,12 +10,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from model import ModelArgs, Transformer
 from picollama.command import run_command
 from picollama.lab.bench import common
 
 REPO = Path(__file__).resolve().parent.parent
+# one torch thread in this process (conftest's one_thread): the tiny models here gain nothing from
+# a second one, and on a busy 2-core machine two stall each other (quantize's scoring: 20x the CPU)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -28,18 +32,42 @@ def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.fixture(scope="module")
+def tiny_run(make_tiny_run) -> tuple[Path, Path]:
+    """(run_dir, data_dir): one tiny trained run and its dataset for the tests that only read them
+    (one tokenizer training and dataset preparation instead of one a test)."""
+    return make_tiny_run(2)
+
+
+def run_in_process(main, *args: str) -> int:
+    """run_command(main, args) as `python -m` runs it (the in-process run saves a python start and a
+    torch import), keeping this process's torch threads (--threads sets them)."""
+    threads = torch.get_num_threads()
+    try:
+        return run_command(main, list(args))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("script", ["train", "decode", "memory", "data", "quantize", "perplexity"])
-def test_smoke_run_writes_results(script, tmp_path):
+def test_smoke_run_writes_results(script, tmp_path, bench_main, capsys):
     if script == "perplexity":  # ours against llama.cpp on the same GGUF
         pytest.importorskip("llama_cpp")
     elif script != "data":  # the model benchmarks compare with transformers' LlamaForCausalLM
         pytest.importorskip("transformers")
     out = tmp_path / f"{script}.json"
-    done = run_bench(
-        script, "--smoke", *([] if script == "data" else ["--threads", "1"]), "--out", str(out)
+    # in this process (test_an_unwritable_output_is_refused_before_measuring runs `python -m`);
+    # memory's two measurements still run in fresh processes, data's prepare.py in its own
+    code = run_in_process(
+        bench_main(script),
+        "--smoke",
+        *([] if script == "data" else ["--threads", "1"]),
+        "--out",
+        str(out),
     )
-    assert done.returncode == 0, done.stderr
-    assert f"results written to {out}" in done.stdout
+    said = capsys.readouterr()
+    assert code == 0, said.err
+    assert f"results written to {out}" in said.out
     result = json.loads(out.read_text())
     assert result["benchmark"] == script
     assert {"cpu", "cpu_cores", "torch", "device"} <= result["machine"].keys()
@@ -129,8 +157,11 @@ def test_an_unwritable_output_is_refused_before_measuring(tmp_path):
     assert done.stdout == ""  # nothing was measured
 
 
-def test_switches_trains_each_switch_for_the_budget(make_tiny_run, tmp_path):
-    _, data_dir = make_tiny_run(steps=1)
+def test_switches_trains_each_switch_for_the_budget(
+    tiny_run, tmp_path, bench_main, capsys, monkeypatch
+):
+    _, data_dir = tiny_run
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # its train.py runs: one thread, as this process
     config = tmp_path / "tiny.toml"
     config.write_text(
         "[model]\ndim = 32\nn_layers = 1\nn_heads = 2\nvocab_size = 320\nmax_seq_len = 32\n"
@@ -138,11 +169,16 @@ def test_switches_trains_each_switch_for_the_budget(make_tiny_run, tmp_path):
         "[eval]\nbatches = 1\nbatch_size = 4\n"
     )
     out = tmp_path / "switches.json"
-    done = run_bench(
-        "switches", "--smoke", "--config", str(config), "--only", "qk-norm", "--out", str(out)
+    # in this process (its train.py runs are subprocesses still), for a budget of 0.25 s rather
+    # than --smoke's 3 s: the same probe run, then the budget's steps
+    code = run_in_process(
+        bench_main("switches"),
+        *("--budget", "0.25", "--config", str(config), "--only", "qk-norm", "--out", str(out)),
     )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(out.read_text())["switches"]
+    assert code == 0, capsys.readouterr().err
+    written = json.loads(out.read_text())
+    assert written["budget_seconds"] == 0.25
+    result = written["switches"]
     assert list(result) == ["qk-norm"]
     (run,) = result["qk-norm"]["runs"]
     assert run["stability"] == "stable" and run["steps"] >= 1 and 0 < run["val_bpb"] < 20
@@ -153,12 +189,10 @@ def test_switches_trains_each_switch_for_the_budget(make_tiny_run, tmp_path):
     assert run["params"] == llama + 2 * 16
 
 
-def test_quantize_scores_a_run_on_its_own_tokenizer_s_data(
-    make_tiny_run, tmp_path, bench_main, capsys
-):
+def test_quantize_scores_a_run_on_its_own_tokenizer_s_data(tiny_run, tmp_path, bench_main, capsys):
     """An imported model records no dataset: quantize asks for --data rather than reading
     data/shakespeare, and refuses a dataset made by another tokenizer."""
-    run_dir, data_dir = make_tiny_run(2)
+    run_dir, data_dir = tiny_run
     imported = tmp_path / "imported"
     shutil.copytree(run_dir, imported)
     config = json.loads((imported / "config.json").read_text())

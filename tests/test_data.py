@@ -813,16 +813,15 @@ def test_random_windows_span_all_shards_in_proportion_and_resume(corpus, tmp_pat
     # included
     assert loader_digests(sharded) == BEFORE_SHARDS
     tokens = np.asarray(open_tokens(sharded, "train"), dtype=np.int64)
+    first_start = {}  # each 32-token window of the stream -> where it first starts
+    for i, window in enumerate(np.lib.stride_tricks.sliding_window_view(tokens, 32)):
+        first_start.setdefault(window.tobytes(), i)
     loader = RandomBatches(sharded, "train", batch_size=64, seq_len=32, seed=1)
     counts = np.zeros(len(shards))
     for _ in range(40):
         x, _ = loader.next_batch()
-        for row in x.numpy():
-            start = next(
-                i
-                for i in np.flatnonzero(tokens == row[0])
-                if np.array_equal(tokens[i : i + 32], row)
-            )
+        for row in x.numpy().astype(np.int64):
+            start = first_start[row.tobytes()]  # a KeyError where no window is the row
             counts[min(start // 4000, len(shards) - 1)] += 1
     expected = np.array([s["tokens"] for s in shards], dtype=float)
     expected *= counts.sum() / expected.sum()

@@ -17,6 +17,8 @@ from data.loader import RandomBatches, load_meta, open_tokens
 from data.tokenizer_training import train_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
+# one torch thread for the in-process runs (conftest's one_thread); the torchrun ranks get one too
+pytestmark = pytest.mark.usefixtures("one_thread")
 WORDS = (
     "the king queen lord lady sword crown night day love death speak hath thou thee my good noble "
     "fair"

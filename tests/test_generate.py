@@ -26,6 +26,10 @@ TINY = dict(
 )
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 
+# tiny models on one thread throughout (conftest.one_thread: two stall each other on a busy 2-core
+# machine, 5-50x slower here); the tests after the first that asked for it ran on one already
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def make_model(std=None, **overrides) -> Transformer:
     """A random tiny model; std sharpens its weight matrices so that small numeric differences show

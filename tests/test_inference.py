@@ -17,6 +17,10 @@ from picollama.decoding import Sampling
 from picollama.quantize import Int4Linear, Int8Linear, Int8RowDot, quantize
 from picollama.step_timing import compiled_unless_slower, pick_step, tune_threads
 
+# tiny models on one thread throughout (conftest.one_thread: two stall each other on a busy 2-core
+# machine, 5-50x slower here); the compiled steps are compiled for one thread as before
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TINY = dict(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16
 )
@@ -345,8 +349,9 @@ def test_compiled_step_on_a_smaller_cache(one_thread, kv_dtype, tolerance):
     """kv_dtype bf16 or int8: the compiled fp32 step reads and writes a bf16 or int8 KV cache (the
     model's prefill too); its logits stay within 2% (bf16) or 5% (int8: 16-dim heads rounded to
     255 levels) of the largest logit of the fp32 cache's, on a model with sharp N(0, 0.3)
-    weights."""
-    model = make_model()
+    weights. One layer, as the other compiled tests: a second adds ~30% to each compile (~10 s)
+    and takes no path the first does not (int8 cache here: 2.4% off, 3.7% with two layers)."""
+    model = make_model(n_layers=1)
     step = DecodeStep(model, compiled=True, kv_dtype=kv_dtype)
     tokens = torch.randint(0, 97, (1, 12))
     expected = step_logits(model, DecodeStep(model), tokens, 5)
@@ -376,8 +381,9 @@ def test_int4_linear_is_its_groups_dequantized():
 
 def test_int4_model_decodes_compiled_as_eager(one_thread):
     """--quantize int4: the compiled step (the kernel under picollama::int4_linear) gives the eager
-    step's logits, and both the model's; the output layer is int8 (as in llama.cpp's Q4 files)."""
-    model = quantize(make_model(), "int4")
+    step's logits, and both the model's; the output layer is int8 (as in llama.cpp's Q4 files).
+    One layer, as the other compiled tests: a second adds ~30% to the compile."""
+    model = quantize(make_model(n_layers=1), "int4")
     assert isinstance(model.layers[0].attention.wq, Int4Linear)
     assert isinstance(model.output, Int8Linear)
     tokens = torch.randint(0, 97, (1, 12))

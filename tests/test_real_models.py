@@ -5,7 +5,7 @@ import io
 import itertools
 import json
 import os
-from contextlib import closing
+from contextlib import closing, contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -177,6 +177,16 @@ def test_gguf_import_logits_match_transformers(bpe_ggufs, type_, tied, tmp_path,
     assert (ours - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
+def skipped_init():
+    """transformers' no_init_weights where it has one (5.x; ~1.5 s of SmolLM2's random init),
+    else nothing skipped."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return nullcontext()
+    return no_init_weights()
+
+
 def transformers_from_gguf(path: Path):
     """LlamaForCausalLM (fp32) holding transformers' reading of a GGUF file (its wq/wk rows permuted
     back to rotate-half); from_pretrained(gguf_file=) would need accelerate as well."""
@@ -185,7 +195,8 @@ def transformers_from_gguf(path: Path):
 
     config = load_gguf_checkpoint(str(path))["config"]
     config.pop("_model_name_or_path", None)
-    model = LlamaForCausalLM(LlamaConfig(**config))
+    with skipped_init():  # every weight is loaded below (strict), so none is drawn at random
+        model = LlamaForCausalLM(LlamaConfig(**config))
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     if config["tie_word_embeddings"]:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
@@ -453,15 +464,79 @@ needs_smollm2 = pytest.mark.skipif(
     not SMOLLM2, reason="set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file"
 )
 HAMLET = "To be, or not to be, that is the question:"
+# greedy tokens compared on SmolLM2: 12 (transformers' and ours, twice) and 8 (llama.cpp's, whose
+# f32 decode here costs ~0.2 s a token), each past the 7 tokens of "\n\nThe answer to the question"
+SMOLLM2_NEW = 12
+SMOLLM2_EXPORT_NEW = 8
+
+
+IMPORT_AND_SAMPLE = """
+import sys, torch
+from pathlib import Path
+from picollama import convert
+from picollama.command import run_command
+from picollama.decoding import Sampling, generate
+from picollama.prompts import encode_prompt
+from picollama.run_files import load_run
+gguf, run = sys.argv[1:]
+print("status", run_command(convert.main, ["from-gguf", "--gguf", gguf, "--out", run]), flush=True)
+model, _, tokenizer = load_run(Path(run), "cpu", torch.float32)
+print(tokenizer.decode(generate(model, [encode_prompt(tokenizer, "Hi")], Sampling(8, 0))[0]))
+status = Path("/proc/self/status").read_text()
+print("peak_kb", next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
+"""
 
 
 @pytest.fixture(scope="module")
-def smollm2_run(tmp_path_factory, one_thread) -> Path:
-    """SmolLM2's GGUF file imported once (from-gguf) for this module's tests, which run on one
-    thread: on a busy 2-core machine two made its greedy decoding 6-8x slower."""
-    run = tmp_path_factory.mktemp("smollm2") / "run"
-    assert convert_main(["from-gguf", "--gguf", SMOLLM2, "--out", run]) == 0
-    return run
+def smollm2_import(tmp_path_factory) -> tuple[Path, int]:
+    """(run, peak_kb): SmolLM2's GGUF file imported once (from-gguf) for this module's tests, by a
+    process of its own that then samples from it; peak_kb is that process's own peak memory
+    (VmHWM: getrusage's maxrss keeps the forking parent's across exec, the suite's ~2 GB). One
+    thread: on a busy 2-core machine two made its decoding 6-8x slower."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("smollm2")
+    env = os.environ | {"PICOLLAMA_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", IMPORT_AND_SAMPLE, SMOLLM2, str(root / "run")]
+    done = subprocess.run(
+        command,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert "status 0" in done.stdout.splitlines(), done.stdout + done.stderr
+    return root / "run", int(done.stdout.split("peak_kb")[-1])
+
+
+@pytest.fixture(scope="module")
+def smollm2_run(smollm2_import, one_thread) -> Path:
+    """The run from-gguf made of SmolLM2's GGUF file; the tests on it run on one thread."""
+    return smollm2_import[0]
+
+
+@contextmanager
+def gguf_read_once():
+    """transformers parses a GGUF file's metadata anew for its config, its tensors and its
+    tokenizer (~3 s each on SmolLM2's 49,152-token vocabulary): here one gguf.GGUFReader per file
+    serves all three, read-only; its reading of the file is otherwise transformers' own."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 @pytest.fixture(scope="module")
@@ -472,8 +547,9 @@ def smollm2_hf(tmp_path_factory, one_thread) -> Path:
 
     folder = tmp_path_factory.mktemp("smollm2_hf")
     gguf = Path(SMOLLM2)
-    transformers_from_gguf(gguf).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    with gguf_read_once():
+        transformers_from_gguf(gguf).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
     return folder
 
 
@@ -499,54 +575,26 @@ def test_smollm2_from_hf_and_from_gguf_sample_like_transformers(smollm2_hf, smol
 
     assert convert_main(["from-hf", "--hf-dir", smollm2_hf, "--out", tmp_path / "run"]) == 0
     prompt = AutoTokenizer.from_pretrained(smollm2_hf)(HAMLET).input_ids
-    theirs = transformers_greedy(LlamaForCausalLM.from_pretrained(smollm2_hf).eval(), prompt, 24)
+    hf = LlamaForCausalLM.from_pretrained(smollm2_hf).eval()
+    theirs = transformers_greedy(hf, prompt, SMOLLM2_NEW)
     for run in (tmp_path / "run", smollm2_run):
         model, _, tokenizer = load_run(run, "cpu", torch.float32)
         assert encode_prompt(tokenizer, HAMLET) == prompt
-        assert generate(model, [prompt], Sampling(24, temperature=0))[0] == theirs, run
+        assert generate(model, [prompt], Sampling(SMOLLM2_NEW, temperature=0))[0] == theirs, run
     assert tokenizer.decode(theirs).startswith("\n\nThe answer to the question")
 
 
 @needs_smollm2
 def test_smollm2_exports_back_to_transformers_and_llama_cpp(smollm2_run, tmp_path, llama_cpp):
     pytest.importorskip("transformers")
-    exports_back_alike(smollm2_run, tmp_path, llama_cpp, HAMLET, 16)
-
-
-IMPORT_AND_SAMPLE = """
-import sys, torch
-from pathlib import Path
-from picollama.convert import imported_run
-from picollama.decoding import Sampling, generate
-from picollama.prompts import encode_prompt
-from picollama.run_files import load_run
-model, _, tokenizer = load_run(imported_run(Path(sys.argv[1])), "cpu", torch.float32)
-print(tokenizer.decode(generate(model, [encode_prompt(tokenizer, "Hi")], Sampling(8, 0))[0]))
-status = Path("/proc/self/status").read_text()
-print("peak_kb", next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
-"""
+    exports_back_alike(smollm2_run, tmp_path, llama_cpp, HAMLET, SMOLLM2_EXPORT_NEW)
 
 
 @needs_smollm2
-def test_smollm2_import_and_sampling_stay_under_1_5_gb(tmp_path):
+def test_smollm2_import_and_sampling_stay_under_1_5_gb(smollm2_import):
     """One process imports the file (dequantized one tensor at a time) and samples from it: no
     second full copy of the weights at any point."""
-    import subprocess
-    import sys
-
-    env = os.environ | {"PICOLLAMA_CACHE": str(tmp_path), "OMP_NUM_THREADS": "2"}
-    command = [sys.executable, "-c", IMPORT_AND_SAMPLE, SMOLLM2]
-    done = subprocess.run(
-        command,
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent.parent,
-    )
-    # the child's own peak, VmHWM (getrusage's maxrss keeps the forking parent's across exec:
-    # the suite's own ~2 GB)
-    peak_kb = int(done.stdout.split("peak_kb")[-1])
+    peak_kb = smollm2_import[1]
     assert peak_kb < 1.5 * 2**20, f"{peak_kb / 2**20:.2f} GB"
 
 

@@ -12,6 +12,9 @@ from data.retrieval import FILLER, RetrievalBatches, RetrievalTask
 from picollama.cli import UserError
 from picollama.command import run_command
 
+# torch on one thread, as training is: on a busy 2-core machine two threads stall each other
+# (train.py's test: ~5 s against ~1.6 s)
+pytestmark = pytest.mark.usefixtures("one_thread")
 TASK = RetrievalTask(keys=16, values=16, pairs=4)
 
 

@@ -2,6 +2,8 @@
 (configs/study/retrieval.toml) and the configs it trains, distances, the effective-context rule,
 scoring on a model that retrieves perfectly, and the --quick study trained end to end."""
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -63,13 +65,53 @@ def test_retrieval_scores_read_every_query_of_each_row():
     assert wrong.tolist() == [0.0] * 8  # argmax 0 is the filler, never a value
 
 
-def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys, monkeypatch):
+# The --quick study of the tests: the recipe's own RoPE (its 400 steps: at seed 1337 train.py's
+# val_acc reads 93%, past the 1/pairs plateau), half the evaluation rows (16 a length and distance,
+# 64 queries), and the runs that check the pipeline, not accuracy (the new encodings, the YaRN
+# fine-tune), 10 steps.
+QUICK_STEPS, QUICK_ROWS, FEW = 400, 16, 10
+FEW_STEPS = ("prope", "fox", "rope-ssmax")
+STUDY_RUNS = ("rope", "rope-yarn", *FEW_STEPS)
+
+
+def quick_recipe(path: Path) -> Path:
+    """The study's recipe with --quick as above, written to path."""
+    text = (study.REPO_ROOT / study.RECIPE).read_text()
+    quick = f"rows = {QUICK_ROWS}\nsteps = {QUICK_STEPS}\n"
+    edits = {
+        "\nrows = 32\nsteps = 400\n": "\n" + quick,
+        **{f'name = "{run}"\n': f'name = "{run}"\nquick.steps = {FEW}\n' for run in FEW_STEPS},
+        "\nquick.steps = 30\n": f"\nquick.steps = {FEW}\n",  # rope-yarn's
+    }
+    for old, new in edits.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def quick_study(tmp_path_factory):
+    """One --quick study of RoPE, its YaRN fine-tune (train.init_from) and the new encodings,
+    trained once for the tests that read it: (its exit status, what it printed, its --out, its
+    recipe). --out is relative to a folder outside the repository (train.py runs in the
+    repository)."""
+    folder = tmp_path_factory.mktemp("quick")
+    recipe = quick_recipe(folder / "recipe.toml")
+    argv = ["--recipe", str(recipe), "--quick", "--runs", ",".join(STUDY_RUNS), "--out", "study"]
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.chdir(folder)
+        status = run_command(study.main, argv)
+    return status, printed.getvalue(), folder / "study", recipe
+
+
+def test_the_quick_study_trains_and_rope_retrieves_in_context(quick_study):
     """RoPE and the YaRN fine-tune from the RoPE run (train.init_from), side by side; --out
     relative to a folder outside the repository (train.py runs in the repository)."""
-    monkeypatch.chdir(tmp_path)
-    out = tmp_path / "study"
-    assert run_command(study.main, ["--quick", "--runs", "rope,rope-yarn", "--out", "study"]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"wrote {out}/study.md")
+    status, printed, out, recipe = quick_study
+    assert status == 0
+    assert printed.strip().splitlines()[-1].startswith(f"wrote {out}/study.md")
     report = json.loads((out / "compare" / "extrapolation.json").read_text())
     runs = {run["name"].rsplit("/", 1)[-1]: run for run in report["runs"]}
     assert report["lengths"] == [32, 64, 128] and report["task"]["chance"] == 1 / 64
@@ -78,35 +120,35 @@ def test_the_quick_study_trains_and_rope_retrieves_in_context(tmp_path, capsys, 
     # chance is 1/64; guessing among the row's 4 values gives 1/4
     assert in_context > 0.5, in_context
     assert runs["rope-yarn"]["train_context"] == 128 and runs["rope-yarn"]["original_context"] == 32
-    rows = study.load_recipe(study.REPO_ROOT / study.RECIPE).quick.rows
+    rows = study.load_recipe(recipe).quick.rows
     for run in runs.values():
         for method in run["methods"]:
             cells = [c for c in run["accuracy"][method].values() if c is not None]
             assert cells and all(0 <= c["mean"] <= 1 and c["n"] == rows for c in cells)
     trained = json.loads((out / "study.json").read_text())["runs"]
-    assert set(trained) == {"rope", "rope-yarn"} and all(t["cpu_s"] > 0 for t in trained.values())
-    assert trained["rope"]["steps"] == 400  # --quick's steps win over the study's 1,500
+    assert set(trained) == set(STUDY_RUNS) and all(t["cpu_s"] > 0 for t in trained.values())
+    # --quick's steps win over the study's 1,500, and a run's own --quick steps over those
+    assert trained["rope"]["steps"] == QUICK_STEPS and trained["fox"]["steps"] == FEW
     table = (out / "study.md").read_text()
     assert "| `rope` | RoPE |" in table and "By key-query distance" in table
     assert "rope-yarn` | yarn |" in table
 
 
-def test_the_new_encodings_train_and_every_method_is_compared(tmp_path, capsys):
+def test_the_new_encodings_train_and_every_method_is_compared(quick_study):
     """p-RoPE, FoX and RoPE + SSMax train beside RoPE (a few steps: the pipeline, not accuracy),
     and the training-free methods that attend in two branches are scored on the RoPE runs."""
-    argv = ["--quick", "--steps", "40", "--runs", "rope,prope,fox,rope-ssmax"]
-    assert run_command(study.main, [*argv, "--out", str(tmp_path / "s")]) == 0
-    capsys.readouterr()
-    report = json.loads((tmp_path / "s" / "compare" / "extrapolation.json").read_text())
+    status, _, out, _ = quick_study
+    assert status == 0
+    report = json.loads((out / "compare" / "extrapolation.json").read_text())
     runs = {run["name"].rsplit("/", 1)[-1]: run for run in report["runs"]}
     assert [runs[name]["position"] for name in ("prope", "fox")] == ["prope", "fox"]
     assert runs["rope-ssmax"]["model"]["ssmax"] and runs["fox"]["methods"] == ["none"]
     for name in ("rope", "prope", "rope-ssmax"):
         assert {"rerope", "self_extend"} <= set(runs[name]["methods"])
         assert all(runs[name]["accuracy"]["rerope"][str(n)] is not None for n in report["lengths"])
-    table = (tmp_path / "s" / "study.md").read_text()
+    table = (out / "study.md").read_text()
     assert "| `prope` | p-RoPE (highest 75% of frequencies) |" in table
-    assert "s/rope` | rerope |" in table and "s/rope` | self_extend |" in table
+    assert "study/rope` | rerope |" in table and "study/rope` | self_extend |" in table
 
 
 def planned(tmp_path, *flags: str):

@@ -13,7 +13,7 @@ from picollama.lab import passkey, plots, recipe, report, seeds, study
 RECIPE = """config = "configs/retrieval.toml"
 multiples = [1, 2]
 rows = 8
-steps = 30
+steps = 8
 settings.eval = { interval = 0 }
 [[runs]]
 name = "rope"
@@ -218,7 +218,7 @@ def test_effective_context_by_an_accuracy_threshold_on_constructed_curves():
 
 
 def test_seeds_train_distinct_runs_end_to_end(tmp_path, capsys):
-    """Two seeds of a 30-step run: distinct weights and numbers, each cell's mean and range across
+    """Two seeds of an 8-step run: distinct weights and numbers, each cell's mean and range across
     them in study.md and study.json."""
     argv = ["--recipe", write_recipe(tmp_path), "--runs", "rope", "--seeds", "2"]
     assert run_command(study.main, [*argv, "--out", str(tmp_path / "s")]) == 0

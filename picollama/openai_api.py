@@ -1,0 +1,346 @@
+"""OpenAI's request bodies read and checked, and its error shape; every refusal one ApiError."""
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+# What a field that this server does not implement may be sent as, meaning nothing (clients often
+# send the default); any other value is refused naming the field.
+NEUTRAL = {
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+}
+# Fields refused whatever their value (but null): what this server cannot do.
+UNSUPPORTED = {
+    "functions",
+    "function_call",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "verbosity",
+    "web_search_options",
+}
+# Fields read and not acted on: they change nothing in what a model answers.
+IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+SHARED = {
+    "model",
+    "n",
+    "max_tokens",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "top_k",
+}
+CHAT_FIELDS = SHARED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = SHARED | {"prompt", "logprobs"}
+ROLES = ("system", "developer", "user", "assistant")
+MAX_STOPS = 4
+MAX_TOP_LOGPROBS = {"chat": 20, "text": 5}  # OpenAI's limits: top_logprobs, and logprobs
+SEEDS = 2**32
+
+
+class ApiError(Exception):
+    """A refused request: its HTTP status and OpenAI's error body; headers to send with it."""
+
+    def __init__(self, status: int, message: str, param=None, code=None, headers=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 429:
+            kind = "rate_limit_error"
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+class Strict(BaseModel):
+    """JSON types as they are: no "1" for 1, no true for 1, no NaN."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class Shared(Strict):
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+class ChatBody(Shared):
+    messages: list[dict]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class CompletionBody(Shared):
+    logprobs: int | None = None
+
+
+@dataclass
+class Ask:
+    """What a checked request asks for: a conversation (chat) or prompts (text), and how to answer:
+    n choices a prompt, each with its own seed (seed + choice) where one is given."""
+
+    kind: Literal["chat", "text"]
+    model: str | None
+    messages: list[dict] = field(default_factory=list)  # chat: as the template reads them
+    prompts: list = field(default_factory=list)  # text: strings or lists of token ids
+    n: int = 1
+    max_tokens: int | None = None  # None: chat, the rest of the context; text, 16
+    max_tokens_param: str = "max_tokens"  # the field that gave it
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; k: the chosen token's and k alternatives
+    stream: bool = False
+    include_usage: bool = False
+
+
+def read_json(raw: bytes) -> dict:
+    """A request body as a JSON object; ApiError for other bytes, text or JSON."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"the request body is not UTF-8 (byte {e.start})") from None
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, not {json_type(body)}")
+    return body
+
+
+def json_type(value) -> str:
+    """What a JSON value is, in words."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return names.get(type(value), "a number")
+
+
+def check_fields(body: dict, known: set[str]):
+    """ApiError naming the first field this server does not know or implement at its value."""
+    for name, value in body.items():
+        if name in known or name in IGNORED or value is None or neutral(name, value):
+            continue
+        if name in NEUTRAL or name in UNSUPPORTED:
+            raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+        raise bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
+
+
+def given(body: dict, known: set[str]) -> dict:
+    """The body's fields that are not null, once check_fields has passed them."""
+    check_fields(body, known)
+    return {name: value for name, value in body.items() if value is not None}
+
+
+def neutral(name: str, value) -> bool:
+    """Whether value is one of NEUTRAL's for the field (true is not 1 here)."""
+    return any(
+        value == v and isinstance(value, bool) == isinstance(v, bool) for v in NEUTRAL.get(name, ())
+    )
+
+
+def validated(model: type[Strict], body: dict) -> Strict:
+    """The body as `model`; ApiError naming the first field of the wrong type."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        error = e.errors()[0]
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+        param = param.lstrip(".")
+        got = json_type(error.get("input"))
+        message = error["msg"] if error["type"] == "missing" else f"{error['msg']}, not {got}"
+        raise bad(f"'{param}': {message}", param) from None
+
+
+def chat_request(body: dict, max_n: int) -> Ask:
+    """A chat completion request checked (OpenAI's fields, or ApiError naming the bad one); a
+    field that is null is a field not given."""
+    body = given(body, CHAT_FIELDS)
+    checked = validated(ChatBody, body)
+    if checked.max_tokens is not None and checked.max_completion_tokens is not None:
+        if checked.max_tokens != checked.max_completion_tokens:
+            raise bad("give max_tokens or max_completion_tokens, not both", "max_tokens")
+    ask = shared(checked, body, "chat", max_n)
+    ask.messages = messages(checked.messages)
+    if checked.max_completion_tokens is not None:
+        ask.max_tokens = positive(checked.max_completion_tokens, "max_completion_tokens")
+        ask.max_tokens_param = "max_completion_tokens"
+    if checked.top_logprobs is not None and not checked.logprobs:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    if checked.logprobs:
+        top = checked.top_logprobs or 0
+        ask.logprobs = in_range(top, "top_logprobs", 0, MAX_TOP_LOGPROBS["chat"])
+    return ask
+
+
+def completion_request(body: dict, max_n: int) -> Ask:
+    """A (legacy) completion request checked."""
+    body = given(body, COMPLETION_FIELDS)
+    checked = validated(CompletionBody, body)
+    ask = shared(checked, body, "text", max_n)
+    if "prompt" not in body:
+        raise bad("'prompt' is required", "prompt")
+    ask.prompts = prompts(body["prompt"])
+    if len(ask.prompts) * ask.n > max_n:
+        raise bad(f"prompts times n must be at most {max_n}, not {len(ask.prompts) * ask.n}", "n")
+    if checked.logprobs is not None:
+        ask.logprobs = in_range(checked.logprobs, "logprobs", 0, MAX_TOP_LOGPROBS["text"])
+    return ask
+
+
+def shared(checked: Shared, body: dict, kind: str, max_n: int) -> Ask:
+    """The fields both endpoints read, checked against OpenAI's ranges."""
+    if checked.stream_options is not None and not checked.stream:
+        raise bad("stream_options is only allowed when stream is true", "stream_options")
+    temperature = 1.0 if checked.temperature is None else checked.temperature
+    top_p = checked.top_p
+    if top_p is not None and in_range(top_p, "top_p", 0, 1) == 0:
+        temperature, top_p = 0.0, None  # the smallest set holding probability 0: the top token
+    top_k = checked.top_k
+    if top_k is not None and in_range(top_k, "top_k", -1, None) <= 0:
+        top_k = None  # -1 (vLLM's) or 0 (llama.cpp's): no top-k
+    return Ask(
+        kind,
+        checked.model,
+        n=in_range(checked.n, "n", 1, max_n),
+        max_tokens=positive(checked.max_tokens, "max_tokens"),
+        temperature=in_range(temperature, "temperature", 0, 2),
+        top_p=None if top_p == 1 else top_p,
+        top_k=top_k,
+        seed=None if checked.seed is None else checked.seed % SEEDS,
+        stop=stops(body.get("stop")),
+        stream=checked.stream,
+        include_usage=bool(checked.stream_options and checked.stream_options.include_usage),
+    )
+
+
+def in_range(value, name: str, low, high):
+    if value < low or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise bad(f"'{name}' must be {bounds}, not {value}", name)
+    return value
+
+
+def positive(value: int | None, name: str) -> int | None:
+    return None if value is None else in_range(value, name, 1, None)
+
+
+def stops(value) -> list[str]:
+    """stop: a string or a list of at most 4, none empty."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad("'stop' must be a string or a list of strings", "stop")
+    if len(items) > MAX_STOPS or not all(items):
+        raise bad(f"'stop' takes at most {MAX_STOPS} non-empty strings", "stop")
+    return items
+
+
+def messages(raw: list) -> list[dict]:
+    """The conversation as a chat template reads it: role, text content, name, reasoning."""
+    if not raw:
+        raise bad("'messages' must hold at least one message", "messages")
+    return [message(m, f"messages[{i}]") for i, m in enumerate(raw)]
+
+
+def message(raw, where: str) -> dict:
+    if not isinstance(raw, dict):
+        raise bad(f"'{where}' must be an object", where)
+    role = raw.get("role")
+    if role in ("tool", "function") or raw.get("tool_calls") or raw.get("function_call"):
+        raise bad(f"'{where}': tool calls are not supported by this server", f"{where}.role")
+    if role not in ROLES:
+        raise bad(
+            f"'{where}.role' must be one of {', '.join(ROLES)}, not {role!r}"[:300], f"{where}.role"
+        )
+    kept = {"role": role, "content": content(raw.get("content"), role, f"{where}.content")}
+    for key in ("name", "reasoning_content", "thinking", "reasoning"):
+        if isinstance(raw.get(key), str):
+            kept[key] = raw[key]
+    return kept
+
+
+def content(value, role: str, where: str) -> str:
+    """A message's text: a string, or a list of text parts joined."""
+    if value is None and role == "assistant":
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        texts = []
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise bad(
+                    f"'{where}[{i}]': only text parts are supported, not {str(kind)[:40]!r}",
+                    f"{where}[{i}]",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"'{where}' must be a string or a list of text parts", where)
+
+
+def prompts(value) -> list:
+    """A completion's prompt: a string, a list of strings, a list of token ids or of such lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if token_ids(value):
+            return [value]
+        if all(token_ids(p) for p in value):
+            return [list(p) for p in value]
+    raise bad(
+        "'prompt' must be a string, a list of strings, or a list of token ids (or of such lists)",
+        "prompt",
+    )
+
+
+def token_ids(value) -> bool:
+    """Whether value is a non-empty list of integers."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    )
