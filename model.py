@@ -348,18 +348,19 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.cache = None
 
-    def forward(self, tokens, targets=None, start_pos: int | None = None, positions=None):
+    def forward(self, tokens, targets=None, start_pos=None, positions=None, mask=None):
         """Logits (B, T, vocab), or the mean cross-entropy of targets (-100 ignored). With
         start_pos, tokens sit at start_pos.. and use the KV cache; without, `positions` ((T,) or
-        (B, T), increasing) may place them elsewhere than 0..T-1 (randomized positions)."""
-        logits = self.head(self.features(tokens, start_pos, positions))
+        (B, T)) may place them elsewhere than 0..T-1 (randomized, or restarting per packed
+        document) and `mask` ((B, [1,] T, T) bool, True: may attend) replaces the causal mask."""
+        logits = self.head(self.features(tokens, start_pos, positions, mask))
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
-    def features(self, tokens, start_pos: int | None = None, positions=None):
+    def features(self, tokens, start_pos: int | None = None, positions=None, mask=None):
         """The normed last layer (B, T, dim) the head reads: apart for scoring in slices."""
-        positions, key_positions, mask, end = self.span(tokens, start_pos, positions)
+        positions, key_positions, mask, end = self.span(tokens, start_pos, positions, mask)
         h = self.pos_embeddings.embed(self.tok_embeddings(tokens), positions)
         rotations, attend = self.pos_embeddings(self.args, positions, key_positions, mask, end)
         for layer in self.layers:
@@ -372,29 +373,31 @@ class Transformer(nn.Module):
             logits = self.args.logit_softcap * torch.tanh(logits / self.args.logit_softcap)
         return logits
 
-    def span(self, tokens, start_pos: int | None, positions):
-        """The tokens' positions, the keys' (cached ones too), a mask for a chunk after cached
-        tokens (None: causal) and the positions' end (None when given)."""
+    def span(self, tokens, start_pos: int | None, positions, mask=None):
+        """The tokens' positions, the keys' (cached ones too), the mask given (B, 1, T, T) or one
+        for a chunk after cached tokens (None: causal) and the positions' end (None when given)."""
         seqlen = tokens.shape[1]
         end = None if positions is not None else (start_pos or 0) + seqlen
         if positions is None:
             positions = torch.arange(end - seqlen, end, device=tokens.device)
         if start_pos is None:
-            return positions, positions, None, end
-        self.check_cached_forward(start_pos, tokens.shape[0], seqlen, given=end is None)
+            mask = None if mask is None else mask.reshape(len(tokens), 1, seqlen, seqlen)
+            return positions, positions, mask, end
+        given = end is None or mask is not None
+        self.check_cached_forward(start_pos, tokens.shape[0], seqlen, given=given)
         keys = torch.arange(end, device=tokens.device)
         # a chunk after earlier tokens: query i sees keys 0..start_pos+i
         mask = keys[None, :] <= positions[:, None] if seqlen > 1 and start_pos > 0 else None
         return positions, keys, mask, end
 
     def check_cached_forward(self, start_pos: int, batch: int, seqlen: int, given: bool):
-        """ValueError unless a forward at start_pos fits the KV cache, with no positions given."""
+        """ValueError unless a forward at start_pos fits the KV cache, with no positions or mask."""
         cache = self.layers[0].attention.cache
         if cache is None:
             problem = "start_pos needs a KV cache: call setup_cache(max_batch_size, max_seq_len)"
             raise ValueError(problem + " first")
         if given:
-            raise ValueError("positions are for a forward without the KV cache: pass one of them")
+            raise ValueError("positions and masks are for a forward without the KV cache")
         cache_batch, _, cache_len, _ = cache.k.shape
         end = start_pos + seqlen
         if start_pos < 0 or end > cache_len:

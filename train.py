@@ -30,7 +30,7 @@ from picollama.optim import build_optimizer, lr_at
 from picollama.outputs import check_writable, exclusive
 from picollama.parallel import parallelize
 from picollama.resume import check_tokenizer, checkpoints, resume_point
-from picollama.train_checks import check_memory, init_from_weights
+from picollama.train_checks import check_memory, check_packing, init_from_weights
 from picollama.train_data import (
     VALIDATION_FORMATS,
     DataSource,
@@ -78,11 +78,11 @@ def seed_everything(seed: int):
     torch.manual_seed(seed)
 
 
-def loss_terms(model, x, y, positions, z_loss: float) -> dict[str, torch.Tensor]:
-    """One micro-batch's loss terms, summed for the gradient: the mean cross-entropy ("loss"), and
-    with z_loss > 0 z_loss·mean(logsumexp(logits)²) ("z_loss"; PaLM's, which keeps the softmax
-    normaliser near 1)."""
-    kwargs = {} if positions is None else {"positions": positions}
+def loss_terms(model, x, y, inputs: dict | None, z_loss: float) -> dict[str, torch.Tensor]:
+    """One micro-batch's loss terms: the mean cross-entropy of its targets ("loss"), and with
+    z_loss > 0 z_loss·mean(logsumexp(logits)²) ("z_loss"; PaLM's, which keeps the softmax
+    normaliser near 1); `inputs`: the model's other arguments (positions, a mask)."""
+    kwargs = inputs or {}
     if not z_loss:
         return {"loss": model(x, y, **kwargs)}
     logits = model(x, **kwargs).float()
@@ -90,26 +90,43 @@ def loss_terms(model, x, y, positions, z_loss: float) -> dict[str, torch.Tensor]
     return {"loss": loss, "z_loss": z_loss * logits.logsumexp(-1).square().mean()}
 
 
-def train_step(model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, positions=None):
-    """One optimizer step on this rank's rows (x, y, and positions if given) of the global batch,
-    in train.grad_accum micro-steps.
+def micro_batches(x, y, inputs: dict, accum: int) -> list[tuple]:
+    """(x, y, inputs) of each of `accum` micro-batches: the rows cut alike."""
+    cut = {name: value.chunk(accum) for name, value in inputs.items()}
+    parts = zip(x.chunk(accum), y.chunk(accum), strict=True)
+    return [(xm, ym, {name: c[i] for name, c in cut.items()}) for i, (xm, ym) in enumerate(parts)]
 
-    Returns (losses, grad_norm, applied): each loss term (loss_terms) averaged over micro-steps and
-    the global gradient norm, all left on the device, and whether the update was applied: it is not
-    when a loss or the gradient norm is NaN or infinite."""
+
+def train_step(
+    model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, inputs=None, targets=None
+):
+    """One optimizer step on this rank's rows (x, y, and the model's other `inputs`: positions, a
+    mask) of the global batch, in train.grad_accum micro-steps. The loss is the mean over the
+    `targets` targets (y not -100) of the whole global batch (None: this y's), not a mean of
+    micro-batch means: each micro-batch weighs by its targets.
+
+    Returns (losses, grad_norm, applied): each loss term (loss_terms) as it entered the gradient,
+    whose mean over the ranks is the step's (the cross-entropy's: that mean), and the global
+    gradient norm, all left on the device, and whether the update was applied: it is not when a
+    loss or the gradient norm is NaN or infinite."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     accum = cfg.train.grad_accum
+    targets = targets or int((y != -100).sum())
     losses = {}
-    chunks = [None] * accum if positions is None else positions.chunk(accum)
-    for micro, (xm, ym, pm) in enumerate(zip(x.chunk(accum), y.chunk(accum), chunks, strict=True)):
+    for micro, (xm, ym, im) in enumerate(micro_batches(x, y, inputs or {}, accum)):
         if hasattr(model, "set_requires_gradient_sync"):
             # FSDP2's: reduce gradients on the last micro-step only
             model.set_requires_gradient_sync(micro == accum - 1)
-        terms = loss_terms(model, xm, ym, pm, cfg.optim.z_loss)
-        (sum(terms.values()) / accum).backward()
+        terms = loss_terms(model, xm, ym, im, cfg.optim.z_loss)
+        # this micro-batch's mean times its share of the global batch's targets (exactly 1 for a
+        # whole batch in one process), times the ranks, whose gradients FSDP2 averages; a
+        # micro-batch without targets would be NaN: packed rows hold one each, windows many
+        share = (ym != -100).sum() * dist.world_size / targets
+        weights = {name: share if name == "loss" else 1 / accum for name in terms}
+        sum(term * weights[name] for name, term in terms.items()).backward()
         for name, term in terms.items():
-            losses[name] = losses.get(name, 0) + term.detach() / accum
+            losses[name] = losses.get(name, 0) + term.detach() * weights[name]
     max_norm = cfg.optim.grad_clip or float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):
@@ -200,10 +217,15 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     seed_everything(cfg.train.seed)
     # a resumed run loads its checkpoint instead
     model, optimizer, sizes = build_model(cfg, dist, None if start else init)
+    fine_tune = init is not None and start is None
+    del init  # copied into the model: its memory is free for training
     step = 0 if start is None else load_checkpoint(start, model, optimizer, data.loader, dist)
     log = RunLog(cfg, run_dir, step, max_steps if budget.decided else None, dist.main)
     resuming = f"; resuming at step {step}" if start else ""
     log.say(f"model: {sizes}; {data.line}; device {dist.device}{resuming}")
+    if fine_tune:  # where it starts from
+        with budget.timed("eval"):
+            validate(model, data, log, 0, run_dir)
     run_steps(cfg, model, optimizer, data, log, dist, step, budget)
     log.close()
 
@@ -243,8 +265,10 @@ def run_steps(
     )
     while step < cfg.train.max_steps:
         lr = lr_at(step, cfg)
-        x, y, positions = next_rows(data.loader, cfg, rows, dist.device)
-        losses, grad_norm, applied = train_step(model, optimizer, x, y, lr, cfg, dist, positions)
+        x, y, inputs, targets = next_rows(data.loader, cfg, rows, dist.device)
+        losses, grad_norm, applied = train_step(
+            model, optimizer, x, y, lr, cfg, dist, inputs, targets
+        )
         if not applied:
             # a NaN or infinity: every rank skipped the update; stop, naming the last checkpoint
             loss = dist.mean(losses["loss"])
@@ -314,6 +338,7 @@ def main(argv: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_config(cfg, world_size)
     check_dataset(cfg)
+    check_packing(cfg)
     check_memory(cfg, world_size)
     run_dir = Path(cfg.train.out_dir)
     # before any work; never in the dataset

@@ -9,7 +9,8 @@ from picollama.outputs import atomic_output, check_replaceable, listed
 FORMAT_VERSION = 3  # 2: EOS at the end of each document; 3: fixed-size shards listed in meta.json
 # what preparing writes in a dataset folder (shards of format 3, and of format 2: <split>.bin)
 DATASET_FILES = (
-    r"meta\.json|tokenizer(\.model|\.json|_config\.json)|(train|val)(-\d{5,})?\.(bin|docs\.npy)"
+    r"meta\.json|tokenizer(\.model|\.json|_config\.json)"
+    r"|(train|val)(-\d{5,})?\.(bin|docs\.npy|mask\.bin)"
 )
 
 

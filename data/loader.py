@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.shards import docs_name, split_shards
+from data.shards import docs_name, mask_name, split_shards
 from data.tokenizer import same_tokenizer, tokenizer_file, tokenizer_sha256
 from picollama.cli import UserError, check_type
 
@@ -148,6 +148,27 @@ def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
         raise UserError(
             f"{data_dir}: the {split} split has no tokens; prepare it again with --force"
         )
+    return memmaps[0] if len(memmaps) == 1 else ShardedTokens(memmaps)
+
+
+def open_mask(data_dir, split) -> np.memmap | ShardedTokens:
+    """A conversations dataset's loss mask of the split, shaped as open_tokens' tokens: uint8, 1 on
+    each token the loss trains (from X.mask.bin beside each shard); UserError unless each holds one
+    byte per token of its shard."""
+    _check_split(split)
+    memmaps = []
+    for shard in split_shards(load_meta(data_dir), split):
+        path = Path(data_dir) / mask_name(shard["file"])
+        size = path.stat().st_size if path.is_file() else 0
+        if size != int(shard["tokens"]) or not size:
+            raise UserError(
+                f"{path} holds {size:,} bytes but meta.json counts {int(shard['tokens']):,} "
+                "tokens (one mask byte each): it is missing, truncated or from another dataset; "
+                "prepare it again with --force"
+            )
+        memmaps.append(np.memmap(path, dtype=np.uint8, mode="r"))
+    if not memmaps:
+        raise UserError(f"{data_dir}: the {split} split has no mask; prepare it again with --force")
     return memmaps[0] if len(memmaps) == 1 else ShardedTokens(memmaps)
 
 

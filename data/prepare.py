@@ -6,6 +6,8 @@ import re
 import sys
 
 from data.build import SHARD_TOKENS, prepare
+from data.build_conversations import prepare_conversations
+from data.conversations import conversation_files
 from picollama.cli import ArgumentParser, add_out, positive
 from picollama.command import run_command
 
@@ -16,6 +18,8 @@ sources:
   PATH             a file, directory or glob of .txt (one file = one document), .jsonl/.json
                    (one record = one document, field --text-field) or .parquet files
   hf:NAME[:CONFIG] a Hugging Face hub dataset (train split), streamed; --max-bytes defaults to 100M
+  PATH.jsonl       of {"messages": [...]} or {"conversations": [...]}: a chat dataset, with the
+                   loss mask of its replies, in --tokenizer RUN's chat template (docs/usage.md)
 
 Text must be UTF-8: a file that is not (or that contains NUL bytes) is refused with its name,
 never decoded with replacement characters. Line endings in .txt files are read as \\n; a
@@ -88,6 +92,17 @@ def main(argv) -> int:
     args = parse_args(argv)
     # else datasets imports torch (~1.5 s), which preparing never needs
     os.environ.setdefault("USE_TORCH", "0")
+    if conversation_files(args.source):
+        prepare_conversations(
+            args.source,
+            args.out,
+            args.tokenizer,
+            args.force,
+            args.max_docs,
+            command=sys.argv,
+            shard_tokens=args.shard_tokens,
+        )
+        return 0
     prepare(
         args.source,
         args.vocab_size,

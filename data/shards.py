@@ -20,6 +20,11 @@ def docs_name(shard_file: str) -> str:
     return str(Path(shard_file).with_suffix(".docs.npy"))
 
 
+def mask_name(shard_file: str) -> str:
+    """The loss mask beside a conversations shard: train-00000.bin -> train-00000.mask.bin."""
+    return str(Path(shard_file).with_suffix(".mask.bin"))
+
+
 def split_shards(meta: dict, split: str) -> list[dict]:
     """[{"file", "tokens"}, ...] of a split, in order; format 2 has one shard, <split>.bin."""
     info = meta["splits"][split]

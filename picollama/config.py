@@ -37,6 +37,9 @@ class DataConfig:
     copy_fraction: float = 0.0
     copy_span: int = 8  # tokens in the span
     copy_repeats: int = 4  # copies of it in the window
+    # whole documents (long ones cut into row-long pieces) best-fit packed into rows, attention kept
+    # inside each, positions restarting at each (data/packing.py); conversations always are
+    pack_documents: bool = False
     # text: the dataset in `dir`; retrieval: the synthetic key-value recall task of
     # data/retrieval.py, generated from train.seed (no dataset, no tokenizer), validated by its
     # accuracy on fixed rows

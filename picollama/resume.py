@@ -44,6 +44,7 @@ EXACT_KEYS = (
     "data.copy_fraction",
     "data.copy_span",
     "data.copy_repeats",
+    "data.pack_documents",
     "data.retrieval_keys",
     "data.retrieval_values",
     "data.retrieval_pairs",

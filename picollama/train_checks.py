@@ -1,11 +1,14 @@
-"""Before a run trains: the memory check's lower bound, and train.init_from's weights checked."""
+"""Before a run trains: the memory check's lower bound, train.init_from's weights checked, and
+the settings that packed documents refuse."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
+from data.loader import load_meta
 from data.tokenizer import tokenizer_file, tokenizer_sha256
-from model import ModelArgs, Transformer
+from model import ROPE_ATTENTIONS, ModelArgs, Transformer
 from picollama.cli import UserError
 from picollama.config import Config, check_init_model
 from picollama.device import gib, memory_bytes, pick_device, pick_dtype
@@ -21,18 +24,65 @@ def init_from_weights(cfg: Config) -> tuple[dict | None, ModelArgs]:
     source_dir = cfg.train.init_from
     if source_dir is None:
         return None, cfg.model
+    check_init_tokenizer(source_dir, cfg.data.dir)
     try:
         source, _ = load_model(source_dir)
     except UserError as e:
         raise UserError(f"train.init_from: {e}") from None
     check_init_model(source_dir, source.args.to_dict(), cfg.model.to_dict())
-    theirs, ours = tokenizer_file(source_dir), tokenizer_file(cfg.data.dir)
-    if theirs and ours and tokenizer_sha256(theirs) != tokenizer_sha256(ours):
-        raise UserError(f"train.init_from {source_dir} has another tokenizer than {cfg.data.dir}")
     original = source.args.original_seq_len
     if cfg.model.rope_original_max_seq_len is None and cfg.model.max_seq_len > original:
         return source.state_dict(), replace(cfg.model, rope_original_max_seq_len=original)
     return source.state_dict(), cfg.model
+
+
+def check_init_tokenizer(source_dir, data_dir):
+    """UserError unless the dataset data_dir holds the tokenizer of the run source_dir: its token
+    ids are the words the weights learned (a dataset train.py would prepare has a new one)."""
+    theirs, ours = tokenizer_file(source_dir), tokenizer_file(data_dir)
+    if theirs is None:
+        return  # load_model says what the run lacks
+    again = f"make it (again) with --tokenizer {source_dir}"
+    if ours is None:
+        raise UserError(
+            f"train.init_from {source_dir}: data.dir {data_dir} is not prepared; {again}"
+        )
+    if tokenizer_sha256(theirs) != tokenizer_sha256(ours):
+        raise UserError(
+            f"data.dir {data_dir} was made with another tokenizer than train.init_from "
+            f"{source_dir} (sha256 {tokenizer_sha256(ours)[:12]}, the run's "
+            f"{tokenizer_sha256(theirs)[:12]}): its token ids are other words to the model; {again}"
+        )
+
+
+def packs_documents(cfg: Config) -> bool:
+    """Whether the run trains on packed documents: data.pack_documents, or conversations."""
+    d = cfg.data
+    prepared = (Path(d.dir) / "meta.json").is_file()
+    conversations = prepared and load_meta(d.dir).get("kind") == "conversations"
+    return d.task == "text" and (d.pack_documents or conversations)
+
+
+def check_packing(cfg: Config):
+    """UserError, before any work, for a setting by which packed documents would see each other or
+    take other positions than their own (conversations datasets are always packed)."""
+    if not packs_documents(cfg):
+        return
+    m, t, d = cfg.model, cfg.train, cfg.data
+    windowed = m.rope_scaling in ROPE_ATTENTIONS and m.rope_factor > 1
+    scaling = f"model.rope_scaling {m.rope_scaling}"
+    refusals = [
+        (m.position == "alibi", "model.position alibi", "its bias takes the place of the mask"),
+        (m.position == "fox", "model.position fox", "its forget-gate attention takes no mask"),
+        (m.ssmax, "model.ssmax", "it scales a query by the keys of the row, not its document's"),
+        (windowed, scaling, "its near and far attention branches take no mask"),
+        (t.random_positions, "train.random_positions", "positions restart at each document"),
+        (d.copy_fraction, "data.copy_fraction", "copies are planted in random windows of text"),
+    ]
+    for refused, option, why in refusals:
+        if refused:
+            packed = "data.pack_documents" if d.pack_documents else f"the conversations of {d.dir}"
+            raise UserError(f"{option} cannot train on packed documents ({packed}): {why}")
 
 
 def check_memory(cfg: Config, world_size: int):

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from data.build import prepare
-from data.loader import RandomBatches, checked_meta, eval_batches, open_tokens
+from data.loader import SPLITS, RandomBatches, checked_meta, eval_batches, open_tokens
+from data.packing import Documents, PackedBatches, document_mask, validation_batches
 from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
 from data.tokenizer import open_tokenizer, tokenizer_file
 from picollama import REPO_ROOT
@@ -19,6 +20,8 @@ from picollama.device import Dist
 from picollama.length import length_problem
 from picollama.outputs import listed, resolved
 
+KINDS = ("text", "conversations")  # the datasets train.py reads (meta.json's "kind")
+ALL = slice(None)  # every row of a batch
 VALIDATION_FORMATS = {
     "val_ppl": "perplexity {:.2f}",
     "val_bpb": "{:.4f} bits/byte",
@@ -68,15 +71,20 @@ def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
         prepare(cfg.data.source, vocab_size, out_dir=data_dir, command=command)
     dist.barrier()
     meta = checked_meta(data_dir)
+    kind = meta.get("kind", "text")
+    if kind not in KINDS:
+        raise UserError(
+            f"{data_dir}/meta.json: a dataset of kind {kind!r}; train.py reads {listed(KINDS)}"
+        )
     if meta["vocab_size"] > cfg.model.vocab_size:
         raise UserError(
             f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer of "
             f"{data_dir} ({meta['vocab_size']}); set --model.vocab_size={meta['vocab_size']}"
         )
-    for split in ("train", "val"):
+    for split in SPLITS:
         open_tokens(data_dir, split)  # checks the shard against meta.json
         tokens = meta["splits"][split]["tokens"]
-        if tokens < cfg.train.seq_len + 1:
+        if kind == "text" and tokens < cfg.train.seq_len + 1:  # conversations: rows are padded
             raise UserError(
                 f"the {split} split of {data_dir} has {tokens} tokens, too few for train.seq_len "
                 f"{cfg.train.seq_len}; lower train.seq_len or use more text"
@@ -99,26 +107,38 @@ def check_sample_fits(cfg: Config, data_dir: Path):
         )
 
 
-def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist) -> dict:
-    """Validation loss, perplexity and bits/byte over the first eval.batches batches, over ranks."""
-    batches = list(
-        eval_batches(data_dir, "val", cfg.eval.batch_size, cfg.train.seq_len, cfg.eval.batches)
-    )
+def mean_loss(model, batches: list, dist: Dist) -> float:
+    """The mean loss over every target (y not -100) of the batches, (x, y) or packed rows' (x, y,
+    positions), the batches shared out over the ranks."""
     per_rank = math.ceil(len(batches) / dist.world_size)
     totals = torch.zeros(2, dtype=torch.float64, device=dist.device)
     with torch.no_grad():
         for i in range(per_rank):
             index = i * dist.world_size + dist.rank
             # ranks without a batch still join FSDP's collectives
-            x, y = batches[min(index, len(batches) - 1)]
-            loss = model(x.to(dist.device), y.to(dist.device))
+            x, y, inputs = model_inputs(batches[min(index, len(batches) - 1)], ALL, dist.device)
+            loss = model(x, y, **inputs)
             if index < len(batches):
-                count = torch.tensor(y.numel(), device=dist.device)
-                totals += torch.stack([loss.double() * y.numel(), count])
+                count = (y != -100).sum()
+                totals += torch.stack([loss.double() * count, count])
     loss_sum, count = dist.all_reduce_sum(totals).tolist()
-    loss = loss_sum / count
+    return loss_sum / count
+
+
+def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist) -> dict:
+    """Validation loss, perplexity and bits/byte over the first eval.batches batches, over ranks."""
+    batches = list(
+        eval_batches(data_dir, "val", cfg.eval.batch_size, cfg.train.seq_len, cfg.eval.batches)
+    )
+    loss = mean_loss(model, batches, dist)
     bits_per_byte = loss / math.log(2) / meta["bytes_per_token"]
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)), "val_bpb": bits_per_byte}
+
+
+def held_out_metrics(model, batches: list, dist: Dist) -> dict:
+    """Validation loss and perplexity on the supervised (assistant) tokens of packed rows."""
+    loss = mean_loss(model, batches, dist)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700))}
 
 
 @dataclass
@@ -145,14 +165,41 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
         return DataSource(loader, validate, batches[:3], None, line)
     data_dir, meta = prepare_data(cfg, dist)
     check_sample_fits(cfg, data_dir)
-    loader = RandomBatches(
-        data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **d.copy_options()
-    )
+    tokenizer = tokenizer_file(data_dir) or data_dir / "tokenizer.model"
+    if meta.get("kind") == "conversations":
+        return conversations_source(cfg, data_dir, tokenizer, dist)
+    if d.pack_documents:
+        documents = Documents(data_dir, "train", t.seq_len + 1, conversations=False)
+        loader = PackedBatches(documents, t.batch_size, t.seq_len, seed=t.seed)
+    else:
+        loader = RandomBatches(
+            data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **d.copy_options()
+        )
     probe = list(eval_batches(data_dir, "val", e.batch_size, t.seq_len, min(3, e.batches)))
     validate = partial(evaluate, cfg=cfg, data_dir=data_dir, meta=meta, dist=dist)
-    line = f"data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens)"
-    tokenizer = tokenizer_file(data_dir) or data_dir / "tokenizer.model"
+    packed = ", documents packed" if d.pack_documents else ""
+    line = f"data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens{packed})"
     return DataSource(loader, validate, probe, tokenizer, line)
+
+
+def conversations_source(cfg: Config, data_dir: Path, tokenizer: Path, dist: Dist) -> DataSource:
+    """A conversations dataset's training conversations packed into rows (PackedBatches), and its
+    validation: the loss on the assistant tokens of the held-out conversations, packed alike."""
+    t, e = cfg.train, cfg.eval
+    train, val = (Documents(data_dir, split, t.seq_len + 1, conversations=True) for split in SPLITS)
+    loader = PackedBatches(train, t.batch_size, t.seq_len, seed=t.seed)
+    batches = validation_batches(val, e.batch_size, t.seq_len, e.batches)
+    validate = partial(held_out_metrics, batches=batches, dist=dist)
+    line = f"data {data_dir} ({train.documents:,} conversations, {val.documents:,} held out"
+    if train.cut or val.cut:
+        # said once: a row holds a conversation's first seq_len + 1 tokens, never a later part
+        line += (
+            f"; {train.cut + val.cut:,} longer than a row of train.seq_len + 1 = {t.seq_len + 1} "
+            f"tokens cut to it, {train.dropped + val.dropped:,} of them left out for want of an "
+            "assistant token there"
+        )
+    probe = [batch[:2] for batch in batches[:3]]
+    return DataSource(loader, validate, probe, tokenizer, line + ")")
 
 
 def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:
@@ -162,13 +209,26 @@ def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:
     return torch.rand(batch, k * seq_len).topk(seq_len, dim=1).indices.sort(dim=1).values
 
 
+def model_inputs(batch: tuple, rows: slice, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(x, y, inputs): the rows of a batch, (x, y) or packed rows' (x, y, positions), on the
+    device, and the model's other arguments for them: the positions and their document mask."""
+    x, y = (part[rows].to(device) for part in batch[:2])
+    if len(batch) == 2:
+        return x, y, {}
+    positions = batch[2][rows].to(device)
+    return x, y, {"positions": positions, "mask": document_mask(positions)}
+
+
 def next_rows(loader, cfg: Config, rows: slice, device: torch.device):
-    """(x, y, positions): this rank's rows of the next global batch, and of its random positions
-    (None when train.random_positions is off), on the device."""
+    """(x, y, inputs, targets): this rank's rows of the next global batch on the device, the
+    model's other arguments for them (model_inputs; random positions where train.random_positions
+    is on), and how many targets (y not -100) the whole global batch holds."""
     t = cfg.train
-    x, y = (batch[rows].to(device) for batch in loader.next_batch())
-    if not t.random_positions:
-        return x, y, None
-    # drawn for the global batch, as the data is: the same on any number of ranks
-    positions = random_positions(t.batch_size, t.seq_len, t.random_positions)
-    return x, y, positions[rows].to(device)
+    batch = loader.next_batch()
+    targets = int((batch[1] != -100).sum())  # on the CPU: no device sync
+    x, y, inputs = model_inputs(batch, rows, device)
+    if t.random_positions:
+        # drawn for the global batch, as the data is: the same on any number of ranks
+        positions = random_positions(t.batch_size, t.seq_len, t.random_positions)
+        inputs = {"positions": positions[rows].to(device)}
+    return x, y, inputs, targets

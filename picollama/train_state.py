@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from data.tokenizer import tokenizer_sha256
+from picollama.chat_template import write_default_template
 from picollama.cli import UserError
 from picollama.command import held_signals, one_line
 from picollama.outputs import check_free_space, remove, replace, write_failure
@@ -126,6 +127,8 @@ def write_checkpoint(
             exported = model_from_state_dict(model.args, {k: v.float() for k, v in full.items()})
             with model_files(exported, final.parent.parent, config, tokenizer):
                 replace(tmp, final)
+            if tokenizer is not None:  # its dataset's chat template (copied), else the default
+                write_default_template(final.parent.parent)
 
     together(dist, write, final)
     full = get_model_state_dict(

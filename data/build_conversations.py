@@ -1,0 +1,248 @@
+"""Prepare a chat dataset resumably: conversations as token shards with their loss masks."""
+
+import errno
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from data import build
+from data.build import SHARD_TOKENS, check_free_disk, finish, given_tokenizer, resumable, start
+from data.chat_rows import encoded_conversation
+from data.conversations import conversation_files, read_conversations
+from data.dataset_dir import (
+    FORMAT_VERSION,
+    check_own,
+    existing_output,
+    partial_dir,
+    read_json,
+    summary,
+    write_json,
+)
+from data.shards import ShardWriter, mask_name, shard_name
+from data.sources import default_name, iter_blocks, source_fingerprint, utf8_size
+from data.splitting import SEED, VAL_FRACTION, Splitter
+from data.tokenizer import load_tokenizer
+from picollama import REPO_ROOT
+from picollama.chat_template import load_chat_template
+from picollama.cli import UserError
+from picollama.outputs import check_writable, exclusive, remove, replace, resolved
+
+SPLITS = ("train", "val")
+BLOCK_BYTES = build.BLOCK_BYTES  # of JSONL: conversations are split, encoded and committed by block
+
+
+class MaskWriter:
+    """Appends a split's loss mask, one uint8 per token, to X.mask.bin beside each of its shards
+    X.bin (cut where they are); made to hold exactly `tokens`, the shards' progress, on resume."""
+
+    def __init__(self, folder: Path, split: str, shard_tokens: int, tokens: int):
+        self.folder, self.split = folder, split
+        self.shard_tokens, self.tokens = shard_tokens, tokens
+        done, left = divmod(tokens, shard_tokens)
+        for path in folder.glob(f"{split}-*.mask.bin"):
+            index = int(path.name[len(split) + 1 :].split(".")[0])
+            if index > done or index == done and not left:
+                path.unlink()
+        for index in range(done + (left > 0)):
+            path, size = self.path(index), shard_tokens if index < done else left
+            if not path.is_file() or path.stat().st_size < size:
+                raise OSError(f"{path}: shorter than the progress recorded; cannot resume")
+            os.truncate(path, size)
+
+    def path(self, index: int) -> Path:
+        """The mask file beside the split's shard `index`."""
+        return self.folder / mask_name(shard_name(self.split, index))
+
+    def write(self, mask: np.ndarray):
+        """Append the mask of tokens just written to the shards, synced to disk."""
+        written = 0
+        while written < len(mask):
+            index, used = divmod(self.tokens, self.shard_tokens)
+            chunk = mask[written : written + self.shard_tokens - used].astype(np.uint8)
+            with open(self.path(index), "ab") as file:
+                chunk.tofile(file)
+                file.flush()
+                os.fsync(file.fileno())
+            self.tokens += len(chunk)
+            written += len(chunk)
+
+
+def encode_block(tokenizer, template: str, records: list) -> list[tuple]:
+    """(text, ids, mask) of each (where, messages) record; UserError naming the line of one the
+    template or tokenizer cannot mask."""
+    rows = []
+    for where, messages in records:
+        try:
+            text, ids, mask = encoded_conversation(tokenizer, template, messages)
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+        rows.append((text, np.array(ids, dtype=np.int64), np.array(mask, dtype=np.uint8)))
+    return rows
+
+
+def held_out(splitter: Splitter, index: int, rows: list, last: bool) -> list[bool]:
+    """Which of a block's conversations go to val: the Splitter's choice, weighed by the bytes of
+    their text (it returns the very text objects it is given, in order)."""
+    texts = [text for text, _, _ in rows]
+    if index == 0 and last and len(texts) < 2:
+        raise UserError(
+            "the source holds one conversation; preparing needs two at least (one is held out "
+            "for validation)"
+        )
+    _, val = splitter(index, texts, [utf8_size(text) for text in texts], last)
+    flags, taken = [], 0
+    for text in texts:
+        flags.append(taken < len(val) and val[taken] is text)
+        taken += flags[-1]
+    return flags
+
+
+def commit_block(work: Path, progress: dict, rows: list, flags: list, writers: dict, masks: dict):
+    """Append a block's conversations to their split's shards and masks, then record it in the
+    progress file: it is done."""
+    for split, held in zip(SPLITS, (False, True)):
+        chosen = [row for row, flag in zip(rows, flags) if flag == held]
+        if not chosen:
+            continue
+        ids = np.concatenate([row[1] for row in chosen])
+        mask = np.concatenate([row[2] for row in chosen])
+        lengths = np.array([len(row[1]) for row in chosen], dtype=np.int64)
+        writers[split].write(ids, lengths, sum(utf8_size(row[0]) for row in chosen))
+        masks[split].write(mask)
+        progress["supervised"][split] += int(mask.sum())
+    progress["splits"] = {split: writer.state() for split, writer in writers.items()}
+    write_json(work / "progress" / "progress.json", progress)
+
+
+def check_room(work: Path, rows: list, size: int, left: int, dtype: np.dtype):
+    """OSError (ENOSPC; the work so far is kept, to resume) when the shards and masks of `left`
+    more bytes of JSONL, at the tokens a byte of `rows` (`size` bytes) gave, would not fit."""
+    per_byte = sum(len(row[1]) for row in rows) / size * (1 + 1 / dtype.itemsize)  # and the mask
+    try:
+        check_free_disk(work, left, per_byte, dtype)
+    except UserError as e:
+        raise OSError(errno.ENOSPC, str(e)) from None
+
+
+def encode_all(work: Path, progress: dict, tokenizer, template: str, writers: dict, options):
+    """Encode, split and commit the blocks of conversations not yet done, with a progress bar."""
+    masks = {s: MaskWriter(work, s, writers[s].shard_tokens, writers[s].tokens) for s in SPLITS}
+    splitter = Splitter(sum(writer.bytes for writer in writers.values()), writers["val"].bytes)
+    records = read_conversations(options["files"], options["max_docs"])
+    blocks = iter_blocks(((record[:2], record[2]) for record in records), BLOCK_BYTES)
+    read = progress["bytes_read"]
+    total = options["total"]
+    bar = tqdm(total=total, initial=read, desc="encoding", unit="B", unit_scale=True, disable=None)
+    with bar:
+        for index, block, sizes, last in blocks:
+            if index < progress["blocks"]:
+                continue
+            rows = encode_block(tokenizer, template, block)
+            if index == progress["blocks"]:  # the first block this run: the disk's room for all
+                check_room(work, rows, sum(sizes), total - read, writers["train"].dtype)
+            flags = held_out(splitter, index, rows, last)
+            progress.update(blocks=index + 1, bytes_read=progress["bytes_read"] + sum(sizes))
+            commit_block(work, progress, rows, flags, writers, masks)
+            bar.update(sum(sizes))
+    if not writers["train"].tokens + writers["val"].tokens:
+        raise UserError(f"{options['source']}: no conversations (every line is blank)")
+
+
+def build_dataset(out_dir: Path, work: Path, inputs: dict, model_proto: bytes, options) -> dict:
+    """Prepare out_dir from the conversations in `options`, block by block, resuming work if it
+    can; on bad input, UserError with nothing kept."""
+    meta = read_json(work / "meta.json")
+    if meta and meta.get("inputs") == inputs:  # interrupted while renaming: complete already
+        remove(work / "progress")
+        replace(work, out_dir)
+        return meta
+    progress = resumable(work, inputs)
+    if progress is None:
+        progress, _ = start(work, inputs, [], model_proto, 0)
+    else:
+        read = progress["bytes_read"]
+        print(f"resuming the interrupted preparation in {work} after {read:,} bytes")
+    progress.setdefault("supervised", dict.fromkeys(SPLITS, 0))
+    config = inputs["tokenizer_config"]
+    tokenizer = load_tokenizer(model_proto, work, config)
+    dtype = np.dtype(np.uint16 if tokenizer.get_piece_size() <= 1 << 16 else np.uint32)
+    shard_tokens = inputs["shard_tokens"]
+    writers = {
+        split: ShardWriter(work, split, dtype, shard_tokens, progress["splits"].get(split))
+        for split in SPLITS
+    }
+    try:
+        encode_all(work, progress, tokenizer, config["chat_template"], writers, options)
+    except UserError:
+        remove(work)  # bad input: once it is fixed the inputs differ, so nothing here is of use
+        raise
+    conversations = {split: sum(writers[split].shard_docs) for split in SPLITS}
+    meta = {
+        "source": f"conversations from {len(options['files'])} file(s) of {options['source']}",
+        "command": options["command"],
+        "inputs": inputs,
+        "kind": "conversations",
+        "conversations": conversations,
+        "supervised_tokens": progress["supervised"],
+    }
+    return finish(work, out_dir, writers, tokenizer, model_proto, meta)
+
+
+def prepare_conversations(
+    source: str,
+    out_dir=None,
+    tokenizer=None,
+    force=False,
+    max_docs=None,
+    command=None,
+    shard_tokens=SHARD_TOKENS,
+) -> Path:
+    """Prepare a chat dataset directory from JSONL conversations in the chat template and with the
+    tokenizer of `tokenizer` (a run directory, or its tokenizer file); returns its path."""
+    files = conversation_files(source)
+    if files is None:
+        raise UserError(f'{source}: no .jsonl records of "messages" or "conversations"')
+    if not tokenizer:
+        raise UserError(
+            f"{source} holds conversations: they are prepared with the tokenizer and chat template "
+            "of the run they train, --tokenizer RUN"
+        )
+    if shard_tokens < 1 or max_docs is not None and max_docs < 1:
+        raise UserError("--shard-tokens and --max-docs must be positive")
+    out_dir = Path(out_dir) if out_dir else REPO_ROOT / "data" / default_name(source)
+    inputs = {
+        "format": FORMAT_VERSION,
+        "kind": "conversations",
+        **source_fingerprint(source),
+        "max_docs": max_docs,
+        "val_fraction": VAL_FRACTION,
+        "seed": SEED,
+        "block_bytes": BLOCK_BYTES,
+        "shard_tokens": shard_tokens,
+    }
+    model_proto = given_tokenizer(tokenizer, 0, inputs)
+    folder = Path(tokenizer) if Path(tokenizer).is_dir() else Path(tokenizer).parent
+    template = load_chat_template(folder)  # its own, or the default one (a run trained here)
+    inputs["tokenizer_config"] = {**inputs.get("tokenizer_config", {}), "chat_template": template}
+    with exclusive(out_dir):  # one writer at a time, from the check of what is there to the rename
+        if meta := existing_output(out_dir, inputs, force):
+            print(f"already prepared (same inputs; --force rebuilds): {summary(out_dir, meta)}")
+            return out_dir
+        check_writable(out_dir, inputs=files, directory=True)
+        check_own(out_dir)
+        options = {
+            "source": source,
+            "files": files,
+            "max_docs": max_docs,
+            "total": sum(path.stat().st_size for path in files),
+            "command": list(command or sys.argv),
+        }
+        target = resolved(out_dir)  # a link's target: a folder is never renamed over a link
+        meta = build_dataset(target, partial_dir(target), inputs, model_proto, options)
+        trained = sum(meta["supervised_tokens"].values())
+        total = sum(meta["splits"][split]["tokens"] for split in SPLITS)
+        print(f"wrote {summary(out_dir, meta)}; {trained / total:.0%} of the tokens supervised")
+    return out_dir

@@ -1,0 +1,285 @@
+"""One conversation as token ids and a loss mask on its replies, right by construction."""
+
+import re
+from bisect import bisect_left, bisect_right
+from functools import lru_cache
+from itertools import accumulate
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+
+from data.tokenizer import HFTokenizer, prompt_start
+from picollama.chat_template import (
+    ChatTemplateError,
+    checked_messages,
+    control_pieces,
+    encode_chat,
+    encode_with_specials,
+    environment,
+    render_chat,
+    special_tokens,
+    stop_ids,
+)
+
+# noncharacters, never text: what a {% generation %} block's output is wrapped in while rendering
+OPEN, CLOSE = "\ufdd0", "\ufdd1"
+GENERATION_TAG = re.compile(r"{%[-+]?\s*generation\s*[-+]?%}")
+
+
+def conversation_ids(tokenizer, template: str, messages) -> tuple[list[int], list[int]]:
+    """(ids, mask) of a conversation of OpenAI-shaped messages: ids as encode_chat gives its
+    rendering by `template`, mask 1 on each token the loss trains (the replies, but those of
+    assistant messages marked "train": false), 0 elsewhere; ChatTemplateError naming why not."""
+    _, ids, mask = encoded_conversation(tokenizer, template, messages)
+    return ids, mask
+
+
+def encoded_conversation(tokenizer, template: str, messages) -> tuple[str, list[int], list[int]]:
+    """(text, ids, mask): the rendered conversation and conversation_ids' answer.
+
+    The replies are the text inside the template's {% generation %} blocks where it has them (as
+    transformers' return_assistant_tokens_mask reads them), else found by prefixes (reply_spans),
+    up to the end-of-turn token; the tokens are those of the whole text (masked_ids)."""
+    if not isinstance(messages, list | tuple):
+        checked_messages(messages)  # its error
+    trained = [trains(message) for message in messages]
+    shown = [drop_train(message) for message in messages]
+    if GENERATION_TAG.search(template):
+        text, spans = generation_spans(tokenizer, template, shown, trained)
+        ends = frozenset()
+    else:
+        text, spans = reply_spans(tokenizer, template, shown, trained)
+        ends = turn_ends(tokenizer, template)
+    ids, mask = masked_ids(tokenizer, text, spans, ends)
+    return text, ids, mask
+
+
+def trains(message) -> bool:
+    """Whether the loss trains a message: an assistant's, unless it says "train": false."""
+    is_reply = isinstance(message, dict) and message.get("role") == "assistant"
+    return is_reply and message.get("train") is not False
+
+
+def drop_train(message):
+    """A message as the template sees it: without its "train" flag."""
+    if not isinstance(message, dict):
+        return message
+    return {key: value for key, value in message.items() if key != "train"}
+
+
+def reply_spans(tokenizer, template: str, messages: list, trained: list[bool]) -> tuple:
+    """(text, spans): the whole conversation rendered, and the (start, end) characters of each
+    trained reply. For the assistant message k, the conversation up to it with the generation
+    prompt must be a prefix of it up to its end without, and that a prefix of the whole: the
+    difference is the reply. ChatTemplateError ("not prefix-stable") when it is not."""
+    text = render_chat(template, messages, tokenizer, add_generation_prompt=False)
+    spans = []
+    for k in (i for i, train in enumerate(trained) if train):
+        if k == 0:
+            raise ChatTemplateError(
+                'messages[0] is a reply, which nothing prompts; mark it "train": false'
+            )
+        prompt = render_chat(template, messages[:k], tokenizer, add_generation_prompt=True)
+        upto = render_chat(template, messages[: k + 1], tokenizer, add_generation_prompt=False)
+        stable = upto.startswith(prompt) and text.startswith(upto)
+        if not stable or spans and len(prompt) < spans[-1][1]:
+            raise ChatTemplateError(
+                f"template not prefix-stable: the messages before messages[{k}], rendered with "
+                "the generation prompt, do not start the conversation rendered through that reply "
+                "(or that does not start the whole), so the reply cannot be told apart; mark "
+                "replies with {% generation %} tags in the template (tokenizer_config.json)"
+            )
+        spans.append((len(prompt), len(upto)))
+    return text, spans
+
+
+def generation_spans(tokenizer, template: str, messages: list, trained: list[bool]) -> tuple:
+    """(text, spans): the conversation rendered, and the (start, end) characters of the output of
+    each {% generation %} block, but of a reply marked "train": false (blocks are matched to the
+    assistant messages in order: there must then be one each)."""
+    text = render_chat(template, messages, tokenizer, add_generation_prompt=False)  # or its error
+    marked = marked_template(template).render(
+        messages=checked_messages(messages),
+        tools=None,
+        documents=None,
+        add_generation_prompt=False,
+        **special_tokens(tokenizer),
+    )
+    plain, spans = marked_spans(marked)
+    if plain != text:
+        raise ChatTemplateError("the template's {% generation %} blocks change what it writes")
+    replies = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    if all(trained[i] for i in replies):
+        return text, spans
+    if len(spans) != len(replies):
+        raise ChatTemplateError(
+            f'"train": false needs one {{% generation %}} block per reply; the template renders '
+            f"{len(spans)} for {len(replies)} replies"
+        )
+    return text, [span for span, i in zip(spans, replies) if trained[i]]
+
+
+def marked_spans(marked: str) -> tuple[str, list[tuple[int, int]]]:
+    """The text without the OPEN/CLOSE marks, and the (start, end) of each marked part."""
+    parts, spans, start, size = [], [], None, 0
+    for part in re.split(f"([{OPEN}{CLOSE}])", marked):
+        if part in (OPEN, CLOSE) and (part == OPEN) != (start is None):
+            raise ChatTemplateError(
+                "{% generation %} blocks nest, or a message holds U+FDD0 or U+FDD1"
+            )
+        if part == OPEN:
+            start = size
+        elif part == CLOSE:
+            spans.append((start, size))
+            start = None
+        else:
+            parts.append(part)
+            size += len(part)
+    return "".join(parts), spans
+
+
+class _Marked(Extension):
+    """{% generation %}…{% endgeneration %}: the body's output between OPEN and CLOSE."""
+
+    tags = {"generation"}
+    priority = 200  # after picollama.chat_template's _Generation, whose tag this takes over
+
+    def parse(self, parser):
+        """The block's body, as a call of _mark."""
+        line = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(line)
+
+    def _mark(self, caller):
+        """The body's output, marked."""
+        return OPEN + caller() + CLOSE
+
+
+@lru_cache(maxsize=4)
+def marked_template(template: str) -> jinja2.Template:
+    """The template compiled in chat_template's environment with its generation blocks marked (it
+    compiles: render_chat compiled it first)."""
+    return environment().overlay(extensions=[_Marked]).from_string(template)
+
+
+@lru_cache(maxsize=8)
+def turn_ends(tokenizer, template: str) -> frozenset[int]:
+    """The tokens that end a reply (chat_template.stop_ids: EOS, ChatML's <|im_end|>, …)."""
+    return frozenset(stop_ids(tokenizer, template))
+
+
+def masked_ids(tokenizer, text: str, spans: list, ends: frozenset) -> tuple[list, list]:
+    """(ids, mask): the tokens encode_chat gives the text, mask 1 on a span's tokens, up to its
+    last token in `ends` where it holds one (what a template writes after the end of a turn,
+    ChatML's newline, is never generated). Encoded piece by piece, cut at the spans' edges, where
+    that gives the whole's tokens (a reply's tokens are then those a model writes after its
+    prompt); else the whole's tokens that overlap a span, transformers' rule (overlap_mask).
+    ChatTemplateError when neither can: the tokenizer gives no character offsets."""
+    whole = encode_chat(tokenizer, text)
+    ids, mask = piecewise_ids(tokenizer, text, spans, ends)
+    if ids == whole:
+        return ids, mask
+    found = offset_ids(tokenizer, text)
+    if found is None or found[0] != whole:
+        raise ChatTemplateError(
+            f"the tokenizer merges across a reply's edge ({merged_edge(tokenizer, text, spans)}) "
+            "and gives no character offsets: a reply spelled alone is not its tokens inside the "
+            "conversation, so they cannot be told apart (a reply that starts with spaces or "
+            "newlines often does this)"
+        )
+    return whole, overlap_mask(whole, found[1], spans, ends)
+
+
+def piecewise_ids(tokenizer, text: str, spans: list, ends: frozenset) -> tuple[list, list]:
+    """(ids, mask) of the text encoded piece by piece, cut at each span's edges, BOS first where
+    the tokenizer adds one; mask 1 on a span's tokens up to its last token in `ends`."""
+    ids, mask, cut = [], [], 0
+    for start, end in spans:
+        context = encode_with_specials(tokenizer, text[cut:start])
+        reply = encode_with_specials(tokenizer, text[start:end])
+        last = max((i + 1 for i, token in enumerate(reply) if token in ends), default=len(reply))
+        ids += context + reply
+        mask += [0] * len(context) + [1] * last + [0] * (len(reply) - last)
+        cut = end
+    rest = encode_with_specials(tokenizer, text[cut:])
+    ids, mask = ids + rest, mask + [0] * len(rest)
+    start = prompt_start(tokenizer)
+    if start and ids[:1] != start:
+        ids, mask = start + ids, [0] + mask
+    return ids, mask
+
+
+def overlap_mask(ids: list, offsets: list, spans: list, ends: frozenset) -> list[int]:
+    """Mask 1 on each token whose characters overlap a span, as transformers'
+    return_assistant_tokens_mask marks them (spans and offsets both in order), but the tokens of
+    a span after its last token in `ends`."""
+    owners, k = [], 0
+    for start, end in offsets:
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        owners.append(k if k < len(spans) and end > spans[k][0] else -1)
+    last_end = {owner: i for i, owner in enumerate(owners) if owner >= 0 and ids[i] in ends}
+    return [int(o >= 0 and i <= last_end.get(o, i)) for i, o in enumerate(owners)]
+
+
+def offset_ids(tokenizer, text: str) -> tuple[list, list] | None:
+    """(ids, offsets): the tokens encode_chat gives the text, each with its (start, end)
+    characters in it (BOS added before it: (0, 0)); None for a tokenizer that cannot say."""
+    from sentencepiece import SentencePieceProcessor
+
+    if isinstance(tokenizer, HFTokenizer):  # added tokens too: offsets of their text
+        encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+        ids, offsets = encoding.ids, [tuple(offset) for offset in encoding.offsets]
+    elif isinstance(tokenizer, SentencePieceProcessor):
+        ids, offsets = sentencepiece_offsets(tokenizer, text)
+    else:
+        return None
+    start = prompt_start(tokenizer)
+    if ids[:1] == start:
+        return ids, offsets
+    return start + ids, [(0, 0)] * len(start) + offsets
+
+
+def sentencepiece_offsets(tokenizer, text: str) -> tuple[list, list]:
+    """encode_with_specials' ids of the text and their character offsets: its control pieces split
+    out (each its own characters), the parts between encoded apart, their offsets shifted."""
+    pattern, pieces = control_pieces(tokenizer)
+    ids, offsets, at = [], [], 0
+    for i, part in enumerate(pattern.split(text) if pattern else [text]):
+        if i % 2:  # a control piece
+            ids.append(pieces[part])
+            offsets.append((at, at + len(part)))
+        elif part:
+            for token, start, end in part_offsets(tokenizer, part):
+                ids.append(token)
+                offsets.append((at + start, at + end))
+        at += len(part)
+    return ids, offsets
+
+
+def part_offsets(tokenizer, text: str) -> list[tuple[int, int, int]]:
+    """(id, start, end) of each token sentencepiece encodes the text into, in characters (its
+    begin and end count bytes; a dummy prefix is (0, 0), a character's fallback bytes but its
+    last are empty)."""
+    from sentencepiece.sentencepiece_pb2 import SentencePieceText
+
+    found = SentencePieceText.FromString(tokenizer.encode(text, out_type="serialized_proto"))
+    starts = list(accumulate((len(c.encode()) for c in text), initial=0))  # each char's first byte
+    return [
+        (piece.id, bisect_right(starts, piece.begin) - 1, bisect_left(starts, piece.end))
+        for piece in found.pieces
+    ]
+
+
+def merged_edge(tokenizer, text: str, spans: list) -> str:
+    """The text around the first reply edge whose two sides, encoded apart, are not the whole's
+    tokens: 'before' | 'after'."""
+    whole = encode_with_specials(tokenizer, text)
+    for edge in sorted({edge for span in spans for edge in span}):
+        apart = encode_with_specials(tokenizer, text[:edge]) + encode_with_specials(
+            tokenizer, text[edge:]
+        )
+        if apart != whole:
+            return f"{text[max(edge - 16, 0) : edge]!r} | {text[edge : edge + 16]!r}"
+    return "where the tokenizer adds a space before each text"

@@ -1,0 +1,153 @@
+"""Chat datasets: JSONL records of OpenAI's "messages" or ShareGPT's "conversations", checked."""
+
+import json
+from pathlib import Path
+
+from data.sources import local_files
+from picollama.cli import UserError
+
+# the roles the OpenAI-compatible server takes (picollama/openai_api.py), and ShareGPT's names
+ROLES = ("system", "developer", "user", "assistant")
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+}
+# the two shapes: the record's key, and the keys of a message's role and content in it
+SHAPES = {"messages": ("role", "content"), "conversations": ("from", "value")}
+KEPT_KEYS = ("name", "reasoning_content", "thinking", "reasoning")  # passed on to the template
+PEEK_LINES = 100  # lines read for the first JSON record that tells what a .jsonl file holds
+
+
+def conversation_files(source: str) -> list[Path] | None:
+    """The .jsonl files of a source whose records hold conversations ("messages" or
+    "conversations"; the first JSON record of its first .jsonl file decides), None for a text
+    source; UserError when conversations come with files of another kind."""
+    if source == "shakespeare" or source.startswith("hf:"):
+        return None
+    files = local_files(source)
+    jsonl = [path for path in files if path.suffix.lower() == ".jsonl"]
+    if not jsonl or first_shape(jsonl[0]) is None:
+        return None
+    others = [str(path) for path in files if path not in jsonl]
+    if others:
+        raise UserError(
+            f"{source}: {jsonl[0]} holds conversations but {others[0]} is not a .jsonl file; a "
+            "chat dataset is .jsonl files of conversations alone"
+        )
+    return jsonl
+
+
+def first_shape(path: Path) -> str | None:
+    """ "messages" or "conversations" where the file's first JSON object (among its first lines)
+    holds that key, else None."""
+    with open(path, encoding="utf-8", errors="replace") as file:
+        for _, line in zip(range(PEEK_LINES), file):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                return next((key for key in SHAPES if key in record), None)
+    return None
+
+
+def read_conversations(files: list[Path], max_docs: int | None = None):
+    """(where, messages, size) of each record of the files, in order: "FILE line N", the messages
+    as OpenAI's (with a "train" flag each) and the line's bytes; blank lines skipped, at most
+    max_docs records. UserError naming the line of the first bad one."""
+    count = 0
+    for path in files:
+        with open(path, "rb") as file:
+            for number, raw in enumerate(file, 1):
+                if max_docs and count >= max_docs:
+                    return
+                where = f"{path} line {number}"
+                line = decoded(raw, where).removeprefix("\ufeff" if number == 1 else "")
+                if line.strip():
+                    yield where, checked_record(line, where), len(raw)
+                    count += 1
+
+
+def decoded(raw: bytes, where: str) -> str:
+    """A line's text; UserError unless it is UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+            "convert the file to UTF-8 first"
+        ) from None
+
+
+def checked_record(line: str, where: str) -> list[dict]:
+    """A record's messages, OpenAI-shaped, checked: roles, text content, an assistant turn to
+    train; UserError naming the line and what is wrong."""
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise UserError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+    keys = [key for key in SHAPES if isinstance(record, dict) and key in record]
+    if len(keys) != 1:
+        raise UserError(
+            f'{where}: a record is a JSON object with "messages" (OpenAI\'s shape) or '
+            f'"conversations" (ShareGPT\'s), one of them; this one holds {describe(record)}'
+        )
+    turns = record[keys[0]]
+    if not isinstance(turns, list) or not turns:
+        raise UserError(f'{where}: "{keys[0]}" must be a non-empty list of messages')
+    messages = [
+        checked_message(turn, f"{where}: {keys[0]}[{i}]", keys[0]) for i, turn in enumerate(turns)
+    ]
+    replies = [message for message in messages if message["role"] == "assistant"]
+    if not replies:
+        raise UserError(f"{where}: no assistant turn; a conversation trains on its replies")
+    if not any(message["train"] for message in replies):
+        raise UserError(f'{where}: every assistant turn is "train": false; nothing to train')
+    return messages
+
+
+def describe(record) -> str:
+    """What a JSON value holds, for a message: its keys, or its kind."""
+    if isinstance(record, dict):
+        keys = ", ".join(json.dumps(key) for key in list(record)[:6])
+        return f"the keys {keys}" if keys else "no key"
+    return f"a JSON {type(record).__name__}"
+
+
+def checked_message(turn, where: str, shape: str) -> dict:
+    """One message of a record of this shape as OpenAI's {"role", "content", "train"} (and the keys
+    a template may read)."""
+    role_key, content_key = SHAPES[shape]
+    if not isinstance(turn, dict):
+        raise UserError(f"{where}: a message is a JSON object, not {describe(turn)}")
+    role = turn.get(role_key)
+    known = SHAREGPT_ROLES if shape == "conversations" else dict(zip(ROLES, ROLES))
+    if not isinstance(role, str) or role not in known:
+        raise UserError(
+            f"{where}: unknown {role_key} {json.dumps(role)[:60]} (one of {', '.join(known)})"
+        )
+    message = {"role": known[role], "content": text_content(turn.get(content_key), where)}
+    message.update((key, turn[key]) for key in KEPT_KEYS if isinstance(turn.get(key), str))
+    train = turn.get("train", True)
+    if not isinstance(train, bool):
+        raise UserError(f'{where}: "train" is true or false, not {json.dumps(train)[:60]}')
+    if "train" in turn and train and message["role"] != "assistant":
+        raise UserError(f'{where}: "train": true on a {role} message; only replies train')
+    message["train"] = train and message["role"] == "assistant"
+    return message
+
+
+def text_content(value, where: str) -> str:
+    """A message's text: a string, or OpenAI's list of text parts joined; UserError if empty."""
+    if isinstance(value, list) and value:
+        texts = [part.get("text") for part in value if isinstance(part, dict)]
+        if len(texts) == len(value) and all(isinstance(text, str) for text in texts):
+            value = "".join(texts)
+    if not isinstance(value, str):
+        raise UserError(f"{where}: the content must be text, not {describe(value)}")
+    if not value.strip():
+        raise UserError(f"{where}: empty content")
+    return value
