@@ -139,8 +139,10 @@ class Engine:
             self.condition.notify_all()
 
     def submit(self, job: Job):
-        """Queue a job; QueueFull when queue_size are waiting."""
+        """Queue a job; QueueFull when queue_size are waiting (those whose clients left while
+        they waited behind a batch are dropped first: they hold no place)."""
         with self.condition:
+            self.waiting = deque(other for other in self.waiting if not other.cancelled)
             if len(self.waiting) >= self.queue_size or self.closed:
                 raise QueueFull
             self.waiting.append(job)

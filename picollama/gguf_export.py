@@ -9,7 +9,7 @@ from data.tokenizer import HFTokenizer, prompt_start, tokenizer_file
 from model import ModelArgs, Transformer, rope_frequencies
 from picollama.cli import UserError
 from picollama.convert_outputs import check_replaceable, output
-from picollama.hf_format import check_llama, has_dummy_prefix
+from picollama.hf_format import check_llama, has_dummy_prefix, run_chat_template_value
 from picollama.run_files import load_model, read_tokenizer
 
 # picollama name -> llama.cpp's GGUF name, per layer (blk.N.…)
@@ -52,12 +52,14 @@ def export_gguf(run_dir: Path, out: Path, type_: str):
     tokenizer_path = tokenizer_file(run_dir)
     if tokenizer_path is None:
         raise UserError(f"{run_dir} has no tokenizer.model or tokenizer.json")
-    write_gguf(model, read_tokenizer(tokenizer_path), out, type_, run_dir.resolve().name)
+    tokenizer, name = read_tokenizer(tokenizer_path), run_dir.resolve().name
+    write_gguf(model, tokenizer, out, type_, name, run_chat_template_value(run_dir))
 
 
-def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
+def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str, chat_template=None):
     """Write a llama.cpp GGUF file: the llama architecture, the sentencepiece vocabulary with scores
-    and token types, and the weights in f32, f16, bf16 or q8_0 (norms and rope_freqs stay f32)."""
+    and token types, the chat template (chat_template, else a tokenizer.json's own), and the
+    weights in f32, f16, bf16 or q8_0 (norms and rope_freqs stay f32)."""
     try:
         import gguf
     except ImportError:
@@ -88,6 +90,7 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
         writer.add_vocab_size(args.vocab_size)
         writer.add_file_type(file_type)
         add_gguf_vocab(writer, tokenizer, args.vocab_size, gguf)
+        add_gguf_chat_template(writer, tokenizer, chat_template)
         state = model.state_dict()
         tensors = {
             "token_embd": state["tok_embeddings.weight"],
@@ -111,6 +114,15 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str):
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+
+
+def add_gguf_chat_template(writer, tokenizer, chat_template=None):
+    """tokenizer.chat_template (and, from transformers' list, the named ones): chat_template, else
+    a tokenizer.json's own (from its tokenizer_config.json); nothing where there is neither."""
+    if chat_template is None:
+        chat_template = getattr(tokenizer, "config", {}).get("chat_template")
+    if chat_template:
+        writer.add_chat_template(chat_template)
 
 
 def add_gguf_vocab(writer, tokenizer, vocab_size: int, gguf):
@@ -178,8 +190,6 @@ def add_gguf_bpe_vocab(writer, tokenizer: HFTokenizer, vocab_size: int, gguf):
         if token_id >= 0:
             getattr(writer, f"add_{name}_token_id")(token_id)
     writer.add_add_bos_token(tokenizer.add_bos)
-    if tokenizer.config.get("chat_template"):
-        writer.add_chat_template(tokenizer.config["chat_template"])
 
 
 def gguf_pre_name(pre: dict) -> str:

@@ -9,7 +9,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from data.tokenizer import HFTokenizer, prompt_start, tokenizer_file
+from data.tokenizer import TOKENIZER_CONFIG, HFTokenizer, prompt_start, tokenizer_file
 from model import ModelArgs, Transformer
 from picollama.cli import UserError, check_type
 from picollama.convert_outputs import check_replaceable, output
@@ -162,7 +162,8 @@ def model_args_from_hf(config) -> ModelArgs:
         raise ValueError("biases and activations other than SiLU are not implemented")
     value = hf_reader(c, "config.json")
     dim, n_heads = value("hidden_size", int), value("num_attention_heads", int)
-    if value("head_dim", int | None, None) not in (None, dim // n_heads):
+    # n_heads 0 is left to checked_model_args, which refuses it naming the key
+    if n_heads and value("head_dim", int | None, None) not in (None, dim // n_heads):
         raise ValueError(
             f"head_dim {c['head_dim']} != hidden_size/num_attention_heads is not implemented"
         )
@@ -286,6 +287,9 @@ def export_hf(run_dir: Path, hf_dir: Path):
         "clean_up_tokenization_spaces": False,
         "model_max_length": model.args.max_seq_len,
     }
+    template = run_chat_template_value(run_dir)  # the run's own, as it is (a string or a list)
+    if template is not None:
+        tokenizer_config["chat_template"] = template
     needed = model_bytes(model) + tokenizer_path.stat().st_size + 64 * 1024
     with output(hf_dir, needed) as tmp:
         tmp.mkdir()
@@ -293,6 +297,14 @@ def export_hf(run_dir: Path, hf_dir: Path):
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         shutil.copyfile(tokenizer_path, tmp / tokenizer_path.name)
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def run_chat_template_value(run_dir: Path):
+    """The run's tokenizer_config.json "chat_template" as written there (a template, transformers'
+    list of named ones, or None), for an export to carry over."""
+    from picollama.chat_template import read_tokenizer_config  # jinja2, for exports only
+
+    return read_tokenizer_config(Path(run_dir) / TOKENIZER_CONFIG).get("chat_template")
 
 
 def has_dummy_prefix(tokenizer) -> bool:

@@ -40,6 +40,12 @@ def parser() -> ArgumentParser:
     )
     add_batching_flags(parser)
     add_device(parser)
+    parser.add_argument(
+        "--threads",
+        type=positive(),
+        help="CPU threads for prompts and decoding (default: torch's count, or 1 where a decode "
+        "step timed at start is faster on one)",
+    )
     add_compile(parser, "the one-token decode step, for each batch size (1, 2, 4, ...)")
     parser.add_argument(
         "--quantize", choices=QUANTIZATIONS, default="none", help="weights: int8 or int4 (CPU)"
@@ -94,6 +100,8 @@ def load(args):
     from picollama.served_model import ServedModel
 
     device = pick_device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.compile:
         check_compiler()
     run = imported_run(args.run)
@@ -102,7 +110,7 @@ def load(args):
     model, tokenizer, _ = load_model(args, device)
     name = args.model_name or Path(args.run).name.removesuffix(".gguf")
     served = ServedModel(model, tokenizer, template, name, free_bytes(model, memory_bytes(device)))
-    step = fast_step(model, args.compile, 1, KV_CACHES[args.kv_cache])
+    step = fast_step(model, args.compile, 1, KV_CACHES[args.kv_cache], args.threads)
     if getattr(step, "compiled", None) is not None:
         warm_up(served, step, args.max_batch)
     served.engine = Engine(

@@ -114,6 +114,37 @@ def test_to_hf_loads_in_transformers_with_the_same_logits(run_dir, tmp_path, cap
     assert convert_command("to-hf", run_dir, tmp_path / "hf", "--force") == 0
 
 
+def test_exports_keep_the_chat_template(run_dir, tmp_path):
+    """A run trained here (sentencepiece, the default template written in) keeps its template in
+    to-hf, where transformers renders it as we do, and in to-gguf, read back by from-gguf."""
+    transformers = pytest.importorskip("transformers")
+    gguf = pytest.importorskip("gguf")
+    from picollama.chat_template import (
+        DEFAULT_TEMPLATE,
+        render_chat,
+        run_chat_template,
+        write_default_template,
+    )
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    assert write_default_template(run) and (run / "tokenizer.model").is_file()
+    assert convert_command("to-hf", run, tmp_path / "hf") == 0
+    assert convert_command("to-gguf", run, tmp_path / "m.gguf") == 0
+    saved = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == DEFAULT_TEMPLATE
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat += [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    rendered = theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == render_chat(DEFAULT_TEMPLATE, chat, load_run(run, "cpu", torch.float32)[2])
+    field = gguf.GGUFReader(tmp_path / "m.gguf").fields["tokenizer.chat_template"]
+    assert bytes(field.parts[field.data[0]]).decode() == DEFAULT_TEMPLATE
+    back = ["from-gguf", "--gguf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "back")]
+    assert run_command(convert.main, back) == 0
+    assert run_chat_template(tmp_path / "back") == DEFAULT_TEMPLATE
+
+
 def test_an_output_overlapping_the_input_is_refused_even_with_force(run_dir, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)

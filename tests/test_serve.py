@@ -18,7 +18,7 @@ from conftest import write_corpus
 from data.tokenizer import open_tokenizer
 from model import ModelArgs, Transformer
 from picollama.chat_template import DEFAULT_TEMPLATE, encode_chat, render_chat
-from picollama.run_files import save_model
+from picollama.run_files import load_model, save_model
 
 openai = pytest.importorskip("openai", reason="the openai client: pip install -e '.[dev]'")
 httpx = pytest.importorskip("httpx")
@@ -95,10 +95,8 @@ class Server:
         self.stop()
         pytest.fail(f"the server did not start in {seconds} s: {self.log.read_text()}")
 
-    def client(self, key: str | None = KEY, **kwargs):
-        return openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60, **kwargs
-        )
+    def client(self, key: str | None = KEY, timeout: float = 60):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=timeout)
 
     def health(self) -> dict:
         return self.http.get("/health").json()
@@ -219,7 +217,8 @@ def test_n_choices_and_logprobs_that_join_into_the_content(client):
     assert [c.index for c in answer.choices] == [0, 1]
     assert answer.usage.completion_tokens == 24
     first = chat(client, max_tokens=12, temperature=1.0, seed=7).choices[0].message.content
-    assert answer.choices[0].message.content == first
+    assert answer.choices[0].message.content == first  # choice i draws with seed + i
+    assert answer.choices[1].message.content != first
     for choice in answer.choices:
         content = choice.logprobs.content
         assert "".join(t.token for t in content) == choice.message.content
@@ -288,18 +287,22 @@ def test_concurrent_clients_are_one_batch_and_each_gets_what_it_gets_alone(serve
     assert after["cancelled_rows"] == before["cancelled_rows"] + 1
 
 
-def test_a_client_that_leaves_mid_stream_frees_the_engine(server, client):
+def test_a_client_that_leaves_frees_the_engine(server, client):
+    """Streamed (the client closes the stream) and whole (the client gives up waiting): each
+    leaves its row ended long before its max_tokens, and the engine free for the next request."""
     before = server.health()["engine"]
     stream = chat(client, max_tokens=CONTEXT - 30, temperature=0, stream=True)
     chunks = iter(stream)
     for _ in range(3):
         next(chunks)
     stream.close()
+    with pytest.raises(openai.APITimeoutError):
+        chat(server.client(timeout=0.5), max_tokens=CONTEXT - 30, temperature=0)
     answer = chat(client, max_tokens=5, temperature=0)
     assert answer.choices[0].finish_reason == "length"
     after = server.health()["engine"]
-    assert after["cancelled_rows"] == before["cancelled_rows"] + 1
-    assert after["tokens"] - before["tokens"] < CONTEXT // 2  # ended long before its max_tokens
+    assert after["cancelled_rows"] == before["cancelled_rows"] + 2
+    assert after["tokens"] - before["tokens"] < CONTEXT  # both ended long before max_tokens
     assert after["active_rows"] == 0 and after["queued"] == 0
 
 
@@ -385,11 +388,11 @@ def test_bad_input_is_a_4xx_in_openais_shape_and_the_next_request_is_served(
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
 
 
-def test_the_engine_batches_the_oldest_with_what_fits_beside_them():
+def test_the_engine_batches_the_oldest_first_and_frees_the_places_of_clients_gone():
     import asyncio
 
     from picollama.decoding import Sampling
-    from picollama.engine import Engine, Job
+    from picollama.engine import Engine, Job, QueueFull
     from picollama.row_decoding import Row
 
     def job(length: int, n: int = 1) -> Job:
@@ -406,6 +409,19 @@ def test_the_engine_batches_the_oldest_with_what_fits_beside_them():
 
     # rows <= 4, prompts within 10 tokens of each other, the oldest first
     assert asyncio.run(batches()) == ([[0, 2], [1, 4], [3]], 0)
+
+    async def places():
+        engine = Engine(model=None, queue_size=2)
+        left = [job(20), job(20)]
+        for waiting in left:
+            engine.submit(waiting)
+            waiting.cancel()  # its client left while it waited
+        engine.submit(job(20))  # the places they held are free again
+        engine.submit(job(20))
+        with pytest.raises(QueueFull):
+            engine.submit(job(20))
+
+    asyncio.run(places())
 
 
 def test_a_full_queue_is_503_with_retry_after(run):
@@ -499,47 +515,149 @@ def browser_executable() -> str | None:
         return None
 
 
-def test_the_chat_page_in_a_browser(server, client):
+@pytest.fixture(scope="module")
+def browser():
+    """Chromium driven by playwright, for the module's page tests."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     executable = browser_executable()
     if executable is None:
         pytest.skip("no Chromium for playwright (apt install chromium, or playwright install)")
-    reply = chat(client, max_tokens=30, temperature=0).choices[0].message.content
-    idle = "!document.getElementById('send').disabled"
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
-        page = browser.new_page()
-        failures = []
-        page.on("pageerror", lambda e: failures.append(str(e)))
-        page.on("dialog", lambda d: (failures.append(d.message), d.dismiss()))
-        page.goto(f"{server.url}/")
-        for field, value in (("#key", "wrong"), ("#temperature", "0"), ("#max-tokens", "30")):
-            page.fill(field, value)
-            page.dispatch_event(field, "change")
-        page.fill("#input", HELLO[0]["content"])
-        page.click("#send")
-        assert "Incorrect API key" in page.wait_for_selector(".message.error").text_content()
-        page.fill("#key", KEY)
-        page.dispatch_event("#key", "change")
-        page.click("#regenerate")  # the error goes; the reply streams in
-        page.wait_for_function(f"document.querySelectorAll('.message').length == 2 && {idle}")
-        page.reload()  # the conversation is kept
-        assert page.text_content(".message.assistant span:last-child") == reply
-        before = server.health()["engine"]["cancelled_rows"]
-        markup = "<b>bold</b><img src=x onerror=alert(1)> caf\u00e9 \U0001f600"
-        page.fill("#max-tokens", "")
-        page.fill("#input", markup)
-        page.click("#send")
-        page.wait_for_function(
-            "document.querySelector('.message:last-child span:last-child').textContent.length > 9"
-        )
-        page.click("#stop")
-        page.wait_for_function(idle)
-        assert page.text_content(".message.user:nth-last-child(2) span:last-child") == markup
-        assert not page.query_selector_all("#log img, #log b") and not failures
-        assert page.text_content(".message:last-child .role") == "assistant (stopped)"
+        yield browser
         browser.close()
+
+
+IDLE = "!document.getElementById('send').disabled"
+LAST_TEXT = "document.querySelector('.message:last-child span:last-child')"
+# the texts the reply in the last message shows as it streams, each one kept
+WATCH = f"""() => {{
+  window.shown = new Set();
+  new MutationObserver(() => window.shown.add({LAST_TEXT}.textContent))
+    .observe(document.getElementById('log'), {{ subtree: true, childList: true,
+                                               characterData: true }});
+}}"""
+
+
+def watched_page(browser, url: str, expected_401: bool = False):
+    """(a new page at url, the list its script errors, dialogs and console errors go to; a wrong
+    key's 401 is the one console error expected where expected_401)."""
+    page = browser.new_page()
+    failures = []
+    page.on("pageerror", lambda e: failures.append(str(e)))
+    page.on("dialog", lambda d: (failures.append(d.message), d.dismiss()))
+
+    def console(message):
+        if message.type == "error" and not (expected_401 and "status of 401" in message.text):
+            failures.append(message.text)
+
+    page.on("console", console)
+    page.goto(f"{url}/")
+    return page, failures
+
+
+def test_the_chat_page_in_a_browser(server, client, browser, tmp_path):
+    reply = chat(client, max_tokens=30, temperature=0).choices[0].message.content
+    page, failures = watched_page(browser, server.url, expected_401=True)
+    for field, value in (("#key", "wrong"), ("#temperature", "0"), ("#max-tokens", "30")):
+        page.fill(field, value)
+        page.dispatch_event(field, "change")
+    page.fill("#input", HELLO[0]["content"])
+    page.press("#input", "Enter")
+    assert "Incorrect API key" in page.wait_for_selector(".message.error").text_content()
+    page.fill("#key", KEY)
+    page.dispatch_event("#key", "change")
+    page.click("#regenerate")  # the error goes; the reply streams in
+    page.wait_for_function(f"document.querySelectorAll('.message').length == 2 && {IDLE}")
+    page.reload()  # the conversation is kept
+    assert page.text_content(".message.assistant span:last-child") == reply
+    before = server.health()["engine"]["cancelled_rows"]
+    markup = "<b>bold</b><img src=x onerror=alert(1)> caf\u00e9 \U0001f600"
+    page.fill("#max-tokens", "")
+    page.fill("#input", markup)
+    page.evaluate(WATCH)
+    page.click("#send")
+    page.wait_for_function(f"{LAST_TEXT}.textContent.length > 9")
+    page.click("#stop")
+    page.wait_for_function(IDLE)
+    # the reply grew in several steps as it streamed, then stopped where it was
+    assert len(set(page.evaluate("[...window.shown]")) - {""}) >= 2
+    assert page.text_content(".message.user:nth-last-child(2) span:last-child") == markup
+    assert not page.query_selector_all("#log img, #log b") and not failures
+    assert page.text_content(".message:last-child .role") == "assistant (stopped)"
+    page.screenshot(path=tmp_path / "chat.png")
+    deadline = time.monotonic() + 10  # the stream closed by the browser: its row ends
+    while server.health()["engine"]["cancelled_rows"] == before:
+        assert time.monotonic() < deadline, server.health()
+        time.sleep(0.01)
     assert server.health()["engine"]["cancelled_rows"] == before + 1
+
+
+def scripted_run(run: Path, root: Path) -> tuple[Path, str]:
+    """(a copy of `run` whose model answers every prompt alike, then ends its turn, and that
+    answer's text): a word, "\u00e9", a word, "\U0001f600", each character's UTF-8 bytes byte
+    tokens of their own. The model is a table of what follows each token (greedy): its blocks
+    pass their input on, the embedding says which of the answer's tokens came (column 0: none),
+    the output layer which token follows."""
+    model, _ = load_model(run)
+    tokenizer = open_tokenizer(run / "tokenizer.model")
+    pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.get_piece_size())]
+    words = [i for i, piece in enumerate(pieces) if piece[:1] == "\u2581" and len(piece) >= 4]
+    e_acute = [pieces.index(f"<0x{b:02X}>") for b in "\u00e9".encode()]
+    smile = [pieces.index(f"<0x{b:02X}>") for b in "\U0001f600".encode()]
+    reply = [words[0], *e_acute, words[1], *smile]
+    with torch.no_grad():
+        for block in model.layers:
+            block.attention.wo.weight.zero_()
+            block.feed_forward.w2.weight.zero_()
+        embedding, output = model.tok_embeddings.weight, model.output.weight
+        embedding.zero_()
+        output.zero_()
+        embedding[:, 0] = 1
+        for state, token in enumerate(reply, 1):
+            embedding[token, 0], embedding[token, state] = 0, 1
+        for state, token in enumerate([*reply, tokenizer.eos_id()]):
+            output[token, state] = 10  # sure even at the page's temperature
+    return save_model(model, root, None, run / "tokenizer.model"), tokenizer.decode(reply)
+
+
+@pytest.fixture(scope="module")
+def scripted(run, tmp_path_factory):
+    """(a server without a key on scripted_run's model, its answer)."""
+    root = tmp_path_factory.mktemp("scripted")
+    scripted_dir, answer = scripted_run(run, root / "run")
+    server = Server(root, scripted_dir)
+    yield server, answer
+    server.stop()
+
+
+def test_accents_and_emoji_split_across_tokens_arrive_intact(scripted, browser, tmp_path):
+    server, answer = scripted
+    assert "\u00e9" in answer and answer.endswith("\U0001f600")
+    client = server.client("unused")
+    whole = chat(client, max_tokens=20, temperature=0).choices[0]
+    assert whole.message.content == answer and whole.finish_reason == "stop"
+    text, chunks = streamed(client, max_tokens=20, temperature=0)
+    parts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert text == answer and len(parts) >= 3 and not any("\ufffd" in part for part in parts)
+    page, failures = watched_page(browser, server.url)
+    sent = []
+    page.on("request", lambda r: r.method == "POST" and sent.append(json.loads(r.post_data)))
+    typed = ["caf\u00e9 \U0001f600 na\u00efve", "and again"]
+    for turn, text in enumerate(typed, 1):
+        page.fill("#input", text)
+        page.press("#input", "Enter")
+        page.wait_for_function(
+            f"document.querySelectorAll('.message').length == {2 * turn} && {IDLE}"
+        )
+    shown = page.query_selector_all(".message span:last-child")
+    assert [element.text_content() for element in shown] == [typed[0], answer, typed[1], answer]
+    # each request holds the conversation so far, and no reply of its own
+    first = {"role": "user", "content": typed[0]}
+    conversation = [first, {"role": "assistant", "content": answer}, {**first, "content": typed[1]}]
+    assert [body["messages"] for body in sent] == [conversation[:1], conversation]
+    page.screenshot(path=tmp_path / "chat.png")
+    assert not failures
 
 
 @pytest.mark.skipif(not SMOLLM2, reason="set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file")

@@ -1,0 +1,317 @@
+"""Our OpenAI-compatible server against llama-cpp-python's on one GGUF file: 1, 4 and 8 concurrent
+clients streaming the same chat prompts; aggregate completion tokens/s and time to first token."""
+
+import importlib.util
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from picollama.cli import UserError, comma_list, positive
+from picollama.command import run_command
+from picollama.lab.bench import common
+from picollama.lab.bench.llama_cpp_server import has_amx
+from picollama.lab.bench.serve_load import ServerProcess, free_port, python_module, run_clients
+from picollama.outputs import atomic_output
+
+SERVERS = ("ours", "llama_cpp")
+NAMES = {"ours": "picollama.serve", "llama_cpp": "llama_cpp.server"}
+# questions whose answers run past the default 64 tokens, so that every request ends at max_tokens
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a bicycle works, part by part.",
+    "Describe the water cycle in detail.",
+    "What are the main causes of the French Revolution? Explain each one.",
+    "Give me ten tips for learning a new language, with a sentence on each.",
+    "Explain the difference between weather and climate, with examples.",
+    "Describe a day in the life of a medieval blacksmith.",
+    "How do airplanes stay in the air? Explain it to a curious teenager.",
+]
+WARM_UP = "Say hello."
+TTFT_KEYS = ("ttft_p50_seconds", "ttft_p95_seconds")
+# llama_cpp.server's options, and why (its threads: --threads, default every core)
+LLAMA_CPP_OPTIONS = {
+    "--interrupt_requests": (
+        "False",
+        "its default (True) ends the running stream when another request comes: with "
+        "concurrent clients most answers would be cut short; False queues them, one at a time",
+    ),
+    "--logits_all": (
+        "False",
+        "its default (True) computes the logits of every prompt token; only the last one's are "
+        "needed here (no logprobs), so False spares it work",
+    ),
+    "--verbose": ("False", "its timings printed for every request, not needed"),
+}
+# sent to llama-cpp-python only: its default repeat_penalty of 1.1 changes greedy decoding, and
+# ours has none (and refuses fields it does not implement)
+LLAMA_CPP_BODY = {"repeat_penalty": 1.0}
+
+
+def parse_args(argv: list[str]):
+    """The flags, with --smoke's single short request filled in."""
+    p = common.parser(__doc__, "serve", models=False)
+    p.add_argument(
+        "--gguf",
+        type=Path,
+        default=os.environ.get("PICOLLAMA_SMOLLM2_GGUF"),
+        help="the GGUF file both servers load (default: $PICOLLAMA_SMOLLM2_GGUF)",
+    )
+    p.add_argument(
+        "--clients",
+        type=comma_list(positive()),
+        default="1,4,8",
+        help="concurrent clients to measure, comma-separated (default 1,4,8)",
+    )
+    p.add_argument(
+        "--requests", type=positive(), default=4, help="requests each client sends (default 4)"
+    )
+    p.add_argument(
+        "--max-tokens", type=positive(), default=64, help="max_tokens of each request (default 64)"
+    )
+    p.add_argument(
+        "--servers",
+        type=comma_list(choices=SERVERS),
+        default=",".join(SERVERS),
+        help=f"which servers, comma-separated (default {','.join(SERVERS)})",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive(),
+        default=os.cpu_count(),
+        help=f"llama.cpp's threads, decoding and prompts (default: every core, {os.cpu_count()})",
+    )
+    p.add_argument(
+        "--n-ctx",
+        type=positive(),
+        default=2048,
+        help="llama_cpp.server's context (default 2048, its own: room for the prompts and "
+        "max_tokens; its KV cache is sized by it)",
+    )
+    p.add_argument(
+        "--ours-args",
+        default="",
+        metavar="FLAGS",
+        help="more flags for python -m picollama.serve, e.g. '--compile' (default none)",
+    )
+    cli = common.parse(p, argv)
+    if cli.smoke:  # one thread each: seconds even on a busy machine
+        cli.clients, cli.requests, cli.max_tokens, cli.threads = [1], 1, 4, 1
+        cli.ours_args = f"--threads 1 {cli.ours_args}"
+    check(cli)
+    return cli
+
+
+def check(cli):
+    """UserError for a missing GGUF file or llama-cpp-python server, before any server starts."""
+    if cli.gguf is None:
+        raise UserError("no GGUF file: pass --gguf FILE (or set PICOLLAMA_SMOLLM2_GGUF)")
+    if not cli.gguf.is_file() or cli.gguf.suffix != ".gguf":
+        raise UserError(f"--gguf {cli.gguf}: not a .gguf file")
+    needed = ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if "llama_cpp" in cli.servers and missing:
+        raise UserError(
+            f"llama_cpp.server needs {', '.join(missing)}: pip install "
+            "'llama-cpp-python[server]' (or --servers ours)"
+        )
+
+
+def command(cli, server: str, port: int) -> list[str]:
+    """The command that starts `server` on 127.0.0.1:port, serving cli.gguf."""
+    if server == "ours":
+        flags = ["--run", cli.gguf, "--port", port, *shlex.split(cli.ours_args)]
+        return python_module("picollama.serve", *flags)
+    threads = ["--n_threads", cli.threads, "--n_threads_batch", cli.threads]
+    options = [x for flag, (value, _) in LLAMA_CPP_OPTIONS.items() for x in (flag, value)]
+    flags = ["--model", cli.gguf, "--host", "127.0.0.1", "--port", port, *threads]
+    # llama_cpp.server itself, its extra CPU buffer types off on an AMX CPU (they crash there)
+    launcher = "picollama.lab.bench.llama_cpp_server"
+    return python_module(launcher, *flags, "--n_ctx", cli.n_ctx, *options)
+
+
+def body(server: str, prompt: str, max_tokens: int) -> dict:
+    """A streamed greedy chat request for one prompt."""
+    asked = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return asked | (LLAMA_CPP_BODY if server == "llama_cpp" else {})
+
+
+class TokenCounter:
+    """A request's completion tokens: the usage chunk's where the server sent one (ours); else
+    max_tokens where it ended by length, and otherwise its text re-encoded by the file's tokenizer
+    and its end-of-turn token."""
+
+    def __init__(self, gguf: Path, max_tokens: int):
+        self.gguf, self.max_tokens = gguf, max_tokens
+        self.tokenizer = None
+
+    def __call__(self, sample) -> int:
+        if sample.usage_tokens is not None:
+            return sample.usage_tokens
+        if sample.finish == "length":
+            return self.max_tokens
+        if self.tokenizer is None:
+            from picollama.convert import imported_run
+            from picollama.run_files import read_tokenizer, tokenizer_file
+
+            self.tokenizer = read_tokenizer(tokenizer_file(imported_run(self.gguf)))
+        return len(self.tokenizer.encode(sample.text)) + 1
+
+
+def level(server: ServerProcess, name: str, clients: int, cli, counter, progress) -> dict:
+    """`clients` clients at once, each sending cli.requests prompts (client c from PROMPTS[c] on):
+    aggregate tokens/s and time to first token."""
+    bodies = [
+        [body(name, PROMPTS[(c + r) % len(PROMPTS)], cli.max_tokens) for r in range(cli.requests)]
+        for c in range(clients)
+    ]
+    samples, seconds = run_clients(server, bodies, progress)
+    tokens = [counter(s) for s in samples]
+    ttfts = [s.ttft for s in samples]
+    return {
+        "clients": clients,
+        "requests": len(samples),
+        "completion_tokens": sum(tokens),
+        "seconds": seconds,
+        "tokens_per_second": sum(tokens) / seconds,
+        **{key: float(np.percentile(ttfts, q)) for key, q in zip(TTFT_KEYS, (50, 95))},
+        "ended_before_max_tokens": sum(t < cli.max_tokens for t in tokens),
+        "ttft_seconds": ttfts,
+        "first_answer": samples[0].text,  # the same from both servers, where they agree
+    }
+
+
+def measure(cli, name: str, folder: Path) -> dict:
+    """Start one server (its log in folder), warm it up with one request, measure each client
+    count, and stop it."""
+    port = free_port()
+    argv = command(cli, name, port)
+    print(f"starting {NAMES[name]}: {shlex.join(map(str, argv[1:]))}", flush=True)
+    counter = TokenCounter(cli.gguf, cli.max_tokens)
+    levels = []
+    with ServerProcess(NAMES[name], argv, port, folder / f"{name}.log") as server:
+        run_clients(server, [[body(name, WARM_UP, cli.max_tokens)]])
+        total = sum(cli.clients) * cli.requests
+        with tqdm(total=total, desc=f"{NAMES[name]} requests", disable=None) as progress:
+            for clients in cli.clients:
+                levels.append(level(server, name, clients, cli, counter, progress))
+                progress.write(summary(NAMES[name], levels[-1]))
+    return {"command": shlex.join(map(str, argv)), "levels": levels}
+
+
+def plural(n: int, what: str) -> str:
+    """ "1 client", "4 clients"."""
+    return f"{n} {what}{'s' * (n != 1)}"
+
+
+def summary(name: str, said: dict) -> str:
+    """One line on one client count's results."""
+    return (
+        f"{name}, {plural(said['clients'], 'client')}: {said['tokens_per_second']:.1f} tokens/s, "
+        f"time to first token p50 {said['ttft_p50_seconds']:.3f} s, "
+        f"p95 {said['ttft_p95_seconds']:.3f} s"
+    )
+
+
+def ratios(results: dict) -> list[dict]:
+    """Ours over llama-cpp-python's at each client count: tokens/s (higher is better for ours),
+    time to first token p50 and p95 (lower is better for ours)."""
+    if set(results) != set(SERVERS):
+        return []
+    keys = ("tokens_per_second", *TTFT_KEYS)
+    return [
+        {"clients": ours["clients"], **{key: ours[key] / theirs[key] for key in keys}}
+        for ours, theirs in zip(results["ours"]["levels"], results["llama_cpp"]["levels"])
+    ]
+
+
+def markdown(cli, results: dict, compared: list[dict], load: float) -> str:
+    """The results as a Markdown table (a row per client count), with what was run and on what."""
+    machine = common.machine_info("cpu")
+    headers = ["clients"]
+    for name in results:
+        headers += [f"{NAMES[name]} {x}" for x in ("tokens/s", "TTFT p50 (s)", "TTFT p95 (s)")]
+    if compared:
+        headers += [f"ours / theirs: {x}" for x in ("tokens/s", "TTFT p50", "TTFT p95")]
+    rows = []
+    for i, clients in enumerate(cli.clients):
+        row = [str(clients)]
+        for result in results.values():
+            said = result["levels"][i]
+            row += [f"{said['tokens_per_second']:.1f}"]
+            row += [f"{said[k]:.3f}" for k in ("ttft_p50_seconds", "ttft_p95_seconds")]
+        if compared:
+            ratio = compared[i]
+            row += [f"{ratio[k]:.2f}x" for k in ("tokens_per_second", *TTFT_KEYS)]
+        rows.append(row)
+    options = " ".join(f"{flag} {value}" for flag, (value, _) in LLAMA_CPP_OPTIONS.items())
+    theirs = (
+        f" llama_cpp.server: {plural(cli.threads, 'thread')}, n_ctx {cli.n_ctx}, {options}, "
+        "repeat_penalty 1.0."
+        if "llama_cpp" in results
+        else ""
+    )
+    lines = [
+        f"# Serving: {' against '.join(NAMES[name] for name in results)}",
+        "",
+        f"`{cli.gguf.name}`; {plural(cli.requests, 'streamed chat request')} per client, one after "
+        f"another, max_tokens {cli.max_tokens}, temperature 0; {machine['cpu']}, "
+        f"{machine['cpu_cores']} cores, load average {load:.2f} before and "
+        f"{machine['load_average_1min']:.2f} after.{theirs}",
+        "",
+        "| " + " | ".join(headers) + " |",
+        "| " + " | ".join(["---:"] * len(headers)) + " |",
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+        *(f"- `{result['command']}`" for result in results.values()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@common.one_writer
+def main(argv: list[str]) -> int:
+    cli = parse_args(argv)
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="picollama-bench-serve-") as folder:
+        results = {name: measure(cli, name, Path(folder)) for name in cli.servers}
+    compared = ratios(results)
+    table = markdown(cli, results, compared, load)
+    print(table)
+    payload = {
+        "gguf": str(cli.gguf),
+        "load_average_1min_before": load,
+        "clients": cli.clients,
+        "requests_per_client": cli.requests,
+        "max_tokens": cli.max_tokens,
+        "prompts": PROMPTS,
+        "llama_cpp_threads": cli.threads,
+        "llama_cpp_n_ctx": cli.n_ctx,
+        "llama_cpp_options": {
+            flag: dict(value=v, why=why) for flag, (v, why) in LLAMA_CPP_OPTIONS.items()
+        },
+        "llama_cpp_body": LLAMA_CPP_BODY,
+        "llama_cpp_extra_buffer_types": "off (an AMX CPU)" if has_amx() else "on (its default)",
+        "results": results,
+        "ours_over_llama_cpp": compared,
+    }
+    table_path = cli.out.with_suffix(".md")
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output(table_path) as md:  # the table and the JSON, both or neither
+        md.write_text(table)
+        common.write_results(cli, payload)
+    print(f"the table: {table_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_command(main))

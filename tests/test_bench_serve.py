@@ -1,0 +1,64 @@
+"""The serving benchmark's --smoke: our server and llama-cpp-python's on the SmolLM2 file, one
+client, four tokens each; bad input is one error line before any server starts."""
+
+import json
+import os
+import tempfile
+
+import pytest
+
+from picollama.command import run_command
+from picollama.lab.bench import common
+from picollama.lab.bench.serve import parse_args
+
+SMOLLM2 = os.environ.get("PICOLLAMA_SMOLLM2_GGUF")
+
+
+@pytest.mark.skipif(not SMOLLM2, reason="set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file")
+def test_smoke_run_measures_both_servers_on_the_same_file(tmp_path, bench_main, capsys, llama_cpp):
+    out = tmp_path / "serve.json"
+    code = run_command(bench_main("serve"), ["--smoke", "--gguf", SMOLLM2, "--out", str(out)])
+    said = capsys.readouterr()
+    assert code == 0, said.err
+    assert f"results written to {out}" in said.out and str(out.with_suffix(".md")) in said.out
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "serve" and result["max_tokens"] == 4
+    ours, theirs = (result["results"][name]["levels"] for name in ("ours", "llama_cpp"))
+    for (level,) in (ours, theirs):
+        assert level["clients"] == 1 and level["completion_tokens"] == 4
+        assert 0 < level["ttft_p50_seconds"] <= level["seconds"]
+        assert level["tokens_per_second"] == pytest.approx(4 / level["seconds"])
+    # greedy on the same weights: the same words from both servers
+    assert ours[0]["first_answer"] == theirs[0]["first_answer"] != ""
+    (ratio,) = result["ours_over_llama_cpp"]
+    speeds = ours[0]["tokens_per_second"], theirs[0]["tokens_per_second"]
+    assert ratio["tokens_per_second"] == pytest.approx(speeds[0] / speeds[1])
+    table = out.with_suffix(".md").read_text()
+    assert "| 1 |" in table and "llama_cpp.server tokens/s" in table
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gguf", "/no/such/model.gguf"], "--gguf /no/such/model.gguf: not a .gguf file"),
+        (["--servers", "ours,vllm"], "unknown 'vllm' (choose from ours, llama_cpp)"),
+        (["--clients", "1,0"], "'0' is not a positive int"),
+    ],
+)
+def test_bad_input_is_one_error_line(args, message, tmp_path, capsys, bench_main):
+    out = tmp_path / "serve.json"
+    assert run_command(bench_main("serve"), [*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_smoke_output_defaults_to_a_temporary_file(tmp_path, monkeypatch):
+    # --smoke's figures (one request of 4 tokens) must never replace docs/results/serve.json
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "m.gguf").write_bytes(b"")
+    given = ["--gguf", str(tmp_path / "m.gguf"), "--servers", "ours"]
+    assert parse_args(given).out == common.RESULTS_DIR / "serve.json"
+    smoke = parse_args(["--smoke", *given])
+    assert smoke.temporary_out and smoke.out.parent.parent == tmp_path
+    assert (smoke.clients, smoke.requests, smoke.max_tokens) == ([1], 1, 4)
