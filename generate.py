@@ -119,10 +119,10 @@ def batch_prompts(
         )
     total = max(map(len, encoded)) + sampling.max_new_tokens
     fit_length(model, args, total, sinks)
-    cached = total if sinks is None else min(total, sinks.window_of(model.args))
+    window = None if sinks is None else sinks.window_of(model.args)
     rows = len(encoded) * args.num_samples
-    shortest = min(min(map(len, encoded)), cached)
-    check_memory(model, rows, (shortest, cached), sampling.temperature > 0, free)
+    shortest = min(map(len, encoded))
+    check_memory(model, rows, (shortest, total), sampling.temperature > 0, free, window)
     return [prompt for prompt in encoded for _ in range(args.num_samples)]
 
 

@@ -59,6 +59,8 @@ BELOW_ONE = {
     "optim.muon_momentum",
     "optim.decay_fraction",
 }  # and not negative
+# paths: an empty one would be the current directory (training into it, reading data from it)
+PATH_KEYS = {"data.dir", "data.source", "train.out_dir", "train.init_from"}
 TEXT_KEYS = {"train.sample_prompt"}  # text for the tokenizer: UTF-8 only (paths may be any bytes)
 CHOICES = {
     "data.task": ("text", "retrieval"),
@@ -73,6 +75,8 @@ def range_problem(key: str, value) -> str | None:
     """What a value of the right type fails to be, or None."""
     if isinstance(value, float) and not math.isfinite(value):
         return "finite"
+    if key in PATH_KEYS and not value.strip():
+        return "a path (empty is not one)"
     if key in POSITIVE and value <= 0:
         return "positive"
     if key in NOT_NEGATIVE and value < 0:

@@ -3,13 +3,16 @@ int4_linear), and this CPU's vector ISA class (cpu_isa), which keys what is buil
 
 import functools
 import hashlib
+import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from picollama import REPO_ROOT
 from picollama.device import cpu_flags
+from picollama.outputs import exclusive
 
 ISA_FLAGS = (
     ("amx", "amx_tile"),
@@ -31,21 +34,38 @@ def decode_ops():
     folder = REPO_ROOT / ".cache" / "extensions" / key
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        load_inline(
-            "picollama_decode_ops",
-            cpp_sources=source,
-            is_python_module=False,
-            build_directory=str(folder),
-            # -fopenmp: at::parallel_for is inlined here, and without it runs on one thread
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
+        with build_lock(folder):
+            load_inline(
+                "picollama_decode_ops",
+                cpp_sources=source,
+                is_python_module=False,
+                build_directory=str(folder),
+                # -fopenmp: at::parallel_for is inlined here, and without it runs on one thread
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+            )
     except Exception as e:  # a missing or failing compiler: SDPA still works
         warnings.warn(f"decode_ops.cpp not built ({e}); attending with SDPA", stacklevel=2)
         return None
     torch.library.register_fake("picollama::decode_attention")(_attention_shape)
     torch.library.register_fake("picollama::int4_linear")(_int4_shape)
     return torch.ops.picollama
+
+
+@contextmanager
+def build_lock(folder: Path):
+    """One build in `folder` at a time, by a lock the OS releases when its holder dies
+    (outputs.exclusive: a second build waits, saying for whom). torch's own lock, the file `lock`
+    it creates there and removes when done, stays behind when its build is killed, and every later
+    build would wait for it forever: under ours, no build is running, so one found is removed
+    (said in one line, with exclusive's line naming the killed holder where it knows one)."""
+    with exclusive(folder, wait=True) as gone:
+        baton = folder / "lock"
+        if baton.exists():
+            baton.unlink(missing_ok=True)
+            if gone is None:
+                print(f"note: removed {baton}, left by a build that was killed", file=sys.stderr)
+        yield
 
 
 def _attention_shape(q, k, v, length, k_scale=None, v_scale=None):

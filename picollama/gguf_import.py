@@ -2,6 +2,7 @@
 picollama.convert from-gguf`): weights dequantized tensor by tensor, hyperparameters, tokenizer."""
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from data.tokenizer import TOKENIZER_CONFIG
 from model import ModelArgs, rope_frequencies
 from picollama.cli import UserError
+from picollama.model_args import checked_model_args
 from picollama.outputs import atomic_output
 from picollama.run_files import model_from_state_dict, save_model
 
@@ -26,6 +28,20 @@ LAYER_TENSORS = {
     "ffn_up": "feed_forward.w3",
     "attn_norm": "attention_norm",
     "ffn_norm": "ffn_norm",
+}
+# ModelArgs' keys -> the GGUF metadata they are read from (what a refusal names)
+GGUF_KEYS = {
+    "dim": "llama.embedding_length",
+    "n_layers": "llama.block_count",
+    "n_heads": "llama.attention.head_count",
+    "n_kv_heads": "llama.attention.head_count_kv",
+    "vocab_size": "llama.vocab_size",
+    "ffn_hidden_dim": "llama.feed_forward_length",
+    "norm_eps": "llama.attention.layer_norm_rms_epsilon",
+    "rope_theta": "llama.rope.freq_base",
+    "max_seq_len": "llama.context_length",
+    "rope_factor": "llama.rope.scaling.factor",
+    "rope_original_max_seq_len": "llama.rope.scaling.original_context_length",
 }
 # Metadata (after "llama.") that changes the computation in ways picollama does not implement
 UNSUPPORTED_KEYS = (
@@ -56,21 +72,49 @@ class Metadata:
         self.reader, self.path = reader, path
 
     def get(self, key: str, kind=None, default=None):
+        """The value of `key` (default where absent), of type `kind` if given (an int passes as a
+        float, a bool never as an int); UserError naming the key otherwise."""
         field = self.reader.fields.get(key)
         if field is None:
             return default
         value = field.contents()
-        if kind is float and isinstance(value, int):
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if kind is not None and not isinstance(value, kind):
-            raise UserError(f"{self.path}: metadata {key} is {value!r}, not a {kind.__name__}")
+        if kind is not None and (
+            not isinstance(value, kind) or (kind is int and isinstance(value, bool))
+        ):
+            raise UserError(f"{self.path}: metadata {key} is {shown(value)}, not a {kind.__name__}")
         return value
+
+    def items(self, key: str, kind) -> list | None:
+        """The list `key` holds (None where absent), every item of type `kind` (an int passes as
+        a float, a bool as neither); UserError naming the key and the first item that is not."""
+        values = self.get(key, list)
+        if values is None:
+            return None
+        allowed = (int, float) if kind is float else kind
+        for i, value in enumerate(values):
+            if not isinstance(value, allowed) or isinstance(value, bool):
+                raise UserError(
+                    f"{self.path}: metadata {key} must be a list of {ITEMS[kind]}, but item {i} is "
+                    f"{shown(value)}"
+                )
+        return values
 
     def need(self, key: str, kind):
         value = self.get(key, kind)
         if value is None:
             raise UserError(f"{self.path}: metadata {key} is missing")
         return value
+
+
+ITEMS = {str: "strings", int: "integers", float: "numbers"}  # what a list of each kind holds
+
+
+def shown(value) -> str:
+    """A value as a message shows it: its repr, shortened."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def open_gguf(path: Path):
@@ -95,45 +139,53 @@ def open_gguf(path: Path):
 
 
 def model_args(meta: Metadata, reader) -> ModelArgs:
-    """ModelArgs of a llama GGUF; UserError naming what picollama does not implement."""
+    """ModelArgs of a llama GGUF, through the gate every model's values pass (checked): UserError
+    naming the GGUF key and value out of range, or what picollama does not implement."""
     arch = meta.need("general.architecture", str)
     if arch != "llama":
         raise UserError(f"{meta.path}: architecture {arch!r} is not supported (only llama)")
     for key in UNSUPPORTED_KEYS:
         if meta.get(f"llama.{key}") is not None:
             raise UserError(f"{meta.path}: llama.{key} is not supported")
-    dim = meta.need("llama.embedding_length", int)
     n_heads = meta.need("llama.attention.head_count", int)
-    head_dim = dim // n_heads
-    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
-        if meta.get(f"llama.{key}", int, head_dim) != head_dim:
-            raise UserError(
-                f"{meta.path}: llama.{key} {meta.get(f'llama.{key}')} is not supported (only the "
-                f"head size, {head_dim})"
-            )
     n_kv = meta.get("llama.attention.head_count_kv", None, n_heads)
     if not isinstance(n_kv, int):  # an array: a different number per layer
         raise UserError(f"{meta.path}: per-layer llama.attention.head_count_kv is not supported")
     embeddings = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embeddings is None:
         raise UserError(f"{meta.path}: tensor token_embd.weight is missing")
-    vocab = meta.get("llama.vocab_size", int) or int(embeddings.shape[1])
+    vocab = meta.get("llama.vocab_size", int)
     args = dict(
-        dim=dim,
+        dim=meta.need("llama.embedding_length", int),
         n_layers=meta.need("llama.block_count", int),
         n_heads=n_heads,
         n_kv_heads=n_kv,
-        vocab_size=vocab,
+        vocab_size=int(embeddings.shape[1]) if vocab is None else vocab,
         ffn_hidden_dim=meta.need("llama.feed_forward_length", int),
         norm_eps=meta.get("llama.attention.layer_norm_rms_epsilon", float, 1e-5),
         rope_theta=meta.get("llama.rope.freq_base", float, 10000.0),
         max_seq_len=meta.get("llama.context_length", int, 2048),
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
     )
+    checked(meta, args)  # before anything computes with them (a head count of 0 divides)
+    args = checked(meta, args | rope_args(meta, reader, args))
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        if meta.get(f"llama.{key}", int, args.head_dim) != args.head_dim:
+            raise UserError(
+                f"{meta.path}: llama.{key} {meta.get(f'llama.{key}')} is not supported (only the "
+                f"head size, {args.head_dim})"
+            )
+    return args
+
+
+def checked(meta: Metadata, values: dict) -> ModelArgs:
+    """model_args.checked_model_args(**values), the range and relation checks of config.json,
+    from-hf and the flags; UserError in its words, each ModelArgs key named as the GGUF's."""
     try:
-        return ModelArgs(**args, **rope_args(meta, reader, args))
+        return checked_model_args(**values)
     except ValueError as e:
-        raise UserError(f"{meta.path}: {e}") from None
+        said = re.sub(r"\b\w+\b", lambda m: GGUF_KEYS.get(m[0], m[0]), str(e))
+        raise UserError(f"{meta.path}: metadata {said}") from None
 
 
 def rope_args(meta: Metadata, reader, args: dict) -> dict:
@@ -164,6 +216,8 @@ def rope_args(meta: Metadata, reader, args: dict) -> dict:
 def scaling_of_divisors(meta: Metadata, divisors: np.ndarray, args: dict) -> dict:
     """Linear or llama3 scaling (Llama 3.1's frequency factors 1 and 4) matching rope_freqs."""
     factor = float(divisors.max())
+    if not np.isfinite(divisors).all() or factor < 1:  # no scaling divides by less than 1
+        raise UserError(f"{meta.path}: its rope_freqs tensor holds divisors below 1 or not finite")
     candidates = [dict(rope_scaling="linear", rope_factor=factor)]
     for original in (8192, 4096, 2048, 16384, args["max_seq_len"] // max(round(factor), 1)):
         candidates.append(
@@ -248,7 +302,7 @@ def write_tokenizer(meta: Metadata, path: Path, folder: Path, vocab_size: int) -
     `llama` vocabulary, a tokenizer.json for a `gpt2` (byte-level BPE) one, and its config
     (tokenizer_config.json: special tokens, add_bos_token, the chat template)."""
     model = meta.get("tokenizer.ggml.model", str)
-    tokens = meta.get("tokenizer.ggml.tokens", list)
+    tokens = meta.items("tokenizer.ggml.tokens", str)
     if model not in ("llama", "gpt2") or tokens is None:
         raise UserError(f"{path}: tokenizer {model!r} is not supported (llama and gpt2 are)")
     if len(tokens) > vocab_size:
@@ -284,8 +338,14 @@ def sentencepiece_proto(meta: Metadata, tokens: list[str], config: dict) -> byte
     fallback where it has byte tokens."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
-    scores = meta.get("tokenizer.ggml.scores", list) or [0.0] * len(tokens)
-    types = meta.get("tokenizer.ggml.token_type", list) or [1] * len(tokens)
+    scores = meta.items("tokenizer.ggml.scores", float) or [0.0] * len(tokens)
+    types = meta.items("tokenizer.ggml.token_type", int) or [1] * len(tokens)
+    for key, values in (("scores", scores), ("token_type", types)):
+        if len(values) != len(tokens):
+            raise UserError(
+                f"{meta.path}: metadata tokenizer.ggml.{key} has {len(values)} items, "
+                f"tokenizer.ggml.tokens {len(tokens)}"
+            )
     proto = pb.ModelProto()
     for piece, score, kind in zip(tokens, scores, types):
         proto.pieces.add(piece=piece, score=float(score), type=int(kind))

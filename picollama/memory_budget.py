@@ -4,6 +4,10 @@ from model import Transformer
 from picollama.cli import UserError
 from picollama.device import gib
 
+# what each new token of a row costs beside its key, value and id: the sample returned holds it as
+# a Python int (a 32-byte object and the list's 8-byte pointer) and as decoded text
+SAMPLE_BYTES = 48
+
 
 def bytes_per_token(model: Transformer) -> int:
     """What each token of a batch holds while it is sampled: its keys and values in every layer,
@@ -31,20 +35,35 @@ def prompt_file_limit(model: Transformer, tokenizer, free: int | None) -> int | 
     return max(free, 0) // bytes_per_token(model) * longest
 
 
-def check_memory(model: Transformer, rows: int, lengths: tuple[int, int], sampled: bool, free):
+def check_memory(
+    model: Transformer,
+    rows: int,
+    lengths: tuple[int, int],
+    sampled: bool,
+    free,
+    window: int | None = None,
+):
     """UserError, before anything is allocated, when `rows` rows of prompts (shortest, longest +
-    new tokens) = `lengths` cannot fit in `free` bytes: at least their KV cache and token ids, the
-    first step's logits over the shortest prompt (alive while the second step's are made), and
-    where `sampled` (a temperature above 0) the float32 logits and probabilities of a step."""
+    new tokens) = `lengths` cannot fit in `free` bytes: at least their KV cache (with attention
+    sinks, of `window` tokens at most), every token's id, each row's new tokens as the sample
+    returned (SAMPLE_BYTES), the first step's logits over the shortest prompt (alive while the
+    second step's are made), and where `sampled` (a temperature above 0) the float32 logits and
+    probabilities of a step. Every buffer that grows with a flag is counted: a window bounds the
+    KV cache, not the tokens sampled."""
     if free is None:
         return
     shortest, total = lengths
+    cached = total if window is None else min(total, window)
     size = model.tok_embeddings.weight.element_size()
-    logits = rows * model.args.vocab_size * ((shortest + 1) * size + (8 if sampled else 0))
-    needed = rows * total * bytes_per_token(model) + logits
+    first = min(shortest, cached)
+    logits = rows * model.args.vocab_size * ((first + 1) * size + (8 if sampled else 0))
+    kv = cached * (bytes_per_token(model) - 8)
+    needed = rows * (kv + total * 8 + (total - shortest) * SAMPLE_BYTES) + logits
     if needed > free:
+        cache = f"KV cache ({cached:,} tokens: --window)" if cached < total else "KV cache"
         raise UserError(
-            f"{rows:,} rows of up to {total:,} tokens need at least {gib(needed)} for their KV "
-            f"cache and logits, but {gib(free)} of memory is left beside the weights: lower "
-            "--num-samples or --max-new-tokens, or give fewer prompts"
+            f"{rows:,} row{'s' * (rows != 1)} of up to {total:,} tokens need at least "
+            f"{gib(needed)} for their "
+            f"{cache}, token ids and logits, but {gib(free)} of memory is left beside the weights: "
+            "lower --num-samples or --max-new-tokens, or give fewer prompts"
         )

@@ -2,11 +2,15 @@
 
 import errno
 import fcntl
+import glob
+import json
 import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -46,6 +50,7 @@ def atomic_output(path, needed: int | None = None):
     target = resolved(path)
     if needed is not None:
         check_free_space(target, needed)
+    remove_leftovers(target)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     remove(tmp)
     try:
@@ -152,8 +157,34 @@ def check_writable(path, inputs=(), directory: bool = False):
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-# what an interrupted atomic_output or replace leaves in a folder: .NAME.tmp-PID, .NAME.old-PID
-LEFTOVER = r"\..+\.(tmp|old)-\d+"
+# what an interrupted atomic_output or replace leaves in a folder (.NAME.tmp-PID, .NAME.old-PID),
+# and a killed writer's lock file (.NAME.lock)
+LEFTOVER = r"\..+\.(tmp|old)-\d+|\..+\.lock"
+
+
+def pid_gone(pid: int) -> bool:
+    """Whether no process has the id `pid` (one of another user's is there: not gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def remove_leftovers(target: Path):
+    """Remove what atomic_output and replace left of `target` when killed (.NAME.tmp-PID and
+    .NAME.old-PID of a process that is gone): a SIGKILL leaves no temporary behind for good."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(tmp|old)-(\d+)")
+    try:
+        entries = list(target.parent.glob(f".{glob.escape(target.name)}.*-*"))
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match and int(match[2]) > 0 and pid_gone(int(match[2])):
+            remove(entry)
 
 
 def check_replaceable(folder: Path, files: str, folders: str = "", marks=(), what: str = ""):
@@ -178,6 +209,44 @@ def check_replaceable(folder: Path, files: str, folders: str = "", marks=(), wha
     )
 
 
+WAIT_SAID = 2.0  # seconds a wait for a lock (exclusive's `wait`) goes on before it is said
+RESULT_BYTES = 1 << 26  # a result file picollama writes is smaller: a larger file is not one
+
+
+def json_object(path: Path) -> dict | None:
+    """The JSON object file `path` holds, or None where it holds something else (or is huge)."""
+    try:
+        if path.stat().st_size > RESULT_BYTES:
+            return None
+        found = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def check_own_result(path, writer: str, writer_of, force: bool = False, flag: str = "--out"):
+    """The ownership rule of a result file (the JSON a command writes): UserError unless `path` is
+    absent, empty, or the result of `writer` (`writer_of(the JSON object)` names the command that
+    wrote one, None for none); with `force`, the result of another picollama command too. Never a
+    file picollama did not write (a README, a user's data), whatever the flags."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return  # absent, or a folder or a device: check_writable's and check_output_kind's
+    found = json_object(path)
+    found = writer_of(found) if found is not None else None
+    if found == writer or (force and found is not None):
+        return
+    if found is None:
+        raise UserError(
+            f"not replacing {path}: it is not a result of {writer}, so picollama did not write "
+            f"it; choose another {flag}"
+        )
+    raise UserError(
+        f"not replacing {path}: it holds the results of {found}, not of {writer}; pass --force "
+        f"to replace it, or choose another {flag}"
+    )
+
+
 def listed(names: list[str], most: int = 3) -> str:
     """'a', 'a and b', 'a, b and c', 'a, b, c and 2 more'."""
     shown = names[:most] if len(names) <= most else [*names[:most], f"{len(names) - most} more"]
@@ -192,14 +261,43 @@ def resolved(path) -> Path:
 
 
 @contextmanager
-def exclusive(path):
-    """Hold the one-writer lock of `path` (a run or dataset directory) for the block: an advisory
-    fcntl.flock on the lock file .NAME.lock beside it, which records the holder's pid and which the
-    OS releases on any exit, even SIGKILL. UserError, naming that pid, when another process holds
-    it. Folders made for the lock file are removed again if left empty."""
+def exclusive(path, wait: bool = False):
+    """Hold the one-writer lock of `path` (an output: a run, a dataset, a report) for the block: an
+    advisory fcntl.flock on the lock file .NAME.lock beside it, which records the holder's pid and
+    which the OS releases on any exit, even SIGKILL. When another process holds it: a UserError
+    naming its pid, or with `wait` a wait for it (said in one line). A lock file left by a process
+    that is gone is taken over, said in one line. Yields that process's pid (None if there was
+    none). Folders made for the lock file are removed again if left empty."""
     path = resolved(path)
     lock_path = path.parent / f".{path.name}.lock"
     made = [p for p in path.parents if not p.exists()]
+    fd = locked(path, lock_path, wait)
+    try:
+        previous = os.read(fd, 64).decode(errors="replace").strip()
+        gone = int(previous) if previous.isdigit() and int(previous) != os.getpid() else None
+        if gone is not None:
+            print(
+                f"note: took over the lock of {path} left by pid {gone}, which ended without "
+                "releasing it (killed?)",
+                file=sys.stderr,
+            )
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield gone
+    finally:
+        lock_path.unlink(missing_ok=True)  # before unlocking: no one locks a file that is going
+        os.close(fd)
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def locked(path: Path, lock_path: Path, wait: bool) -> int:
+    """A descriptor of lock_path, flock-ed exclusively (exclusive's lock): UserError naming the
+    holder when another process holds it, unless `wait` (said after WAIT_SAID seconds)."""
+    waited = time.monotonic()
     while True:
         try:
             lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,27 +309,21 @@ def exclusive(path):
         except BlockingIOError:
             holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise UserError(
-                f"{path} is in use by another process (pid {holder}, lock file {lock_path}); wait "
-                "for it to end"
-            ) from None
+            if not wait:
+                raise UserError(
+                    f"{path} is in use by another process (pid {holder}, lock file {lock_path}); "
+                    "wait for it to end"
+                ) from None
+            if waited is not None and time.monotonic() - waited > WAIT_SAID:
+                print(f"waiting for pid {holder}, which is writing {path}", file=sys.stderr)
+                waited = None
+            time.sleep(0.1)
+            continue
         # the file may have been removed by its last holder between our open and our lock: lock
         # the new one
         try:
             if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
-                break
+                return fd
         except FileNotFoundError:
             pass
         os.close(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        yield
-    finally:
-        lock_path.unlink(missing_ok=True)  # before unlocking: no one locks a file that is going
-        os.close(fd)
-        for folder in made:
-            try:
-                folder.rmdir()
-            except OSError:
-                break

@@ -150,14 +150,14 @@ def test_more_samples_than_memory_holds_are_refused_with_the_estimate(run_dir, c
     assert "lower --num-samples or --max-new-tokens" in err
     assert sample_text(run_dir, capsys, "--num-samples", "3")[0] == 0  # what fits still runs
     # 4 MiB beside the weights: 400 rows of 11 tokens fit (1.1 MiB of float32 KV cache and ids,
-    # 2 MiB of logits), 800 do not
+    # 0.15 MiB of samples, 2 MiB of logits), 800 do not
     model, _ = load_model(run_dir)
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     monkeypatch.setattr(generate, "memory_bytes", lambda device: weights + 4 * 2**20)
     flags = ["--dtype", "float32", "--temperature", "0"]
     assert sample_text(run_dir, capsys, "--num-samples", "400", *flags)[0] == 0
     status, _, err = sample_text(run_dir, capsys, "--num-samples", "800", *flags)
-    assert status == 2 and "800 rows of up to 11 tokens need at least 6.1 MiB" in one_error_line(
+    assert status == 2 and "800 rows of up to 11 tokens need at least 6.4 MiB" in one_error_line(
         err
     )
 

@@ -1,6 +1,6 @@
 """What an extrapolation will cost, known before it starts: refuse one that cannot fit or finish."""
 
-import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -9,14 +9,18 @@ import torch
 from model import Transformer
 from picollama.cli import UserError
 from picollama.device import memory_bytes
+from picollama.lab.interruptible import interruptible
+from picollama.length import WINDOWED, stretched, uses_rope
 from picollama.metrics import flops_per_token
 
 BLOCK_TOKENS = 8192  # the tokens of one forward (rows × length) where rows are shorter
 HEAD_CHUNK = 2048  # the positions whose logits are made at once when scoring a sequence
-CALIBRATION_FLOPS = 1e10  # the forward timed for the rate: a fraction of a second on a CPU
-# ... and at least this many tokens long: a 135M model's 1e10 FLOPs are ~30 tokens, a forward
-# that times Python's overhead, not the model (it once estimated 66 h for a 1 h evaluation)
-CALIBRATION_TOKENS = 512
+# the forward that times a model and method: the first of doubling lengths that takes this long,
+# long enough to time the model rather than Python and the allocator (a forward of 1e10 FLOPs
+# timed instead once swung one evaluation's estimate from 31 min to 20 h, and was 5x short)
+CALIBRATION_SECONDS = 0.25
+CALIBRATION_TOKENS = 512  # the first length timed
+CALIBRATION_TIMES = 3  # times the last length is timed: their median
 
 
 @dataclass
@@ -98,43 +102,86 @@ def synchronize(device: torch.device):
         torch.mps.synchronize()
 
 
-def measured_rate(model: Transformer, longest: int, device) -> float:
-    """The FLOP/s of `model` on `device`: the faster of two timed forwards (the first also warms
-    up) of about CALIBRATION_FLOPS and at least CALIBRATION_TOKENS tokens, in rows as long as
-    `longest` where one such row costs less (attention's share of the FLOPs, and its speed, grow
-    with the length)."""
-    per_token = flops_per_token(model, longest) / 3
-    length = min(longest, max(CALIBRATION_TOKENS, int(CALIBRATION_FLOPS / per_token)))
-    rows = block_rows(length, max(1, int(CALIBRATION_FLOPS / (per_token * length))))
-    tokens = torch.zeros(rows, length, dtype=torch.long, device=device)
-    seconds = math.inf
+def model_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """A forward as the retrieval track runs one (interruptible: in a worker thread)."""
+    return interruptible(model, tokens)
+
+
+def timed(model: Transformer, length: int, device, forward, times: int = 1) -> float:
+    """The median seconds of `times` one-row evaluations of `length` tokens by forward(model,
+    tokens), what the evaluation runs (scoring included)."""
+    tokens = torch.zeros(1, length, dtype=torch.long, device=device)
+    samples = []
     with torch.inference_mode():
-        for _ in range(2):
+        for _ in range(times):
             start = time.perf_counter()
-            model(tokens)
+            forward(model, tokens)
             synchronize(device)
-            seconds = min(seconds, time.perf_counter() - start)
-    return forward_flops(model, rows, length) / max(seconds, 1e-9)
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
-def check_cost(loaded: list, work: list, data_bytes: int, options, device, rows_flags: str):
+def calibration(model: Transformer, longest: int, device, forward) -> tuple[int, float, float]:
+    """(length, its seconds, the first's seconds) of one-row forwards of doubling lengths from
+    CALIBRATION_TOKENS (or `longest`, if shorter) up to the first that takes CALIBRATION_SECONDS
+    (one long enough to time the model, not Python and the allocator), or `longest`: its time the
+    median of CALIBRATION_TIMES (the shorter ones warm up). The first, the shortest and coldest,
+    is what any forward costs beside its FLOPs (Python, the allocator), at least."""
+    length = min(longest, CALIBRATION_TOKENS)
+    first = seconds = timed(model, length, device, forward)
+    while length < longest and seconds < CALIBRATION_SECONDS:
+        length = min(longest, 2 * length)
+        seconds = timed(model, length, device, forward)
+    return length, timed(model, length, device, forward, CALIBRATION_TIMES), first
+
+
+def method_kind(method: str) -> str:
+    """Methods whose forwards cost alike share a kind: each WINDOWED one (two branches, in chunks:
+    7-18x slower a FLOP than one) is its own, the rest are "plain"."""
+    return method if method in WINDOWED else "plain"
+
+
+def run_seconds(model: Transformer, methods: list[str], forwards: list, device, forward) -> float:
+    """The seconds `forwards` (of every method in `methods`, equally) take, timed per method kind
+    (calibration, with the model stretched as for the longest length): each the first length's
+    time (the cost beside the FLOPs) plus its FLOPs at the rate of the length timed last, whose
+    time holds that cost too. Where a forward's time is that cost plus its FLOPs at some rate, it
+    errs long, never short: the guard holds."""
+    longest = max(f.length for f in forwards)
+    base, total = model.args, 0.0
+    kinds = {method_kind(method): method for method in methods}
+    try:
+        for kind, method in kinds.items():
+            model.args = stretched(base, method, longest) if uses_rope(base) else base
+            length, seconds, least = calibration(model, longest, device, forward)
+            rate = forward_flops(model, 1, length) / max(seconds, 1e-9)
+            share = sum(method_kind(m) == kind for m in methods) / len(methods)
+            for f in forwards:
+                total += share * f.count * (least + forward_flops(model, f.rows, f.length) / rate)
+    finally:
+        model.args = base
+    return total
+
+
+def check_cost(
+    loaded: list, work: list, data_bytes: int, options, device, rows_flags: str, forward=None
+):
     """UserError, before any evaluation, when `work` (a list of Forwards per run of `loaded`) with
     its rows (`data_bytes`) cannot fit in memory (check_memory), or would take longer than
-    options.max_minutes at the rate each model runs at here; `rows_flags` name the flags that set
-    the rows."""
+    options.max_minutes at the speed each model and method runs forward(model, tokens) at here
+    (default model_logits; run_seconds: the evaluation's forwards, scoring included); `rows_flags`
+    name the flags that set the rows."""
     check_memory(loaded, work, data_bytes, device, rows_flags)
     seconds, flops = 0.0, 0.0
-    for (model, _), forwards in zip(loaded, work):
-        run_flops = sum(f.count * forward_flops(model, f.rows, f.length) for f in forwards)
-        if run_flops:
-            longest = max(f.length for f in forwards)
-            seconds += run_flops / measured_rate(model, longest, device)
-            flops += run_flops
+    for (model, run), forwards in zip(loaded, work):
+        if forwards:
+            seconds += run_seconds(model, run["methods"], forwards, device, forward or model_logits)
+            flops += sum(f.count * forward_flops(model, f.rows, f.length) for f in forwards)
     if seconds > 60 * options.max_minutes:
         forwards = sum(f.count for run in work for f in run)
         raise UserError(
             f"this evaluation would take about {duration(seconds)} ({forwards:,} forwards, "
-            f"{flops:.1e} FLOPs at the rate measured on {device.type}), over --max-minutes "
+            f"{flops:.1e} FLOPs at the speed measured on {device.type}), over --max-minutes "
             f"{options.max_minutes}; use fewer {rows_flags}, shorter --lengths or fewer --methods, "
             "or raise --max-minutes"
         )

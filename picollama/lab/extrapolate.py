@@ -15,7 +15,13 @@ from picollama.lab.retrieval_track import RETRIEVAL_MULTIPLES, retrieval_study
 from picollama.lab.runs import Options, load_runs
 from picollama.lab.text_track import TEXT_MULTIPLES, text_study
 from picollama.length import ROPE_SCALINGS
-from picollama.outputs import atomic_output, check_writable
+from picollama.outputs import (
+    atomic_output,
+    check_own_result,
+    check_replaceable,
+    check_writable,
+    exclusive,
+)
 
 
 def add_arguments(parser: cli.ArgumentParser):
@@ -69,6 +75,23 @@ def add_arguments(parser: cli.ArgumentParser):
     cli.add_out(parser, "output directory (default RUN/extrapolation; required with several runs)")
 
 
+def check_own_folder(out_dir: Path):
+    """The ownership rule for --out: a folder that is absent, empty or holds only what an
+    evaluation writes (extrapolation.json, .md and .png, the first an evaluation's report), so
+    that one never replaces, or writes beside, files it did not make."""
+    what = "an evaluation writes extrapolation.json, .md and .png into a folder of its own"
+    check_replaceable(out_dir, r"extrapolation\.(json|md|png)", what=what)
+    check_own_result(out_dir / "extrapolation.json", "generate.py extrapolate", written_by)
+
+
+def written_by(report: dict) -> str | None:
+    """Who wrote a report, by the command line it records: "generate.py extrapolate", or None."""
+    command = report.get("command")
+    if isinstance(command, list) and command[1:3] == ["generate.py", "extrapolate"]:
+        return "generate.py extrapolate"
+    return None
+
+
 def write_report(report: dict, markdown: str, plot, out_dir: Path):
     """extrapolation.json, .md and .png in out_dir: all three or none (each is renamed into place
     only once every one has been written)."""
@@ -100,15 +123,17 @@ def extrapolation(runs: list[Path], out: Path | None, options: Options, command:
     device = pick_device(options.device)
     loaded = load_runs(names, options.methods, device, pick_dtype(options.dtype, device))
     out_dir = Path(out) if out else Path(names[0]) / "extrapolation"
-    if loaded[0][1]["task"] == "retrieval":
-        check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
-        report = retrieval_study(loaded, options, command, device)
-        markdown = retrieval_markdown(report)
-        write_report(report, markdown, retrieval_plot, out_dir)
-    else:
-        report = text_study(loaded, options, command, device, out_dir)
-        markdown = markdown_report(report)
-        write_report(report, markdown, plot_report, out_dir)
+    with exclusive(out_dir):  # one evaluation writing a folder at a time
+        check_own_folder(out_dir)
+        if loaded[0][1]["task"] == "retrieval":
+            check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
+            report = retrieval_study(loaded, options, command, device)
+            markdown = retrieval_markdown(report)
+            write_report(report, markdown, retrieval_plot, out_dir)
+        else:
+            report = text_study(loaded, options, command, device, out_dir)
+            markdown = markdown_report(report)
+            write_report(report, markdown, plot_report, out_dir)
     print(markdown)
     print(effective_line(report))
     print(f"wrote {out_dir}/extrapolation.json, .md and .png ({report['seconds']} s)")

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from picollama.cli import UserError
+from picollama.lab.interruptible import interruptible
 
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
@@ -52,7 +53,8 @@ def candidate_scores(model, prefix: torch.Tensor, candidates: list[list[int]]) -
     start = prefix.shape[1]
     model.setup_cache(1, start + max(map(len, candidates)))
     try:
-        first = F.log_softmax(model.head(model.features(prefix, start_pos=0)[:, -1]).float(), -1)
+        features = interruptible(model.features, prefix, start_pos=0)  # minutes at long lengths
+        first = F.log_softmax(model.head(features[:, -1]).float(), -1)
         scores = []
         for tokens in candidates:
             score = first[0, tokens[0]].item()

@@ -11,7 +11,7 @@ from data.retrieval import RetrievalTask
 from model import Transformer
 from picollama.cli import UserError
 from picollama.config import DataConfig
-from picollama.lab.cost import Forwards, check_cost
+from picollama.lab.cost import Forwards, check_cost, model_logits
 from picollama.lab.passkey import THRESHOLD, effective_length
 from picollama.lab.runs import Options, fits, spread
 from picollama.length import stretched
@@ -46,7 +46,7 @@ def retrieval_scores(model: Transformer, batches, device) -> np.ndarray:
     logits."""
     scores = []
     for x, y in batches:
-        logits = model(x.to(device))
+        logits = model_logits(model, x.to(device))
         y = y.to(device)
         mask = y != -100
         hits = (logits.argmax(-1) == y) & mask

@@ -6,12 +6,19 @@ import torch.nn.functional as F
 
 from model import Transformer
 from picollama.lab.cost import HEAD_CHUNK, block_rows
+from picollama.lab.interruptible import interruptible
 
 
 def losses_and_hits(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy in float32 (B, T-1) and top-1 hits (B, T-1) of each of tokens[:, 1:] given
     everything before it. The logits are made HEAD_CHUNK positions at a time: at 32k tokens and
-    a 49k vocabulary they would be 6 GB in float32 at once."""
+    a 49k vocabulary they would be 6 GB in float32 at once. In a worker thread (interruptible):
+    minutes at long lengths, and a signal is answered at once."""
+    return interruptible(scored, model, tokens)
+
+
+def scored(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """losses_and_hits, computed in this thread."""
     h = model.features(tokens[:, :-1])
     targets = tokens[:, 1:]
     losses, hits = [], []

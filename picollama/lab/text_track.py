@@ -343,7 +343,7 @@ def text_rows(loaded: list, options: Options, out_dir: Path, device) -> tuple[Te
     document_windows(data_dir, "val", longest, 1)  # UserError if no document is that long
     work = [text_work(model, run, lengths, distances, options) for model, run in loaded]
     windows = 8 * longest * (options.num_windows + options.probes)  # their int64 token ids
-    check_cost(loaded, work, windows, options, device, "--num-windows or --probes")
+    check_cost(loaded, work, windows, options, device, "--num-windows or --probes", losses_and_hits)
     text = document_windows(data_dir, "val", longest, options.num_windows, seed=seed)
     probe_text = document_windows(data_dir, "val", longest, options.probes, seed=seed + 1)
     if text.max() >= min(model.args.vocab_size for model, _ in loaded):

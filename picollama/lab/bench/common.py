@@ -1,5 +1,7 @@
 """Shared by the benchmarks: flags, configs, our model and the same HF Llama, timing, JSON."""
 
+import contextlib
+import functools
 import json
 import math
 import os
@@ -20,11 +22,12 @@ from picollama.cli import ArgumentParser, UserError, add_device, add_out, comma_
 from picollama.device import cpu_has_bf16, peak_flops, pick_device, pick_dtype
 from picollama.hf_format import hf_config, to_hf_state_dict
 from picollama.model_args import model_args_from_dict
-from picollama.outputs import atomic_output, check_writable
+from picollama.outputs import atomic_output, check_own_result, check_writable, exclusive
 
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
 # model_args("smoke"): --smoke's model
 SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
+HOLDERS = []  # the lock holders (ExitStack) of the one_writer mains running, the latest last
 
 
 def parser(description: str, script: str, models: bool = True) -> ArgumentParser:
@@ -41,6 +44,11 @@ def parser(description: str, script: str, models: bool = True) -> ArgumentParser
     add_out(
         p, f"JSON output path (default docs/results/{script}.json; with --smoke a temporary file)"
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an --out that another benchmark wrote (never a file picollama did not write)",
+    )
     p.set_defaults(benchmark=script, temporary_out=False)
     return p
 
@@ -56,13 +64,40 @@ def add_configs(p: ArgumentParser, default: str):
 
 
 def parse(p: ArgumentParser, argv: list[str]):
-    """The parsed flags, with --out defaulted and checked writable before anything is measured."""
+    """The parsed flags, with --out defaulted and claimed before anything is measured: writable,
+    absent or this benchmark's result (the ownership rule, outputs.check_own_result), and, in a
+    one_writer main, locked against a second benchmark writing it (outputs.exclusive)."""
     args = p.parse_args(argv)
     if args.out is None:
         args.out = default_out(args.benchmark, args.smoke)
         args.temporary_out = args.smoke
     check_writable(args.out)
+    check_own_result(args.out, f"picollama.lab.bench.{args.benchmark}", benchmark_of, args.force)
+    # a memory benchmark's child measures for its parent, which holds the lock
+    if HOLDERS and not getattr(args, "child", None):
+        HOLDERS[-1].enter_context(exclusive(args.out))
     return args
+
+
+def benchmark_of(result: dict) -> str | None:
+    """Which benchmark wrote a result (write_results' JSON): picollama.lab.bench.NAME, or None."""
+    name = result.get("benchmark")
+    return f"picollama.lab.bench.{name}" if isinstance(name, str) and "machine" in result else None
+
+
+def one_writer(main):
+    """A benchmark's main(argv) that holds its --out's lock (taken by parse) until it returns."""
+
+    @functools.wraps(main)
+    def locked(argv):
+        with contextlib.ExitStack() as stack:
+            HOLDERS.append(stack)
+            try:
+                return main(argv)
+            finally:
+                HOLDERS.remove(stack)
+
+    return locked
 
 
 def default_out(script: str, smoke: bool) -> Path:

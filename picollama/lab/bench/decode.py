@@ -343,6 +343,7 @@ def time_ours_again(cli, methods: dict, device, measured: Measured):
         measured.seconds[name] = statistics.median(measured.samples[name])
 
 
+@common.one_writer
 def main(argv: list[str]) -> int:
     cli = parse_args(argv)
     device, dtype = common.setup(cli)

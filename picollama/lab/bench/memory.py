@@ -125,6 +125,7 @@ def parse_args(argv: list[str]):
     return common.parse(p, argv)
 
 
+@common.one_writer
 def main(argv: list[str]) -> int:
     cli = parse_args(argv)
     device, dtype = common.setup(cli)

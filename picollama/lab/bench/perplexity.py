@@ -93,6 +93,7 @@ def timed(work, *args):
     return result, time.perf_counter() - start, time.process_time() - cpu
 
 
+@common.one_writer
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     threads = args.threads or torch.get_num_threads()

@@ -103,6 +103,7 @@ def evaluate(original: Transformer, batches: list, bytes_per_token, device) -> d
     return results
 
 
+@common.one_writer
 def main(argv: list[str]) -> int:
     cli = parse_args(argv)
     device, _ = common.setup(cli)

@@ -38,6 +38,14 @@ SWITCHES = {
 OPTIMIZERS = ("adamw", "muon")  # the table also trains the optimizer that the config does not use
 QUIET = ["--eval.interval=0", "--checkpoint.interval=0", "--train.sample_tokens=0"]
 PROBE_STEPS = 12
+# --smoke: seconds, not minutes (it once trained the config's model 28 times: 5 minutes): the
+# baseline and one switch, a tiny model, SMOKE_STEPS steps each, no probe
+SMOKE_SWITCHES = ["llama", "qk-norm"]
+SMOKE_MODEL = [
+    *("--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--train.batch_size=2"),
+    *("--train.seq_len=32", "--eval.batches=1", "--eval.batch_size=2"),
+]
+SMOKE_STEPS = 3
 
 
 def train(config: str, overrides: list[str], out_dir: Path) -> list[dict]:
@@ -77,23 +85,27 @@ def stability(entries: list[dict]) -> str:
     return "stable"
 
 
-def run_switch(config: str, overrides: list[str], seed: int, budget: float, tmp: Path) -> dict:
+def run_switch(
+    config: str, overrides: list[str], seed: int, budget: float | None, tmp: Path
+) -> dict:
     """Measure the switch's throughput in a short run, then train it for `budget` seconds' worth of
-    steps."""
+    steps (None: SMOKE_STEPS steps, no probe)."""
     cfg, _ = parse_cli(["--config", config, *overrides])
     with torch.device("meta"):
         params = Transformer(cfg.model).num_params()
     seeded = [*overrides, f"--train.seed={seed}"]
-    probe = train(
-        config,
-        [*seeded, f"--train.max_steps={PROBE_STEPS}", "--train.log_interval=1"],
-        tmp / "probe",
-    )
-    rates = [e["tokens_per_s"] for e in probe if "tokens_per_s" in e][2:]  # the first steps warm up
-    if not rates:
-        return {"params": params, "stability": stability(probe)}
-    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
-    steps = max(int(budget * statistics.median(rates) / tokens_per_step), 1)
+    steps = SMOKE_STEPS
+    if budget is not None:
+        probe = train(
+            config,
+            [*seeded, f"--train.max_steps={PROBE_STEPS}", "--train.log_interval=1"],
+            tmp / "probe",
+        )
+        rates = [e["tokens_per_s"] for e in probe if "tokens_per_s" in e][2:]  # warmed up
+        if not rates:
+            return {"params": params, "stability": stability(probe)}
+        tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+        steps = max(int(budget * statistics.median(rates) / tokens_per_step), 1)
     warmup = min(cfg.optim.warmup_steps, steps // 10)
     entries = train(
         config,
@@ -133,7 +145,7 @@ def parse_args(argv: list[str]):
     return common.parse(p, argv)
 
 
-def run_switches(args, switches: dict, names: list[str], budget: float) -> dict:
+def run_switches(args, switches: dict, names: list[str], budget: float | None) -> dict:
     """{switch: its overrides, its run_switch of each seed, their mean and spread of val_bpb}."""
     results = {}
     with (
@@ -168,13 +180,17 @@ def report(results: dict):
     common.print_table(["switch", "params", "tokens/s", "val bits/byte", "training"], rows)
 
 
+@common.one_writer
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg, _ = parse_cli(["--config", args.config])
     other = next(name for name in OPTIMIZERS if name != cfg.optim.name)
     switches = {**SWITCHES, **{name: [f"--optim.name={name}"] for name in OPTIMIZERS}}
     names = [*SWITCHES, other] if args.only is None else args.only
-    budget = 3.0 if args.smoke else args.budget
+    budget = args.budget
+    if args.smoke:
+        names, budget = args.only or SMOKE_SWITCHES, None
+        switches = {name: [*SMOKE_MODEL, *switches[name]] for name in names}
     results = run_switches(args, switches, names, budget)
     report(results)
     common.write_results(

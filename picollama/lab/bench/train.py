@@ -169,6 +169,7 @@ def report(results: list[dict]):
     common.print_table(headers, rows)
 
 
+@common.one_writer
 def main(argv: list[str]) -> int:
     cli = parse_args(argv)
     device, dtype = common.setup(cli)

@@ -1,0 +1,74 @@
+"""Long forwards that Ctrl-C and SIGTERM stop at once: run in a worker thread, the main waits."""
+
+import atexit
+import os
+import signal
+import sys
+import threading
+
+import torch
+
+WAIT_SECONDS = 0.1  # how often the waiting main thread wakes: at most this late to a signal
+
+
+def interruptible(fn, *args, **kwargs):
+    """fn(*args, **kwargs), in a worker thread while this one waits, so that a Ctrl-C or SIGTERM
+    is answered within WAIT_SECONDS even while one torch operation takes minutes (Python runs
+    signal handlers between bytecodes of the main thread only, never inside an operation).
+    Interrupted, the worker is abandoned; the process then ends (exit_abandoned) once the caller's
+    cleanup and its `error:` line are done. The worker computes under the caller's grad and
+    inference modes (they are per thread). Outside the main thread: fn called as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args, **kwargs)
+    done, finished = {}, threading.Event()
+    modes = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def work():
+        try:
+            with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
+                done["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller
+            done["error"] = e
+        finally:
+            finished.set()
+
+    worker = threading.Thread(target=work, name="interruptible forward", daemon=True)
+    received = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def note(signum, frame):
+        received.append(signum)
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, frame)
+        else:  # the default action (or ignored): as if this handler were not there
+            signal.signal(signum, handler)
+            signal.raise_signal(signum)
+
+    for s in previous:
+        signal.signal(s, note)
+    try:
+        worker.start()
+        # not worker.join: interrupted, Python 3.11's join marks a running thread as ended
+        while not finished.wait(WAIT_SECONDS):
+            pass
+    except BaseException:
+        if not finished.is_set():
+            atexit.register(exit_abandoned, finished, 128 + (received or [signal.SIGINT])[0])
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
+
+
+def exit_abandoned(finished: threading.Event, status: int):
+    """At exit, while an abandoned worker still computes (`finished` unset): end the process now,
+    with `status`. A normal exit would destroy torch's thread pools under the running operation,
+    and abort."""
+    if not finished.is_set():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
