@@ -92,9 +92,10 @@ def fast_step(
     return step
 
 
-def summary(args, model, prompts, outputs, seconds: float, device, dtype) -> str:
-    """The closing line: tokens, speed, and what ran them."""
-    new_tokens = sum(map(len, outputs))
+def summary(args, model, prompts, outputs: list[int], seconds: float, device, dtype) -> str:
+    """The closing line: tokens (`outputs`: each row's new tokens' count), speed, and what ran
+    them."""
+    new_tokens = sum(outputs)
     weights = ", int8 weights" if args.quantize == "int8" else ""
     rope = model.args.rope_scaling
     rope = f", rope {rope}" if rope != "none" else ""
@@ -122,7 +123,9 @@ def batch_prompts(
     window = None if sinks is None else sinks.window_of(model.args)
     rows = len(encoded) * args.num_samples
     shortest = min(map(len, encoded))
-    check_memory(model, rows, (shortest, total), sampling.temperature > 0, free, window)
+    sampled, longest = sampling.temperature > 0, max(map(len, encoded))
+    # print_samples streams one row, keeping none of it; several are kept to be printed at the end
+    check_memory(model, rows, (shortest, total), sampled, free, window, longest, kept=rows > 1)
     return [prompt for prompt in encoded for _ in range(args.num_samples)]
 
 

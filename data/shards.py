@@ -6,9 +6,25 @@ from pathlib import Path
 import numpy as np
 
 from data.tokenizer import prompt_start
+from picollama.cli import UserError
 
 # documents are encoded in pieces cut after a newline: ~25% faster than 8k pieces
 ENCODE_PIECE_CHARS = 1 << 10
+# the most shard files a dataset may have (each with its .docs.npy): `--shard-tokens 1` once wrote
+# 90,000 files of Shakespeare without a word
+MAX_SHARDS = 10_000
+
+
+def check_shard_count(tokens: int, shard_tokens: int, split: str = ""):
+    """UserError when `tokens` (about; of `split`, or of both) in shards of shard_tokens would make
+    more than MAX_SHARDS shard files: said before the first is written, and again by ShardWriter."""
+    shards = -(-tokens // shard_tokens)
+    if shards > MAX_SHARDS:
+        what = f"about {tokens:,} tokens" + (f" of {split}" if split else "")
+        raise UserError(
+            f"--shard-tokens {shard_tokens} would make {shards:,} shard files ({what}); at most "
+            f"{MAX_SHARDS:,}: give --shard-tokens {-(-tokens // MAX_SHARDS)} or more"
+        )
 
 
 def shard_name(split: str, index: int) -> str:
@@ -169,6 +185,7 @@ class ShardWriter:
             index, used = divmod(self.tokens, self.shard_tokens)
             chunk = ids[written : written + self.shard_tokens - used]
             if self.file_index != index:
+                check_shard_count(self.tokens + len(ids) - written, self.shard_tokens, self.split)
                 self.close()
                 self.file = open(self.folder / shard_name(self.split, index), "ab")
                 self.file_index = index

@@ -19,7 +19,16 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{message} (see --help)")
 
+    def add_argument(self, *args, **kwargs):
+        """argparse's add_argument; a flag that sets one value is refused when given twice with
+        different values (argparse kept the last: `--run A --run B` read B)."""
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings and not isinstance(action, REPEATABLE):
+            action.__class__ = given_once(type(action))
+        return action
+
     def parse_known_args(self, args=None, namespace=None):
+        self.given = {}  # dest: (flag, value), what this command line set
         namespace, rest = super().parse_known_args(args, namespace)
         missing = [
             flag
@@ -29,6 +38,48 @@ class ArgumentParser(argparse.ArgumentParser):
         if missing:  # checked here, not by argparse, so that a flag's old spelling can supply it
             self.error(f"the following arguments are required: {', '.join(missing)}")
         return namespace, rest
+
+
+# the actions meant to be given several times, or that end the parse
+REPEATABLE = (
+    argparse._AppendAction,
+    argparse._AppendConstAction,
+    argparse._CountAction,
+    argparse._HelpAction,
+    argparse._VersionAction,
+)
+
+
+def check_once(given: dict, dest: str, value, flag: str):
+    """Record in `given` (dest: (flag, value), what one command line set) that `flag` set `dest` to
+    `value`; UserError if another value was given to it before (by this flag or another spelling of
+    it): one command line, one value per setting."""
+    if dest in given and given[dest][1] != value:
+        before, earlier = given[dest]
+        said = f"{before} was given twice" if before == flag else f"{before} and {flag} were given"
+        values = "" if isinstance(value, bool) else f" ({shown(earlier)}, then {shown(value)})"
+        raise UserError(f"{said}{values}; give one")
+    given[dest] = (flag, value)
+
+
+def shown(value) -> str:
+    """A flag's value as it was typed (a list comma-separated)."""
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+ONCE_CLASSES = {}
+
+
+def given_once(cls: type) -> type:
+    """`cls`, an argparse action, whose value goes through check_once (one subclass per class)."""
+    if cls not in ONCE_CLASSES:
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            cls.__call__(self, parser, namespace, values, option_string)
+            check_once(parser.given, self.dest, getattr(namespace, self.dest), option_string)
+
+        ONCE_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
+    return ONCE_CLASSES[cls]
 
 
 # ---- the command-line vocabulary: each shared flag is defined once here (README: One set of flags)
@@ -112,20 +163,32 @@ def add_out(parser: ArgumentParser, what: str, **kwargs):
     parser.add_argument("--out", type=output_path, metavar="PATH", help=what, **kwargs)
 
 
-def add_device(parser: ArgumentParser, default: str | None = "auto"):
-    """--device and --dtype, "auto" by default (None: the config's, in train.py)."""
+DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_device(
+    parser: ArgumentParser, default: str | None = "auto", devices=DEVICES, dtypes=DTYPES
+):
+    """--device and --dtype, "auto" by default (None: the config's, in train.py); their help offers
+    `devices` and `dtypes`, what the command takes."""
     said = f"default {default}" if default else "default: the config's, else auto"
     parser.add_argument(
         "--device",
         default=default,
-        help=f"auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps ({said})",
+        help=f"auto (cuda, else mps, else cpu), {either(devices[1:])} ({said})",
     )
     parser.add_argument(
         "--dtype",
         default=default,
-        help="auto (bfloat16 where the device computes it natively, else float32), float32, "
-        f"bfloat16 or float16 ({said})",
+        help="auto (bfloat16 where the device computes it natively, else float32), "
+        f"{either(dtypes[1:])} ({said})",
     )
+
+
+def either(words) -> str:
+    """'a, b or c'."""
+    return ", ".join(words[:-1]) + f" or {words[-1]}" if len(words) > 1 else "".join(words)
 
 
 def add_compile(parser: ArgumentParser, what: str, default: bool | None = False):

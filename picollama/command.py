@@ -54,8 +54,8 @@ def run_command(main, argv=None) -> int:
             message, status = one_line(e), 2
     if received:
         status = 128 + received[0]
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {message}", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # text from argv may hold lone surrogates: escaped
+        print(f"error: {message}".encode(errors="backslashreplace").decode(), file=sys.stderr)
     return status
 
 

@@ -20,7 +20,7 @@ from picollama.cli import (
     add_seed,
     utf8_argument,
 )
-from picollama.config_values import TEXT_KEYS, check_value
+from picollama.config_values import CHOICES, TEXT_KEYS, check_value
 from picollama.model_args import CONTEXT_KEYS, checked_model_args, saved_model_args
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
@@ -313,7 +313,8 @@ def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, 
         "--resume", action="store_true", help="continue the latest checkpoint in the run directory"
     )
     add_out(parser, "the run directory written (train.out_dir)")
-    add_device(parser, default=None)  # None: the config's value stands
+    # None: the config's value stands
+    add_device(parser, None, CHOICES["train.device"], CHOICES["train.dtype"])
     add_compile(parser, "each block (train.compile)", default=None)
     add_seed(parser, "the run's seed (train.seed)", default=None, unset="the config's")
     args, rest = parser.parse_known_args(argv)
@@ -328,6 +329,8 @@ def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, 
         raw = tomllib.loads(Path(args.config).read_text(encoding="utf-8"))
     except OSError as e:
         raise UserError(f"cannot read config {args.config}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{args.config} is not UTF-8 text (byte {e.start}); re-save it") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{args.config} is not valid TOML: {e}") from None
     return build_config(raw, overrides), args.resume

@@ -2,7 +2,7 @@
 
 import math
 
-from picollama.cli import UserError, check_type
+from picollama.cli import SEEDS, UserError, check_type
 
 # The range of each key that has one, checked as the key is read so that the error names it. Every
 # float must also be finite; ModelArgs checks how its fields fit together.
@@ -81,6 +81,8 @@ def range_problem(key: str, value) -> str | None:
         return "positive"
     if key in NOT_NEGATIVE and value < 0:
         return "zero or more"
+    if key == "train.seed" and value >= SEEDS:  # else numpy's "Seed must be between 0 and ..."
+        return f"below {SEEDS:,} (torch keeps a seed's low 32 bits)"
     if key in BELOW_ONE and not 0 <= value < 1:
         return "at least 0 and below 1"
     if key in CHOICES and value not in CHOICES[key]:

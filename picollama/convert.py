@@ -1,37 +1,17 @@
-"""Hugging Face Llama and llama.cpp GGUF export and import: to-hf, from-hf, to-gguf, from-gguf."""
+"""Hugging Face and llama.cpp GGUF export and import (to-hf, from-hf, to-gguf, from-gguf); cache."""
 
 import argparse
-import hashlib
 import sys
 from pathlib import Path
 
-from data.sources import cache_dir
-from picollama.cli import ArgumentParser, UserError, add_out, add_run
+from picollama.cli import ArgumentParser, UserError, add_out, add_run, check_once
 from picollama.command import run_command
 from picollama.convert_outputs import check_replaceable
 from picollama.gguf_export import GGUF_TYPES, export_gguf
 from picollama.gguf_import import import_gguf
 from picollama.hf_format import export_hf, import_hf
+from picollama.import_cache import cache_command, imported_run  # noqa: F401 (imported_run: --run)
 from picollama.outputs import check_writable
-from picollama.run_files import is_hf_directory
-
-
-def imported_run(source: Path) -> Path:
-    """What --run names, as a run directory: a .gguf file or a Hugging Face directory is imported
-    into the cache once (again when its files change); anything else is passed through."""
-    if source.is_file() and source.suffix == ".gguf":
-        files = [source]
-    elif source.is_dir() and is_hf_directory(source):
-        files = sorted(p for p in source.iterdir() if p.is_file())
-    else:
-        return source
-    stamps = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
-    key = hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:12]
-    run = cache_dir() / "imported" / f"{source.resolve().name}-{key}"
-    if not (run / "config.json").is_file():
-        (import_gguf if source.is_file() else import_hf)(source, run)
-        print(f"imported {source} into {run} (once)", file=sys.stderr)
-    return run
 
 
 class OldPaths(argparse.Action):
@@ -48,6 +28,8 @@ class OldPaths(argparse.Action):
         flag = "--" + self.source.replace("_", "-")
         if len(values) != 2:
             parser.error(f"give {flag} and --out")
+        for dest, value in ((self.source, values[0]), ("out", values[1])):
+            check_once(parser.given, dest, value, "the positional IN OUT")
         print(
             f"note: the positional IN OUT is now {flag} IN --out OUT ({parser.prog} {flag} IN "
             "--out OUT); the old spelling goes in the next release",
@@ -87,6 +69,10 @@ def parser() -> ArgumentParser:
     to_gguf.add_argument(
         "--type", choices=GGUF_TYPES, default="f32", help="weight type (default f32)"
     )
+    cache = commands.add_parser(
+        "cache", help="list the imports --run made of .gguf files and Hugging Face folders"
+    )
+    cache.add_argument("--clear", action="store_true", help="remove every cached import")
     for sub, source in ((to_hf, "run"), (from_hf, "hf_dir"), (from_gguf, "gguf"), (to_gguf, "run")):
         sub.needed.append(("out", "--out"))
         sub.add_argument(
@@ -100,6 +86,8 @@ def parser() -> ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if args.command == "cache":
+        return cache_command(args.clear)
     source = getattr(args, {"from-hf": "hf_dir", "from-gguf": "gguf"}.get(args.command, "run"))
     out = args.out
     directory = args.command != "to-gguf"

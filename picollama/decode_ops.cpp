@@ -193,7 +193,7 @@ void chunk(const float* q, const T* k, const T* v, const float* ks, const float*
 
 template <int C, typename T>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
-                  const float* ks, const float* vs) {
+                  const float* ks, const float* vs, const int64_t* lengths) {
   const int64_t B = q.size(0), H = q.size(1), KV = k.size(1), cap = k.size(2);
   constexpr int D = C * W;
   const int G = H / KV;
@@ -202,6 +202,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   // chunks of at least 256 tokens, enough of them for every thread
   const int64_t heads = B * KV;
   const int64_t want = (2 * at::get_num_threads() + heads - 1) / heads;
+  if (lengths) length = *std::max_element(lengths, lengths + B);
   const int64_t chunks = std::max<int64_t>(1, std::min(want, length / 256));
   const int64_t size = (length + chunks - 1) / chunks;
   std::vector<float> m(heads * chunks * G), l(heads * chunks * G), acc(heads * chunks * G * D);
@@ -213,7 +214,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     for (int64_t task = begin; task < end; task++) {
       const int64_t head = task / chunks, part = task % chunks;
       const int64_t b = head / KV, h = head % KV;
-      const int64_t t0 = part * size, t1 = std::min(length, t0 + size);
+      const int64_t end = lengths ? lengths[b] : length;  // a chunk past it is empty
+      const int64_t t0 = part * size, t1 = std::max(t0, std::min(end, t0 + size));
       const int64_t row = (b * KV + h) * cap, offset = row * D;
       chunk<C, T>(qp + (b * H + h * G) * D, kp + offset, vp + offset, ks ? ks + row : nullptr,
                   vs ? vs + row : nullptr, t0, t1, G, &m[task * G], &l[task * G],
@@ -244,26 +246,29 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 template <typename T>
 at::Tensor dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t n,
-                    const float* ks = nullptr, const float* vs = nullptr) {
+                    const int64_t* lengths, const float* ks = nullptr,
+                    const float* vs = nullptr) {
   constexpr int U = 16 / W;  // vectors a 16 floats
   switch (q.size(2) / 16) {
-    case 1: return attend<U, T>(q, k, v, n, ks, vs);
-    case 2: return attend<2 * U, T>(q, k, v, n, ks, vs);
-    case 3: return attend<3 * U, T>(q, k, v, n, ks, vs);
-    case 4: return attend<4 * U, T>(q, k, v, n, ks, vs);
-    case 5: return attend<5 * U, T>(q, k, v, n, ks, vs);
-    case 6: return attend<6 * U, T>(q, k, v, n, ks, vs);
-    case 7: return attend<7 * U, T>(q, k, v, n, ks, vs);
-    case 8: return attend<8 * U, T>(q, k, v, n, ks, vs);
+    case 1: return attend<U, T>(q, k, v, n, ks, vs, lengths);
+    case 2: return attend<2 * U, T>(q, k, v, n, ks, vs, lengths);
+    case 3: return attend<3 * U, T>(q, k, v, n, ks, vs, lengths);
+    case 4: return attend<4 * U, T>(q, k, v, n, ks, vs, lengths);
+    case 5: return attend<5 * U, T>(q, k, v, n, ks, vs, lengths);
+    case 6: return attend<6 * U, T>(q, k, v, n, ks, vs, lengths);
+    case 7: return attend<7 * U, T>(q, k, v, n, ks, vs, lengths);
+    case 8: return attend<8 * U, T>(q, k, v, n, ks, vs, lengths);
     default: TORCH_CHECK(false, "decode_attention: head_dim must be 16, 32, ..., 128");
   }
 }
 
 // q (B, H, D); k, v (B' >= B, KV, capacity, D) contiguous, float32, bfloat16 or int8 with
-// float32 scales k_scale, v_scale (B', KV, capacity); attends to the first `length` positions.
+// float32 scales k_scale, v_scale (B', KV, capacity); attends to the first `length` positions, or
+// row b to its first lengths[b] (lengths: int64 (B,), each 1..capacity; length then unused).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             int64_t length, const std::optional<at::Tensor>& k_scale,
-                            const std::optional<at::Tensor>& v_scale) {
+                            const std::optional<at::Tensor>& v_scale,
+                            const std::optional<at::Tensor>& lengths) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes(), "decode_attention: shapes");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.dtype() == v.dtype(),
               "decode_attention: contiguous caches of one dtype");
@@ -272,18 +277,27 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.size(1) / k.size(1) <= MAX_GROUP, "decode_attention: at most 8 heads a KV head");
   TORCH_CHECK(length >= 1 && length <= k.size(2) && q.size(0) <= k.size(0),
               "decode_attention: length within the cache");
+  const int64_t* rows = nullptr;
+  at::Tensor own;  // lengths, contiguous int64, checked
+  if (lengths) {
+    own = lengths->to(at::kLong).contiguous();
+    TORCH_CHECK(own.dim() == 1 && own.size(0) == q.size(0), "decode_attention: a length a row");
+    TORCH_CHECK(own.min().item<int64_t>() >= 1 && own.max().item<int64_t>() <= k.size(2),
+                "decode_attention: lengths within the cache");
+    rows = own.const_data_ptr<int64_t>();
+  }
   if (k.scalar_type() == at::kChar) {
     TORCH_CHECK(k_scale && v_scale && k_scale->is_contiguous() && v_scale->is_contiguous() &&
                     k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
                     k_scale->sizes() == k.sizes().slice(0, 3) &&
                     v_scale->sizes() == k_scale->sizes(),
                 "decode_attention: int8 caches need float32 scales (batch, KV heads, capacity)");
-    return dispatch<int8_t>(q, k, v, length, k_scale->const_data_ptr<float>(),
+    return dispatch<int8_t>(q, k, v, length, rows, k_scale->const_data_ptr<float>(),
                             v_scale->const_data_ptr<float>());
   }
-  if (k.scalar_type() == at::kBFloat16) return dispatch<c10::BFloat16>(q, k, v, length);
+  if (k.scalar_type() == at::kBFloat16) return dispatch<c10::BFloat16>(q, k, v, length, rows);
   TORCH_CHECK(k.scalar_type() == at::kFloat, "decode_attention: float32, bfloat16 or int8");
-  return dispatch<float>(q, k, v, length);
+  return dispatch<float>(q, k, v, length, rows);
 }
 
 // PyTorch's int4 kernel under a name of ours (inference.Int4Linear): AOTInductor calls it as it
@@ -300,7 +314,7 @@ TORCH_LIBRARY(picollama, m) {
   m.def("int4_linear(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor");
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? k_scale=None, "
-      "Tensor? v_scale=None) -> Tensor");
+      "Tensor? v_scale=None, Tensor? lengths=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(picollama, CPU, m) {

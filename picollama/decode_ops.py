@@ -68,7 +68,7 @@ def build_lock(folder: Path):
         yield
 
 
-def _attention_shape(q, k, v, length, k_scale=None, v_scale=None):
+def _attention_shape(q, k, v, length, k_scale=None, v_scale=None, lengths=None):
     return q.new_empty(q.shape, dtype=torch.float32)
 
 

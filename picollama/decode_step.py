@@ -4,10 +4,12 @@ fused projections, a real-valued RoPE table, compiled ahead of time by AOTInduct
 import hashlib
 import os
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from model import KVCache, Transformer, apply_rotary, sdpa_attention
 from picollama import REPO_ROOT
@@ -38,6 +40,8 @@ class RowDot(nn.Module):
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:  # a batch: a matrix product (fixed when the step is compiled)
+            return F.linear(x, self.weight)
         return (x.unsqueeze(-2) * self.weight).sum(-1)
 
 
@@ -111,33 +115,50 @@ class FusedBlock(nn.Module):
         self.attend = ops.decode_attention if ops is not None else None
 
     def forward(self, x, pos, rotation, k_cache, v_cache, k_scale=None, v_scale=None):
-        """x (B, dim) at position pos, turned by RoPE's rotation (pairs, 2) of pos; k_scale,
-        v_scale: an Int8KVCache's (its keys and values int8), else None."""
+        """x (B, dim) at position pos (an int, every row's; or a (B,) tensor, each row's own),
+        turned by RoPE's rotation of pos ((pairs, 2), or (B, pairs, 2)); k_scale, v_scale: an
+        Int8KVCache's (its keys and values int8), else None."""
         batch = x.shape[0]
         heads = self.heads
         kv_heads = self.kv_heads
         qkv = self.wqkv(self.attention_norm(x)).view(batch, heads + 2 * kv_heads, self.head_dim)
         qk, v = qkv.split((heads + kv_heads, kv_heads), 1)
         q, k = apply_rotary(qk, rotation).split((heads, kv_heads), 1)
-        # a slice, not [pos]: one compiled graph for every pos
-        new = slice(pos, pos + 1)
-        if k_scale is None:
-            k_cache[:batch, :, new], v_cache[:batch, :, new] = k.unsqueeze(2), v.unsqueeze(2)
-        else:
-            k_cache[:batch, :, new], k_scale[:batch, :, new] = quantize_rows(k.unsqueeze(2))
-            v_cache[:batch, :, new], v_scale[:batch, :, new] = quantize_rows(v.unsqueeze(2))
-        if self.attend is not None:
-            out = self.attend(q, k_cache, v_cache, pos + 1, k_scale, v_scale).type_as(x)
-        else:
-            keys, values = k_cache[:batch, :, : pos + 1], v_cache[:batch, :, : pos + 1]
-            if k_scale is not None:
-                keys = keys * k_scale[:batch, :, : pos + 1, None]
-                values = values * v_scale[:batch, :, : pos + 1, None]
-            keys, values = keys.to(q.dtype), values.to(q.dtype)  # another cache dtype (kv_dtype)
-            out = sdpa_attention(q.unsqueeze(2), keys, values, None)  # reads nothing of its module
-        x = x + self.wo(out.view(batch, -1))
+        out = self.cached_attention(q, k, v, pos, k_cache, v_cache, k_scale, v_scale)
+        x = x + self.wo(out.type_as(x).view(batch, -1))
         gate, up = self.w13(self.ffn_norm(x)).chunk(2, -1)
         return x + self.w2(self.act(gate) * up)
+
+    def cached_attention(self, q, k, v, pos, k_cache, v_cache, k_scale, v_scale):
+        """Write each row's k, v (B, kv heads, head_dim) into the caches at its position and
+        attend its queries q to its keys up to there."""
+        batch = q.shape[0]
+        shared = not isinstance(pos, torch.Tensor)  # an int (a SymInt when exported)
+        if shared:  # a slice, not [pos]: one compiled graph for every pos
+            at = (slice(0, batch), slice(None), slice(pos, pos + 1))
+            k, v = k.unsqueeze(2), v.unsqueeze(2)
+        else:
+            at = (torch.arange(batch, device=pos.device), slice(None), pos)
+        if k_scale is None:
+            k_cache[at], v_cache[at] = k, v
+        else:
+            k_cache[at], k_scale[at] = quantize_rows(k)
+            v_cache[at], v_scale[at] = quantize_rows(v)
+        lengths = None if shared else pos + 1
+        if self.attend is not None:
+            length = pos + 1 if shared else 1  # (unused with lengths)
+            return self.attend(q, k_cache, v_cache, length, k_scale, v_scale, lengths)
+        end = pos + 1 if shared else None  # rows of their own lengths: every position, masked
+        keys, values = k_cache[:batch, :, :end], v_cache[:batch, :, :end]
+        if k_scale is not None:
+            keys = keys * k_scale[:batch, :, :end, None]
+            values = values * v_scale[:batch, :, :end, None]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # another cache dtype (kv_dtype)
+        mask = None
+        if lengths is not None:
+            mask = torch.arange(keys.shape[2], device=q.device) < lengths[:, None, None, None]
+        # sdpa_attention reads nothing of its module (None)
+        return sdpa_attention(q.unsqueeze(2), keys, values, None, mask)
 
 
 def cache_tensors(cache: KVCache) -> tuple:
@@ -170,7 +191,7 @@ class DecodeStep(nn.Module):
         super().__init__()
         self.threads = threads
         self.kv_dtype = kv_dtype  # the KV cache generate() sets up for it (None: activations')
-        # (batch, cache batch) -> its step compiled (compile_step)
+        # ("shared" or "rows" positions, batch, cache batch) -> its step compiled (compile_step)
         self.compiled = {} if compiled else None
         if length_dependent(model.args):
             raise ValueError(
@@ -223,21 +244,42 @@ class DecodeStep(nn.Module):
         if start_pos >= len(self.rotations):
             self.tables(2 * start_pos)
         caches = [cache_tensors(attention.cache) for attention in self.attentions]
+        ids, rotation = tokens[:, 0].contiguous(), self.rotations[start_pos]
+        if self.compiled is None:
+            with self.own_threads():
+                return self.step(ids, start_pos, rotation, caches)[:, None]
+        position = self.positions[start_pos]
+        return self.run_compiled(_PositionAsTensor, [ids, position, rotation], caches)[:, None]
+
+    def rows(self, ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple]):
+        """Logits (B, vocab) of ids (B,), each row at its own position (B,) within the model's
+        context, reading and writing `caches` (each layer's cache_tensors, batch >= B): the step
+        of continuous batching, where rows join and leave between steps."""
+        rotation = self.rotations[positions]
+        if self.compiled is None:
+            with self.own_threads():
+                return self.step(ids, positions, rotation, caches)
+        return self.run_compiled(_RowPositions, [ids, positions, rotation], caches)
+
+    @contextmanager
+    def own_threads(self):
+        """torch's thread count set to self.threads while the step runs (~0.3 µs a change)."""
         threads = torch.get_num_threads()
         if self.threads is not None:
-            torch.set_num_threads(self.threads)  # ~0.3 µs a change
+            torch.set_num_threads(self.threads)
         try:
-            ids, rotation = tokens[:, 0].contiguous(), self.rotations[start_pos]
-            if self.compiled is None:
-                return self.step(ids, start_pos, rotation, caches)[:, None]
-            kind = (ids.shape[0], caches[0][0].shape[0])
-            if kind not in self.compiled:
-                self.compiled[kind] = self.compile_step(ids, rotation, caches)
-            position = self.positions[start_pos]
-            inputs = [ids, position, rotation, *(tensor for cache in caches for tensor in cache)]
-            return self.compiled[kind](inputs)[0][:, None]
+            yield
         finally:
             torch.set_num_threads(threads)
+
+    def run_compiled(self, wrapper, inputs: list, caches: list[tuple]) -> torch.Tensor:
+        """The step compiled (compile_step) for this wrapper, batch and cache batch, on inputs and
+        the caches' tensors."""
+        kind = (wrapper.positions, inputs[0].shape[0], caches[0][0].shape[0])
+        if kind not in self.compiled:
+            self.compiled[kind] = self.compile_step(wrapper, inputs, caches)
+        with self.own_threads():
+            return self.compiled[kind]([*inputs, *(t for cache in caches for t in cache)])[0]
 
     def step(self, ids, pos, rotation, caches):
         x = self.tok_embeddings(ids)
@@ -245,26 +287,30 @@ class DecodeStep(nn.Module):
             x = layer(x, pos, rotation, *cache)
         return self.output(self.norm(x))
 
-    def compile_step(self, ids, rotation, caches):
-        """self.step compiled ahead of time by AOTInductor (torch.export, then one C++ library) for
-        this batch and cache batch, every cache length and position: called from C++ with no guards
-        to check, where a torch.compile'd step spent ~0.3 ms a call in dynamo's frame on 2 AVX2
-        cores. The library reads the weights where they are (user-managed constants, not a copy). It
-        takes [ids, position (a 0-d tensor from self.positions), its rotation, then each layer's
-        keys and values] and returns [logits]."""
+    def compile_step(self, wrapper, inputs: list, caches: list[tuple]):
+        """self.step in `wrapper` (_PositionAsTensor or _RowPositions) compiled ahead of time by
+        AOTInductor (torch.export, then one C++ library) for these inputs' batch and the caches'
+        batch, every cache length and position: called from C++ with no guards to check, where a
+        torch.compile'd step spent ~0.3 ms a call in dynamo's frame on 2 AVX2 cores. The library
+        reads the weights where they are (user-managed constants, not a copy). It takes [*inputs,
+        then each layer's cache tensors] and returns [logits]."""
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
         length = torch.export.Dim("cache_length", min=2, max=1 << 24)
         dims = [tuple({2: length} for _ in cache) for cache in caches]
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
             # torch's own use of its pytree API
             warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
+            # copies to trace with: export cannot write into inference tensors through an index
+            examples = [t.clone() for t in wrapper.example(self, inputs)]
+            caches = [tuple(t.clone() for t in cache) for cache in caches]
             program = torch.export.export(
-                _PositionAsTensor(self),
-                (ids, self.positions[1], rotation, caches),
+                wrapper(self),
+                (*examples, caches),
                 strict=False,
                 dynamic_shapes=(None, None, None, dims),
             )
-            runner = torch._inductor.aoti_load_package(str(compiled_package(program, ids.device)))
+            package = compiled_package(program, inputs[0].device)
+            runner = torch._inductor.aoti_load_package(str(package))
         constants = program.state_dict | program.constants
         weights = {name: constants[name] for name in runner.get_constant_fqns()}
         runner.load_constants(weights, check_full_update=True, user_managed=True)
@@ -296,12 +342,33 @@ def compiled_package(program: torch.export.ExportedProgram, device: torch.device
 class _PositionAsTensor(nn.Module):
     """A DecodeStep's step with the position as a 0-d tensor: what torch.export can keep dynamic."""
 
+    positions = "shared"
+
     def __init__(self, decode: DecodeStep):
         super().__init__()
         self.decode = decode
+
+    @staticmethod
+    def example(decode: DecodeStep, inputs: list) -> list:
+        """Inputs to export with: position 1, not 0 or 1 (which export would take as constants)."""
+        ids, _, rotation = inputs
+        return [ids, decode.positions[1], rotation]
 
     def forward(self, ids, pos, rotation, caches):
         pos = pos.item()
         torch._check(pos >= 0)
         torch._check(pos < caches[0][0].shape[2])
         return self.decode.step(ids, pos, rotation, caches)
+
+
+class _RowPositions(_PositionAsTensor):
+    """A DecodeStep's step with a position a row (B,), for DecodeStep.rows."""
+
+    positions = "rows"
+
+    @staticmethod
+    def example(decode: DecodeStep, inputs: list) -> list:
+        return inputs
+
+    def forward(self, ids, positions, rotation, caches):
+        return self.decode.step(ids, positions, rotation, caches)

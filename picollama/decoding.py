@@ -158,11 +158,43 @@ def check_length(args, total: int, window: int | None = None):
         raise ValueError(f"{what}: {problem}; {fix}{hint}")
 
 
+class TokenRing:
+    """The (B, longest prompt + new) token ids that sampling with attention sinks reads, held as the
+    prompts and the newest RING positions only: the steps read a prompt or the token just chosen,
+    so memory stays bounded by the window and the prompts whatever the length. Indexed as the
+    tensor it stands for: tokens[:, pos], tokens[:, a:b] within the prompts or one position."""
+
+    RING = 2  # the position being chosen and the one before it
+
+    def __init__(self, prompts: torch.Tensor, total: int):
+        self.head = prompts.shape[1]
+        self.ids = torch.cat([prompts, prompts.new_zeros(len(prompts), self.RING)], 1)
+        self.shape = (len(prompts), total)
+        self.device = prompts.device
+
+    def slot(self, pos: int) -> int:
+        return pos if pos < self.head else self.head + (pos - self.head) % self.RING
+
+    def __getitem__(self, key):
+        rows, cols = key
+        if not isinstance(cols, slice):
+            return self.ids[rows, self.slot(cols)]
+        if cols.stop > self.head:  # past the prompts: one position at a time
+            assert cols.stop - cols.start == 1, "TokenRing reads one new position at a time"
+            cols = slice(self.slot(cols.start), self.slot(cols.start) + 1)
+        return self.ids[rows, cols]
+
+    def __setitem__(self, key, value):
+        rows, pos = key
+        self.ids[rows, self.slot(pos)] = value
+
+
 def prompt_tokens(
     model: Transformer, prompts: list[list[int]], new: int, window: int | None = None
-) -> torch.Tensor:
+) -> torch.Tensor | TokenRing:
     """(B, longest prompt + new) token ids on the model's device, each prompt at its row's start;
-    window: the KV cache's length with attention sinks (what check_length checks)."""
+    window: the KV cache's length with attention sinks (what check_length checks), with which
+    the ids are a TokenRing, as bounded."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
     if any(not 0 <= t < model.args.vocab_size for p in prompts for t in p):
@@ -170,10 +202,11 @@ def prompt_tokens(
     longest = max(map(len, prompts))
     check_length(model.args, longest + new, window)
     device = model.tok_embeddings.weight.device
-    tokens = torch.zeros(len(prompts), longest + new, dtype=torch.long, device=device)
+    width = longest + new if window is None else longest
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-    return tokens
+    return tokens if window is None else TokenRing(tokens, longest + new)
 
 
 @torch.inference_mode()
@@ -186,6 +219,7 @@ def generate(
     step=None,
     vocab_limit: int | None = None,
     sinks: Sinks | None = None,
+    keep: bool = True,
 ) -> list[list[int]]:
     """New tokens for each prompt (at most sampling.max_new_tokens; stops after EOS, not included).
 
@@ -195,7 +229,9 @@ def generate(
     is chosen (for streaming). step computes the one-token decode steps (a decode_step.DecodeStep of
     the model; default: the model itself). vocab_limit: choose only ids below it (a tokenizer with
     fewer pieces than the model has embeddings cannot decode the others). sinks: a KV cache of
-    bounded size (Sinks), else one for every token.
+    bounded size (Sinks), else one for every token; with it the token ids are bounded too
+    (TokenRing). keep=False: the new tokens go to on_token only and the rows returned are empty,
+    so that with sinks nothing grows with max_new_tokens.
     """
     new = sampling.max_new_tokens
     cache = None if sinks is None else SinkCache(model, sinks)
@@ -209,9 +245,27 @@ def generate(
     else:
         setup_cache(model, len(prompts), cache.window, getattr(step, "kv_dtype", None))
         steps = cache.steps(tokens, min(lengths), step)
+    kept = [[] for _ in prompts] if keep and cache is not None else None
     try:
-        decode_n_tokens(steps, tokens, lengths, sampling, eos_id, on_token, vocab_limit)
+        told = on_token if kept is None else kept_and_told(kept, on_token)
+        decode_n_tokens(steps, tokens, lengths, sampling, eos_id, told, vocab_limit)
     finally:
         model.reset_cache()
+    if not keep:
+        return [[] for _ in prompts]
+    if kept is not None:
+        return kept
     rows = [tokens[row, length : length + new].tolist() for row, length in enumerate(lengths)]
     return [row[: row.index(eos_id)] if eos_id in row else row for row in rows]
+
+
+def kept_and_told(kept: list[list[int]], on_token):
+    """An on_token that appends each row's new token to kept[row], then calls on_token (if any):
+    with sinks the rows returned are gathered as they come (the TokenRing forgets them)."""
+
+    def told(row: int, token: int):
+        kept[row].append(token)
+        if on_token is not None:
+            on_token(row, token)
+
+    return told

@@ -5,11 +5,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 from picollama.command import one_line
 from picollama.completion_text import ChoiceText, Entry
-from picollama.decoding import Sampling
+from picollama.decode_step import DecodeStep
 from picollama.row_decoding import Row, Token, generate_rows
+from picollama.slots import Slots
 
 
 class QueueFull(Exception):
@@ -94,12 +96,14 @@ class Job:
 
 
 class Engine:
-    """Owns the model on one thread. Requests (Jobs) wait in a queue of at most queue_size; when
-    the engine is free it takes those waiting, oldest first, whose rows fit together (fits_with:
-    max_batch rows, memory, prompts within max_spread tokens), waiting up to `window` seconds
-    after the first for more, and decodes them in one batch (row_decoding.generate_rows). Static
-    batching: a request that comes while a batch decodes waits for the next. `stats` says what it
-    has done."""
+    """Owns the model on one thread. Requests (Jobs) wait in a queue of at most queue_size. With a
+    DecodeStep, batching is continuous (run_continuous): a request joins the rows decoding at the
+    next step where its rows fit, and each row leaves as it ends. Without one (a model that decodes
+    with its own forward), batching is static: when the engine is free it takes those waiting,
+    oldest first, whose rows fit together (fits_with: max_batch rows, memory, prompts within
+    max_spread tokens), waiting up to `window` seconds after the first for more, and decodes them
+    in one batch (row_decoding.generate_rows); a request that comes meanwhile waits for the next.
+    `stats` says what it has done."""
 
     def __init__(
         self,
@@ -121,7 +125,7 @@ class Engine:
         self.closed = False
         self.running: list[Job] = []  # the batch decoding now
         self.stats = dict(
-            batches=0, largest_batch=0, rows=0, tokens=0, active_rows=0, cancelled_rows=0
+            batches=0, steps=0, largest_batch=0, rows=0, tokens=0, active_rows=0, cancelled_rows=0
         )
         self.thread = threading.Thread(target=self.run, name="picollama-engine", daemon=True)
 
@@ -154,6 +158,10 @@ class Engine:
         return {**self.stats, "queued": queued, "max_batch": self.max_batch}
 
     def run(self):
+        """Decode until closed: continuously where the step takes a position a row (a DecodeStep),
+        else in static batches."""
+        if isinstance(self.step, DecodeStep):
+            return self.run_continuous()
         while True:
             batch = self.take()
             if batch is None:
@@ -161,6 +169,76 @@ class Engine:
             self.decode(batch)
             with self.condition:
                 self.running = []
+
+    def run_continuous(self):
+        """Continuous batching (slots.Slots): between two steps the jobs waiting join, oldest first,
+        as long as their rows fit (max_batch rows, memory); rows that end leave at once."""
+        slots = Slots(self.model, self.step, self.vocab_limit)
+        while True:
+            joining = self.admit(slots)
+            if joining is None:
+                return
+            for job in joining:
+                self.join(slots, job)
+            if slots.slots:
+                self.step_rows(slots)
+
+    def admit(self, slots: Slots) -> list[Job] | None:
+        """The jobs waiting that join now (oldest first, while their rows fit beside the rows
+        decoding), once there is work (None once closed)."""
+        with self.condition:
+            while not self.closed:
+                self.waiting = deque(job for job in self.waiting if not job.cancelled)
+                joining, rows = [], slots.rows
+                while self.waiting:
+                    more = rows + self.waiting[0].rows
+                    if rows and (len(more) > self.max_batch or not self.fits(more)):
+                        break
+                    joining.append(self.waiting.popleft())
+                    rows = more
+                if joining or slots.slots:
+                    self.running += joining
+                    return joining
+                self.condition.wait()
+            return None
+
+    def join(self, slots: Slots, job: Job):
+        """Each row of the job joins the slots (its prompt prefilled); a failure fails the job."""
+        self.stats["rows"] += len(job.rows)
+        self.stats["active_rows"] += len(job.rows)
+        for choice, row in enumerate(job.rows):
+            try:
+                slots.join(row, partial(job.on_token, choice), partial(self.row_done, job, choice))
+            except Exception as e:  # e.g. out of memory: this request fails, the server goes on
+                job.fail(one_line(e))
+        self.note_rows(len(slots.slots))
+
+    def step_rows(self, slots: Slots):
+        """A token for every row; a failure fails every job decoding."""
+        try:
+            slots.step_all()
+        except Exception as e:
+            with self.condition:
+                for job in self.running:
+                    job.fail(one_line(e))
+                self.running = []
+            slots.slots.clear()
+            self.stats["active_rows"] = 0
+        self.stats["steps"] += 1
+        self.note_rows(len(slots.slots))
+
+    def row_done(self, job: Job, choice: int, reason: str):
+        """A row left the slots: its job is told, and once its rows all have, it is done."""
+        self.stats["active_rows"] -= 1
+        self.stats["cancelled_rows"] += job.cancelled
+        job.on_done(choice, reason)
+        if all(job.ended):
+            with self.condition:
+                if job in self.running:
+                    self.running.remove(job)
+
+    def note_rows(self, rows: int):
+        self.stats["largest_batch"] = max(self.stats["largest_batch"], rows)
 
     def take(self) -> list[Job] | None:
         """The next batch: the jobs waiting that fit together, oldest first, gathered for up to
@@ -216,25 +294,13 @@ class Engine:
                 job.on_done(choice, reason)
 
         try:
-            generate_rows(
-                self.model, padded(rows, self.step), on_token, on_done, self.step, self.vocab_limit
-            )
+            generate_rows(self.model, rows, on_token, on_done, self.step, self.vocab_limit)
         except Exception as e:  # e.g. out of memory: those requests fail, the server goes on
             for job in batch:
                 job.fail(one_line(e))
         stats["active_rows"] = 0
 
 
-def padded(rows: list[Row], step) -> list[Row]:
-    """Rows for a compiled decode step, which is built for each batch size: padded to a power of
-    two with rows that generate nothing (few sizes, each compiled once)."""
-    if getattr(step, "compiled", None) is None:
-        return rows
-    size = 1 << (len(rows) - 1).bit_length()
-    shortest = min(rows, key=lambda row: len(row.prompt)).prompt
-    return rows + [Row(shortest, Sampling(0, 0.0))] * (size - len(rows))
-
-
 def bucket_sizes(max_batch: int) -> list[int]:
-    """The batch sizes `padded` makes, up to max_batch rows."""
+    """The batch sizes of the slots' cache (powers of two), up to max_batch rows."""
     return [1 << i for i in range((max_batch - 1).bit_length() + 1)]

@@ -285,7 +285,7 @@ def import_gguf(path: Path, run_dir: Path):
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = write_tokenizer(meta, path, Path(folder), args.vocab_size)
         try:
-            model = model_from_state_dict(args, read_weights(reader, path, args))
+            model = model_from_state_dict(args, read_weights(reader, path, args), "its metadata")
         except UserError as e:  # a missing tensor or a wrong shape
             raise UserError(f"{path}: {e}") from None
         described = {
@@ -332,6 +332,10 @@ def write_tokenizer(meta: Metadata, path: Path, folder: Path, vocab_size: int) -
     return file
 
 
+# llama.cpp's token types, which are sentencepiece's (gguf.TokenType, ModelProto.SentencePiece.Type)
+TOKEN_TYPES = {1: "normal", 2: "unknown", 3: "control", 4: "user-defined", 5: "unused", 6: "byte"}
+
+
 def sentencepiece_proto(meta: Metadata, tokens: list[str], config: dict) -> bytes:
     """A serialized sentencepiece BPE model of a `llama` vocabulary: pieces, scores and types as the
     file has them (llama.cpp's SPM tokenizer is sentencepiece's BPE), its space prefix, and byte
@@ -346,6 +350,12 @@ def sentencepiece_proto(meta: Metadata, tokens: list[str], config: dict) -> byte
                 f"{meta.path}: metadata tokenizer.ggml.{key} has {len(values)} items, "
                 f"tokenizer.ggml.tokens {len(tokens)}"
             )
+    bad = next((i for i, kind in enumerate(types) if kind not in TOKEN_TYPES), None)
+    if bad is not None:  # else protobuf's "invalid enumerator 99", naming nothing
+        raise UserError(
+            f"{meta.path}: metadata tokenizer.ggml.token_type item {bad} is {types[bad]}, not a "
+            f"token type (1 to 6: {', '.join(TOKEN_TYPES.values())})"
+        )
     proto = pb.ModelProto()
     for piece, score, kind in zip(tokens, scores, types):
         proto.pieces.add(piece=piece, score=float(score), type=int(kind))

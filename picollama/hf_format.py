@@ -14,6 +14,7 @@ from model import ModelArgs, Transformer
 from picollama.cli import UserError, check_type
 from picollama.convert_outputs import check_replaceable, output
 from picollama.model_args import checked_model_args
+from picollama.named_files import inside
 from picollama.run_files import (
     load_model,
     model_bytes,
@@ -319,7 +320,7 @@ def read_hf_weights(hf_dir: Path) -> dict:
     if (hf_dir / "model.safetensors").is_file():
         files = [hf_dir / "model.safetensors"]
     elif index.is_file():
-        files = [hf_dir / name for name in shard_names(index)]
+        files = [inside(name, index, "weight_map") for name in shard_names(index)]
     else:
         raise UserError(
             f"{hf_dir} has no model.safetensors or model.safetensors.index.json "

@@ -2,6 +2,7 @@
 
 from model import Transformer
 from picollama.cli import UserError
+from picollama.decoding import TokenRing
 from picollama.device import gib
 
 # what each new token of a row costs beside its key, value and id: the sample returned holds it as
@@ -42,23 +43,28 @@ def check_memory(
     sampled: bool,
     free,
     window: int | None = None,
+    longest: int | None = None,
+    kept: bool = True,
 ):
     """UserError, before anything is allocated, when `rows` rows of prompts (shortest, longest +
     new tokens) = `lengths` cannot fit in `free` bytes: at least their KV cache (with attention
-    sinks, of `window` tokens at most), every token's id, each row's new tokens as the sample
-    returned (SAMPLE_BYTES), the first step's logits over the shortest prompt (alive while the
-    second step's are made), and where `sampled` (a temperature above 0) the float32 logits and
-    probabilities of a step. Every buffer that grows with a flag is counted: a window bounds the
-    KV cache, not the tokens sampled."""
+    sinks, of `window` tokens at most), every token's id (with sinks, the `longest` prompt's and
+    TokenRing's few: decoding.generate's buffer), where `kept` each row's new tokens as the sample
+    returned (SAMPLE_BYTES; a streamed row keeps none), the first step's logits over the shortest
+    prompt (alive while the second step's are made), and where `sampled` (a temperature above 0)
+    the float32 logits and probabilities of a step. Every buffer that grows with a flag is
+    counted: with sinks and one streamed row, nothing grows with --max-new-tokens."""
     if free is None:
         return
     shortest, total = lengths
     cached = total if window is None else min(total, window)
+    ids = total if window is None else min(total, (longest or total) + TokenRing.RING)
     size = model.tok_embeddings.weight.element_size()
     first = min(shortest, cached)
     logits = rows * model.args.vocab_size * ((first + 1) * size + (8 if sampled else 0))
     kv = cached * (bytes_per_token(model) - 8)
-    needed = rows * (kv + total * 8 + (total - shortest) * SAMPLE_BYTES) + logits
+    samples = (total - shortest) * SAMPLE_BYTES if kept else 0
+    needed = rows * (kv + ids * 8 + samples) + logits
     if needed > free:
         cache = f"KV cache ({cached:,} tokens: --window)" if cached < total else "KV cache"
         raise UserError(

@@ -84,8 +84,20 @@ def write_failure(path, e: BaseException, needed: int | None = None) -> "UserErr
 
 
 def space_note(path, needed: int | None) -> str:
+    """What the disk of `path` has free, and about what is `needed` (None: not known)."""
     free = shutil.disk_usage(existing_parent(Path(path))).free
-    return f"{free:,} bytes free" + (f", about {needed:,} needed" if needed is not None else "")
+    return f"{byte_size(free)} free" + (f", about {byte_size(needed)} needed" if needed else "")
+
+
+def byte_size(count: int) -> str:
+    """A size in the unit that shows it: "0 bytes", "940 bytes", "3.1 KB", "12 MB", "1.27 GB" (units
+    of 1000; three digits). A full disk once read "need about 0.00 GB and 0.00 GB are free"."""
+    if count < 1000:
+        return f"{count:,} byte{'' if count == 1 else 's'}"
+    for unit in ("KB", "MB", "GB", "TB", "PB"):
+        count /= 1000
+        if count < 999.5 or unit == "PB":
+            return f"{count:.3g} {unit}" if count < 999.5 else f"{count:,.0f} {unit}"
 
 
 def check_free_space(path, needed: int, what: str | None = None):
@@ -150,11 +162,14 @@ def check_writable(path, inputs=(), directory: bool = False):
     existing = next(p for p in path.parents if p.exists())
     if not existing.is_dir():
         raise UserError(f"cannot write {path}: {existing} is a file, not a directory")
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".picollama-check-"):
-            pass
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    # and in the directory itself where it exists: a run resumed there writes into it (a read-only
+    # one trained, then failed at the save), and replacing it renames it
+    for folder in (existing, path) if directory and path.is_dir() else (existing,):
+        try:
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".picollama-check-"):
+                pass
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 # what an interrupted atomic_output or replace leaves in a folder (.NAME.tmp-PID, .NAME.old-PID),

@@ -11,18 +11,24 @@ from picollama.outputs import file_kind
 
 
 class TextStream:
-    """Print a row's text as its tokens arrive: decode the whole sequence, print the new suffix, and
-    hold back an incomplete UTF-8 character (a trailing U+FFFD) until its next bytes come."""
+    """Print a row's text as its tokens arrive: decode the sequence, print the new suffix, and
+    hold back an incomplete UTF-8 character (a trailing U+FFFD) until its next bytes come. Only
+    the last ids are kept once their text is printed (forget), so that a long stream costs the
+    same memory and time per token however long it runs."""
+
+    KEPT = 64  # ids kept as the context of the next ones' text; forget runs at 4 × as many
 
     def __init__(self, tokenizer, prompt: list[int], out=None):
         self.tokenizer = tokenizer
         self.ids = list(prompt)
-        self.printed = 0  # characters of the decoded text written so far
+        self.printed = 0  # characters of the decoded text (of self.ids) written so far
+        self.added = 0  # tokens added: the row's new tokens
         self.out = out or sys.stdout
         self.flush_new(final=False)
 
     def add(self, token: int):
         self.ids.append(token)
+        self.added += 1
         self.flush_new(final=False)
 
     def on_token(self, row: int, token: int):
@@ -30,13 +36,22 @@ class TextStream:
         self.add(token)
 
     def flush_new(self, final: bool):
-        text = self.tokenizer.decode(self.ids)
-        if not final:
-            text = text.rstrip("\ufffd")
+        full = self.tokenizer.decode(self.ids)
+        text = full if final else full.rstrip("\ufffd")
         if len(text) > self.printed:
             self.out.write(text[self.printed :])
             self.out.flush()
             self.printed = len(text)
+        if len(self.ids) > 4 * self.KEPT and text == full:
+            self.forget(full)
+
+    def forget(self, full: str):
+        """Keep the last KEPT ids alone, all of whose text (`full`) is printed, where their own
+        text is its end (not where they begin inside a character: then at a later token)."""
+        kept = self.ids[-self.KEPT :]
+        tail = self.tokenizer.decode(kept)
+        if full.endswith(tail):
+            self.ids, self.printed = kept, len(tail)
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -100,8 +115,9 @@ def read_prompts(args, max_bytes: int | None) -> list[str]:
 
 def print_samples(
     model, tokenizer, prompts: list[list[int]], sampling: Sampling, step, sinks=None
-) -> list[list[int]]:
-    """Generate and print: one row streams its text as it comes, several are printed at the end."""
+) -> list[int]:
+    """Generate and print: one row streams its text as it comes (nothing kept: with sinks its
+    memory is bounded), several are printed at the end. Returns each row's new tokens' count."""
     stream = TextStream(tokenizer, prompts[0]) if len(prompts) == 1 else None
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
     pieces = tokenizer.get_piece_size()
@@ -114,12 +130,14 @@ def print_samples(
         step=step,
         vocab_limit=pieces if pieces < model.args.vocab_size else None,
         sinks=sinks,
+        keep=stream is None,
     )
     if stream:
         stream.flush_new(final=True)
         print()
+        return [stream.added]
     else:
         for i, (prompt, new) in enumerate(zip(prompts, outputs, strict=True)):
             print(f"--- sample {i + 1}/{len(prompts)} ---")
             print(tokenizer.decode(prompt + new))
-    return outputs
+    return list(map(len, outputs))

@@ -85,6 +85,8 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
         )
     latest = found[-1]
     meta = read_meta(latest)
+    if config is not None:  # first: another source means another model too, said as the cause
+        check_init_from(latest, meta.get("settings") or {}, setting(config, "train.init_from"))
     saved = saved_model_args(meta["model"]).to_dict()  # keys added since read as their defaults
     differences = [
         f"model.{k} {saved.get(k)!r} → {v!r}"
@@ -119,6 +121,29 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
             f"{max_steps}; raise train.max_steps to train on"
         )
     return latest
+
+
+def check_init_from(latest: Path, recorded: dict, given: str | None):
+    """UserError unless `given`, a resume's train.init_from, is the run's own: as the checkpoint's
+    settings record it, or (checkpoints saved before they did) the run's config.json. Else its
+    config.json would record a source the run was not trained from."""
+    if "train.init_from" in recorded:
+        started = recorded["train.init_from"]
+    else:
+        try:
+            config = json.loads((latest.parent.parent / "config.json").read_text())
+            started = config["train"]["init_from"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+    if not isinstance(started, str | None) or started == given:
+        return
+    if None not in (started, given) and resolved(started) == resolved(given):
+        return
+    said = [f"train.init_from={p}" if p else "no train.init_from" for p in (started, given)]
+    raise UserError(
+        f"cannot resume from {latest}: the run was started with {said[0]}, this resume gives "
+        f"{said[1]}; resume with the run's, or {NEW_RUN.format(run_dir=latest.parent.parent)}"
+    )
 
 
 def without_checkpoint(run_dir: Path, held: list[str]) -> UserError:

@@ -35,10 +35,11 @@ class Token:
 
 class RowSampler:
     """Chooses one token per row, each row by its own Sampling: greedy at temperature 0, else top-k
-    and top-p sampling drawn from the row's own generator (torch's global one without a seed). A
-    batch of one draws exactly as decoding.sample does."""
+    and top-p sampling drawn from the row's own generator (torch's global one without a seed; or
+    `generators`, one a row, kept by the caller across batches). A batch of one draws exactly as
+    decoding.sample does."""
 
-    def __init__(self, samplings: list[Sampling], device: torch.device):
+    def __init__(self, samplings: list[Sampling], device: torch.device, generators=None):
         self.sampled = [s.temperature > 0 for s in samplings]
         self.temperature = torch.tensor([s.temperature for s in samplings], device=device)
         ks = [s.top_k for s in samplings]
@@ -49,7 +50,7 @@ class RowSampler:
         )
         ps = [1.0 if s.top_p is None else s.top_p for s in samplings]
         self.top_p = None if min(ps) >= 1 else torch.tensor(ps, device=device)
-        self.generators = [
+        self.generators = generators or [
             None if s.seed is None else torch.Generator(device).manual_seed(s.seed)
             for s in samplings
         ]

@@ -114,7 +114,11 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
         if not (run_dir / name).is_file():
             raise UserError(f"{run_dir} is not a picollama run directory: {name} is missing")
     try:
-        config = json.loads((run_dir / "config.json").read_text())
+        text = (run_dir / "config.json").read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{run_dir}/config.json is corrupt: not UTF-8 (byte {e.start})") from None
+    try:
+        config = json.loads(text)
         args = saved_model_args(config["model"])
         check_type("tokenizer_sha256", config.get("tokenizer_sha256"), str | None)
         state, saved = read_weights(run_dir / "model.safetensors", device)
@@ -156,6 +160,11 @@ def check_saved_model(args: ModelArgs, saved: dict | None):
                 f"weights do not match config.json: model.{key} is {ours[key]} there, {value} in "
                 "the weights"
             )
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether `path` is a file named *.gguf, in any case (UPPER.GGUF too): what --run imports."""
+    return path.suffix.lower() == ".gguf" and path.is_file()
 
 
 def is_hf_directory(path: Path) -> bool:
@@ -200,8 +209,9 @@ def read_tokenizer(path: Path):
         raise UserError(str(e)) from None
 
 
-def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
-    """A Transformer of args holding state's tensors as they are (dtype, device), uninitialized."""
+def model_from_state_dict(args: ModelArgs, state: dict, config: str = "config.json") -> Transformer:
+    """A Transformer of args holding state's tensors as they are (dtype, device), uninitialized;
+    `config` names where args came from in a refusal."""
     layers = len({key.split(".")[1] for key in state if key.startswith("layers.")})
     embedding = state.get("tok_embeddings.weight")
     rows, columns = (
@@ -211,7 +221,7 @@ def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
     for key, found in (("n_layers", layers), ("vocab_size", rows), ("dim", columns)):
         if found not in (None, getattr(args, key)):
             raise UserError(
-                f"weights do not match config.json: model.{key} is {getattr(args, key)} there, "
+                f"weights do not match {config}: model.{key} is {getattr(args, key)} there, "
                 f"{found} in the weights"
             )
     if args.tie_embeddings:
@@ -229,7 +239,7 @@ def model_from_state_dict(args: ModelArgs, state: dict) -> Transformer:
             problems[0] if problems else str(e),
         )[:300]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise UserError(f"weights do not match config.json: {first}{more}") from None
+        raise UserError(f"weights do not match {config}: {first}{more}") from None
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model

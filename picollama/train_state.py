@@ -188,7 +188,8 @@ def write_train_state(
         meta = {"step": step, "world_size": dist.world_size, "model": model.args.to_dict()}
         # what a resume must keep, the run's length (which a train.max_minutes budget decides) and
         # the wall seconds it has spent (which the budget goes on from until it has decided)
-        recorded = (*EXACT_KEYS, "train.max_steps", "optim.decay_start", "train.spent_s")
+        recorded = (*EXACT_KEYS, "train.init_from", "train.max_steps", "optim.decay_start")
+        recorded += ("train.spent_s",)
         meta["settings"] = {key: setting(config, key) for key in recorded}
         if tokenizer is not None:
             meta["tokenizer_sha256"] = tokenizer_sha256(tokenizer)

@@ -839,11 +839,9 @@ def test_random_windows_span_all_shards_in_proportion_and_resume(corpus, tmp_pat
 def test_preparation_refuses_to_start_without_the_disk_space(tmp_path, monkeypatch):
     write_corpus(tmp_path / "texts", docs=10)
     monkeypatch.setattr(
-        build_module.shutil,
-        "disk_usage",
-        lambda path: shutil._ntuple_diskusage(10**12, 10**12, 1000),
+        shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 1000)
     )
-    with pytest.raises(UserError, match="the shards need about .* GB are free"):
+    with pytest.raises(UserError, match="the shards to .*: not enough disk space .1 KB free"):
         prepare(str(tmp_path / "texts"), vocab_size=300, out_dir=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

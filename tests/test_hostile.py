@@ -23,7 +23,8 @@ def run_dir(make_tiny_run, one_thread):
 
 def sample_text(run_dir, capsys, *flags) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of generate.py on run_dir, 8 new tokens after "ab"."""
-    argv = ["--run", str(run_dir), "--prompt", "ab", "--max-new-tokens", "8", *flags]
+    prompt = [] if "--prompt" in flags else ["--prompt", "ab"]
+    argv = ["--run", str(run_dir), *prompt, "--max-new-tokens", "8", *flags]
     status = run_command(generate.main, argv)
     out, err = capsys.readouterr()
     return status, out, err

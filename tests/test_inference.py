@@ -211,14 +211,14 @@ def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
         assert (
             decoding.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
         )
-    assert list(step.compiled) == [(1, 1)]
+    assert list(step.compiled) == [("shared", 1, 1)]
     for new in (13, 20):  # rows of a token buffer as wide as the run
         prompts = [[1, 5, 6, 7], [1, 9, 2, 3]]
         expected = decoding.generate(reference, prompts, Sampling(new, temperature=0))
         assert (
             decoding.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
         )
-    assert list(step.compiled) == [(1, 1), (2, 2)]
+    assert list(step.compiled) == [("shared", 1, 1), ("shared", 2, 2)]
     # up to the cache's last slot, whose keys are the whole cache
     tokens = torch.randint(0, 97, (1, 12))
     expected = step_logits(reference, reference, tokens, 5)
@@ -309,7 +309,8 @@ def test_compiled_unless_slower_decodes_like_the_model(one_thread):
     step, note = compiled_unless_slower(model, DecodeStep(model), batch=2)
     assert note is None or note.startswith("--compile:")
     assert decoding.generate(model, PROMPTS[:2], Sampling(12, temperature=0), step=step) == expected
-    assert step.compiled is None or list(step.compiled) == [(2, 2)]  # timed at the batch it decodes
+    # timed at the batch it decodes
+    assert step.compiled is None or list(step.compiled) == [("shared", 2, 2)]
     # the model's layers hold views of the chosen step's weights (the other's copy went with it)
     storage = step.layers[0].wqkv.weight.untyped_storage().data_ptr()
     assert model.layers[0].attention.wv.weight.untyped_storage().data_ptr() == storage

@@ -43,7 +43,8 @@ def one_error(capsys) -> str:
 
 
 def prepare_cli(texts: Path, out: Path, *args: str) -> int:
-    argv = ["--source", str(texts), "--vocab-size", "300", "--out", str(out), *args]
+    vocab = [] if "--vocab-size" in args else ["--vocab-size", "300"]
+    argv = ["--source", str(texts), *vocab, "--out", str(out), *args]
     return run_command(prepare_module.main, argv)
 
 

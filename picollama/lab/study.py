@@ -20,6 +20,7 @@ from picollama import REPO_ROOT, cli
 from picollama.cli import UserError, comma_list, positive
 from picollama.config import Config, parse_cli
 from picollama.config_checks import check_config
+from picollama.config_values import CHOICES
 from picollama.lab import extrapolate
 from picollama.lab.plots import pyplot, side_by_side_plot, text_report_problem
 from picollama.lab.recipe import FINE_TUNE_KEYS, Recipe, Run, chosen_runs, load_recipe, seeded_runs
@@ -285,7 +286,7 @@ def add_arguments(parser: cli.ArgumentParser):
         default=2,
         help="runs trained side by side, one thread each (default 2)",
     )
-    cli.add_device(parser)
+    cli.add_device(parser, "auto", CHOICES["train.device"], CHOICES["train.dtype"])  # train.py's
 
 
 def read_beside(path: Path) -> dict:

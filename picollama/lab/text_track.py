@@ -323,6 +323,17 @@ def text_work(model, run: dict, lengths: list, distances: list, options: Options
     return work
 
 
+def tokens_by_flag(lengths: list, distances: list, options: Options) -> dict:
+    """The token ids (int64, held in memory) each flag that sets rows makes: --num-windows'
+    windows, --probes' spans, --passkeys' filler and its rows at every length and depth."""
+    longest = max(lengths)
+    return {
+        "--num-windows": longest * options.num_windows,
+        "--probes": longest * options.probes,
+        "--passkeys": options.passkeys * (longest + len(DEPTHS) * sum(lengths)),
+    }
+
+
 def text_rows(loaded: list, options: Options, out_dir: Path, device) -> tuple[TextRows, Path]:
     """The windows and probe rows every run and method is scored on, and the dataset they come
     from; UserError, before any evaluation, for lengths, data or an output that cannot serve, and
@@ -342,8 +353,9 @@ def text_rows(loaded: list, options: Options, out_dir: Path, device) -> tuple[Te
     distances = distances if options.probes else []
     document_windows(data_dir, "val", longest, 1)  # UserError if no document is that long
     work = [text_work(model, run, lengths, distances, options) for model, run in loaded]
-    windows = 8 * longest * (options.num_windows + options.probes)  # their int64 token ids
-    check_cost(loaded, work, windows, options, device, "--num-windows or --probes", losses_and_hits)
+    tokens = tokens_by_flag(lengths, distances, options)
+    flag = max(tokens, key=tokens.get)  # what a refusal names: the flag behind most of the work
+    check_cost(loaded, work, 8 * sum(tokens.values()), options, device, flag, losses_and_hits)
     text = document_windows(data_dir, "val", longest, options.num_windows, seed=seed)
     probe_text = document_windows(data_dir, "val", longest, options.probes, seed=seed + 1)
     if text.max() >= min(model.args.vocab_size for model, _ in loaded):

@@ -6,6 +6,7 @@ import os
 import shlex
 import sys
 import tempfile
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -61,18 +62,7 @@ def parse_args(argv: list[str]):
         default=os.environ.get("PICOLLAMA_SMOLLM2_GGUF"),
         help="the GGUF file both servers load (default: $PICOLLAMA_SMOLLM2_GGUF)",
     )
-    p.add_argument(
-        "--clients",
-        type=comma_list(positive()),
-        default="1,4,8",
-        help="concurrent clients to measure, comma-separated (default 1,4,8)",
-    )
-    p.add_argument(
-        "--requests", type=positive(), default=4, help="requests each client sends (default 4)"
-    )
-    p.add_argument(
-        "--max-tokens", type=positive(), default=64, help="max_tokens of each request (default 64)"
-    )
+    add_load_flags(p)
     p.add_argument(
         "--servers",
         type=comma_list(choices=SERVERS),
@@ -101,9 +91,34 @@ def parse_args(argv: list[str]):
     cli = common.parse(p, argv)
     if cli.smoke:  # one thread each: seconds even on a busy machine
         cli.clients, cli.requests, cli.max_tokens, cli.threads = [1], 1, 4, 1
+        cli.repeats = 1
         cli.ours_args = f"--threads 1 {cli.ours_args}"
     check(cli)
     return cli
+
+
+def add_load_flags(p):
+    """The load each server is measured under: clients, requests, tokens, repeats."""
+    p.add_argument(
+        "--clients",
+        type=comma_list(positive()),
+        default="1,4,8",
+        help="concurrent clients to measure, comma-separated (default 1,4,8)",
+    )
+    p.add_argument(
+        "--requests", type=positive(), default=4, help="requests each client sends (default 4)"
+    )
+    p.add_argument(
+        "--max-tokens", type=positive(), default=64, help="max_tokens of each request (default 64)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive(),
+        default=3,
+        help="times each server is started and measured; each client count reports its median "
+        "run by tokens/s (default 3: one start of llama_cpp.server ran at 32 tokens/s, the next at "
+        "74, on the same idle machine)",
+    )
 
 
 def check(cli):
@@ -192,21 +207,34 @@ def level(server: ServerProcess, name: str, clients: int, cli, counter, progress
 
 
 def measure(cli, name: str, folder: Path) -> dict:
-    """Start one server (its log in folder), warm it up with one request, measure each client
-    count, and stop it."""
+    """Each client count's median run (by tokens/s) of cli.repeats starts of the server, every
+    run's tokens/s beside it, and the command of the first start."""
+    counter = TokenCounter(cli.gguf, cli.max_tokens)
+    total = sum(cli.clients) * cli.requests * cli.repeats
+    with tqdm(total=total, desc=f"{NAMES[name]} requests", disable=None) as progress:
+        runs = [measure_once(cli, name, folder, counter, progress) for _ in range(cli.repeats)]
+    levels = []
+    for i in range(len(cli.clients)):
+        tried = sorted((run[1][i] for run in runs), key=itemgetter("tokens_per_second"))
+        median = tried[(len(tried) - 1) // 2]  # the lower middle: an even count errs low
+        median["tokens_per_second_runs"] = [run[1][i]["tokens_per_second"] for run in runs]
+        levels.append(median)
+    return {"command": runs[0][0], "repeats": cli.repeats, "levels": levels}
+
+
+def measure_once(cli, name: str, folder: Path, counter, progress) -> tuple[str, list[dict]]:
+    """Start the server (its log in folder), warm it up with one request, measure each client
+    count, stop it: (its command, a result a client count)."""
     port = free_port()
     argv = command(cli, name, port)
-    print(f"starting {NAMES[name]}: {shlex.join(map(str, argv[1:]))}", flush=True)
-    counter = TokenCounter(cli.gguf, cli.max_tokens)
+    progress.write(f"starting {NAMES[name]}: {shlex.join(map(str, argv[1:]))}")
     levels = []
     with ServerProcess(NAMES[name], argv, port, folder / f"{name}.log") as server:
         run_clients(server, [[body(name, WARM_UP, cli.max_tokens)]])
-        total = sum(cli.clients) * cli.requests
-        with tqdm(total=total, desc=f"{NAMES[name]} requests", disable=None) as progress:
-            for clients in cli.clients:
-                levels.append(level(server, name, clients, cli, counter, progress))
-                progress.write(summary(NAMES[name], levels[-1]))
-    return {"command": shlex.join(map(str, argv)), "levels": levels}
+        for clients in cli.clients:
+            levels.append(level(server, name, clients, cli, counter, progress))
+            progress.write(summary(NAMES[name], levels[-1]))
+    return shlex.join(map(str, argv)), levels
 
 
 def plural(n: int, what: str) -> str:
@@ -265,7 +293,8 @@ def markdown(cli, results: dict, compared: list[dict], load: float) -> str:
         f"# Serving: {' against '.join(NAMES[name] for name in results)}",
         "",
         f"`{cli.gguf.name}`; {plural(cli.requests, 'streamed chat request')} per client, one after "
-        f"another, max_tokens {cli.max_tokens}, temperature 0; {machine['cpu']}, "
+        f"another, max_tokens {cli.max_tokens}, temperature 0; each server started "
+        f"{plural(cli.repeats, 'time')}, the median run a row; {machine['cpu']}, "
         f"{machine['cpu_cores']} cores, load average {load:.2f} before and "
         f"{machine['load_average_1min']:.2f} after.{theirs}",
         "",
