@@ -11,7 +11,7 @@ from picollama.command import one_line
 from picollama.completion_text import ChoiceText, Entry
 from picollama.decode_step import DecodeStep
 from picollama.row_decoding import Row, Token, generate_rows
-from picollama.slots import Slots
+from picollama.slots import Slots, padded_batch
 
 
 class QueueFull(Exception):
@@ -192,7 +192,8 @@ class Engine:
                 joining, rows = [], slots.rows
                 while self.waiting:
                     more = rows + self.waiting[0].rows
-                    if rows and (len(more) > self.max_batch or not self.fits(more)):
+                    cached = more + more[:1] * (padded_batch(len(more)) - len(more))  # the cache's
+                    if rows and (len(more) > self.max_batch or not self.fits(cached)):
                         break
                     joining.append(self.waiting.popleft())
                     rows = more
@@ -302,5 +303,5 @@ class Engine:
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
-    """The batch sizes of the slots' cache (powers of two), up to max_batch rows."""
-    return [1 << i for i in range((max_batch - 1).bit_length() + 1)]
+    """The batch sizes of the slots' cache (padded_batch), up to max_batch rows."""
+    return sorted({padded_batch(rows) for rows in range(1, max_batch + 1)})

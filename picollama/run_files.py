@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from data.tokenizer import (
     TOKENIZER_CONFIG,
@@ -209,6 +210,24 @@ def read_tokenizer(path: Path):
         raise UserError(str(e)) from None
 
 
+@contextmanager
+def embedding_not_drawn():
+    """nn.init.normal_ a no-op while a model is built on the meta device to be assigned weights:
+    nn.Embedding draws its table with it, which on a meta tensor runs a Python reference that
+    imports torch._dynamo, a second of a chat's start-up (transformers' no_init_weights skips
+    inits the same way)."""
+    normal = nn.init.normal_
+
+    def not_drawn(tensor, *args, **kwargs):
+        return tensor
+
+    nn.init.normal_ = not_drawn
+    try:
+        yield
+    finally:
+        nn.init.normal_ = normal
+
+
 def model_from_state_dict(args: ModelArgs, state: dict, config: str = "config.json") -> Transformer:
     """A Transformer of args holding state's tensors as they are (dtype, device), uninitialized;
     `config` names where args came from in a refusal."""
@@ -226,7 +245,7 @@ def model_from_state_dict(args: ModelArgs, state: dict, config: str = "config.js
             )
     if args.tie_embeddings:
         state = {**state, "output.weight": state["tok_embeddings.weight"]}
-    with torch.device("meta"):
+    with torch.device("meta"), embedding_not_drawn():
         model = Transformer(args)
     try:
         model.load_state_dict(state, assign=True)

@@ -7,6 +7,7 @@ import torch
 
 from picollama.caches import setup_cache
 from picollama.decode_step import DecodeStep, cache_tensors
+from picollama.decoding import prefill
 from picollama.row_decoding import Row, RowSampler, Token, token_logprobs
 
 SHORTEST_CACHE = 256  # positions the cache holds at least: it grows by doubling from there
@@ -25,6 +26,11 @@ class Slot:
     tokens: list[int] = field(default_factory=list)
     position: int = 0
     last: int = 0
+
+    @property
+    def end(self) -> int:
+        """The positions its prompt and its longest answer take."""
+        return len(self.row.prompt) + self.row.sampling.max_new_tokens
 
 
 class Slots:
@@ -51,11 +57,13 @@ class Slots:
         slot = Slot(row, on_token, on_done, generator, position=len(row.prompt))
         if row.sampling.max_new_tokens == 0:
             return on_done("length")
-        self.fit(len(self.slots) + 1, slot.position + 1)
+        self.fit(
+            len(self.slots) + 1, slot.position + 1, slot.position + row.sampling.max_new_tokens
+        )
         setup_cache(self.model, 1, slot.position, self.step.kv_dtype)
         try:
             prompt = torch.tensor([row.prompt], device=self.device)
-            logits = self.model(prompt, start_pos=0)[:, -1]
+            logits = prefill(self.model, prompt, slot.position)
             index = len(self.slots)
             for cache, attention in zip(self.caches, self.step.attentions):
                 for tensor, prefilled in zip(cache, cache_tensors(attention.cache)):
@@ -134,15 +142,20 @@ class Slots:
         for slot in gone:
             slot.on_done(ended[id(slot)])
 
-    def fit(self, count: int, length: int):
-        """A cache for `count` rows (its batch the power of two at or above), `length` positions
-        and every row's next: the one there where it is that batch and long enough, else a new one
-        (the rows there copied over)."""
-        batch = 1 << (count - 1).bit_length()
+    def fit(self, count: int, length: int, end: int = 0):
+        """A cache for `count` rows (its batch the power of two at or above, padded_batch), `length`
+        positions and every row's next: the one there where it is that batch and long enough, else
+        a new one (the rows there copied over), its length a power of two but no longer than the
+        longest row can grow (`end`, a joining row's, or a row's there): what the memory check
+        counted."""
+        batch = padded_batch(count)
         length = max([length] + [slot.position + 1 for slot in self.slots])
         if self.caches and len(self.caches[0][0]) == batch and self.caches[0][0].shape[2] >= length:
             return
-        capacity = 1 << (max(SHORTEST_CACHE, length) - 1).bit_length()
+        ends = [end] + [
+            len(slot.row.prompt) + slot.row.sampling.max_new_tokens for slot in self.slots
+        ]
+        capacity = min(1 << (max(SHORTEST_CACHE, length) - 1).bit_length(), max(ends))
         setup_cache(self.model, batch, capacity, self.step.kv_dtype)
         caches = [cache_tensors(attention.cache) for attention in self.step.attentions]
         self.model.reset_cache()
@@ -151,3 +164,8 @@ class Slots:
                 for source, target in zip(old, new):
                     target[slot_index, :, : slot.position] = source[slot_index, :, : slot.position]
         self.caches = caches
+
+
+def padded_batch(rows: int) -> int:
+    """The batch of the cache (and the step) for `rows` rows: the power of two at or above."""
+    return 1 << (rows - 1).bit_length()

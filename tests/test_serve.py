@@ -675,3 +675,38 @@ def test_smollm2_names_the_capital_of_france_through_the_server(tmp_path):
         assert answer.usage.completion_tokens == len(choice.logprobs.content) + 1
     finally:
         server.stop()
+
+
+def test_the_model_is_loaded_on_the_thread_that_decodes(monkeypatch):
+    """One thread makes every torch call (libgomp's spin-wait, cut short with a second thread's
+    pool on 2 cores, made each step 2.3x slower): load and the engine run on the same thread."""
+    import picollama.serve as serve
+
+    threads = {}
+
+    class Engine:
+        def run(self):
+            threads["run"] = threading.current_thread()
+
+    class Served:
+        engine = Engine()
+
+    def load(args):
+        threads["load"] = threading.current_thread()
+        return Served()
+
+    monkeypatch.setattr(serve, "load", load)
+    served = serve.load_on_engine_thread(None)
+    deadline = time.monotonic() + 10
+    while "run" not in threads:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert isinstance(served, Served) and threads["load"] is threads["run"]
+    assert threads["load"] is not threading.main_thread()
+
+    def failing(args):
+        raise serve.UserError("no such run")
+
+    monkeypatch.setattr(serve, "load", failing)
+    with pytest.raises(serve.UserError, match="no such run"):
+        serve.load_on_engine_thread(None)
