@@ -25,12 +25,12 @@ from picollama.command import Interrupted, run_command
 from picollama.config import Config, parse_cli
 from picollama.config_checks import check_config
 from picollama.device import Dist, check_compiler, keep_freed_memory, peak_flops, pick_dtype
-from picollama.metrics import RunLog, Throughput, flops_per_token, memory_gb
+from picollama.metrics import RunLog, Throughput, check_wandb, flops_per_token, memory_gb
 from picollama.optim import build_optimizer, lr_at
-from picollama.outputs import check_writable, exclusive
+from picollama.outputs import exclusive
 from picollama.parallel import parallelize
 from picollama.resume import check_tokenizer, checkpoints, resume_point
-from picollama.train_checks import check_memory, check_packing, init_from_weights
+from picollama.train_checks import check_memory, check_out_dir, check_packing, init_from_weights
 from picollama.train_data import (
     VALIDATION_FORMATS,
     DataSource,
@@ -340,9 +340,9 @@ def main(argv: list[str]) -> int:
     check_dataset(cfg)
     check_packing(cfg)
     check_memory(cfg, world_size)
+    check_out_dir(cfg)
+    check_wandb(cfg)
     run_dir = Path(cfg.train.out_dir)
-    # before any work; never in the dataset
-    check_writable(run_dir, inputs=[cfg.data.dir], directory=True)
     if cfg.train.compile:
         check_compiler()
     keep_freed_memory()

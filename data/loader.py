@@ -10,6 +10,7 @@ import torch
 from data.shards import docs_name, mask_name, split_shards
 from data.tokenizer import same_tokenizer, tokenizer_file, tokenizer_sha256
 from picollama.cli import UserError, check_type
+from picollama.model_args import SIZE_LIMITS
 from picollama.named_files import inside
 
 SPLITS = ("train", "val")
@@ -49,8 +50,33 @@ def checked_meta(data_dir) -> dict:
             f"{data_dir}/meta.json bytes_per_token must be a positive number, not "
             f"{meta['bytes_per_token']!r}; prepare the dataset again with --force"
         )
+    check_meta_counts(data_dir, meta)
     check_dataset_tokenizer(data_dir, meta)
     return meta
+
+
+def check_meta_counts(data_dir, meta: dict) -> None:
+    """UserError unless meta.json's vocab_size lies in 1..SIZE_LIMITS' and each split's token count
+    is its shards' sum (open_tokens holds each shard to its file's size): a count that lies passed
+    for the "too few tokens" check and was printed as the dataset's size."""
+    where = f"{data_dir}/meta.json"
+    vocab_size, limit = meta["vocab_size"], SIZE_LIMITS["vocab_size"]
+    if not 0 < vocab_size <= limit:
+        raise UserError(
+            f"{where} vocab_size must be 1 to {limit:,}, not {vocab_size:,}; prepare the "
+            "dataset again with --force"
+        )
+    for split in SPLITS:
+        try:
+            counted = sum(int(shard["tokens"]) for shard in split_shards(meta, split))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{where} lacks the {split} split's shards ({exc})") from None
+        tokens = meta["splits"][split]["tokens"]
+        if tokens != counted:
+            raise UserError(
+                f"{where} splits.{split}.tokens is {tokens:,}, but its shards hold {counted:,} "
+                "tokens; prepare the dataset again with --force"
+            )
 
 
 def check_dataset_tokenizer(data_dir, meta: dict) -> None:

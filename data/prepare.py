@@ -10,6 +10,7 @@ from data.build_conversations import prepare_conversations
 from data.conversations import conversation_files
 from picollama.cli import ArgumentParser, UserError, add_out, positive
 from picollama.command import run_command
+from picollama.output_place import check_output_place
 
 VOCAB_SIZE = 4096  # the vocabulary a tokenizer trains, unless --vocab-size says
 EPILOG = """\
@@ -98,6 +99,9 @@ def main(argv) -> int:
     args = parse_args(argv)
     # else datasets imports torch (~1.5 s), which preparing never needs
     os.environ.setdefault("USE_TORCH", "0")
+    if args.out is not None:  # the default, data/NAME in the repository, lies in no input
+        inputs = {"--source": args.source, "--tokenizer": args.tokenizer}
+        check_output_place(args.out, inputs, "prepare")
     if conversation_files(args.source):
         prepare_conversations(
             args.source,

@@ -13,6 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from data.tokenizer import TOKENIZER_CONFIG, HFTokenizer, prompt_start, special_token
 from picollama.cli import UserError
 from picollama.outputs import atomic_output
+from picollama.user_files import read_small_text
 
 # The template of a run that has none (one trained here): plain text that any tokenizer spells,
 # "System: …\n", "User: …\n", "Assistant: …" and the tokenizer's EOS ending an assistant turn. The
@@ -64,10 +65,9 @@ def load_chat_template(run_dir, override=None) -> str:
     run's own (run_chat_template), else DEFAULT_TEMPLATE; ChatTemplateError naming a bad file."""
     if override is not None:
         try:
-            return Path(override).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise ChatTemplateError(f"--chat-template {override}: {cause}") from None
+            return read_small_text(override, "--chat-template")
+        except UserError as e:
+            raise ChatTemplateError(str(e)) from None
     found = run_chat_template(run_dir)
     return DEFAULT_TEMPLATE if found is None else found
 

@@ -22,6 +22,7 @@ from picollama.cli import (
 )
 from picollama.config_values import CHOICES, TEXT_KEYS, check_value
 from picollama.model_args import CONTEXT_KEYS, checked_model_args, saved_model_args
+from picollama.user_files import read_small_text
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
 
@@ -326,11 +327,7 @@ def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, 
                 raise UserError(f"--{flag} and --{key} set the same key; give one")
             overrides.append((key, str(value)))
     try:
-        raw = tomllib.loads(Path(args.config).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"cannot read config {args.config}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"{args.config} is not UTF-8 text (byte {e.start}); re-save it") from None
+        raw = tomllib.loads(read_small_text(args.config, "--config"))
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{args.config} is not valid TOML: {e}") from None
     return build_config(raw, overrides), args.resume

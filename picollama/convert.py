@@ -11,6 +11,7 @@ from picollama.gguf_export import GGUF_TYPES, export_gguf
 from picollama.gguf_import import import_gguf
 from picollama.hf_format import export_hf, import_hf
 from picollama.import_cache import cache_command, imported_run  # noqa: F401 (imported_run: --run)
+from picollama.output_place import check_output_place
 from picollama.outputs import check_writable
 
 
@@ -90,6 +91,8 @@ def main(argv: list[str]) -> int:
         return cache_command(args.clear)
     source = getattr(args, {"from-hf": "hf_dir", "from-gguf": "gguf"}.get(args.command, "run"))
     out = args.out
+    flag = {"from-hf": "--hf-dir", "from-gguf": "--gguf"}.get(args.command, "--run")
+    check_output_place(out, {flag: source}, args.command)
     directory = args.command != "to-gguf"
     check_writable(out, inputs=[source], directory=directory)
     if out.exists() and (not directory or any(out.iterdir())) and not args.force:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -12,7 +13,31 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from picollama.cli import UserError
 from picollama.config import Config
+
+WANDB_LOCAL = ("offline", "disabled", "dryrun")  # WANDB_MODEs that need no login
+NO_WANDB_KEY = (
+    "wandb.enabled: no W&B API key is configured; log in with `wandb login`, set "
+    "WANDB_API_KEY, or set WANDB_MODE=offline to keep the run's logs here"
+)
+
+
+def check_wandb(cfg: Config):
+    """UserError, before any work, when wandb.enabled cannot log: wandb is not installed, or no API
+    key is configured and WANDB_MODE does not keep the logs offline (wandb.init's traceback)."""
+    if not cfg.wandb.enabled:
+        return
+    try:
+        import wandb
+    except ImportError:
+        raise UserError(
+            "wandb.enabled needs the wandb package (pip install wandb); or set wandb.enabled=false"
+        ) from None
+    if os.environ.get("WANDB_MODE") in WANDB_LOCAL or os.environ.get("WANDB_API_KEY"):
+        return
+    if not wandb.login(prompt=False, verify=False):  # ~/.netrc's key, where `wandb login` put it
+        raise UserError(NO_WANDB_KEY)
 
 
 def memory_gb(device: torch.device) -> float:
@@ -92,11 +117,14 @@ class RunLog:
         if cfg.wandb.enabled:
             import wandb
 
-            self.wandb = wandb.init(
-                project=cfg.wandb.project,
-                name=cfg.wandb.run_name or run_dir.name,
-                config=cfg.to_dict(),
-            )
+            try:
+                self.wandb = wandb.init(
+                    project=cfg.wandb.project,
+                    name=cfg.wandb.run_name or run_dir.name,
+                    config=cfg.to_dict(),
+                )
+            except wandb.errors.Error as e:  # a key check_wandb found that the server refuses
+                raise UserError(f"wandb.enabled: wandb cannot log this run: {e}") from None
 
     def record(self, entry: dict):
         """Append entry to metrics.jsonl (and wandb) with elapsed_s: wall seconds since training

@@ -246,7 +246,7 @@ def shared(checked: Shared, body: dict, kind: str, max_n: int) -> Ask:
         temperature=in_range(temperature, "temperature", 0, 2),
         top_p=None if top_p == 1 else top_p,
         top_k=top_k,
-        seed=None if checked.seed is None else checked.seed % SEEDS,
+        seed=None if checked.seed is None else in_range(checked.seed, "seed", 0, SEEDS - 1),
         stop=stops(body.get("stop")),
         stream=checked.stream,
         include_usage=bool(checked.stream_options and checked.stream_options.include_usage),

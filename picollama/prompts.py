@@ -1,13 +1,11 @@
 """Prompts in, text out: --prompt or --prompt-file read and encoded; samples streamed or printed."""
 
-import os
-import stat
 import sys
 
 from data.tokenizer import prompt_start
 from picollama.cli import UserError, utf8_argument
 from picollama.decoding import Sampling, generate
-from picollama.outputs import file_kind
+from picollama.user_files import regular_file_size
 
 
 class TextStream:
@@ -69,16 +67,8 @@ def check_prompt_flags(args):
 
 
 def prompt_file_size(path) -> int:
-    """The size of --prompt-file; UserError unless it is a regular file, which is never opened (a
-    device such as /dev/zero, a FIFO or a socket could be read forever, or block)."""
-    try:
-        info = os.stat(path)
-    except OSError as e:
-        raise UserError(f"--prompt-file {path}: {e.strerror or e}") from None
-    if not stat.S_ISREG(info.st_mode):
-        kind = "a directory" if stat.S_ISDIR(info.st_mode) else file_kind(path) or "not a file"
-        raise UserError(f"--prompt-file {path} is {kind}, not a regular file of prompts")
-    return info.st_size
+    """The size of --prompt-file; UserError unless it is a regular file (user_files)."""
+    return regular_file_size(path, "--prompt-file")
 
 
 def read_prompts(args, max_bytes: int | None) -> list[str]:

@@ -42,21 +42,28 @@ def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
-        if name != served.name:
-            raise ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found")
+        served_as(served, name)
         return served.card()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         ask = chat_request(read_json(await body_of(request)), served.engine.max_batch)
+        served_as(served, ask.model)
         return await answer(served, request, ask)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         ask = completion_request(read_json(await body_of(request)), served.engine.max_batch)
+        served_as(served, ask.model)
         return await answer(served, request, ask)
 
     return app
+
+
+def served_as(served, name: str | None):
+    """404 in OpenAI's shape unless `name` is the served model's (a request may leave it out)."""
+    if name is not None and name != served.name:
+        raise ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found")
 
 
 class Server(uvicorn.Server):

@@ -1,5 +1,5 @@
-"""Before a run trains: the memory check's lower bound, train.init_from's weights checked, and
-the settings that packed documents refuse."""
+"""Before a run trains: the memory check's lower bound, train.init_from's weights checked, the
+settings that packed documents refuse, and where train.out_dir may be."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -12,6 +12,8 @@ from model import ROPE_ATTENTIONS, ModelArgs, Transformer
 from picollama.cli import UserError
 from picollama.config import Config, check_init_model
 from picollama.device import gib, memory_bytes, pick_device, pick_dtype
+from picollama.output_place import check_output_place
+from picollama.outputs import check_writable
 from picollama.run_files import load_model
 
 
@@ -124,3 +126,12 @@ def check_memory(cfg: Config, world_size: int):
             f"beside {gib(state)} for the weights and optimizer state, and {device.type} memory "
             f"is {gib(memory)}: at most {fits:,} fit; lower {key}{more}"
         )
+
+
+def check_out_dir(cfg: Config):
+    """UserError, before any work, unless train.out_dir can be written and lies in none of the
+    run's inputs (data.dir, data.source, train.init_from) nor in another command's folder."""
+    d, t = cfg.data, cfg.train
+    inputs = {"data.dir": d.dir, "data.source": d.source, "train.init_from": t.init_from}
+    check_output_place(t.out_dir, inputs, "train.py", flag="train.out_dir")
+    check_writable(t.out_dir, inputs=[d.dir], directory=True)

@@ -296,7 +296,7 @@ train --model.vocab_size=4000000 --model.dim=65536
     => the model (627,375,931,392 parameters) cannot fit in memory: its weights, gradients and
 train --train.out_dir={ws}/huge_context_trained --resume => model.max_seq_len must be at most
 train --no_such.key=1 => unknown config key no_such.key
-train --config {ws}/missing.toml => cannot read config
+train --config {ws}/missing.toml => --config {ws}/missing.toml: No such file or directory
 train --resume => nothing to resume
 train --train.out_dir={ws}/trained => already holds a run
 train --train.out_dir={ws}/trained --resume --model.dim=64 => different model
@@ -557,18 +557,19 @@ def test_outputs_that_are_not_files_are_refused_and_left_alone(ws, tmp_path, cap
 
 
 def test_force_replaces_what_picollama_wrote(ws, tmp_path, capsys):
-    """--force replaces an export, a run with its train_state, a GGUF file, an interrupted save."""
-    shutil.copytree(ws / "trained", tmp_path / "trained")
+    """--force replaces an export, an import, a GGUF file, an interrupted save (never a training
+    run: test_rules_outputs.py)."""
+    shutil.copytree(ws / "run", tmp_path / "imported")
     shutil.copytree(ws / "hf", tmp_path / "hf")
     (tmp_path / "hf" / ".model.safetensors.tmp-4242").write_bytes(b"half a save")
     for argv in (
-        ["from-hf", "--hf-dir", str(ws / "hf"), "--out", str(tmp_path / "trained"), "--force"],
+        ["from-hf", "--hf-dir", str(ws / "hf"), "--out", str(tmp_path / "imported"), "--force"],
         ["to-hf", "--run", str(ws / "run"), "--out", str(tmp_path / "hf"), "--force"],
         ["to-gguf", "--run", str(ws / "run"), "--out", str(tmp_path / "m.gguf")],
         ["to-gguf", "--run", str(ws / "run"), "--out", str(tmp_path / "m.gguf"), "--force"],
     ):
         assert run_command(convert.main, argv) == 0, capsys.readouterr().err
-    imported = sorted(p.name for p in (tmp_path / "trained").iterdir())
+    imported = sorted(p.name for p in (tmp_path / "imported").iterdir())
     # the export's files, with the tokenizer_config.json beside its tokenizer; none of the old run
     assert imported == [
         "config.json",

@@ -74,6 +74,7 @@ class Server:
         root.mkdir(parents=True, exist_ok=True)
         self.log = root / "server.log"
         command = [sys.executable, "-m", "picollama.serve", "--run", str(run), "--port", "0"]
+        command += ["--model-name", "run"]  # the name the tests' requests call it by
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         env.pop("PICOLLAMA_API_KEY", None)
         with open(self.log, "w") as log:
@@ -336,6 +337,9 @@ CHAT_BAD = [  # (body, the param its error names)
     ({"messages": HELLO, "temperature": True}, "temperature"),
     ({"messages": HELLO, "top_p": 1.5}, "top_p"),
     ({"messages": HELLO, "seed": "x"}, "seed"),
+    ({"messages": HELLO, "seed": 2**40}, "seed"),  # torch keeps 32 bits: it would be seed 0
+    ({"messages": HELLO, "seed": -1}, "seed"),
+    ({"messages": HELLO, "model": "gpt-4o"}, "model"),  # 404: not the model served
     ({"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": HELLO, "stop": 3}, "stop"),
     ({"messages": HELLO, "top_logprobs": 3}, "top_logprobs"),

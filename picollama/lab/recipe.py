@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from picollama.cli import UserError
+from picollama.user_files import read_small_text
 
 
 def is_count(value) -> bool:
@@ -181,9 +182,7 @@ def read_run(table: dict, where: str) -> Run:
 def load_recipe(path: Path) -> Recipe:
     """The study's recipe, checked; UserError naming the file and the key otherwise."""
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"cannot read the recipe {path}: {e.strerror}") from None
+        raw = tomllib.loads(read_small_text(path, "--recipe"))
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{path} is not valid TOML: {e}") from None
     check_table(raw, "recipe", str(path))

@@ -27,6 +27,7 @@ from picollama.lab.recipe import FINE_TUNE_KEYS, Recipe, Run, chosen_runs, load_
 from picollama.lab.report import markdown_report, retrieval_markdown, table
 from picollama.lab.runs import Options
 from picollama.lab.seeds import seeds_markdown, seeds_summary
+from picollama.lab.trainings import Trainings
 from picollama.outputs import atomic_output, check_writable, exclusive, resolved
 from picollama.train_data import check_dataset
 
@@ -91,7 +92,7 @@ def plan(recipe: Recipe, args) -> tuple[dict[str, list[str]], dict[str, Config]]
 # ---------------------------------------------------------------- training and comparing
 
 
-def train_run(name: str, command: list[str], out: Path) -> dict:
+def train_run(name: str, command: list[str], out: Path, trainings: Trainings) -> dict:
     """Train one run with `python train.py COMMAND` on one thread (its output in OUT/logs/NAME.log):
     wall and CPU seconds, and its last validation accuracy (metrics.jsonl); UserError naming the
     log's last line when training fails."""
@@ -104,7 +105,7 @@ def train_run(name: str, command: list[str], out: Path) -> dict:
     # much to a busy one
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "x") as stream:  # never another study's log (run refuses a used --out)
-        process = subprocess.Popen(
+        process = trainings.start(
             [sys.executable, "train.py", *command],
             cwd=REPO_ROOT,
             stdout=stream,
@@ -112,6 +113,7 @@ def train_run(name: str, command: list[str], out: Path) -> dict:
             env=env,
         )
         _, status, usage = os.wait4(process.pid, 0)
+        trainings.ended(process)
         process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
         lines = log.read_text().strip().splitlines() or ["(no output)"]
@@ -146,20 +148,31 @@ def prepare_datasets(configs: dict[str, Config]):
 
 def train_all(runs: list[Run], commands: dict[str, list[str]], out: Path, jobs: int) -> dict:
     """Train the runs, `jobs` at a time (a fine-tune once the run it starts from is done): {name:
-    train_run's numbers}."""
+    train_run's numbers}. Ctrl-C, SIGTERM or a failed run ends it within seconds: no queued run
+    starts, and the running ones are stopped (Trainings)."""
     futures = {}
+    trainings = Trainings()
 
     def one(run: Run) -> dict:
-        if run.source is not None:
-            futures[run.source].result()  # submitted earlier, so running or done: no deadlock
-        return train_run(run.name, commands[run.name], out)
+        try:
+            if run.source is not None:
+                futures[run.source].result()  # submitted earlier, so running or done: no deadlock
+            return train_run(run.name, commands[run.name], out, trainings)
+        except BaseException:
+            trainings.stop()  # here, not only in the main thread: this thread takes no next run
+            raise
 
     with ThreadPoolExecutor(jobs) as pool, tqdm(total=len(runs), desc="study", unit="run") as bar:
-        for run in runs:
-            futures[run.name] = pool.submit(one, run)
-        for future in as_completed(futures.values()):
-            future.result()  # the first failure ends the study (the runs under way finish)
-            bar.update()
+        try:
+            for run in runs:
+                futures[run.name] = pool.submit(one, run)
+            for future in as_completed(futures.values()):
+                future.result()  # the first failure ends the study
+                bar.update()
+        except BaseException:
+            trainings.stop()
+            pool.shutdown(cancel_futures=True)  # waits for the stopped runs' threads only
+            raise
     return {name: future.result() for name, future in futures.items()}
 
 

@@ -350,6 +350,11 @@ def text_rows(loaded: list, options: Options, out_dir: Path, device) -> tuple[Te
     check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
     longest, seed = max(lengths), options.seed
     distances = probe_distances(min(contexts), lengths, options.probe_span)
+    if options.probes and not distances:  # dropped, the report said "no copy probe (--probes 0)"
+        raise UserError(
+            f"--probe-span {options.probe_span} does not fit: a probe holds its span twice "
+            f"within the longest length, {longest} tokens, so at most {longest // 2}"
+        )
     distances = distances if options.probes else []
     document_windows(data_dir, "val", longest, 1)  # UserError if no document is that long
     work = [text_work(model, run, lengths, distances, options) for model, run in loaded]

@@ -23,6 +23,7 @@ from picollama.device import cpu_has_bf16, peak_flops, pick_device, pick_dtype
 from picollama.hf_format import hf_config, to_hf_state_dict
 from picollama.model_args import model_args_from_dict
 from picollama.outputs import atomic_output, check_own_result, check_writable, exclusive
+from picollama.user_files import read_small_text
 
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
 # model_args("smoke"): --smoke's model
@@ -61,6 +62,16 @@ def add_configs(p: ArgumentParser, default: str):
         default=default,
         help=f"comma-separated: small, base, configs/NAME.toml names (default {default})",
     )
+    p.set_defaults(smoke_model=True)  # --smoke measures its own model: parse refuses a --config
+
+
+def check_smoke_config(p: ArgumentParser, args):
+    """UserError for --smoke with a --config given where --smoke measures its own tiny model in
+    place of the configs (it was silently ignored, even a nonexistent one)."""
+    if args.smoke and getattr(args, "smoke_model", False) and "config" in p.given:
+        raise UserError(
+            "--smoke measures its own tiny model, not --config: give --smoke or --config"
+        )
 
 
 def parse(p: ArgumentParser, argv: list[str]):
@@ -68,6 +79,7 @@ def parse(p: ArgumentParser, argv: list[str]):
     absent or this benchmark's result (the ownership rule, outputs.check_own_result), and, in a
     one_writer main, locked against a second benchmark writing it (outputs.exclusive)."""
     args = p.parse_args(argv)
+    check_smoke_config(p, args)
     if args.out is None:
         args.out = default_out(args.benchmark, args.smoke)
         args.temporary_out = args.smoke
@@ -134,10 +146,11 @@ def model_args(name: str) -> ModelArgs:
     if name == "smoke":
         return ModelArgs(**SMOKE)
     path = Path(name) if name.endswith(".toml") else REPO_ROOT / "configs" / f"{name}.toml"
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"no config {name!r}: no {path}")
+    text = read_small_text(path, "--config")
     try:
-        section = tomllib.loads(path.read_text()).get("model")
+        section = tomllib.loads(text).get("model")
         if not isinstance(section, dict):
             raise UserError(f"{path} has no [model] section")
         return model_args_from_dict(section)

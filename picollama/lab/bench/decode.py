@@ -180,6 +180,7 @@ def parse_args(argv: list[str]):
     p.add_argument(
         "--config", default="small", help="small, base or a configs/NAME.toml name (default small)"
     )
+    p.set_defaults(smoke_model=True)  # --smoke times its own model (common.check_smoke_config)
     p.add_argument(
         "--run",
         type=Path,

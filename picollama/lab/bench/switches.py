@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from model import Transformer
+from picollama import REPO_ROOT
 from picollama.cli import comma_list, positive
 from picollama.command import run_command
 from picollama.config import parse_cli
@@ -142,7 +143,11 @@ def parse_args(argv: list[str]):
         type=comma_list(choices=[*SWITCHES, *OPTIMIZERS]),
         help="comma-separated switches (default: all, and the optimizer the config does not use)",
     )
-    return common.parse(p, argv)
+    args = common.parse(p, argv)
+    # train.py runs in the repository: the default is a path there, a given one is the caller's
+    given = "config" in p.given
+    args.config_file = str(Path(args.config).absolute() if given else REPO_ROOT / args.config)
+    return args
 
 
 def run_switches(args, switches: dict, names: list[str], budget: float | None) -> dict:
@@ -156,7 +161,7 @@ def run_switches(args, switches: dict, names: list[str], budget: float | None) -
             runs = []
             for seed in args.seeds:
                 folder = Path(tmp) / f"{len(results)}-{seed}"
-                runs.append(run_switch(args.config, switches[name], seed, budget, folder))
+                runs.append(run_switch(args.config_file, switches[name], seed, budget, folder))
                 bar.update()
             bpbs = [r["val_bpb"] for r in runs if r.get("val_bpb") is not None]
             results[name] = {
@@ -183,7 +188,7 @@ def report(results: dict):
 @common.one_writer
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    cfg, _ = parse_cli(["--config", args.config])
+    cfg, _ = parse_cli(["--config", args.config_file])
     other = next(name for name in OPTIMIZERS if name != cfg.optim.name)
     switches = {**SWITCHES, **{name: [f"--optim.name={name}"] for name in OPTIMIZERS}}
     names = [*SWITCHES, other] if args.only is None else args.only
