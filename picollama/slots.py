@@ -36,7 +36,7 @@ class Slot:
 class Slots:
     """The rows decoding now, in slots 0..n-1 of one KV cache (model's layers, kv_dtype, batch the
     power of two at or above n, length a power of two holding the longest row): join() prefills a
-    row and chooses its first token, step() chooses the next token of every row, a row that ends
+    row and chooses its first token, step_all() chooses the next token of every row, a row that ends
     leaves and the last row moves into its slot. The cache is resized (copied) as rows come, go
     and grow; the step is compiled for each batch size."""
 
@@ -57,9 +57,7 @@ class Slots:
         slot = Slot(row, on_token, on_done, generator, position=len(row.prompt))
         if row.sampling.max_new_tokens == 0:
             return on_done("length")
-        self.fit(
-            len(self.slots) + 1, slot.position + 1, slot.position + row.sampling.max_new_tokens
-        )
+        self.fit(len(self.slots) + 1, slot.position + 1, slot.end)
         setup_cache(self.model, 1, slot.position, self.step.kv_dtype)
         try:
             prompt = torch.tensor([row.prompt], device=self.device)
@@ -79,10 +77,9 @@ class Slots:
         count = len(self.slots)
         self.fit(count, 1)
         padding = len(self.caches[0][0]) - count  # rows of the cache's batch with no slot
-        ids = torch.tensor([slot.last for slot in self.slots] + [0] * padding, device=self.device)
-        positions = torch.tensor(
-            [s.position for s in self.slots] + [0] * padding, device=ids.device
-        )
+        fed = [slot.last for slot in self.slots] + [0] * padding
+        fed += [slot.position for slot in self.slots] + [0] * padding
+        ids, positions = torch.tensor(fed, device=self.device).view(2, -1)
         logits = self.step.rows(ids, positions, self.caches)[:count]
         for slot in self.slots:
             slot.position += 1
@@ -152,10 +149,8 @@ class Slots:
         length = max([length] + [slot.position + 1 for slot in self.slots])
         if self.caches and len(self.caches[0][0]) == batch and self.caches[0][0].shape[2] >= length:
             return
-        ends = [end] + [
-            len(slot.row.prompt) + slot.row.sampling.max_new_tokens for slot in self.slots
-        ]
-        capacity = min(1 << (max(SHORTEST_CACHE, length) - 1).bit_length(), max(ends))
+        end = max([end] + [slot.end for slot in self.slots])
+        capacity = min(1 << (max(SHORTEST_CACHE, length) - 1).bit_length(), end)
         setup_cache(self.model, batch, capacity, self.step.kv_dtype)
         caches = [cache_tensors(attention.cache) for attention in self.step.attentions]
         self.model.reset_cache()
