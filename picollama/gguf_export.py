@@ -1,6 +1,9 @@
 """llama.cpp GGUF export (to-gguf): the llama architecture, its RoPE, vocabulary and weights."""
 
+import errno
 import json
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -91,28 +94,44 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str, 
         writer.add_file_type(file_type)
         add_gguf_vocab(writer, tokenizer, args.vocab_size, gguf)
         add_gguf_chat_template(writer, tokenizer, chat_template)
-        state = model.state_dict()
-        tensors = {
-            "token_embd": state["tok_embeddings.weight"],
-            "output_norm": state["norm.weight"],
-        }
-        if not args.tie_embeddings:  # llama.cpp reuses token_embd when output is absent
-            tensors["output"] = state["output.weight"]
-        if freq_divisors is not None:
-            tensors["rope_freqs"] = freq_divisors
-        for i in range(args.n_layers):
-            for ours, theirs in GGUF_LAYER_KEYS.items():
-                tensors[f"blk.{i}.{theirs}"] = state[f"layers.{i}.{ours}.weight"]
-        for name, tensor in tensors.items():
+        for name, tensor in gguf_tensors(model, freq_divisors).items():
             data = tensor.detach().float().numpy()
             # llama.cpp's own rules: vectors stay f32, quantized rows need whole blocks (else f16)
             kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
             if data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
                 kind = gguf.GGMLQuantizationType.F16
             writer.add_tensor(f"{name}.weight", gguf.quants.quantize(data, kind), raw_dtype=kind)
+        write_gguf_file(writer, tmp, out)
+
+
+def gguf_tensors(model: Transformer, freq_divisors: torch.Tensor | None) -> dict:
+    """The model's weights by their llama.cpp names (without .weight), rope_freqs if given."""
+    args, state = model.args, model.state_dict()
+    tensors = {"token_embd": state["tok_embeddings.weight"], "output_norm": state["norm.weight"]}
+    if not args.tie_embeddings:  # llama.cpp reuses token_embd when output is absent
+        tensors["output"] = state["output.weight"]
+    if freq_divisors is not None:
+        tensors["rope_freqs"] = freq_divisors
+    for i in range(args.n_layers):
+        for ours, theirs in GGUF_LAYER_KEYS.items():
+            tensors[f"blk.{i}.{theirs}"] = state[f"layers.{i}.{ours}.weight"]
+    return tensors
+
+
+def write_gguf_file(writer, tmp: Path, out: Path):
+    """The writer's header, metadata and tensors written to `tmp` (to become `out`). numpy's tofile
+    reports a full disk only as "N requested and M written": raised as the ENOSPC it is, which
+    atomic_output turns into one line naming `out`."""
+    try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
+    except OSError as e:
+        short = re.fullmatch(r"(\d+) requested and \d+ written", str(e))
+        if e.errno is None and short and shutil.disk_usage(tmp.parent).free < int(short[1]):
+            raise OSError(errno.ENOSPC, "No space left on device", str(out)) from None
+        raise
+    finally:
         writer.close()
 
 

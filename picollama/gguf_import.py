@@ -167,13 +167,19 @@ def model_args(meta: Metadata, reader) -> ModelArgs:
         max_seq_len=meta.get("llama.context_length", int, 2048),
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
     )
+    if int(embeddings.shape[0]) != args["dim"]:
+        raise UserError(
+            f"{meta.path}: metadata llama.embedding_length {args['dim']} is not the width of "
+            f"tensor token_embd.weight, {int(embeddings.shape[0])}"
+        )
     checked(meta, args)  # before anything computes with them (a head count of 0 divides)
     args = checked(meta, args | rope_args(meta, reader, args))
     for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
         if meta.get(f"llama.{key}", int, args.head_dim) != args.head_dim:
             raise UserError(
-                f"{meta.path}: llama.{key} {meta.get(f'llama.{key}')} is not supported (only the "
-                f"head size, {args.head_dim})"
+                f"{meta.path}: llama.{key} {meta.get(f'llama.{key}')} is not the head size "
+                f"{args.head_dim} (llama.embedding_length {args.dim} / llama.attention.head_count "
+                f"{args.n_heads}); one is wrong, or picollama cannot run this model"
             )
     return args
 
@@ -303,7 +309,10 @@ def write_tokenizer(meta: Metadata, path: Path, folder: Path, vocab_size: int) -
     (tokenizer_config.json: special tokens, add_bos_token, the chat template)."""
     model = meta.get("tokenizer.ggml.model", str)
     tokens = meta.items("tokenizer.ggml.tokens", str)
-    if model not in ("llama", "gpt2") or tokens is None:
+    for key, value in (("model", model), ("tokens", tokens)):
+        if value is None:
+            raise UserError(f"{path}: metadata tokenizer.ggml.{key} is missing: no tokenizer")
+    if model not in ("llama", "gpt2"):
         raise UserError(f"{path}: tokenizer {model!r} is not supported (llama and gpt2 are)")
     if len(tokens) > vocab_size:
         raise UserError(

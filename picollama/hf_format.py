@@ -357,8 +357,12 @@ def import_hf(hf_dir: Path, run_dir: Path):
         raise UserError(
             f"{hf_dir} has no config.json: not a Hugging Face model directory"
         ) from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{hf_dir}/config.json is not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise UserError(f"{hf_dir}/config.json: not JSON ({e})") from None
+        raise UserError(
+            f"{hf_dir}/config.json is not valid JSON (line {e.lineno}, column {e.colno})"
+        ) from None
     try:
         args = model_args_from_hf(config)  # fails early on an architecture we do not implement
     except UserError as e:  # a value of the wrong type

@@ -149,10 +149,11 @@ def check_init_from(latest: Path, recorded: dict, given: str | None):
 def without_checkpoint(run_dir: Path, held: list[str]) -> UserError:
     """The error for a run directory holding RUN_FILES (`held`) but no checkpoint to resume."""
     if "model.safetensors" not in held:
+        # never "delete it": a folder holding only a config.json may be the user's own
         return UserError(
-            f"{run_dir} holds {', '.join(held)} but no model.safetensors and no checkpoint "
-            f"(train_state/): nothing to resume or start from; delete {run_dir}, or choose "
-            "another train.out_dir"
+            f"train.out_dir {run_dir} holds {', '.join(held)} but no model.safetensors and no "
+            "checkpoint (train_state/): nothing to resume or start from; choose another "
+            "train.out_dir (a new or empty folder, or a run's)"
         )
     return UserError(
         f"{run_dir} already holds a run ({', '.join(held)}) but no checkpoint to resume "

@@ -103,9 +103,7 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
     """The model saved in run_dir and its config.json; UserError naming what is missing or wrong."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
-        raise UserError(
-            f"{run_dir} is a file: pass the run directory that holds it, {run_dir.parent}"
-        )
+        raise UserError(not_a_run_file(run_dir))
     if is_hf_directory(run_dir):
         raise UserError(
             f"{run_dir} is a Hugging Face model directory; import it first: "
@@ -114,12 +112,8 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
     for name in ("model.safetensors", "config.json"):
         if not (run_dir / name).is_file():
             raise UserError(f"{run_dir} is not a picollama run directory: {name} is missing")
+    config = read_run_config(run_dir / "config.json")
     try:
-        text = (run_dir / "config.json").read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{run_dir}/config.json is corrupt: not UTF-8 (byte {e.start})") from None
-    try:
-        config = json.loads(text)
         args = saved_model_args(config["model"])
         check_type("tokenizer_sha256", config.get("tokenizer_sha256"), str | None)
         state, saved = read_weights(run_dir / "model.safetensors", device)
@@ -138,6 +132,38 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
         return model_from_state_dict(args, state), config
     except UserError as e:
         raise UserError(f"{run_dir}: {e}") from None
+
+
+def not_a_run_file(path: Path) -> str:
+    """What to say of a file given where a run directory goes: a GGUF is imported first; a file in
+    a run is its run's; anything else is neither."""
+    if is_gguf_file(path):
+        return (
+            f"{path} is a GGUF file, not a run directory; import it first: "
+            f"python -m picollama.convert from-gguf --gguf {path} --out RUN_DIR"
+        )
+    parent = path.parent
+    if (parent / "model.safetensors").is_file() and (parent / "config.json").is_file():
+        return f"{path} is a file: pass the run directory that holds it, {parent}"
+    return f"{path} is a file, neither a run directory nor a .gguf file"
+
+
+def read_run_config(path: Path) -> dict:
+    """A run's config.json, a JSON object with a "model" key; UserError naming the file and what
+    is wrong with it (not UTF-8, not JSON, not an object, no "model")."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is corrupt: not UTF-8 (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(
+            f"{path} is corrupt: not valid JSON (line {e.lineno}, column {e.colno})"
+        ) from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is corrupt: a JSON {type(config).__name__}, not an object")
+    if "model" not in config:
+        raise UserError(f'{path} is corrupt: it has no "model" key (the model\'s settings)')
+    return config
 
 
 def read_weights(path: Path, device) -> tuple[dict, dict | None]:

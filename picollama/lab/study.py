@@ -143,7 +143,8 @@ def prepare_datasets(configs: dict[str, Config]):
         check_dataset(replace(cfg, data=replace(cfg.data, dir=str(data_dir))))
         print(f"{data_dir} is not prepared yet: preparing it from {cfg.data.source}")
         vocab_size = cfg.data.vocab_size or cfg.model.vocab_size
-        prepare(cfg.data.source, vocab_size, out_dir=data_dir, command=["generate.py", "study"])
+        command = ["generate.py", "study"]
+        prepare(cfg.data.source, vocab_size, data_dir, command=command, source_key="data.source")
 
 
 def train_all(runs: list[Run], commands: dict[str, list[str]], out: Path, jobs: int) -> dict:
