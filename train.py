@@ -25,8 +25,9 @@ from picollama.command import Interrupted, run_command
 from picollama.config import Config, parse_cli
 from picollama.config_checks import check_config
 from picollama.device import Dist, check_compiler, keep_freed_memory, peak_flops, pick_dtype
+from picollama.dropout import add_dropout
 from picollama.metrics import RunLog, Throughput, check_wandb, flops_per_token, memory_gb
-from picollama.optim import build_optimizer, lr_at
+from picollama.optim import build_optimizer, decay_start, lr_at
 from picollama.outputs import exclusive
 from picollama.parallel import parallelize
 from picollama.resume import check_tokenizer, checkpoints, resume_point
@@ -39,6 +40,7 @@ from picollama.train_data import (
     next_rows,
 )
 from picollama.train_state import load_checkpoint, save_checkpoint, stopped
+from picollama.weight_average import WeightAverage, averaged
 
 # ---------------------------------------------------------------- model and step
 
@@ -62,6 +64,7 @@ def build_model(
     if dist.mesh is None and dtype != torch.float32:
         problem = f"train.dtype {cfg.train.dtype} on {dist.device.type}"
         raise UserError(f"{problem}: mixed precision needs FSDP2's process group; use float32")
+    add_dropout(model, cfg.train.dropout)
     model = parallelize(model, cfg, dist.mesh, dtype)
     local_params = sum(
         (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()
@@ -165,8 +168,13 @@ def log_step(log: RunLog, step: int, lr: float, losses: dict, grad_norm, clock: 
 
 
 def validate(model, data: DataSource, log: RunLog, step: int, run_dir: Path):
-    """Evaluate, record and say the validation metrics; stop the run if the loss is not finite."""
-    result = data.validate(model)
+    """Evaluate (in eval mode: no dropout), record and say the validation metrics; stop the run if
+    the loss is not finite."""
+    model.eval()
+    try:
+        result = data.validate(model)
+    finally:
+        model.train()
     log.record({"step": step, **result})
     if not math.isfinite(result["val_loss"]):
         raise stopped(f"the validation loss is {result['val_loss']} at step {step}", run_dir)
@@ -175,7 +183,15 @@ def validate(model, data: DataSource, log: RunLog, step: int, run_dir: Path):
 
 
 def save(
-    model, optimizer, data: DataSource, cfg: Config, dist: Dist, log: RunLog, step: int, budget
+    model,
+    optimizer,
+    data: DataSource,
+    cfg: Config,
+    dist: Dist,
+    log: RunLog,
+    step: int,
+    budget,
+    average: WeightAverage | None,
 ):
     """Save the resumable checkpoint and the model export, with the run's settings and tokenizer,
     and in a train.max_minutes run the wall seconds its Budget `budget` has spent (over all its
@@ -187,7 +203,7 @@ def save(
         settings["train"]["spent_s"] = round(budget.spent(), 3)
     keep = cfg.checkpoint.keep
     save_checkpoint(
-        run_dir, step, model, optimizer, data.loader, dist, settings, data.tokenizer, keep
+        run_dir, step, model, optimizer, data.loader, dist, settings, data.tokenizer, keep, average
     )
     log.say(f"step {step}: saved checkpoint {checkpoints(run_dir)[-1]}")
 
@@ -219,14 +235,18 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     model, optimizer, sizes = build_model(cfg, dist, None if start else init)
     fine_tune = init is not None and start is None
     del init  # copied into the model: its memory is free for training
-    step = 0 if start is None else load_checkpoint(start, model, optimizer, data.loader, dist)
+    average = WeightAverage(model, cfg.train.weight_average) if cfg.train.weight_average else None
+    if start is not None:
+        step = load_checkpoint(start, model, optimizer, data.loader, dist, average)
+    else:
+        step = 0
     log = RunLog(cfg, run_dir, step, max_steps if budget.decided else None, dist.main)
     resuming = f"; resuming at step {step}" if start else ""
     log.say(f"model: {sizes}; {data.line}; device {dist.device}{resuming}")
     if fine_tune:  # where it starts from
         with budget.timed("eval"):
             validate(model, data, log, 0, run_dir)
-    run_steps(cfg, model, optimizer, data, log, dist, step, budget)
+    run_steps(cfg, model, optimizer, data, log, dist, step, budget, average)
     log.close()
 
 
@@ -247,7 +267,15 @@ def decide_length(
 
 
 def run_steps(
-    cfg: Config, model, optimizer, data: DataSource, log: RunLog, dist: Dist, step: int, budget
+    cfg: Config,
+    model,
+    optimizer,
+    data: DataSource,
+    log: RunLog,
+    dist: Dist,
+    step: int,
+    budget,
+    average: WeightAverage | None,
 ):
     """Train on from `step` to train.max_steps, logging, evaluating and saving when due; until the
     Budget `budget` has decided train.max_steps, it may at any step."""
@@ -277,6 +305,8 @@ def run_steps(
         step += 1
         clock.steps += 1
         log.bar.update()
+        if average is not None:
+            average.update(step, decay_start(cfg) if cfg.optim.schedule == "wsd" else 0)
         if budget.step_done(step):
             cfg = decide_length(cfg, budget, step, model, data, log, dist, clock)
         last = cfg.train.max_steps
@@ -287,11 +317,11 @@ def run_steps(
         if evaluating or saving:
             with clock.paused():  # tokens/s and MFU count training time alone
                 if evaluating:
-                    with budget.timed("eval"):
+                    with budget.timed("eval"), averaged(average):
                         validate(model, data, log, step, run_dir)
-                if saving:
-                    with budget.timed("save"):
-                        save(model, optimizer, data, cfg, dist, log, step, budget)
+                if saving:  # the average, if any, is the last step's model; before, its state
+                    with budget.timed("save"), averaged(average if step == last else None):
+                        save(model, optimizer, data, cfg, dist, log, step, budget, average)
 
 
 # ---------------------------------------------------------------- the command

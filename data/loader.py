@@ -328,9 +328,13 @@ class RandomBatches:
         self.vocabulary = copy_vocabulary(load_meta(data_dir)) if copy_fraction else None
         self.rng = np.random.default_rng(seed)
 
+    def starts(self) -> np.ndarray:
+        """The batch's windows' first positions: uniform, with replacement."""
+        return self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y of shape (batch_size, seq_len), int64, on the device."""
-        starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        starts = self.starts()
         windows = [self.tokens[start : start + self.seq_len + 1] for start in starts]
         windows = np.stack(windows).astype(np.int64)
         if not self.copy_fraction:

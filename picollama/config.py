@@ -41,6 +41,9 @@ class DataConfig:
     # whole documents (long ones cut into row-long pieces) best-fit packed into rows, attention kept
     # inside each, positions restarting at each (data/packing.py); conversations always are
     pack_documents: bool = False
+    # random: windows drawn uniformly, with replacement; epochs: each pass takes every window once,
+    # shuffled (data/epochs.py)
+    sampling: str = "random"
     # text: the dataset in `dir`; retrieval: the synthetic key-value recall task of
     # data/retrieval.py, generated from train.seed (no dataset, no tokenizer), validated by its
     # accuracy on fixed rows
@@ -85,6 +88,10 @@ class TrainConfig:
     init_from: str | None = None  # a run directory whose weights start this run (not its optimizer)
     # k > 0: each sequence at sorted random positions from [0, k·seq_len); 0: off
     random_positions: int = 0
+    dropout: float = 0.0  # each residual write zeroed with this probability while training
+    # > 0: evaluate and save an EMA of the weights of this beta, taken over the wsd decay (cosine:
+    # over the run)
+    weight_average: float = 0.0
 
 
 @dataclass

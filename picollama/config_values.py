@@ -58,12 +58,15 @@ BELOW_ONE = {
     "optim.beta2",
     "optim.muon_momentum",
     "optim.decay_fraction",
+    "train.dropout",
+    "train.weight_average",
 }  # and not negative
 # paths: an empty one would be the current directory (training into it, reading data from it)
 PATH_KEYS = {"data.dir", "data.source", "train.out_dir", "train.init_from"}
 TEXT_KEYS = {"train.sample_prompt"}  # text for the tokenizer: UTF-8 only (paths may be any bytes)
 CHOICES = {
     "data.task": ("text", "retrieval"),
+    "data.sampling": ("random", "epochs"),
     "train.device": ("auto", "cpu", "cuda", "mps"),
     "train.dtype": ("auto", "float32", "bfloat16"),
     "optim.name": ("adamw", "muon"),

@@ -45,6 +45,7 @@ EXACT_KEYS = (
     "data.copy_span",
     "data.copy_repeats",
     "data.pack_documents",
+    "data.sampling",
     "data.retrieval_keys",
     "data.retrieval_values",
     "data.retrieval_pairs",

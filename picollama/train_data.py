@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from data.build import prepare
+from data.epochs import EpochBatches
 from data.loader import SPLITS, RandomBatches, checked_meta, eval_batches, open_tokens
 from data.packing import Documents, PackedBatches, document_mask, validation_batches
 from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
@@ -172,7 +173,8 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
         documents = Documents(data_dir, "train", t.seq_len + 1, conversations=False)
         loader = PackedBatches(documents, t.batch_size, t.seq_len, seed=t.seed)
     else:
-        loader = RandomBatches(
+        batches = EpochBatches if d.sampling == "epochs" else RandomBatches
+        loader = batches(
             data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **d.copy_options()
         )
     probe = list(eval_batches(data_dir, "val", e.batch_size, t.seq_len, min(3, e.batches)))

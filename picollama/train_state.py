@@ -62,13 +62,23 @@ def set_rng_state(state: dict, device: torch.device):
 
 
 def save_checkpoint(
-    run_dir, step: int, model, optimizer, loader, dist, config: dict, tokenizer, keep: int
+    run_dir,
+    step: int,
+    model,
+    optimizer,
+    loader,
+    dist,
+    config: dict,
+    tokenizer,
+    keep: int,
+    average=None,
 ):
-    """train_state/step_N (DCP model and optimizer shards, each rank's loader and RNG state,
-    meta.json), written into a temporary directory, and the run directory's model export (save_model
-    with `config` and `tokenizer`) written beside it; both are renamed into place only once all is
-    written, so that a failed save (a full disk: checked first, and reported as one line) removes
-    its temporary files and leaves the previous checkpoint and model, consistent with each other.
+    """train_state/step_N (DCP model and optimizer shards, and the WeightAverage `average`'s if it
+    has begun; each rank's loader and RNG state, meta.json), written into a temporary directory,
+    and the run directory's model export (save_model with `config` and `tokenizer`) written beside
+    it; both are renamed into place only once all is written, so that a failed save (a full disk:
+    checked first, and reported as one line) removes its temporary files and leaves the previous
+    checkpoint and model, consistent with each other.
     SIGINT and SIGTERM wait for the save to end (a second one stops it, removing what it wrote).
     The last `keep` checkpoints are kept."""
     check_finite(model, optimizer, dist, f"at step {step}", run_dir)
@@ -84,7 +94,9 @@ def save_checkpoint(
                 check_free_space(run_dir, needed, f"checkpoint {final} and the model export")
                 tmp.mkdir(parents=True)
             dist.barrier()
-            write_checkpoint(tmp, final, step, model, optimizer, loader, dist, config, tokenizer)
+            write_checkpoint(
+                tmp, final, step, model, optimizer, loader, dist, config, tokenizer, average
+            )
             if dist.main:
                 for old in checkpoints(run_dir)[:-keep]:  # hidden first: never half a checkpoint
                     hidden = old.with_name(f".{old.name}.tmp")
@@ -114,13 +126,22 @@ def remove_temporaries(state_dir: Path):
 
 
 def write_checkpoint(
-    tmp: Path, final: Path, step: int, model, optimizer, loader, dist, config: dict, tokenizer
+    tmp: Path,
+    final: Path,
+    step: int,
+    model,
+    optimizer,
+    loader,
+    dist,
+    config: dict,
+    tokenizer,
+    average,
 ):
     """save_checkpoint's writes: every rank's part of the checkpoint into `tmp`, then rank 0's
     model export, renamed into place together with `tmp` renamed to `final`."""
 
     def write():
-        write_train_state(tmp, step, model, optimizer, loader, dist, config, tokenizer)
+        write_train_state(tmp, step, model, optimizer, loader, dist, config, tokenizer, average)
 
     def export():
         if dist.main:
@@ -168,21 +189,21 @@ def together(dist, work, final: Path):
 
 
 def write_train_state(
-    tmp: Path, step: int, model, optimizer, loader, dist, config: dict, tokenizer
+    tmp: Path, step: int, model, optimizer, loader, dist, config: dict, tokenizer, average=None
 ):
     """This rank's part of a checkpoint in `tmp`: DCP shards, rank{R}.json; and rank 0's meta.json,
     which records the model, the tokenizer and the settings a resume must keep (EXACT_KEYS)."""
     model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    if average is not None and average.average is not None:
+        state["average"] = average.state_dict()
     # One process saves without DCP's collectives: after a save with them, training ran ~25% slower
     # ever after, the cores idle in OpenMP barrier waits (most likely gloo's threads start a second
     # OpenMP team, and libgomp, seeing more threads than cores, stops spinning).
     with single_process_quiet():
-        dcp.save(
-            {"model": model_state, "optim": optim_state},
-            checkpoint_id=str(tmp),
-            no_dist=dist.world_size == 1,
-        )
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=dist.world_size == 1)
     extra = {"step": step, "loader": loader.state_dict(), "rng": rng_state(dist.device)}
+    extra["averaged"] = "average" in state
     (tmp / f"rank{dist.rank}.json").write_text(json.dumps(extra))
     if dist.main:
         meta = {"step": step, "world_size": dist.world_size, "model": model.args.to_dict()}
@@ -238,18 +259,23 @@ def stopped(problem: str, run_dir) -> UserError:
     )
 
 
-def load_checkpoint(path: Path, model, optimizer, loader, dist) -> int:
-    """Restore a checkpoint save_checkpoint wrote (by any number of ranks); returns its step."""
+def load_checkpoint(path: Path, model, optimizer, loader, dist, average=None) -> int:
+    """Restore a checkpoint save_checkpoint wrote (by any number of ranks), and the WeightAverage
+    `average`'s state where it holds one; returns its step."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     try:
+        own = path / f"rank{dist.rank}.json"
+        extra = json.loads((own if own.is_file() else path / "rank0.json").read_text())
+        if average is not None and extra.get("averaged"):
+            state["average"] = average.template()
         with single_process_quiet():
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-        own = path / f"rank{dist.rank}.json"
-        extra = json.loads((own if own.is_file() else path / "rank0.json").read_text())
+        if "average" in state:
+            average.load_state_dict(state["average"])
         loader.load_state_dict(extra["loader"])
         set_rng_state(extra["rng"], dist.device)
     except (Exception, CheckpointException) as e:  # DCP and torch raise many kinds: one line

@@ -1,6 +1,7 @@
-"""The seed lectures' architecture table, measured: each switch trained by train.py, one at a time
-from a config, for the same wall-clock budget; parameters, tokens/s, final validation bits/byte and
-whether training was stable."""
+"""The seed lectures' architecture table, or the data-limited quality candidates, measured: each
+switch trained by train.py, one at a time from a config, for the same wall-clock budget at each
+seed; parameters, tokens/s, final validation bits/byte (mean and spread) and whether training was
+stable."""
 
 import json
 import math
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from data.build import prepare
 from model import Transformer
 from picollama import REPO_ROOT
 from picollama.cli import comma_list, positive
@@ -36,6 +38,33 @@ SWITCHES = {
     "logit soft-cap 30": ["--model.logit_softcap=30"],
     "z-loss 1e-4": ["--optim.z_loss=1e-4"],
 }
+# The quality table (--table quality): what the small-model records found in the data-limited
+# regime the default run is in (2-3 passes over its 1.6 M training tokens), each measured at three
+# seeds before configs/default.toml adopts it (docs/findings.md, which adopted shuffled epochs with
+# the weight average: the first row takes both off again, the default before them)
+QUALITY = {
+    "default": [],
+    "random windows, no average": ["--data.sampling=random", "--train.weight_average=0"],
+    "random windows": ["--data.sampling=random"],
+    "no weight average": ["--train.weight_average=0"],
+    "dropout 0.1": ["--train.dropout=0.1"],
+    "tied embeddings": ["--model.tie_embeddings=true"],
+    "weight decay 0.3": ["--optim.weight_decay=0.3"],
+    "weight decay 0.03": ["--optim.weight_decay=0.03"],
+    "decay 0.4": ["--optim.decay_fraction=0.4"],
+    # more tokens to the held-out plays: eval.batches to cover them still
+    "vocab 2048": [
+        "--model.vocab_size=2048",
+        "--data.dir=data/shakespeare-2048",
+        "--eval.batches=48",
+    ],
+    "vocab 1024": [
+        "--model.vocab_size=1024",
+        "--data.dir=data/shakespeare-1024",
+        "--eval.batches=48",
+    ],
+}
+TABLES = {"switches": SWITCHES, "quality": QUALITY}
 OPTIMIZERS = ("adamw", "muon")  # the table also trains the optimizer that the config does not use
 QUIET = ["--eval.interval=0", "--checkpoint.interval=0", "--train.sample_tokens=0"]
 PROBE_STEPS = 12
@@ -86,42 +115,57 @@ def stability(entries: list[dict]) -> str:
     return "stable"
 
 
-def run_switch(
-    config: str, overrides: list[str], seed: int, budget: float | None, tmp: Path
-) -> dict:
-    """Measure the switch's throughput in a short run, then train it for `budget` seconds' worth of
-    steps (None: SMOKE_STEPS steps, no probe)."""
+def steps_for(config: str, seeded: list[str], budget: float, tmp: Path) -> int | dict:
+    """The steps `budget` seconds of training buy, from a short probe run's throughput (or the
+    probe's stability, if it failed)."""
+    cfg, _ = parse_cli(["--config", config, *seeded])
+    probe = train(
+        config, [*seeded, f"--train.max_steps={PROBE_STEPS}", "--train.log_interval=1"], tmp
+    )
+    rates = [e["tokens_per_s"] for e in probe if "tokens_per_s" in e][2:]  # warmed up
+    if not rates:
+        return {"stability": stability(probe)}
+    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+    return max(int(budget * statistics.median(rates) / tokens_per_step), 1)
+
+
+def run_switch(config: str, overrides: list[str], seed: int, args, tmp: Path) -> dict:
+    """Train the switch for --minutes of train.py's own budget, or --steps steps, or the steps
+    that --budget seconds buy (a probe's throughput), or with --smoke for SMOKE_STEPS steps."""
     cfg, _ = parse_cli(["--config", config, *overrides])
     with torch.device("meta"):
         params = Transformer(cfg.model).num_params()
     seeded = [*overrides, f"--train.seed={seed}"]
-    steps = SMOKE_STEPS
-    if budget is not None:
-        probe = train(
-            config,
-            [*seeded, f"--train.max_steps={PROBE_STEPS}", "--train.log_interval=1"],
-            tmp / "probe",
-        )
-        rates = [e["tokens_per_s"] for e in probe if "tokens_per_s" in e][2:]  # warmed up
-        if not rates:
-            return {"params": params, "stability": stability(probe)}
-        tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
-        steps = max(int(budget * statistics.median(rates) / tokens_per_step), 1)
-    warmup = min(cfg.optim.warmup_steps, steps // 10)
-    entries = train(
-        config,
-        [*seeded, f"--train.max_steps={steps}", f"--optim.warmup_steps={warmup}"],
-        tmp / "run",
-    )
+    if args.minutes:
+        length = [f"--train.max_minutes={args.minutes:g}"]
+    elif args.steps:
+        length = [f"--train.max_steps={args.steps}"]
+    else:
+        steps = SMOKE_STEPS if args.smoke else steps_for(config, seeded, args.budget, tmp / "probe")
+        if isinstance(steps, dict):
+            return {"params": params, **steps}
+        warmup = min(cfg.optim.warmup_steps, steps // 10)
+        length = [f"--train.max_steps={steps}", f"--optim.warmup_steps={warmup}"]
+    entries = train(config, [*seeded, *length], tmp / "run")
     bpb = [e["val_bpb"] for e in entries if "val_bpb" in e]
     tokens_per_s = [e["tokens_per_s"] for e in entries if "tokens_per_s" in e]
     return {
         "params": params,
-        "steps": steps,
+        "steps": max((e["step"] for e in entries if "step" in e), default=0),
         "tokens_per_s": statistics.median(tokens_per_s) if tokens_per_s else None,
         "val_bpb": bpb[-1] if bpb else None,
         "stability": stability(entries),
     }
+
+
+def prepare_data(config: str, overrides: list[str]):
+    """Prepare the switch's dataset (another vocabulary's) before any run is timed: train.py would
+    prepare it inside the first seed's budget."""
+    cfg, _ = parse_cli(["--config", config, *overrides])
+    data_dir = common.REPO_ROOT / cfg.data.dir  # train.py's, which runs in the repository
+    if not (data_dir / "meta.json").is_file():
+        vocab_size = cfg.data.vocab_size or cfg.model.vocab_size
+        prepare(cfg.data.source, vocab_size, data_dir, command=["switches"])
 
 
 def parse_args(argv: list[str]):
@@ -133,6 +177,19 @@ def parse_args(argv: list[str]):
         "--budget", type=positive(float), default=90.0, help="training seconds per run (default 90)"
     )
     p.add_argument(
+        "--minutes",
+        type=positive(float),
+        help="train each run for train.max_minutes of its own (as python train.py does) in place "
+        "of --budget's probe-sized steps",
+    )
+    p.add_argument(
+        "--steps",
+        type=positive(),
+        help="train each run for this many steps (the config's warmup) in place of --budget: "
+        "equal steps, for switches that leave a step's cost alone, free of the machine's speed",
+    )
+    p.add_argument("--table", choices=TABLES, default="switches", help="what to measure")
+    p.add_argument(
         "--seeds",
         type=comma_list(positive(zero=True)),
         default="0",
@@ -140,8 +197,9 @@ def parse_args(argv: list[str]):
     )
     p.add_argument(
         "--only",
-        type=comma_list(choices=[*SWITCHES, *OPTIMIZERS]),
-        help="comma-separated switches (default: all, and the optimizer the config does not use)",
+        type=comma_list(choices=[*SWITCHES, *QUALITY, *OPTIMIZERS]),
+        help="comma-separated switches of --table (default: all; the switches table also trains "
+        "the optimizer the config does not use)",
     )
     args = common.parse(p, argv)
     # train.py runs in the repository: the default is a path there, a given one is the caller's
@@ -150,7 +208,7 @@ def parse_args(argv: list[str]):
     return args
 
 
-def run_switches(args, switches: dict, names: list[str], budget: float | None) -> dict:
+def run_switches(args, switches: dict, names: list[str]) -> dict:
     """{switch: its overrides, its run_switch of each seed, their mean and spread of val_bpb}."""
     results = {}
     with (
@@ -158,10 +216,11 @@ def run_switches(args, switches: dict, names: list[str], budget: float | None) -
         tqdm(total=len(names) * len(args.seeds), desc="switches", unit="run", disable=None) as bar,
     ):
         for name in names:
+            prepare_data(args.config_file, switches[name])
             runs = []
             for seed in args.seeds:
                 folder = Path(tmp) / f"{len(results)}-{seed}"
-                runs.append(run_switch(args.config_file, switches[name], seed, budget, folder))
+                runs.append(run_switch(args.config_file, switches[name], seed, args, folder))
                 bar.update()
             bpbs = [r["val_bpb"] for r in runs if r.get("val_bpb") is not None]
             results[name] = {
@@ -190,17 +249,25 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg, _ = parse_cli(["--config", args.config_file])
     other = next(name for name in OPTIMIZERS if name != cfg.optim.name)
-    switches = {**SWITCHES, **{name: [f"--optim.name={name}"] for name in OPTIMIZERS}}
-    names = [*SWITCHES, other] if args.only is None else args.only
-    budget = args.budget
+    switches = {**SWITCHES, **QUALITY, **{name: [f"--optim.name={name}"] for name in OPTIMIZERS}}
+    table = [*SWITCHES, other] if args.table == "switches" else [*QUALITY]
+    names = args.only or table
     if args.smoke:
-        names, budget = args.only or SMOKE_SWITCHES, None
+        names = args.only or SMOKE_SWITCHES
         switches = {name: [*SMOKE_MODEL, *switches[name]] for name in names}
-    results = run_switches(args, switches, names, budget)
+    results = run_switches(args, switches, names)
     report(results)
+    budget = None if args.smoke or args.minutes or args.steps else args.budget
     common.write_results(
         args,
-        {"config": args.config, "budget_seconds": budget, "seeds": args.seeds, "switches": results},
+        {
+            "config": args.config,
+            "budget_seconds": budget,
+            "minutes": args.minutes,
+            "steps": args.steps,
+            "seeds": args.seeds,
+            "switches": results,
+        },
     )
     return 0
 

@@ -1,0 +1,41 @@
+"""Training windows in epochs: each pass over the split takes every window once, in a random
+order, from a random phase — no text drawn twice before the rest has been drawn once (the
+"shuffled epochs" of data-limited training), where RandomBatches draws with replacement."""
+
+import numpy as np
+
+from data.loader import RandomBatches
+
+
+class EpochBatches(RandomBatches):
+    """RandomBatches whose windows are the split cut at a random phase into non-overlapping
+    seq_len+1-token windows, shuffled, taken in turn; a new phase and order each epoch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.order = np.zeros(0, dtype=np.int64)  # this epoch's window starts
+        self.taken = 0  # how many of them batches have used
+
+    def starts(self) -> np.ndarray:
+        starts = []
+        while len(starts) < self.batch_size:
+            if self.taken == len(self.order):
+                self.new_epoch()
+            take = min(self.batch_size - len(starts), len(self.order) - self.taken)
+            starts.extend(self.order[self.taken : self.taken + take])
+            self.taken += take
+        return np.array(starts, dtype=np.int64)
+
+    def new_epoch(self):
+        phase = int(self.rng.integers(0, self.seq_len))
+        last = len(self.tokens) - self.seq_len - 1  # the last start of a whole window
+        self.order = self.rng.permutation(np.arange(phase, last + 1, self.seq_len))
+        self.taken = 0
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "order": self.order.tolist(), "taken": self.taken}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.order = np.array(state["order"], dtype=np.int64)
+        self.taken = state["taken"]
