@@ -319,8 +319,8 @@ def run_steps(
                 if evaluating:
                     with budget.timed("eval"), averaged(average):
                         validate(model, data, log, step, run_dir)
-                if saving:  # the average, if any, is the last step's model; before, its state
-                    with budget.timed("save"), averaged(average if step == last else None):
+                if saving:  # the weights, and the average as the exported model
+                    with budget.timed("save"):
                         save(model, optimizer, data, cfg, dist, log, step, budget, average)
 
 

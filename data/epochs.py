@@ -36,6 +36,8 @@ class EpochBatches(RandomBatches):
         return {**super().state_dict(), "order": self.order.tolist(), "taken": self.taken}
 
     def load_state_dict(self, state: dict) -> None:
+        """A state of RandomBatches (a checkpoint from before data.sampling) goes on from its
+        generator with a new epoch."""
         super().load_state_dict(state)
-        self.order = np.array(state["order"], dtype=np.int64)
-        self.taken = state["taken"]
+        self.order = np.array(state.get("order", []), dtype=np.int64)
+        self.taken = state.get("taken", 0)

@@ -26,6 +26,7 @@ from picollama.command import held_signals, one_line
 from picollama.outputs import check_free_space, remove, replace, write_failure
 from picollama.resume import EXACT_KEYS, NEW_RUN, checkpoints, setting, unusable
 from picollama.run_files import model_bytes, model_files, model_from_state_dict, non_finite
+from picollama.weight_average import averaged
 
 # Called by every rank; `dist` is train.py's Dist (rank, world_size, main, device, barrier).
 
@@ -138,7 +139,8 @@ def write_checkpoint(
     average,
 ):
     """save_checkpoint's writes: every rank's part of the checkpoint into `tmp`, then rank 0's
-    model export, renamed into place together with `tmp` renamed to `final`."""
+    model export (the WeightAverage `average`, once begun), renamed into place together with `tmp`
+    renamed to `final`."""
 
     def write():
         write_train_state(tmp, step, model, optimizer, loader, dist, config, tokenizer, average)
@@ -152,10 +154,13 @@ def write_checkpoint(
                 write_default_template(final.parent.parent)
 
     together(dist, write, final)
-    full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    together(dist, export, final)
+    # the export is the average where there is one (the train state, the weights); applied until it
+    # is written, as the full state dict may share the parameters' storage
+    with averaged(average):
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        together(dist, export, final)
 
 
 def cause_of(e: BaseException) -> BaseException:

@@ -12,7 +12,7 @@ from test_train import config_file, run_in_process, run_killed_then_resumed
 
 from data.build import prepare
 from data.epochs import EpochBatches
-from data.loader import eval_batches
+from data.loader import RandomBatches, eval_batches
 from model import ModelArgs, Transformer
 from picollama.command import run_command
 from picollama.config import build_config
@@ -189,3 +189,13 @@ def test_a_run_killed_inside_its_average_resumes_it_exactly(tmp_path, capsys):
         load_file(tmp_path / run / "model.safetensors") for run in ("whole", "resumed")
     )
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_a_random_windows_state_goes_on_in_epochs(prepared):
+    """A checkpoint from before data.sampling holds RandomBatches' state: it resumes in epochs."""
+    old = RandomBatches(prepared, "train", batch_size=4, seq_len=16, seed=5)
+    old.next_batch()
+    loader = EpochBatches(prepared, "train", batch_size=4, seq_len=16, seed=0)
+    loader.load_state_dict(json.loads(json.dumps(old.state_dict())))
+    loader.next_batch()
+    assert loader.taken == 4 and len(set(loader.order.tolist())) == len(loader.order)

@@ -54,6 +54,7 @@ def settings(dataset: Path, **sections) -> list[str]:
         "eval.batches": 2,
         "eval.batch_size": 4,
         "checkpoint.interval": 2,
+        "train.weight_average": 0,  # the weights themselves: these runs check the mask, not the EMA
     }
     flags |= {f"{name}.{key}": value for name, keys in sections.items() for key, value in keys}
     return [f"--{key}={value}" for key, value in flags.items()]
