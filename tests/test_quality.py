@@ -106,7 +106,7 @@ def test_quality_table_trains_each_seed_for_train_py_s_own_minutes(tmp_path, mon
 def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("epochs")
     corpus = write_corpus(root / "corpus", num_docs=4, words_per_doc=600)
-    return prepare(str(corpus), vocab_size=320, out_dir=root / "data", command=["test"])
+    return prepare(str(corpus), vocab_size=300, out_dir=root / "data", command=["test"])
 
 
 def test_an_epoch_takes_every_window_once_from_one_phase(prepared):
@@ -141,15 +141,10 @@ def test_epochs_go_on_with_a_new_order_and_resume_exactly(prepared):
     assert all(torch.equal(resumed.next_batch()[0], x) for x in expected)
 
 
-def test_the_run_evaluates_and_exports_the_average_of_its_decay(tmp_path):
+def test_the_run_evaluates_and_exports_the_average_of_its_decay(prepared, tmp_path):
     """A wsd run of 12 steps averages steps 10..12 (decay_fraction 0.2): its last validation
     loss is the exported model's, and that model is not the plain run's last weights."""
-    data_dir = prepare(
-        str(write_corpus(tmp_path / "corpus", num_docs=4, words_per_doc=600)),
-        vocab_size=300,
-        out_dir=tmp_path / "data",
-        command=["test"],
-    )
+    data_dir = prepared
     config = config_file(tmp_path, data_dir, optim={"schedule": "wsd"}, checkpoint={"interval": 0})
     extra = ("--data.sampling=epochs", "--train.dropout=0.1")
     assert run_in_process(config, tmp_path / "plain", *extra) == 0
@@ -164,15 +159,10 @@ def test_the_run_evaluates_and_exports_the_average_of_its_decay(tmp_path):
     assert [e["val_loss"] for e in logged if "val_loss" in e][-1] == pytest.approx(loss, abs=1e-5)
 
 
-def test_a_run_killed_inside_its_average_resumes_it_exactly(tmp_path, capsys):
+def test_a_run_killed_inside_its_average_resumes_it_exactly(prepared, tmp_path, capsys):
     """The average is in every checkpoint from its first step: a run killed after it began ends
     with the uninterrupted run's averaged model, to the bit."""
-    data_dir = prepare(
-        str(write_corpus(tmp_path / "corpus", num_docs=4, words_per_doc=600)),
-        vocab_size=300,
-        out_dir=tmp_path / "data",
-        command=["test"],
-    )
+    data_dir = prepared
     # lr = min_lr: the decay, from step 2, leaves the losses independent of max_steps
     config = config_file(
         tmp_path,
