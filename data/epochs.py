@@ -8,8 +8,9 @@ from data.loader import RandomBatches
 
 
 class EpochBatches(RandomBatches):
-    """RandomBatches whose windows are the split cut at a random phase into non-overlapping
-    seq_len+1-token windows, shuffled, taken in turn; a new phase and order each epoch."""
+    """RandomBatches whose windows (seq_len+1 tokens, seq_len apart: each one's last target is the
+    next one's first input) start at a random phase, shuffled, taken in turn; a new phase and order
+    each epoch."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
