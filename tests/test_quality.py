@@ -189,3 +189,10 @@ def test_a_random_windows_state_goes_on_in_epochs(prepared):
     loader.load_state_dict(json.loads(json.dumps(old.state_dict())))
     loader.next_batch()
     assert loader.taken == 4 and len(set(loader.order.tolist())) == len(loader.order)
+
+
+def test_two_lengths_for_the_runs_are_refused(tmp_path, capsys):
+    argv = ["--table", "quality", "--minutes", "5", "--steps", "900"]
+    assert run_command(switches.main, [*argv, "--out", str(tmp_path / "q.json")]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --minutes and --steps each set a run's length: give one\n"

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from data.build import prepare
 from model import Transformer
 from picollama import REPO_ROOT
-from picollama.cli import comma_list, positive
+from picollama.cli import UserError, comma_list, positive
 from picollama.command import run_command
 from picollama.config import parse_cli
 from picollama.lab.bench import common
@@ -202,6 +202,9 @@ def parse_args(argv: list[str]):
         "the optimizer the config does not use)",
     )
     args = common.parse(p, argv)
+    lengths = [f"--{name}" for name in ("budget", "minutes", "steps") if name in p.given]
+    if len(lengths) > 1:
+        raise UserError(f"{' and '.join(lengths)} each set a run's length: give one")
     # train.py runs in the repository: the default is a path there, a given one is the caller's
     given = "config" in p.given
     args.config_file = str(Path(args.config).absolute() if given else REPO_ROOT / args.config)
