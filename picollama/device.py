@@ -135,7 +135,7 @@ def check_compiler():
     except Exception:  # Inductor's InvalidCxxCompiler, or whatever its search runs into
         raise UserError(
             "--compile needs a working C++ compiler for torch.compile (Inductor), and none was "
-            "found (tried $CXX, g++); install one or run without compiling"
+            "found (tried $CXX, g++); install one, or run without compiling (--no-compile)"
         ) from None
 
 

@@ -39,6 +39,7 @@ TRAIN = [
     "--train.max_steps=2",
     "--train.sample_tokens=0",
     "--eval.batches=1",
+    "--train.compile=false",  # the default config compiles: not for two steps
 ]
 
 

@@ -55,6 +55,7 @@ def settings(dataset: Path, **sections) -> list[str]:
         "eval.batch_size": 4,
         "checkpoint.interval": 2,
         "train.weight_average": 0,  # the weights themselves: these runs check the mask, not the EMA
+        "train.compile": "false",  # the default config's; a compile costs more than these runs
     }
     flags |= {f"{name}.{key}": value for name, keys in sections.items() for key, value in keys}
     return [f"--{key}={value}" for key, value in flags.items()]

@@ -306,27 +306,20 @@ def test_a_non_finite_gradient_norm_skips_the_update(dataset):
     dist.close()
 
 
-def test_an_infinite_loss_skips_the_update_even_with_finite_gradients(dataset):
+def test_an_infinite_loss_skips_the_update_even_with_finite_gradients(dataset, monkeypatch):
     cfg = build_config({"model": TINY["model"]}, [])
     model = Transformer(cfg.model)
     optimizer = optim.build_optimizer(model, cfg, torch.device("cpu"))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    finite_terms = train.logit_terms
 
-    class InfiniteLoss(torch.nn.Module):  # the same gradients as the model's, an infinite loss
-        def __init__(self):
-            super().__init__()
-            self.model = model
+    def infinite_loss(logits, y, z_loss):  # the same gradients as the model's, an infinite loss
+        return {"loss": finite_terms(logits, y, z_loss)["loss"] + float("inf")}
 
-        def forward(self, x, y):
-            return self.model(x, y) + float("inf")
-
-        # train_step's FSDP2 call: this stand-in is not sharded
-        def set_requires_gradient_sync(self, sync):
-            pass
-
+    monkeypatch.setattr(train, "logit_terms", infinite_loss)
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
     dist = train.Dist("cpu")
-    _, grad_norm, applied = train.train_step(InfiniteLoss(), optimizer, x, y, 1e-3, cfg, dist)
+    _, grad_norm, applied = train.train_step(model, optimizer, x, y, 1e-3, cfg, dist)
     dist.close()
     assert torch.isfinite(grad_norm) and not applied and not optimizer.state
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
@@ -747,6 +740,22 @@ def test_z_loss_adds_the_squared_log_normaliser_and_is_logged_beside_the_loss(da
     # "loss" stays the cross-entropy
     assert losses(tmp_path / "z")[1] == pytest.approx(plain[1], abs=1e-6)
     assert losses(tmp_path / "z")[3] != plain[3]  # and the z-loss's gradient changed the updates
+
+
+def test_the_compiled_loss_and_its_gradient_are_the_model_s(dataset, one_thread):
+    """train.compile's loss (compiled_logit_terms, as the default config trains) against the model's
+    own cross-entropy, in bf16 as the default trains, with targets the loss ignores."""
+    model = Transformer(build_config({"model": TINY["model"]}, []).model).to(torch.bfloat16)
+    x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
+    y[0, :5] = -100
+    grads = []
+    for compiled in (False, True):
+        terms = train.loss_terms(model, x, y, None, 0.0, compiled)
+        terms["loss"].backward()
+        grads.append([p.grad.float() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+        assert torch.allclose(terms["loss"], model(x, y), rtol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads, strict=True))
 
 
 def test_random_positions_are_sorted_distinct_in_range_and_seeded():

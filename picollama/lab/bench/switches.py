@@ -40,10 +40,11 @@ SWITCHES = {
 }
 # The quality table (--table quality): what the small-model records found in the data-limited
 # regime the default run is in (2-3 passes over its 1.6 M training tokens), each measured at three
-# seeds before configs/default.toml adopts it (docs/findings.md, which adopted shuffled epochs with
-# the weight average: the first row takes both off again, the default before them)
+# seeds before configs/default.toml adopts it (docs/findings.md, which adopted torch.compile, and
+# shuffled epochs with the weight average, which "random windows, no average" takes off again)
 QUALITY = {
     "default": [],
+    "eager": ["--train.compile=false"],  # a step's cost: compare with --minutes, not --steps
     "random windows, no average": ["--data.sampling=random", "--train.weight_average=0"],
     "random windows": ["--data.sampling=random"],
     "no weight average": ["--train.weight_average=0"],
