@@ -254,7 +254,9 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
         step = 0
     log = RunLog(cfg, run_dir, step, max_steps if budget.decided else None, dist.main)
     resuming = f"; resuming at step {step}" if start else ""
-    log.say(f"model: {sizes}; {data.line}; device {dist.device}{resuming}")
+    # the first step waits for the compiler: say so, or the run looks stuck
+    compiling = "; compiling its first step (~30 s the first time)" if cfg.train.compile else ""
+    log.say(f"model: {sizes}; {data.line}; device {dist.device}{compiling}{resuming}")
     if fine_tune:  # where it starts from
         with budget.timed("eval"):
             validate(model, data, log, 0, run_dir)

@@ -1,5 +1,7 @@
 """How the model trains over devices: activation checkpointing, torch.compile, FSDP2 per block."""
 
+import warnings
+
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -16,6 +18,9 @@ def parallelize(model: Transformer, cfg: Config, mesh, dtype: torch.dtype) -> Tr
         for i, block in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
     if cfg.train.compile:
+        # RoPE's rotations enter each block complex, read through view_as_real (a view): Inductor
+        # leaves that op to eager, which costs nothing, and would warn of it in every run
+        warnings.filterwarnings("ignore", "Torchinductor does not support code generation for comp")
         for block in model.layers:
             block.compile()  # in place: parameter names keep no _orig_mod. prefix
     if mesh is None:  # a device without collectives (UNGROUPED): the plain model, in its own dtype
