@@ -52,6 +52,7 @@ QUALITY = {
     "tied embeddings": ["--model.tie_embeddings=true"],
     "weight decay 0.3": ["--optim.weight_decay=0.3"],
     "weight decay 0.03": ["--optim.weight_decay=0.03"],
+    "decay 0.3": ["--optim.decay_fraction=0.3"],
     "decay 0.4": ["--optim.decay_fraction=0.4"],
     # more tokens to the held-out plays: eval.batches to cover them still
     "vocab 2048": [
