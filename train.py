@@ -1,6 +1,7 @@
 """Train picollama in one process or under torchrun with FSDP2:
 python train.py [--config F.toml] [--section.key=value ...] [--resume]."""
 
+import functools
 import math
 import os
 import random
@@ -91,9 +92,12 @@ def logit_terms(logits, y, z_loss: float) -> dict[str, torch.Tensor]:
     return {"loss": loss, "z_loss": z_loss * logits.logsumexp(-1).square().mean()}
 
 
-# With train.compile the loss is compiled too: the (tokens, vocab) logits' fp32 copy, softmax and
-# their gradient were a quarter of a CPU step with compiled blocks (the default model's)
-compiled_logit_terms = torch.compile(logit_terms)
+@functools.cache
+def compiled_logit_terms():
+    """logit_terms compiled, made when first asked for (the compiler takes seconds to import). With
+    train.compile the loss is compiled with the blocks: the (tokens, vocab) logits' fp32 copy,
+    softmax and their gradient were a quarter of a CPU step with compiled blocks (the default's)."""
+    return torch.compile(logit_terms)
 
 
 def loss_terms(
@@ -101,7 +105,7 @@ def loss_terms(
 ) -> dict[str, torch.Tensor]:
     """One micro-batch's loss terms (logit_terms; compiled: its compiled version); `inputs`: the
     model's other arguments (positions, a mask)."""
-    terms = compiled_logit_terms if compiled else logit_terms
+    terms = compiled_logit_terms() if compiled else logit_terms
     return terms(model(x, **(inputs or {})), y, z_loss)
 
 
