@@ -62,9 +62,9 @@ def build_model(
         model.load_state_dict(init)
     num_params = model.num_params()
     dtype = pick_dtype(cfg.train.dtype, dist.device)
-    if dist.mesh is None and dtype != torch.float32:
-        problem = f"train.dtype {cfg.train.dtype} on {dist.device.type}"
-        raise UserError(f"{problem}: mixed precision needs FSDP2's process group; use float32")
+    if dist.device.type == "mps" and dtype != torch.float32:
+        problem = f"train.dtype {cfg.train.dtype} on mps"
+        raise UserError(f"{problem}: picollama trains on Apple's GPU in fp32 only; use float32")
     add_dropout(model, cfg.train.dropout)
     model = parallelize(model, cfg, dist.mesh, dtype)
     local_params = sum(

@@ -33,9 +33,12 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-# Devices whose tensors neither gloo nor nccl can hold, even in a group of one (Apple's MPS): one
-# process trains there without a group, so without FSDP2 and its mixed precision
-UNGROUPED = ("mps",)
+# Devices whose tensors neither gloo nor nccl can hold, even in a group of one (Apple's MPS)
+NO_COLLECTIVES = ("mps",)
+# Where one process trains the plain model, without a group or FSDP2: MPS, and the CPU, where a
+# group of one only added FSDP2's per-block copies and hooks (without: 1.3x the tokens/s of the
+# default config, compiled; docs/findings.md)
+UNGROUPED = ("mps", "cpu")
 
 
 def mps_available() -> bool:
@@ -72,9 +75,9 @@ def pick_device(name: str | None = None) -> torch.device:
 
 
 class Dist:
-    """Rank, world size, device, device mesh and the collectives training needs. A single process is
-    a group of one (in-process, no port), so that it trains through the same FSDP2 code, mixed
-    precision included."""
+    """Rank, world size, device, device mesh and the collectives training needs. A single process on
+    an UNGROUPED device has no group (mesh None: the plain model, no FSDP2); elsewhere it is a group
+    of one (in-process, no port) and trains through the same FSDP2 code as N ranks."""
 
     def __init__(self, device_name: str):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -84,12 +87,12 @@ class Dist:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
         self.mesh = None  # no group: a plain model, no FSDP2
-        if self.device.type in UNGROUPED:
-            if self.world_size > 1:
-                raise UserError(
-                    f"no collective backend serves {self.device.type} tensors: train there in one "
-                    "process"
-                )
+        if self.device.type in NO_COLLECTIVES and self.world_size > 1:
+            raise UserError(
+                f"no collective backend serves {self.device.type} tensors: train there in one "
+                "process"
+            )
+        if self.device.type in UNGROUPED and self.world_size == 1:
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if "WORLD_SIZE" in os.environ:  # torchrun's

@@ -117,13 +117,26 @@ def mean_loss(model, batches: list, dist: Dist) -> float:
         for i in range(per_rank):
             index = i * dist.world_size + dist.rank
             # ranks without a batch still join FSDP's collectives
-            x, y, inputs = model_inputs(batches[min(index, len(batches) - 1)], ALL, dist.device)
+            batch = padded(batches[min(index, len(batches) - 1)], len(batches[0][0]))
+            x, y, inputs = model_inputs(batch, ALL, dist.device)
             loss = model(x, y, **inputs)
             if index < len(batches):
                 count = (y != -100).sum()
                 totals += torch.stack([loss.double() * count, count])
     loss_sum, count = dist.all_reduce_sum(totals).tolist()
     return loss_sum / count
+
+
+def padded(batch: tuple, rows: int) -> tuple:
+    """The batch, (x, y) or with positions, grown to `rows` rows by copies of its first whose
+    targets are all ignored: a compiled model meets the first batches' shape again, not a new one
+    to compile for a short last batch."""
+    short = rows - len(batch[0])
+    if short <= 0:
+        return batch
+    extra = [part[:1].expand(short, *part.shape[1:]) for part in batch]
+    extra[1] = torch.full_like(extra[1], -100)
+    return tuple(torch.cat(pair) for pair in zip(batch, extra, strict=True))
 
 
 def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist) -> dict:

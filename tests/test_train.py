@@ -25,7 +25,17 @@ from data.loader import RandomBatches
 from data.tokenizer import tokenizer_sha256
 from data.tokenizer_training import train_tokenizer
 from model import ModelArgs, Transformer
-from picollama import budget, device, metrics, optim, outputs, train_checks, train_data, train_state
+from picollama import (
+    budget,
+    device,
+    metrics,
+    optim,
+    outputs,
+    parallel,
+    train_checks,
+    train_data,
+    train_state,
+)
 from picollama.cli import UserError
 from picollama.command import run_command
 from picollama.config import build_config, parse_cli
@@ -293,14 +303,13 @@ def test_a_non_finite_gradient_norm_skips_the_update(dataset):
     model, optimizer, _ = train.build_model(cfg, dist)
     with torch.no_grad():
         # every logit, so the loss and every gradient, become NaN
-        model.norm.weight.to_local()[0] = float("nan")
-    before = {name: p.to_local().clone() for name, p in model.named_parameters()}
+        model.norm.weight[0] = float("nan")
+    before = {name: p.clone() for name, p in model.named_parameters()}
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
     _, grad_norm, applied = train.train_step(model, optimizer, x, y, 1e-3, cfg, dist)
     assert not applied and not torch.isfinite(grad_norm) and not optimizer.state
     assert all(
-        torch.equal(p.to_local().nan_to_num(), before[n].nan_to_num())
-        for n, p in model.named_parameters()
+        torch.equal(p.nan_to_num(), before[n].nan_to_num()) for n, p in model.named_parameters()
     )
     del model, optimizer
     dist.close()
@@ -446,6 +455,10 @@ def runs(one_thread, dataset, tmp_path_factory) -> dict[str, dict[str, Path]]:
 def test_fsdp_two_ranks_match_one_process(runs):
     fp32 = runs["float32"]
     assert_close(losses(fp32["single"]), losses(fp32["two"]), 1e-5, steps=range(1, 13))
+    # bf16: one process autocasts (the residual stream fp32), FSDP2's policy computes all in bf16;
+    # within bf16's rounding of a loss near 5 (1e-3 measured; bf16 against fp32 differs by 5e-2)
+    bf16 = runs["bfloat16"]
+    assert_close(losses(bf16["single"]), losses(bf16["two"]), 5e-3, steps=range(1, 13))
     assert_close(
         losses(fp32["single"], "val_loss"), losses(fp32["two"], "val_loss"), 1e-5, steps=[6, 12]
     )
@@ -509,15 +522,16 @@ def test_two_rank_checkpoint_resumes_in_one_process(runs, tmp_path):
     assert_close(losses(fp32["single"]), losses(tmp_path / "run"), 1e-5, steps=range(13, 17))
 
 
-def test_a_device_without_collectives_trains_the_plain_model_alike_and_resumes(
+def test_one_process_trains_the_plain_model_as_a_group_of_one_would_and_resumes(
     dataset, tmp_path, monkeypatch
 ):
-    """Apple's MPS has no collective backend, so one process trains there without a group or FSDP2.
-    That path, run here on the CPU, gives the same losses as the grouped one and resumes exactly."""
+    """One process on the CPU (or MPS) trains the plain model, without a group or FSDP2: the same
+    fp32 losses as a group of one, and an exact resume."""
     config = config_file(tmp_path, dataset)
-    assert run_in_process(config, tmp_path / "grouped") == 0
-    monkeypatch.setattr(device, "UNGROUPED", ("mps", "cpu"))
     assert run_in_process(config, tmp_path / "plain") == 0
+    monkeypatch.setattr(device, "UNGROUPED", ("mps",))
+    assert run_in_process(config, tmp_path / "grouped") == 0
+    monkeypatch.undo()
     assert_close(losses(tmp_path / "grouped"), losses(tmp_path / "plain"), 1e-5, steps=range(1, 13))
     shutil.rmtree(tmp_path / "plain" / "train_state" / "step_000012")
     assert run_in_process(config, tmp_path / "plain", "--resume") == 0
@@ -742,20 +756,43 @@ def test_z_loss_adds_the_squared_log_normaliser_and_is_logged_beside_the_loss(da
     assert losses(tmp_path / "z")[3] != plain[3]  # and the z-loss's gradient changed the updates
 
 
-def test_the_compiled_loss_and_its_gradient_are_the_model_s(dataset, one_thread):
-    """train.compile's loss (compiled_logit_terms, as the default config trains) against the model's
-    own cross-entropy, in bf16 as the default trains, with targets the loss ignores."""
-    model = Transformer(build_config({"model": TINY["model"]}, []).model).to(torch.bfloat16)
+def test_the_compiled_model_and_loss_are_the_eager_ones(dataset, one_thread):
+    """train.compile as one process trains (parallelize without a group: the blocks compiled, the
+    forward under bf16 autocast, and compiled_logit_terms) against the eager model, whose loss is
+    the model's own cross-entropy, with targets the loss ignores: the same loss and gradients
+    within bf16's rounding, and fp32 gradients for the fp32 weights."""
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
     y[0, :5] = -100
-    grads = []
+    models, terms = [], []
     for compiled in (False, True):
-        terms = train.loss_terms(model, x, y, None, 0.0, compiled)
-        terms["loss"].backward()
-        grads.append([p.grad.float() for p in model.parameters()])
-        model.zero_grad(set_to_none=True)
-        assert torch.allclose(terms["loss"], model(x, y), rtol=1e-5)
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads, strict=True))
+        cfg = build_config({"model": TINY["model"], "train": {"compile": compiled}}, [])
+        torch.manual_seed(0)
+        models.append(parallel.parallelize(Transformer(cfg.model), cfg, None, torch.bfloat16))
+        terms.append(train.loss_terms(models[-1], x, y, None, 0.0, compiled)["loss"])
+        terms[-1].backward()
+    eager, compiled = models
+    assert torch.allclose(terms[0], eager(x, y), rtol=1e-5)  # the model's own
+    assert torch.allclose(*terms, rtol=1e-3)
+    grads = [[p.grad for p in model.parameters()] for model in models]
+    assert all(g.dtype == torch.float32 for g in grads[1])
+    assert all((a - b).norm() <= 0.02 * a.norm() for a, b in zip(*grads, strict=True))
+
+
+def test_a_short_last_validation_batch_is_grown_with_ignored_rows(dataset):
+    """The model meets one batch shape in validation (a compiled one compiles no other for a short
+    last batch), and the loss is still the mean over every window's targets."""
+    model = Transformer(build_config({"model": TINY["model"]}, []).model)
+    x, y = RandomBatches(dataset, "val", 7, 32).next_batch()
+    rows = []
+
+    def count_rows(module, args):
+        rows.append(len(args[0]))
+
+    model.register_forward_pre_hook(count_rows)
+    loss = train_data.mean_loss(model, [(x[:4], y[:4]), (x[4:], y[4:])], train.Dist("cpu"))
+    assert rows == [4, 4]
+    with torch.no_grad():
+        assert loss == pytest.approx(model(x, y).item(), rel=1e-6)
 
 
 def test_random_positions_are_sorted_distinct_in_range_and_seeded():
