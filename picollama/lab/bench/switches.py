@@ -54,6 +54,10 @@ QUALITY = {
     "weight decay 0.03": ["--optim.weight_decay=0.03"],
     "decay 0.3": ["--optim.decay_fraction=0.3"],
     "decay 0.4": ["--optim.decay_fraction=0.4"],
+    "qk-norm": ["--model.qk_norm=true"],
+    "muon lr 0.01": ["--optim.muon_lr=0.01"],
+    "muon lr 0.015": ["--optim.muon_lr=0.015"],
+    "muon lr 0.03": ["--optim.muon_lr=0.03"],
     # more tokens to the held-out plays: eval.batches to cover them still
     "vocab 2048": [
         "--model.vocab_size=2048",
