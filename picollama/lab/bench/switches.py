@@ -58,6 +58,7 @@ QUALITY = {
     "muon lr 0.01": ["--optim.muon_lr=0.01"],
     "muon lr 0.015": ["--optim.muon_lr=0.015"],
     "muon lr 0.03": ["--optim.muon_lr=0.03"],
+    "muon 0.02, decay 0.2": ["--optim.muon_lr=0.02", "--optim.decay_fraction=0.2"],
     # more tokens to the held-out plays: eval.batches to cover them still
     "vocab 2048": [
         "--model.vocab_size=2048",
