@@ -52,11 +52,11 @@ QUALITY = {
     "tied embeddings": ["--model.tie_embeddings=true"],
     "weight decay 0.3": ["--optim.weight_decay=0.3"],
     "weight decay 0.03": ["--optim.weight_decay=0.03"],
-    "decay 0.3": ["--optim.decay_fraction=0.3"],
+    "decay 0.2": ["--optim.decay_fraction=0.2"],
     "decay 0.4": ["--optim.decay_fraction=0.4"],
     "qk-norm": ["--model.qk_norm=true"],
     "muon lr 0.01": ["--optim.muon_lr=0.01"],
-    "muon lr 0.015": ["--optim.muon_lr=0.015"],
+    "muon lr 0.02": ["--optim.muon_lr=0.02"],
     "muon lr 0.03": ["--optim.muon_lr=0.03"],
     "muon 0.02, decay 0.2": ["--optim.muon_lr=0.02", "--optim.decay_fraction=0.2"],
     # more tokens to the held-out plays: eval.batches to cover them still
