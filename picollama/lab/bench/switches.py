@@ -59,6 +59,23 @@ QUALITY = {
     "muon lr 0.02": ["--optim.muon_lr=0.02"],
     "muon lr 0.03": ["--optim.muon_lr=0.03"],
     "muon 0.02, decay 0.2": ["--optim.muon_lr=0.02", "--optim.decay_fraction=0.2"],
+    "decay 0.5": ["--optim.decay_fraction=0.5"],
+    "muon momentum 0.9": ["--optim.muon_momentum=0.9"],
+    "adamw lr 0.02": ["--optim.lr=2e-2", "--optim.min_lr=2e-3"],
+    "adamw lr 0.005": ["--optim.lr=5e-3", "--optim.min_lr=5e-4"],
+    "min lr 1e-4": ["--optim.min_lr=1e-4"],
+    "warmup 100": ["--optim.warmup_steps=100"],
+    "no clipping": ["--optim.grad_clip=0"],
+    "weight decay 0.05": ["--optim.weight_decay=0.05"],
+    "z-loss 1e-4": ["--optim.z_loss=1e-4"],
+    "weight average 0.98": ["--train.weight_average=0.98"],
+    "weight average 0.995": ["--train.weight_average=0.995"],
+    "4 heads": ["--model.n_heads=4"],
+    # another step's cost: compare with --minutes (or --steps in the ratio of tokens/s)
+    "batch 8": ["--train.batch_size=8"],
+    "batch 32": ["--train.batch_size=32"],
+    "6 layers": ["--model.n_layers=6"],
+    "dim 160": ["--model.dim=160"],
     # more tokens to the held-out plays: eval.batches to cover them still
     "vocab 2048": [
         "--model.vocab_size=2048",
