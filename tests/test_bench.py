@@ -3,6 +3,7 @@ committed results; bad input is one error line."""
 
 import importlib
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -49,7 +50,9 @@ def run_in_process(main, *args: str) -> int:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("script", ["train", "decode", "memory", "data", "quantize", "perplexity"])
+@pytest.mark.parametrize(
+    "script", ["train", "decode", "memory", "data", "quantize", "perplexity", "heldout"]
+)
 def test_smoke_run_writes_results(script, tmp_path, bench_main, capsys):
     if script == "perplexity":  # ours against llama.cpp on the same GGUF
         pytest.importorskip("llama_cpp")
@@ -89,6 +92,9 @@ def test_smoke_run_writes_results(script, tmp_path, bench_main, capsys):
     elif script == "perplexity":  # a random tiny model: the same numbers from both
         assert result["ours_over_llama_cpp"] == pytest.approx(1.0, abs=1e-4)
         assert result["loss_abs_difference"]["max"] < 1e-3
+    elif script == "heldout":  # a random tiny model: near log(vocabulary) both ways
+        assert [r["stride"] for r in result["results"].values()] == [32, 8]
+        assert all(abs(r["loss"] - math.log(128)) < 0.5 for r in result["results"].values())
     elif script == "memory":
         (r,) = result["results"]
         assert r["ours"]["step_peak_bytes"] > 0 and r["hf"]["step_peak_bytes"] > 0
@@ -121,7 +127,9 @@ def test_bad_input_is_one_error_line(script, args, message, tmp_path, capsys, be
     assert not out.exists()
 
 
-@pytest.mark.parametrize("script", ["train", "decode", "memory", "data", "quantize", "switches"])
+@pytest.mark.parametrize(
+    "script", ["train", "decode", "memory", "data", "quantize", "switches", "heldout"]
+)
 def test_smoke_output_defaults_to_a_temporary_file(script, tmp_path, monkeypatch):
     # --smoke's figures (random tokens, a tiny model) must never replace docs/results/SCRIPT.json
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where tempfile.mkdtemp makes folders

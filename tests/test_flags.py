@@ -17,7 +17,7 @@ from picollama.config import DEFAULT_CONFIG
 
 REPO = Path(__file__).resolve().parent.parent
 FLAG_TABLE = REPO / "docs" / "usage.md"  # the one set of flags table (the README points there)
-BENCH = ("data", "decode", "memory", "quantize", "switches", "train")
+BENCH = ("data", "decode", "heldout", "memory", "quantize", "switches", "train")
 
 
 def help_text(main, argv: list[str]) -> str:

@@ -25,7 +25,7 @@ from picollama.lab.bench import data as bench_data
 from picollama.lab.bench import switches
 from picollama.run_files import load_run
 
-BENCH = ("data", "decode", "memory", "perplexity", "quantize", "switches", "train")
+BENCH = ("data", "decode", "heldout", "memory", "perplexity", "quantize", "switches", "train")
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ import os
 import signal
 import sys
 import threading
+from contextlib import ExitStack
 
 import torch
 
@@ -16,16 +17,17 @@ def interruptible(fn, *args, **kwargs):
     is answered within WAIT_SECONDS even while one torch operation takes minutes (Python runs
     signal handlers between bytecodes of the main thread only, never inside an operation).
     Interrupted, the worker is abandoned; the process then ends (exit_abandoned) once the caller's
-    cleanup and its `error:` line are done. The worker computes under the caller's grad and
-    inference modes (they are per thread). Outside the main thread: fn called as it is."""
+    cleanup and its `error:` line are done. The worker computes under the caller's grad,
+    inference and autocast modes (they are per thread). Outside the main thread: fn called as it
+    is."""
     if threading.current_thread() is not threading.main_thread():
         return fn(*args, **kwargs)
     done, finished = {}, threading.Event()
-    modes = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+    modes = caller_modes()
 
     def work():
         try:
-            with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
+            with modes():
                 done["value"] = fn(*args, **kwargs)
         except BaseException as e:  # handed to the caller
             done["error"] = e
@@ -62,6 +64,25 @@ def interruptible(fn, *args, **kwargs):
     if "error" in done:
         raise done["error"]
     return done["value"]
+
+
+def caller_modes():
+    """A function entering, in another thread, this thread's grad, inference and autocast modes
+    (torch keeps them per thread): an ExitStack to leave them by."""
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+    casts = [
+        (d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)
+    ]
+
+    def enter() -> ExitStack:
+        stack = ExitStack()
+        stack.enter_context(torch.inference_mode(inference))
+        stack.enter_context(torch.set_grad_enabled(grad))
+        for device, dtype in casts:
+            stack.enter_context(torch.autocast(device, dtype))
+        return stack
+
+    return enter
 
 
 def exit_abandoned(finished: threading.Event, status: int):

@@ -35,11 +35,15 @@ def token_losses(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     return losses_and_hits(model, tokens)[0]
 
 
-def sliding_losses(model: Transformer, tokens: torch.Tensor, context: int) -> torch.Tensor:
-    """token_losses over (1, T) tokens seen through windows of `context` tokens moving by
-    context/2: each token after the first window is scored with at least context/2 before it."""
+def sliding_losses(
+    model: Transformer, tokens: torch.Tensor, context: int, stride: int | None = None
+) -> torch.Tensor:
+    """token_losses over (1, T) tokens seen through windows of `context` tokens moving by `stride`
+    (default context/2): each token after the first window is scored with at least
+    context - stride before it; stride context - 1 cuts the tokens into windows that share
+    only their ends (train.py's validation)."""
     length = tokens.shape[1]
-    stride = max(context // 2, 1)
+    stride = stride or max(context // 2, 1)
     pieces = []
     start = 0
     scored = 1  # scored: the next target position

@@ -50,6 +50,24 @@ def parse_args(argv: list[str]):
     return common.parse(p, argv)
 
 
+def run_and_data(cli, device) -> tuple[Transformer, dict, Path]:
+    """(the model of --run, its config.json, --data or the dataset it was trained on), checked to
+    share a tokenizer."""
+    if cli.run is None:
+        raise UserError("--run RUN_DIR is required (a trained run)")
+    run = imported_run(cli.run)  # a .gguf file or a Hugging Face directory, imported once
+    model, config = load_model(run, device)
+    data_dir = cli.data or config.get("data", {}).get("dir")
+    if data_dir is None:
+        raise UserError(
+            f"{cli.run} records no dataset (an imported model): pass --data DIR, one prepared "
+            f"with its tokenizer (python data/prepare.py --tokenizer {cli.run} --out DIR)"
+        )
+    data_dir = Path(data_dir) if Path(data_dir).is_absolute() else common.REPO_ROOT / data_dir
+    check_same_tokenizer(run, data_dir)
+    return model, config, data_dir
+
+
 def evaluation_data(cli, device) -> tuple:
     """(the fp32 model, its (x, y) batches, bytes per token or None, window length, where from):
     the trained run's whole validation split, or for --smoke the tiny model on random tokens."""
@@ -62,18 +80,7 @@ def evaluation_data(cli, device) -> tuple:
             0, vocab, (4, seq_len + 1), generator=torch.Generator().manual_seed(0)
         )
         return original, [(tokens[:, :-1], tokens[:, 1:])], None, seq_len, "random tokens"
-    if cli.run is None:
-        raise UserError("--run RUN_DIR is required (a trained run)")
-    run = imported_run(cli.run)  # a .gguf file or a Hugging Face directory, imported once
-    original, config = load_model(run, device)
-    data_dir = cli.data or config.get("data", {}).get("dir")
-    if data_dir is None:
-        raise UserError(
-            f"{cli.run} records no dataset (an imported model): pass --data DIR, one prepared "
-            f"with its tokenizer (python data/prepare.py --tokenizer {cli.run} --out DIR)"
-        )
-    data_dir = Path(data_dir) if Path(data_dir).is_absolute() else common.REPO_ROOT / data_dir
-    check_same_tokenizer(run, data_dir)
+    original, config, data_dir = run_and_data(cli, device)
     bytes_per_token = load_meta(data_dir)["bytes_per_token"]
     seq_len = cli.seq_len or config.get("train", {}).get("seq_len") or original.args.max_seq_len
     batches = list(eval_batches(data_dir, "val", cli.batch_size, seq_len, device=device))

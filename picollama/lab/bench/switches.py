@@ -71,11 +71,17 @@ QUALITY = {
     "weight average 0.98": ["--train.weight_average=0.98"],
     "weight average 0.995": ["--train.weight_average=0.995"],
     "4 heads": ["--model.n_heads=4"],
+    "weight decay 0.2": ["--optim.weight_decay=0.2"],
+    "adamw beta2 0.99": ["--optim.beta2=0.99"],
+    "ffn 512": ["--model.ffn_hidden_dim=512"],
+    "ffn 768": ["--model.ffn_hidden_dim=768"],
     # another step's cost: compare with --minutes (or --steps in the ratio of tokens/s)
     "batch 8": ["--train.batch_size=8"],
     "batch 32": ["--train.batch_size=32"],
     "6 layers": ["--model.n_layers=6"],
     "dim 160": ["--model.dim=160"],
+    "dim 192, 2 heads": ["--model.dim=192"],
+    "ffn 1024": ["--model.ffn_hidden_dim=1024"],  # 1.5x a step's time at 5 minutes
     # more tokens to the held-out plays: eval.batches to cover them still
     "vocab 2048": [
         "--model.vocab_size=2048",
@@ -87,6 +93,7 @@ QUALITY = {
         "--data.dir=data/shakespeare-1024",
         "--eval.batches=48",
     ],
+    "vocab 8192": ["--model.vocab_size=8192", "--data.dir=data/shakespeare-8192"],
 }
 TABLES = {"switches": SWITCHES, "quality": QUALITY}
 OPTIMIZERS = ("adamw", "muon")  # the table also trains the optimizer that the config does not use
