@@ -2,6 +2,7 @@
 windows), the sliding window scores the same tokens, each with its promised context."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def test_the_headline_is_train_py_s_validation_and_the_window_scores_the_same_to
     batches = list(eval_batches(data_dir, "val", 16, TRAIN_LEN))
     loss = mean_loss(model.eval(), batches)
     assert windows["stride"] == TRAIN_LEN and windows["loss"] == pytest.approx(loss, abs=1e-5)
-    bpb = loss / torch.log(torch.tensor(2.0)).item() / load_meta(data_dir)["bytes_per_token"]
+    bpb = loss / math.log(2) / load_meta(data_dir)["bytes_per_token"]
     assert windows["bits_per_byte"] == pytest.approx(bpb, abs=1e-5)
     assert result["target_tokens"] == sum(y.numel() for _, y in batches)
     assert sliding["stride"] == 4  # its targets and their contexts: the next test
@@ -58,7 +59,7 @@ def test_each_sliding_target_is_scored_after_context_minus_stride_tokens(tiny_ru
         losses = sliding_losses(model.eval(), tokens, context, stride)
         assert losses.shape == (1, 119)  # every target once
         for target in (1, 32, 33, 40, 41, 100, 119):
-            # the window scoring it: the first, else the one it ends the last `stride` targets of
+            # the window that scores it: the first, else the one whose last `stride` targets hold it
             start = max(0, -(-(target - context + 1) // stride) * stride)
             assert target - start >= min(target, context - stride)
             alone = token_losses(model, tokens[:, start : target + 1])[0, -1]

@@ -20,7 +20,7 @@ from picollama.lab.scoring import sliding_losses
 
 def parse_args(argv: list[str]):
     p = common.parser(__doc__, "heldout")
-    add_run(p, required=False)  # required but in --smoke: checked in held_out
+    add_run(p, required=False)  # required but in --smoke: checked in quantize.run_and_data
     p.add_argument("--data", type=Path, help="prepared dataset (default: the run's data.dir)")
     p.add_argument(
         "--stride",
