@@ -43,7 +43,7 @@ from data.tokenizer import (
     tokenizer_name,
     tokenizer_sha256,
 )
-from data.tokenizer_training import cpu_count, tokenizer_sample, train_tokenizer
+from data.tokenizer_training import TOKENIZER_TYPES, cpu_count, tokenizer_sample, train_tokenizer
 from picollama import REPO_ROOT
 from picollama.cli import UserError
 from picollama.outputs import check_free_space, check_writable, exclusive, remove, replace, resolved
@@ -114,9 +114,8 @@ def start(
     """Start afresh in `work` with the tokenizer (trained on `head` unless given); the progress."""
     if model_proto is None:
         texts = [text for _, train, _, _ in head for text in train]
-        model_proto = train_tokenizer(
-            tokenizer_sample(texts, TOKENIZER_SAMPLE_BYTES, SEED), vocab_size, SEED
-        )
+        sample = tokenizer_sample(texts, TOKENIZER_SAMPLE_BYTES, SEED)
+        model_proto = train_tokenizer(sample, vocab_size, SEED, inputs.get("tokenizer_type", "bpe"))
     remove(work)
     (work / "progress").mkdir(parents=True)
     (work / tokenizer_name(model_proto)).write_bytes(model_proto)
@@ -270,6 +269,7 @@ def prepare(
     shard_tokens=SHARD_TOKENS,
     workers=None,
     source_key="--source",
+    tokenizer_type="bpe",
 ) -> Path:
     """Prepare a dataset directory (see --help; errors name the source source_key); its path."""
     out_dir = Path(out_dir) if out_dir else REPO_ROOT / "data" / default_name(source)
@@ -293,7 +293,7 @@ def prepare(
         "block_bytes": BLOCK_BYTES,
         "shard_tokens": shard_tokens,
     }
-    model_proto = given_tokenizer(tokenizer, vocab_size, inputs)
+    model_proto = given_tokenizer(tokenizer, vocab_size, inputs, tokenizer_type)
     with exclusive(out_dir):  # one writer at a time, from the check of what is there to the rename
         if meta := existing_output(out_dir, inputs, force):
             print(f"already prepared (same inputs; --force rebuilds): {summary(out_dir, meta)}")
@@ -319,13 +319,23 @@ def prepare(
     return out_dir
 
 
-def given_tokenizer(tokenizer, vocab_size: int, inputs: dict) -> bytes | None:
-    """The serialized --tokenizer (None: one is trained), recording its identity in `inputs`."""
+def given_tokenizer(tokenizer, vocab_size: int, inputs: dict, kind: str = "bpe") -> bytes | None:
+    """The serialized --tokenizer (None: one of `kind` is trained), recording its identity in
+    `inputs` (a BPE one as before there were kinds, so that earlier datasets are reused)."""
+    if kind not in TOKENIZER_TYPES:
+        raise UserError(f"--tokenizer-type {kind!r} is not one of {', '.join(TOKENIZER_TYPES)}")
     if not tokenizer:
         if vocab_size < 1:
             raise UserError(f"--vocab-size must be positive, got {vocab_size}")
         inputs.update(vocab_size=vocab_size, tokenizer_sample_bytes=TOKENIZER_SAMPLE_BYTES)
+        if kind != "bpe":
+            inputs["tokenizer_type"] = kind
         return None
+    if kind != "bpe":
+        raise UserError(
+            f"--tokenizer-type {kind} and --tokenizer {tokenizer} were both given: the type is "
+            "the given tokenizer's; give one"
+        )
     tokenizer_path = Path(tokenizer)
     if tokenizer_path.is_dir():  # a run directory, or a dataset: its tokenizer
         tokenizer_path = tokenizer_file(tokenizer_path) or tokenizer_path / "tokenizer.model"

@@ -8,6 +8,7 @@ import sys
 from data.build import SHARD_TOKENS, prepare
 from data.build_conversations import prepare_conversations
 from data.conversations import conversation_files
+from data.tokenizer_training import TOKENIZER_TYPES
 from picollama.cli import ArgumentParser, UserError, add_out, positive
 from picollama.command import run_command
 from picollama.output_place import check_output_place
@@ -66,6 +67,12 @@ def parse_args(argv):
         help="use this tokenizer instead of training one: a tokenizer.model or tokenizer.json, or "
         "a run directory's",
     )
+    add(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default="bpe",
+        help="the algorithm of the tokenizer trained: bpe (default) or unigram (docs/usage.md)",
+    )
     add("--force", action="store_true", help="rebuild even if the output exists")
     add(
         "--text-field",
@@ -91,6 +98,11 @@ def parse_args(argv):
         raise UserError(
             f"--vocab-size {args.vocab_size} and --tokenizer {args.tokenizer} were both given: "
             "the vocabulary is the tokenizer's; give one"
+        )
+    if args.tokenizer and args.tokenizer_type != "bpe":
+        raise UserError(
+            f"--tokenizer-type {args.tokenizer_type} and --tokenizer {args.tokenizer} were both "
+            "given: the type is the given tokenizer's; give one"
         )
     return args
 
@@ -125,6 +137,7 @@ def main(argv) -> int:
         command=sys.argv,
         shard_tokens=args.shard_tokens,
         workers=args.workers,
+        tokenizer_type=args.tokenizer_type,
     )
     return 0
 

@@ -1,4 +1,5 @@
-"""Train a dataset's tokenizer: byte-fallback BPE sentencepiece on a seeded sample of its text."""
+"""Train a dataset's tokenizer: byte-fallback sentencepiece (BPE or unigram) on a seeded sample of
+its text."""
 
 import io
 import os
@@ -12,6 +13,12 @@ from data.sources import utf8_size
 from picollama.cli import UserError
 
 MAX_SENTENCE_CHARS = 16_384  # longer lines reach the tokenizer trainer in pieces
+# the algorithms a tokenizer may be trained with (data/prepare.py --tokenizer-type): BPE on the
+# text's lines (line breaks fall back to bytes), or Kudo's unigram language model on pieces of
+# UNIGRAM_CHUNK characters that keep their line breaks (pieces such as ",\n" may form); on
+# Shakespeare the latter scored 0.015 bits/byte lower at 3 seeds (docs/findings.md)
+TOKENIZER_TYPES = ("bpe", "unigram")
+UNIGRAM_CHUNK = 4096
 # sentencepiece's options: byte-fallback BPE on the text exactly as it is (no normalization, no
 # added or removed spaces), so that decode(encode(text)) == text for any UTF-8 text; digits split
 # one by one
@@ -60,16 +67,22 @@ def text_characters(documents: list[str]) -> int:
     return sum(len(word) for document in documents for word in document.split())
 
 
-def training_sentences(documents: list[str]):
-    """Lines of the documents, as sentencepiece trains on lines; very long lines come in pieces."""
+def training_sentences(documents: list[str], kind: str = "bpe"):
+    """Lines of the documents, as sentencepiece trains on lines; very long lines come in pieces.
+    For a unigram tokenizer, pieces of UNIGRAM_CHUNK characters, line breaks kept."""
     for document in tqdm(documents, desc="training tokenizer", unit="doc", disable=None):
+        if kind == "unigram":
+            for start in range(0, len(document), UNIGRAM_CHUNK):
+                yield document[start : start + UNIGRAM_CHUNK]
+            continue
         for line in document.split("\n"):
             for start in range(0, len(line), MAX_SENTENCE_CHARS):
                 yield line[start : start + MAX_SENTENCE_CHARS]
 
 
-def train_tokenizer(documents: list[str], vocab_size: int, seed: int) -> bytes:
-    """A byte-fallback BPE sentencepiece model (serialized) that round-trips any UTF-8 text."""
+def train_tokenizer(documents: list[str], vocab_size: int, seed: int, kind: str = "bpe") -> bytes:
+    """A byte-fallback sentencepiece model (serialized) of `kind` (TOKENIZER_TYPES) that
+    round-trips any UTF-8 text."""
     letters = text_characters(documents)
     if not letters:
         size = sum(map(len, documents))
@@ -81,11 +94,11 @@ def train_tokenizer(documents: list[str], vocab_size: int, seed: int) -> bytes:
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=training_sentences(documents),
+            sentence_iterator=training_sentences(documents, kind),
             model_writer=model,
             vocab_size=vocab_size,
             num_threads=cpu_count(),
-            **TOKENIZER_RECIPE,
+            **(TOKENIZER_RECIPE | {"model_type": kind}),
         )
     except RuntimeError as exc:
         message = str(exc)

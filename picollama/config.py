@@ -32,6 +32,7 @@ class DataConfig:
     dir: str = "data/shakespeare"  # a prepared dataset (data/prepare.py), else made from `source`
     source: str = "shakespeare"  # shakespeare | PATH | hf:NAME, as for data/prepare.py --source
     vocab_size: int | None = None  # tokenizer size when preparing; None: model.vocab_size
+    tokenizer_type: str = "bpe"  # the tokenizer's algorithm when preparing: bpe | unigram
     # synthetic copy data (data/loader.py's RandomBatches, Bi-Induct-style): this fraction of
     # training windows get a random span and copies of it later in the window, for induction heads
     # to form on; 0: none

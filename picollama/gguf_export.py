@@ -14,6 +14,7 @@ from picollama.cli import UserError
 from picollama.convert_outputs import check_replaceable, output
 from picollama.hf_format import check_llama, has_dummy_prefix, run_chat_template_value
 from picollama.run_files import load_model, read_tokenizer
+from picollama.spm_unigram import refuse_gguf_unigram
 
 # picollama name -> llama.cpp's GGUF name, per layer (blk.N.…)
 GGUF_LAYER_KEYS = {
@@ -71,6 +72,7 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str, 
         ) from None
     args = model.args
     check_llama(args, "llama.cpp's llama")
+    refuse_gguf_unigram(tokenizer)
     freq_base, freq_divisors = gguf_rope(args)
     qtype = gguf.GGMLQuantizationType[type_.upper()]
     file_type = (

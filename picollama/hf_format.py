@@ -22,6 +22,7 @@ from picollama.run_files import (
     read_tokenizer,
     save_model,
 )
+from picollama.spm_unigram import is_unigram, unigram_json
 from picollama.variants import non_llama
 
 # picollama name -> Hugging Face name, per layer
@@ -273,16 +274,10 @@ def export_hf(run_dir: Path, hf_dir: Path):
         "eos_token_id": tokenizer.eos_id(),
         "torch_dtype": dtype,
     }
-    if isinstance(
-        tokenizer, HFTokenizer
-    ):  # its own config, for the class that reads tokenizer.json
-        kind = {**tokenizer.config, "tokenizer_class": "PreTrainedTokenizerFast"}
-        kind |= {"add_bos_token": tokenizer.add_bos}
-    else:
-        kind = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": bool(prompt_start(tokenizer))}
-        kind |= {"add_prefix_space": has_dummy_prefix(tokenizer), "legacy": False}
+    unigram = is_unigram(tokenizer)
+    tokenizer_json = unigram_json(tokenizer, bool(prompt_start(tokenizer))) if unigram else ""
     tokenizer_config = {
-        **kind,
+        **tokenizer_class(tokenizer, unigram),
         **special,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
@@ -291,12 +286,14 @@ def export_hf(run_dir: Path, hf_dir: Path):
     template = run_chat_template_value(run_dir)  # the run's own, as it is (a string or a list)
     if template is not None:
         tokenizer_config["chat_template"] = template
-    needed = model_bytes(model) + tokenizer_path.stat().st_size + 64 * 1024
+    needed = model_bytes(model) + tokenizer_path.stat().st_size + len(tokenizer_json) + 64 * 1024
     with output(hf_dir, needed) as tmp:
         tmp.mkdir()
         save_file(to_hf_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         shutil.copyfile(tokenizer_path, tmp / tokenizer_path.name)
+        if tokenizer_json:
+            (tmp / "tokenizer.json").write_text(tokenizer_json)
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
@@ -306,6 +303,20 @@ def run_chat_template_value(run_dir: Path):
     from picollama.chat_template import read_tokenizer_config  # jinja2, for exports only
 
     return read_tokenizer_config(Path(run_dir) / TOKENIZER_CONFIG).get("chat_template")
+
+
+def tokenizer_class(tokenizer, unigram: bool) -> dict:
+    """The tokenizer_config.json keys naming the class that reads the exported tokenizer: a
+    tokenizer.json's (its own config; a unigram sentencepiece model's, written beside it) or
+    transformers' Llama tokenizer, reading tokenizer.model."""
+    if isinstance(tokenizer, HFTokenizer):
+        kind = {**tokenizer.config, "tokenizer_class": "PreTrainedTokenizerFast"}
+        return kind | {"add_bos_token": tokenizer.add_bos}
+    starts = bool(prompt_start(tokenizer))
+    if unigram:
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": starts}
+    kind = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": starts}
+    return kind | {"add_prefix_space": has_dummy_prefix(tokenizer), "legacy": False}
 
 
 def has_dummy_prefix(tokenizer) -> bool:

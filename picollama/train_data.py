@@ -69,7 +69,14 @@ def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
         print(f"{data_dir} is not prepared yet: preparing it from {cfg.data.source}")
         vocab_size = cfg.data.vocab_size or cfg.model.vocab_size
         command = ["train.py", "(auto-prepare)"]
-        prepare(cfg.data.source, vocab_size, data_dir, command=command, source_key="data.source")
+        prepare(
+            cfg.data.source,
+            vocab_size,
+            data_dir,
+            command=command,
+            source_key="data.source",
+            tokenizer_type=cfg.data.tokenizer_type,
+        )
     dist.barrier()
     meta = checked_meta(data_dir)
     kind = meta.get("kind", "text")

@@ -94,6 +94,7 @@ QUALITY = {
         "--eval.batches=48",
     ],
     "vocab 8192": ["--model.vocab_size=8192", "--data.dir=data/shakespeare-8192"],
+    "unigram tokenizer": ["--data.tokenizer_type=unigram", "--data.dir=data/shakespeare-unigram"],
 }
 TABLES = {"switches": SWITCHES, "quality": QUALITY}
 OPTIMIZERS = ("adamw", "muon")  # the table also trains the optimizer that the config does not use
@@ -190,13 +191,14 @@ def run_switch(config: str, overrides: list[str], seed: int, args, tmp: Path) ->
 
 
 def prepare_data(config: str, overrides: list[str]):
-    """Prepare the switch's dataset (another vocabulary's) before any run is timed: train.py would
-    prepare it inside the first seed's budget."""
+    """Prepare the switch's dataset (another vocabulary's or tokenizer's) before any run is timed:
+    train.py would prepare it inside the first seed's budget."""
     cfg, _ = parse_cli(["--config", config, *overrides])
     data_dir = common.REPO_ROOT / cfg.data.dir  # train.py's, which runs in the repository
     if not (data_dir / "meta.json").is_file():
         vocab_size = cfg.data.vocab_size or cfg.model.vocab_size
-        prepare(cfg.data.source, vocab_size, data_dir, command=["switches"])
+        kind = cfg.data.tokenizer_type
+        prepare(cfg.data.source, vocab_size, data_dir, command=["switches"], tokenizer_type=kind)
 
 
 def parse_args(argv: list[str]):
