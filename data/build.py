@@ -272,7 +272,7 @@ def prepare(
     tokenizer_type="bpe",
 ) -> Path:
     """Prepare a dataset directory (see --help; errors name the source source_key); its path."""
-    out_dir = Path(out_dir) if out_dir else REPO_ROOT / "data" / default_name(source)
+    out_dir = Path(out_dir or REPO_ROOT / "data" / default_name(source, tokenizer_type))
     if source.startswith("hf:") and max_bytes is None:
         max_bytes = HF_DEFAULT_MAX_BYTES
     for name, value in (
@@ -321,7 +321,8 @@ def prepare(
 
 def given_tokenizer(tokenizer, vocab_size: int, inputs: dict, kind: str = "bpe") -> bytes | None:
     """The serialized --tokenizer (None: one of `kind` is trained), recording its identity in
-    `inputs` (a BPE one as before there were kinds, so that earlier datasets are reused)."""
+    `inputs` (a trained BPE one as before there were kinds, so that earlier datasets are reused;
+    a given one is of its own kind)."""
     if kind not in TOKENIZER_TYPES:
         raise UserError(f"--tokenizer-type {kind!r} is not one of {', '.join(TOKENIZER_TYPES)}")
     if not tokenizer:
@@ -331,11 +332,6 @@ def given_tokenizer(tokenizer, vocab_size: int, inputs: dict, kind: str = "bpe")
         if kind != "bpe":
             inputs["tokenizer_type"] = kind
         return None
-    if kind != "bpe":
-        raise UserError(
-            f"--tokenizer-type {kind} and --tokenizer {tokenizer} were both given: the type is "
-            "the given tokenizer's; give one"
-        )
     tokenizer_path = Path(tokenizer)
     if tokenizer_path.is_dir():  # a run directory, or a dataset: its tokenizer
         tokenizer_path = tokenizer_file(tokenizer_path) or tokenizer_path / "tokenizer.model"

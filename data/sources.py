@@ -84,8 +84,15 @@ def check_regular(path: Path, key: str = "--source") -> None:
         )
 
 
-def default_name(source: str) -> str:
-    """The default output directory name, data/<name>."""
+def default_name(source: str, tokenizer_type: str = "bpe") -> str:
+    """The default output directory name, data/<name>: the source's, with the tokenizer's type
+    after it where that is not BPE (data/shakespeare-unigram)."""
+    name = source_name(source)
+    return name if tokenizer_type == "bpe" else f"{name}-{tokenizer_type}"
+
+
+def source_name(source: str) -> str:
+    """What a source is called: shakespeare, an hf: dataset's name, a file's or folder's."""
     if source == "shakespeare":
         return "shakespeare"
     if source.startswith("hf:"):

@@ -16,7 +16,7 @@ MAX_SENTENCE_CHARS = 16_384  # longer lines reach the tokenizer trainer in piece
 # the algorithms a tokenizer may be trained with (data/prepare.py --tokenizer-type): BPE on the
 # text's lines (line breaks fall back to bytes), or Kudo's unigram language model on pieces of
 # UNIGRAM_CHUNK characters that keep their line breaks (pieces such as ",\n" may form); on
-# Shakespeare the latter scored 0.015 bits/byte lower at 3 seeds (docs/findings.md)
+# Shakespeare the latter scored 0.014 bits/byte lower at 3 seeds (docs/findings.md)
 TOKENIZER_TYPES = ("bpe", "unigram")
 UNIGRAM_CHUNK = 4096
 # sentencepiece's options: byte-fallback BPE on the text exactly as it is (no normalization, no

@@ -13,6 +13,7 @@ from data.epochs import EpochBatches
 from data.loader import SPLITS, RandomBatches, checked_meta, eval_batches, open_tokens
 from data.packing import Documents, PackedBatches, document_mask, validation_batches
 from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
+from data.sources import default_name
 from data.tokenizer import open_tokenizer, tokenizer_file
 from picollama import REPO_ROOT
 from picollama.cli import UserError
@@ -33,9 +34,9 @@ VALIDATION_FORMATS = {
 def check_dataset(cfg: Config):
     """UserError, before any work, unless data.dir is a prepared dataset (a folder with meta.json)
     or a missing (absent or empty) folder that train.py prepares from data.source: the default
-    source's own folder (data/shakespeare, from the current directory or the repository), or any
-    folder for a data.source given (so that a mistyped --data.dir is never filled with
-    Shakespeare)."""
+    source's own folder for data.tokenizer_type (data/shakespeare, data/shakespeare-unigram; from
+    the current directory or the repository), or any folder for a data.source given (so that a
+    mistyped --data.dir is never filled with Shakespeare)."""
     d = cfg.data
     data_dir = Path(d.dir)
     if d.task != "text" or (data_dir / "meta.json").is_file():
@@ -46,14 +47,16 @@ def check_dataset(cfg: Config):
         held = listed(sorted(p.name + "/" * p.is_dir() for p in data_dir.iterdir()))
         problem = f"no meta.json; it holds {held}"
     else:
-        own = {resolved(DataConfig.dir), resolved(REPO_ROOT / DataConfig.dir)}
-        if d.source != DataConfig.source or resolved(data_dir) in own:
+        if d.source != DataConfig.source:
+            return
+        own_dir = f"data/{default_name(d.source, d.tokenizer_type)}"
+        if resolved(data_dir) in {resolved(own_dir), resolved(REPO_ROOT / own_dir)}:
             return
         problem = "it is empty" if data_dir.is_dir() else "it does not exist"
         raise UserError(
             f"data.dir {data_dir} is not a prepared dataset ({problem}); make one with python "
             f"data/prepare.py --source YOUR_TEXT --out {data_dir}, or give --data.source=YOUR_TEXT "
-            f"to prepare it here (only {DataConfig.dir} is prepared by itself, with Shakespeare)"
+            f"to prepare it here (only {own_dir} is prepared by itself, with Shakespeare)"
         )
     raise UserError(
         f"data.dir {data_dir} is not a prepared dataset ({problem}); make one with python "

@@ -963,12 +963,14 @@ def test_a_missing_data_dir_is_prepared_only_where_python_train_py_prepares_it(
     check()  # data/shakespeare, here
     check(("data.dir", str(REPO / "data" / "shakespeare")))
     check(("data.dir", "mine"), ("data.source", "my_texts/"))
+    check(("data.dir", "data/shakespeare-unigram"), ("data.tokenizer_type", "unigram"))
     check(("data.task", "retrieval"), ("data.dir", "none"))
     (tmp_path / "empty").mkdir()
     for folder, problem in [
         ("data/shakspeare", "it does not exist"),
         ("empty", "it is empty"),
         ("data", "it does not exist"),
+        ("data/shakespeare-unigram", "it does not exist"),  # not BPE's own folder
     ]:
         with pytest.raises(
             UserError, match=rf"data.dir {folder} is not a prepared dataset \({problem}"

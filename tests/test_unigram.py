@@ -12,10 +12,13 @@ from sentencepiece import sentencepiece_model_pb2 as pb
 import train
 from data import prepare
 from data.build import prepare as build
+from data.sources import default_name
 from model import ModelArgs, Transformer
 from picollama import convert
 from picollama.command import run_command
+from picollama.config import parse_cli
 from picollama.run_files import save_model
+from picollama.train_data import check_dataset
 
 # text the tokenizer never saw: other letters, spaces, tabs, line breaks, bytes no piece covers
 TEXTS = [
@@ -109,6 +112,18 @@ def test_train_prepares_its_data_with_the_configured_type(tmp_path, one_thread):
     assert run_command(train.main, [*argv, "--no-compile"]) == 0
     proto = pb.ModelProto.FromString((data / "tokenizer.model").read_bytes())
     assert proto.trainer_spec.model_type == pb.TrainerSpec.UNIGRAM
+
+
+def test_the_default_config_prepares_its_unigram_shakespeare_in_its_own_folder(
+    tmp_path, monkeypatch
+):
+    """configs/default.toml names the folder data/prepare.py --tokenizer-type unigram writes
+    Shakespeare to, which train.py prepares when missing."""
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = parse_cli([])
+    assert (cfg.data.dir, cfg.data.tokenizer_type) == ("data/shakespeare-unigram", "unigram")
+    assert f"data/{default_name(cfg.data.source, 'unigram')}" == cfg.data.dir
+    check_dataset(cfg)  # no error: missing, and prepared by train.py
 
 
 @pytest.mark.parametrize(

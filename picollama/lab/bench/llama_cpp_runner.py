@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from picollama.gguf_export import write_gguf
+from picollama.spm_unigram import is_unigram
 
 LLAMA_CPP_TYPES = ("f32", "bf16", "q8_0")
 
@@ -70,6 +71,8 @@ def llama_cpp_decoders(model, tokenizer, context: int, folder: Path) -> tuple[di
         return {}, "llama-cpp-python is not installed (pip install -e '.[llama]')"
     if tokenizer is None:
         return {}, "no tokenizer (--tokenizer, or a --run) for the GGUF vocabulary"
+    if is_unigram(tokenizer):
+        return {}, "a unigram tokenizer, which to-gguf refuses (llama.cpp splits text otherwise)"
     if tokenizer.get_piece_size() > model.args.vocab_size:
         vocab = model.args.vocab_size
         return {}, f"the tokenizer has more pieces than the model's {vocab} embeddings"

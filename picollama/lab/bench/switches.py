@@ -82,19 +82,20 @@ QUALITY = {
     "dim 160": ["--model.dim=160"],
     "dim 192, 2 heads": ["--model.dim=192"],
     "ffn 1024": ["--model.ffn_hidden_dim=1024"],  # 1.5x a step's time at 5 minutes
+    # the default's unigram tokenizer at other sizes (BPE ones measured these, docs/findings.md);
     # more tokens to the held-out plays: eval.batches to cover them still
     "vocab 2048": [
         "--model.vocab_size=2048",
-        "--data.dir=data/shakespeare-2048",
+        "--data.dir=data/shakespeare-unigram-2048",
         "--eval.batches=48",
     ],
     "vocab 1024": [
         "--model.vocab_size=1024",
-        "--data.dir=data/shakespeare-1024",
+        "--data.dir=data/shakespeare-unigram-1024",
         "--eval.batches=48",
     ],
-    "vocab 8192": ["--model.vocab_size=8192", "--data.dir=data/shakespeare-8192"],
-    "unigram tokenizer": ["--data.tokenizer_type=unigram", "--data.dir=data/shakespeare-unigram"],
+    "vocab 8192": ["--model.vocab_size=8192", "--data.dir=data/shakespeare-unigram-8192"],
+    "bpe tokenizer": ["--data.tokenizer_type=bpe", "--data.dir=data/shakespeare"],
 }
 TABLES = {"switches": SWITCHES, "quality": QUALITY}
 OPTIMIZERS = ("adamw", "muon")  # the table also trains the optimizer that the config does not use
