@@ -275,11 +275,8 @@ def prepare(
     out_dir = Path(out_dir or REPO_ROOT / "data" / default_name(source, tokenizer_type))
     if source.startswith("hf:") and max_bytes is None:
         max_bytes = HF_DEFAULT_MAX_BYTES
-    for name, value in (
-        ("--max-docs", max_docs),
-        ("--shard-tokens", shard_tokens),
-        ("--workers", workers),
-    ):
+    counts = {"--max-docs": max_docs, "--shard-tokens": shard_tokens, "--workers": workers}
+    for name, value in counts.items():
         if value is not None and value < 1:
             raise UserError(f"{name} must be positive, got {value}")
     inputs = {

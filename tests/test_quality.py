@@ -89,7 +89,11 @@ def test_quality_table_trains_each_seed_for_train_py_s_own_minutes(tmp_path, mon
         return [{"step": 7, "tokens_per_s": 1.0, "loss": 5.0}, {"step": 7, "val_bpb": 2.0}]
 
     monkeypatch.setattr(switches, "train", train)
-    monkeypatch.setattr(switches, "prepare", lambda *args, **kwargs: prepared.append(args))
+
+    def prepare(*args, **kwargs):
+        prepared.append((*args, kwargs["tokenizer_type"]))
+
+    monkeypatch.setattr(switches, "prepare", prepare)
     monkeypatch.setattr(switches.common, "REPO_ROOT", tmp_path)  # where train.py's data.dir is
     out = tmp_path / "q.json"
     argv = ["--table", "quality", "--minutes", "0.5", "--seeds", "0,1", "--only", "vocab 1024"]
@@ -98,8 +102,10 @@ def test_quality_table_trains_each_seed_for_train_py_s_own_minutes(tmp_path, mon
     for seed, overrides in enumerate(trained):
         assert "--train.max_minutes=0.5" in overrides and f"--train.seed={seed}" in overrides
         assert not any(o.startswith("--train.max_steps") for o in overrides)
-    # the other vocabulary's dataset is prepared once, before any run is timed
-    assert prepared == [("shakespeare", 1024, tmp_path / "data/shakespeare-1024")]
+    # the other vocabulary's dataset is prepared once, before any run is timed, with the default's
+    # tokenizer type
+    data_dir = tmp_path / "data/shakespeare-unigram-1024"
+    assert prepared == [("shakespeare", 1024, data_dir, "unigram")]
 
 
 @pytest.fixture(scope="module")

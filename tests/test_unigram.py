@@ -17,7 +17,7 @@ from model import ModelArgs, Transformer
 from picollama import convert
 from picollama.command import run_command
 from picollama.config import parse_cli
-from picollama.run_files import save_model
+from picollama.run_files import load_model, save_model
 from picollama.train_data import check_dataset
 
 # text the tokenizer never saw: other letters, spaces, tabs, line breaks, bytes no piece covers
@@ -87,6 +87,16 @@ def test_to_gguf_refuses_a_unigram_tokenizer_writing_nothing(unigram_run, tmp_pa
     assert run_command(convert.main, argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: to-gguf takes BPE sentencepiece") and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_decode_bench_leaves_llama_cpp_out_for_a_unigram_run(unigram_run, tmp_path, llama_cpp):
+    from picollama.lab.bench.llama_cpp_runner import llama_cpp_decoders
+
+    model, _ = load_model(unigram_run)
+    tokenizer = spm.SentencePieceProcessor(model_file=str(unigram_run / "tokenizer.model"))
+    decoders, why = llama_cpp_decoders(model, tokenizer, 32, tmp_path)
+    assert decoders == {} and why.startswith("a unigram tokenizer, which to-gguf refuses")
     assert not list(tmp_path.iterdir())
 
 
