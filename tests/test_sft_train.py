@@ -20,6 +20,7 @@ from data.build_conversations import prepare_conversations
 from data.chat_rows import conversation_ids
 from data.packing import Documents, PackedBatches, best_fit, document_mask, validation_batches
 from data.tokenizer import tokenizer_sha256
+from data.tokenizer_training import train_tokenizer
 from model import ModelArgs, Transformer
 from picollama.chat_template import DEFAULT_TEMPLATE, load_chat_template, run_chat_template
 from picollama.cli import UserError
@@ -464,7 +465,8 @@ def test_a_dataset_made_with_another_tokenizer_than_init_from_s_is_one_error_lin
     data, _ = chats
     other = tmp_path / "other"
     shutil.copytree(data, other)
-    shutil.copy(REPO / "data" / "shakespeare" / "tokenizer.model", other / "tokenizer.model")
+    # another tokenizer, trained here: the repository's data/ holds none of its own
+    (other / "tokenizer.model").write_bytes(train_tokenizer(["another tokenizer\n"] * 20, 280, 0))
     meta = json.loads((other / "meta.json").read_text())
     meta["tokenizer_sha256"] = tokenizer_sha256(other / "tokenizer.model")
     (other / "meta.json").write_text(json.dumps(meta))
