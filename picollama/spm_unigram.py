@@ -1,9 +1,6 @@
 """Unigram sentencepiece tokenizers (data/prepare.py --tokenizer-type unigram) where other tools
 read them: as a Hugging Face tokenizer.json, and refused for GGUF."""
 
-from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
-from tokenizers.models import Unigram
-
 from picollama.cli import UserError
 
 
@@ -22,6 +19,9 @@ def unigram_json(tokenizer, bos: bool) -> str:
     (Viterbi over the pieces' scores, bytes for what no piece covers; the text as it is, spaces as
     ▁), adding BOS when `bos`. Transformers 5 reads tokenizer.model into its BPE Llama tokenizer,
     which splits a unigram model's text otherwise."""
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+
     size = tokenizer.get_piece_size()
     vocab = [(tokenizer.id_to_piece(i), tokenizer.get_score(i)) for i in range(size)]
     result = Tokenizer(Unigram(vocab, unk_id=tokenizer.unk_id(), byte_fallback=True))
