@@ -43,7 +43,7 @@ from data.tokenizer import (
     tokenizer_name,
     tokenizer_sha256,
 )
-from data.tokenizer_training import TOKENIZER_TYPES, cpu_count, tokenizer_sample, train_tokenizer
+from data.tokenizer_training import cpu_count, tokenizer_sample, train_tokenizer
 from picollama import REPO_ROOT
 from picollama.cli import UserError
 from picollama.outputs import check_free_space, check_writable, exclusive, remove, replace, resolved
@@ -320,8 +320,6 @@ def given_tokenizer(tokenizer, vocab_size: int, inputs: dict, kind: str = "bpe")
     """The serialized --tokenizer (None: one of `kind` is trained), recording its identity in
     `inputs` (a trained BPE one as before there were kinds, so that earlier datasets are reused;
     a given one is of its own kind)."""
-    if kind not in TOKENIZER_TYPES:
-        raise UserError(f"--tokenizer-type {kind!r} is not one of {', '.join(TOKENIZER_TYPES)}")
     if not tokenizer:
         if vocab_size < 1:
             raise UserError(f"--vocab-size must be positive, got {vocab_size}")

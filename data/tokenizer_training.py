@@ -11,13 +11,14 @@ from tqdm import tqdm
 
 from data.sources import utf8_size
 from picollama.cli import UserError
+from picollama.config_values import CHOICES
 
 MAX_SENTENCE_CHARS = 16_384  # longer lines reach the tokenizer trainer in pieces
 # the algorithms a tokenizer may be trained with (data/prepare.py --tokenizer-type): BPE on the
 # text's lines (line breaks fall back to bytes), or Kudo's unigram language model on pieces of
 # UNIGRAM_CHUNK characters that keep their line breaks (pieces such as ",\n" may form); on
 # Shakespeare the latter scored 0.014 bits/byte lower at 3 seeds (docs/findings.md)
-TOKENIZER_TYPES = ("bpe", "unigram")
+TOKENIZER_TYPES = CHOICES["data.tokenizer_type"]  # ("bpe", "unigram"), as the config checks
 UNIGRAM_CHUNK = 4096
 # sentencepiece's options: byte-fallback BPE on the text exactly as it is (no normalization, no
 # added or removed spaces), so that decode(encode(text)) == text for any UTF-8 text; digits split

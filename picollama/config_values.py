@@ -67,7 +67,7 @@ TEXT_KEYS = {"train.sample_prompt"}  # text for the tokenizer: UTF-8 only (paths
 CHOICES = {
     "data.task": ("text", "retrieval"),
     "data.sampling": ("random", "epochs"),
-    "data.tokenizer_type": ("bpe", "unigram"),  # data.tokenizer_training's TOKENIZER_TYPES
+    "data.tokenizer_type": ("bpe", "unigram"),  # data/prepare.py --tokenizer-type's too
     "train.device": ("auto", "cpu", "cuda", "mps"),
     "train.dtype": ("auto", "float32", "bfloat16"),
     "optim.name": ("adamw", "muon"),
