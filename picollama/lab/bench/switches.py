@@ -75,6 +75,11 @@ QUALITY = {
     "adamw beta2 0.99": ["--optim.beta2=0.99"],
     "ffn 512": ["--model.ffn_hidden_dim=512"],
     "ffn 768": ["--model.ffn_hidden_dim=768"],
+    "rope on half of each head": ["--model.rope_fraction=0.5"],
+    "rope theta 1000": ["--model.rope_theta=1000"],
+    "rope theta 50000": ["--model.rope_theta=50000"],
+    "min lr 2e-3": ["--optim.min_lr=2e-3"],
+    "min lr 3e-3": ["--optim.min_lr=3e-3"],
     # another step's cost: compare with --minutes (or --steps in the ratio of tokens/s)
     "batch 8": ["--train.batch_size=8"],
     "batch 32": ["--train.batch_size=32"],
@@ -95,6 +100,11 @@ QUALITY = {
         "--eval.batches=48",
     ],
     "vocab 8192": ["--model.vocab_size=8192", "--data.dir=data/shakespeare-unigram-8192"],
+    "vocab 8192, tied": [
+        "--model.vocab_size=8192",
+        "--data.dir=data/shakespeare-unigram-8192",
+        "--model.tie_embeddings=true",
+    ],
     "bpe tokenizer": ["--data.tokenizer_type=bpe", "--data.dir=data/shakespeare"],
 }
 TABLES = {"switches": SWITCHES, "quality": QUALITY}
