@@ -80,6 +80,7 @@ QUALITY = {
     "rope theta 50000": ["--model.rope_theta=50000"],
     "min lr 2e-3": ["--optim.min_lr=2e-3"],
     "min lr 3e-3": ["--optim.min_lr=3e-3"],
+    "weight decay 0.2, min lr 3e-3": ["--optim.weight_decay=0.2", "--optim.min_lr=3e-3"],
     # another step's cost: compare with --minutes (or --steps in the ratio of tokens/s)
     "batch 8": ["--train.batch_size=8"],
     "batch 32": ["--train.batch_size=32"],
