@@ -139,10 +139,15 @@ def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     return rotated if n == x.shape[-1] else torch.cat([rotated, x[..., n:]], dim=-1)
 
 
+# The kernel sdpa_attention calls: PyTorch's, unless a caller swaps in one of its signature for a
+# while (train.py on a CPU: picollama.cpu_attention's)
+SDPA_KERNEL = F.scaled_dot_product_attention
+
+
 def sdpa_attention(q, k, v, attention: nn.Module, mask=None) -> torch.Tensor:
     """Queries (B, heads, T, hd) attending keys, values (B, kv heads, S, hd): causal, or masked."""
     causal, gqa = mask is None and q.shape[2] > 1, q.shape[1] != k.shape[1]
-    return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa)
+    return SDPA_KERNEL(q, k, v, mask, is_causal=causal, enable_gqa=gqa)
 
 
 class Positions(nn.Module):

@@ -25,6 +25,7 @@ from picollama.cli import UserError
 from picollama.command import Interrupted, run_command
 from picollama.config import Config, parse_cli
 from picollama.config_checks import check_config
+from picollama.cpu_attention import cpu_training_attention
 from picollama.device import Dist, check_compiler, keep_freed_memory, peak_flops, pick_dtype
 from picollama.dropout import add_dropout
 from picollama.metrics import RunLog, Throughput, check_wandb, flops_per_token, memory_gb
@@ -264,7 +265,8 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     if fine_tune:  # where it starts from
         with budget.timed("eval"):
             validate(model, data, log, 0, run_dir)
-    run_steps(cfg, model, optimizer, data, log, dist, step, budget, average)
+    with cpu_training_attention(dist.device):
+        run_steps(cfg, model, optimizer, data, log, dist, step, budget, average)
     log.close()
 
 

@@ -35,8 +35,10 @@ def build_muon(model, cfg: Config) -> torch.optim.Muon | None:
     o = cfg.optim
     if o.name != "muon":
         return None
+    from picollama.muon import BatchedMuon  # torch.optim.Muon is torch 2.9's: AdamW runs without
+
     matrices = [p for p in model.layers.parameters() if p.requires_grad and p.ndim == 2]
-    muon = torch.optim.Muon(
+    muon = BatchedMuon(
         matrices, lr=o.muon_lr, weight_decay=o.weight_decay, momentum=o.muon_momentum
     )
     muon.param_groups[0]["lr_scale"] = o.muon_lr / o.lr

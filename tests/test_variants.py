@@ -292,7 +292,7 @@ def test_partial_rotary_leaves_the_last_dimensions_alone():
 def test_logn_scales_queries_past_the_training_context(monkeypatch):
     queries, sdpa = [], F.scaled_dot_product_attention
     monkeypatch.setattr(
-        F, "scaled_dot_product_attention", lambda q, *a, **k: queries.append(q) or sdpa(q, *a, **k)
+        "model.SDPA_KERNEL", lambda q, *a, **k: queries.append(q) or sdpa(q, *a, **k)
     )
     logn, plain = make_model(logn_attention=True, rope_original_max_seq_len=8), make_model()
     plain.load_state_dict(logn.state_dict())
