@@ -51,7 +51,7 @@ def run_in_process(main, *args: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "script", ["train", "decode", "memory", "data", "quantize", "perplexity", "heldout"]
+    "script", ["train", "decode", "memory", "data", "quantize", "perplexity", "heldout", "cpu_step"]
 )
 def test_smoke_run_writes_results(script, tmp_path, bench_main, capsys):
     if script == "perplexity":  # ours against llama.cpp on the same GGUF
@@ -95,6 +95,9 @@ def test_smoke_run_writes_results(script, tmp_path, bench_main, capsys):
     elif script == "heldout":  # a random tiny model: near log(vocabulary) both ways
         assert [r["stride"] for r in result["results"].values()] == [32, 8]
         assert all(abs(r["loss"] - math.log(128)) < 0.5 for r in result["results"].values())
+    elif script == "cpu_step":  # both arms timed, compiled, in every chunk
+        assert result["compiled"] and result["speedup"] > 0
+        assert all(len(r["chunk_ms"]) == 2 for r in result["results"].values())
     elif script == "memory":
         (r,) = result["results"]
         assert r["ours"]["step_peak_bytes"] > 0 and r["hf"]["step_peak_bytes"] > 0
@@ -117,6 +120,7 @@ def test_smoke_run_writes_results(script, tmp_path, bench_main, capsys):
             "unknown 'float16' (choose from float32, bfloat16)",
         ),
         ("memory", ["--dtype", "float8"], "dtype 'float8'"),
+        ("cpu_step", ["--device", "cuda"], "device 'cuda'"),  # a CPU's step, or no CUDA here
     ],
 )
 def test_bad_input_is_one_error_line(script, args, message, tmp_path, capsys, bench_main):
@@ -128,7 +132,7 @@ def test_bad_input_is_one_error_line(script, args, message, tmp_path, capsys, be
 
 
 @pytest.mark.parametrize(
-    "script", ["train", "decode", "memory", "data", "quantize", "switches", "heldout"]
+    "script", ["train", "decode", "memory", "data", "quantize", "switches", "heldout", "cpu_step"]
 )
 def test_smoke_output_defaults_to_a_temporary_file(script, tmp_path, monkeypatch):
     # --smoke's figures (random tokens, a tiny model) must never replace docs/results/SCRIPT.json
