@@ -53,8 +53,6 @@ def build_model(
     """The parallelized model (the same initial weights on any device and world size, or `init`'s),
     its optimizer, and a line saying how many parameters it has, how many rank 0 stores, and the
     precision."""
-    if cfg.train.compile:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
     if dist.device.type == "cuda":
         torch.set_float32_matmul_precision("high")
     # initialised on the CPU generator first: the same weights anywhere

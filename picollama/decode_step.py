@@ -12,7 +12,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from model import KVCache, Transformer, apply_rotary, sdpa_attention
-from picollama import REPO_ROOT
 from picollama.caches import Int8KVCache, quantize_rows
 from picollama.decode_ops import cpu_isa, decode_ops
 from picollama.length import length_dependent
@@ -294,7 +293,6 @@ class DecodeStep(nn.Module):
         torch.compile'd step spent ~0.3 ms a call in dynamo's frame on 2 AVX2 cores. The library
         reads the weights where they are (user-managed constants, not a copy). It takes [*inputs,
         then each layer's cache tensors] and returns [logits]."""
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
         length = torch.export.Dim("cache_length", min=2, max=1 << 24)
         dims = [tuple({2: length} for _ in cache) for cache in caches]
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from picollama import REPO_ROOT
 from picollama.cli import UserError
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by device-name substring; the first match wins.
@@ -131,10 +130,7 @@ class Dist:
 
 
 def check_compiler():
-    """UserError unless torch.compile can build kernels: Inductor needs a C++ compiler. First,
-    Inductor's cache goes in the project's .cache/inductor (TORCHINDUCTOR_CACHE_DIR, if set, wins):
-    Inductor fixes its cache at its first use, which the compiler's search is."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
+    """UserError unless torch.compile can build kernels: Inductor needs a C++ compiler."""
     from torch._inductor import cpp_builder  # imported only when compiling: it takes a while
 
     try:

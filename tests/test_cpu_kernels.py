@@ -127,13 +127,17 @@ def test_compiled_blocks_train_with_the_written_out_attention_as_with_pytorchs(o
     assert all((a - b).norm() <= 0.02 * a.norm() for a, b in zip(*grads))
 
 
-def test_inductors_cache_is_the_projects_once_the_compiler_is_checked():
-    """Inductor fixes its cache directory at its first use: check_compiler, which every compiling
-    command calls first, must have put it in the project's .cache/inductor by then."""
+def test_inductors_cache_is_the_projects_from_the_first_use():
+    """torch fixes Inductor's cache directory at its first use, which building a model on the meta
+    device is (train.py's memory check): importing picollama must have put it in the project's
+    .cache/inductor by then."""
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     code = (
-        "from picollama.device import check_compiler; check_compiler()\n"
-        "from torch._inductor.runtime.cache_dir_utils import cache_dir; print(cache_dir())"
+        "import picollama, torch\n"
+        "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+        "with torch.device('meta'):\n"
+        "    torch.nn.Linear(2, 2)\n"
+        "print(cache_dir())"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == str(REPO_ROOT / ".cache" / "inductor"), out.stderr
