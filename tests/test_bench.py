@@ -65,6 +65,7 @@ def test_smoke_run_writes_results(script, tmp_path, bench_main, capsys):
         bench_main(script),
         "--smoke",
         *([] if script == "data" else ["--threads", "1"]),
+        *(["--no-compile"] if script == "cpu_step" else []),  # test_train compiles its kernels
         "--out",
         str(out),
     )
@@ -95,8 +96,8 @@ def test_smoke_run_writes_results(script, tmp_path, bench_main, capsys):
     elif script == "heldout":  # a random tiny model: near log(vocabulary) both ways
         assert [r["stride"] for r in result["results"].values()] == [32, 8]
         assert all(abs(r["loss"] - math.log(128)) < 0.5 for r in result["results"].values())
-    elif script == "cpu_step":  # both arms timed, compiled, in every chunk
-        assert result["compiled"] and result["speedup"] > 0
+    elif script == "cpu_step":  # both arms timed in every chunk
+        assert not result["compiled"] and result["speedup"] > 0
         assert all(len(r["chunk_ms"]) == 2 for r in result["results"].values())
     elif script == "memory":
         (r,) = result["results"]

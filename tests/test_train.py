@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import types
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ from picollama.cli import UserError
 from picollama.command import run_command
 from picollama.config import build_config, parse_cli
 from picollama.config_checks import check_config
+from picollama.cpu_attention import cpu_training_attention
 from picollama.model_args import CONTEXT_KEYS
 from picollama.resume import checkpoints
 from picollama.run_files import load_model, non_finite, save_model
@@ -758,9 +760,10 @@ def test_z_loss_adds_the_squared_log_normaliser_and_is_logged_beside_the_loss(da
 
 def test_the_compiled_model_and_loss_are_the_eager_ones(dataset, one_thread):
     """train.compile as one process trains (parallelize without a group: the blocks compiled, the
-    forward under bf16 autocast, and compiled_logit_terms) against the eager model, whose loss is
-    the model's own cross-entropy, with targets the loss ignores: the same loss and gradients
-    within bf16's rounding, and fp32 gradients for the fp32 weights."""
+    forward under bf16 autocast, compiled_logit_terms and the written-out attention) against the
+    eager model with PyTorch's attention, whose loss is the model's own cross-entropy, with targets
+    the loss ignores: the same loss and gradients within bf16's rounding, and fp32 gradients for
+    the fp32 weights."""
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
     y[0, :5] = -100
     models, terms = [], []
@@ -768,8 +771,10 @@ def test_the_compiled_model_and_loss_are_the_eager_ones(dataset, one_thread):
         cfg = build_config({"model": TINY["model"], "train": {"compile": compiled}}, [])
         torch.manual_seed(0)
         models.append(parallel.parallelize(Transformer(cfg.model), cfg, None, torch.bfloat16))
-        terms.append(train.loss_terms(models[-1], x, y, None, 0.0, compiled)["loss"])
-        terms[-1].backward()
+        # compiled as train.py trains on a CPU: with the written-out attention (cpu_attention)
+        with cpu_training_attention(torch.device("cpu")) if compiled else nullcontext():
+            terms.append(train.loss_terms(models[-1], x, y, None, 0.0, compiled)["loss"])
+            terms[-1].backward()
     assert torch.allclose(terms[0], models[0](x, y), rtol=1e-5)  # the eager model's own
     assert torch.allclose(*terms, rtol=1e-3)
     grads = [[p.grad for p in model.parameters()] for model in models]
