@@ -49,10 +49,9 @@ class BatchedMuon(torch.optim.Muon):
         shapes = {}
         for i, p in enumerate(params):
             shapes.setdefault(p.shape, []).append(i)
+        newton_schulz = group["ns_coefficients"], group["ns_steps"], group["eps"]
         for shape, indices in shapes.items():
-            stacked = torch.stack([updates[i] for i in indices])
-            steps, eps = group["ns_steps"], group["eps"]
-            ortho = orthogonalize(stacked, group["ns_coefficients"], steps, eps)
+            ortho = orthogonalize(torch.stack([updates[i] for i in indices]), *newton_schulz)
             # torch.optim.Muon's default ("original") scale: sqrt(rows / columns) for tall matrices
             lr = group["lr"] * math.sqrt(max(1, shape[0] / shape[1]))
             torch._foreach_add_([params[i] for i in indices], list(ortho.unbind(0)), alpha=-lr)
