@@ -40,6 +40,7 @@ from picollama.train_data import (
     check_dataset,
     data_source,
     next_rows,
+    spread,
 )
 from picollama.train_state import load_checkpoint, save_checkpoint, stopped
 from picollama.weight_average import WeightAverage, averaged
@@ -182,19 +183,22 @@ def log_step(log: RunLog, step: int, lr: float, losses: dict, grad_norm, clock: 
     log.bar.set_postfix(loss=f"{entry['loss']:.3f}", tok_s=tokens_per_s, lr=f"{lr:.2e}")
 
 
-def validate(model, data: DataSource, log: RunLog, step: int, run_dir: Path):
-    """Evaluate (in eval mode: no dropout), record and say the validation metrics; stop the run if
-    the loss is not finite."""
+def validate(model, data: DataSource, log: RunLog, step: int, run_dir: Path, interim: int = 0):
+    """Evaluate (in eval mode: no dropout) on the validation batches, or on `interim` of them spread
+    over the split (0: all); record and say the metrics; stop the run if the loss is not finite."""
+    batches = spread(data.val_batches, interim)
     model.eval()
     try:
-        result = data.validate(model)
+        result = data.validate(model, batches)
     finally:
         model.train()
-    log.record({"step": step, **result})
+    part = len(batches) < len(data.val_batches)
+    log.record({"step": step, **result, **({"val_batches": len(batches)} if part else {})})
     if not math.isfinite(result["val_loss"]):
         raise stopped(f"the validation loss is {result['val_loss']} at step {step}", run_dir)
     parts = [f.format(result[k]) for k, f in VALIDATION_FORMATS.items() if k in result]
-    log.say(f"step {step}: val loss {result['val_loss']:.4f}, " + ", ".join(parts))
+    read = f" ({len(batches)} of {len(data.val_batches)} batches)" if part else ""
+    log.say(f"step {step}: val loss{read} {result['val_loss']:.4f}, " + ", ".join(parts))
 
 
 def save(
@@ -243,6 +247,7 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     max_steps, decay_start, budget = run_length(cfg, start, started)
     cfg = with_length(cfg, max_steps, decay_start)
     data = data_source(cfg, dist)
+    budget.evaluations(len(data.val_batches), cfg.eval.interim_batches, dist.world_size)
     if start is not None and data.tokenizer is not None:
         check_tokenizer(start, data.tokenizer)
     seed_everything(cfg.train.seed)
@@ -261,7 +266,7 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     compiling = "; compiling its first step (~30 s the first time)" if cfg.train.compile else ""
     log.say(f"model: {sizes}; {data.line}; device {dist.device}{compiling}{resuming}")
     if fine_tune:  # where it starts from
-        with budget.timed("eval"):
+        with budget.timed("eval", final=True):
             validate(model, data, log, 0, run_dir)
     with cpu_training_attention(dist.device):
         run_steps(cfg, model, optimizer, data, log, dist, step, budget, average)
@@ -273,7 +278,7 @@ def decide_length(
 ) -> Config:
     """cfg, with the train.max_steps (and optim.decay_start) its budget decides at `step` if it does
     (the same on every rank)."""
-    if budget.eval_steps is None:
+    if budget.batch_steps is None:
         with clock.paused():  # the budget's estimate of an evaluation is not training time
             budget.time_evaluation(model, data.probe_batches, dist)
     decision = budget.decide(step, model, dist)
@@ -303,12 +308,9 @@ def run_steps(
     peak = peak * dist.world_size if peak else None
     tokens = t.batch_size * t.seq_len
     clock = Throughput(tokens, flops_per_token(model, t.seq_len), peak, dist.device)
-    # Every rank draws the same global batch and keeps its rows, so the data never depends on the
-    # world size.
-    rows = slice(
-        dist.rank * t.batch_size // dist.world_size,
-        (dist.rank + 1) * t.batch_size // dist.world_size,
-    )
+    # every rank draws the same global batch and keeps its rows: the data never depends on the ranks
+    share = t.batch_size // dist.world_size
+    rows = slice(dist.rank * share, (dist.rank + 1) * share)
     while step < cfg.train.max_steps:
         lr = lr_at(step, cfg)
         x, y, inputs, targets = next_rows(data.loader, cfg, rows, dist.device)
@@ -335,8 +337,9 @@ def run_steps(
         if evaluating or saving:
             with clock.paused():  # tokens/s and MFU count training time alone
                 if evaluating:
-                    with budget.timed("eval"), averaged(average):
-                        validate(model, data, log, step, run_dir)
+                    interim = 0 if step == last else cfg.eval.interim_batches
+                    with budget.timed("eval", final=not interim), averaged(average):
+                        validate(model, data, log, step, run_dir, interim)
                 if saving:  # the weights, and the average as the exported model
                     with budget.timed("save"):
                         save(model, optimizer, data, cfg, dist, log, step, budget, average)

@@ -28,16 +28,28 @@ UNDECIDED = sys.maxsize  # train.max_steps of a budgeted run until it decides it
 
 
 def steps_in_budget(
-    seconds_left: float, done: int, step_s: float, eval_s: float, save_s: float, cfg: Config
+    seconds_left: float,
+    done: int,
+    step_s: float,
+    eval_s: tuple[float, float],
+    save_s: float,
+    cfg: Config,
 ) -> int:
     """The run's length when `done` steps are behind it and `seconds_left` remain of
     train.max_minutes: each further step costs step_s, every eval.interval steps an evaluation
-    (eval_s) and every checkpoint.interval a save (save_s), and the last step both. Never fewer
-    than `done`."""
+    (eval_s: one before the last, the last) and every checkpoint.interval a save (save_s), and the
+    last step the last evaluation and a save. Never fewer than `done`."""
+    interim_s, last_s = eval_s
     per_step = step_s
-    for interval, seconds in ((cfg.eval.interval, eval_s), (cfg.checkpoint.interval, save_s)):
+    for interval, seconds in ((cfg.eval.interval, interim_s), (cfg.checkpoint.interval, save_s)):
         per_step += seconds / interval if interval else 0.0
-    return done + max(0, math.floor((seconds_left - eval_s - save_s) / per_step))
+    return done + max(0, math.floor((seconds_left - last_s - save_s) / per_step))
+
+
+def evaluations(interim_s: float, last_s: float) -> str:
+    """What an evaluation costs, said: '0.4 s an evaluation, 1.4 s the last' where they differ."""
+    last = f", {last_s:.1f} s the last" if f"{last_s:.1f}" != f"{interim_s:.1f}" else ""
+    return f"{interim_s:.1f} s an evaluation{last}"
 
 
 def recorded(checkpoint: Path, key: str, kind):
@@ -78,8 +90,10 @@ class Budget:
         self.mark = started  # when the last step, evaluation or save ended
         self.laps = 0  # steps this process has done
         self.recent = deque()  # (end, seconds) of recent steps
-        # the last evaluation's cost in steps (load slows both alike), and the last save's seconds
-        self.eval_steps = None
+        # a validation batch's cost in steps (load slows both alike), the batches this rank reads in
+        # an evaluation before the last and in the last, and the last save's seconds
+        self.batch_steps = None
+        self.reads = (cfg.eval.batches, cfg.eval.batches)
         self.save_s = None
 
     def spent(self) -> float:
@@ -89,16 +103,23 @@ class Budget:
         """The mean time of the recent steps."""
         return sum(seconds for _, seconds in self.recent) / len(self.recent)
 
+    def evaluations(self, batches: int, interim: int, ranks: int):
+        """Note that an evaluation reads `batches` validation batches shared over `ranks`, and one
+        before the last `interim` of them (eval.interim_batches; 0: all)."""
+        counts = (interim if 0 < interim < batches else batches, batches)
+        self.reads = tuple(math.ceil(count / ranks) for count in counts)
+
     @contextmanager
-    def timed(self, kind: str):
-        """Time an evaluation or a save (`kind`), which no step's time includes."""
+    def timed(self, kind: str, final: bool = True):
+        """Time an evaluation (the last's batches, or one before it: `final`) or a save (`kind`),
+        which no step's time includes."""
         begin = time.perf_counter()
         yield
         self.mark = time.perf_counter()
         if kind == "save":
             self.save_s = self.mark - begin
         elif self.recent:
-            self.eval_steps = (self.mark - begin) / self.step_s()
+            self.batch_steps = (self.mark - begin) / self.reads[final] / self.step_s()
 
     def step_done(self, step: int) -> bool:
         """Note that the run has done `step` steps; True if it is to decide its length now."""
@@ -125,15 +146,13 @@ class Budget:
                 begin = time.perf_counter()
                 model(x.to(dist.device), y.to(dist.device)).item()
                 times.append(time.perf_counter() - begin)
-        batch_s = statistics.median(times)
-        self.eval_steps = (
-            batch_s * math.ceil(self.cfg.eval.batches / dist.world_size) / self.step_s()
-        )
+        self.batch_steps = statistics.median(times) / self.step_s()
         self.mark = time.perf_counter()
 
     def estimate(self, step: int, model, dist) -> tuple[int, float, float, float]:
         """The run's length if its recent step time holds (the same on every rank), the seconds
-        left before the sample, that step time and an evaluation's seconds."""
+        left before the sample, that step time and an evaluation's seconds (one before the last,
+        the last)."""
         t = self.cfg.train
         step_s = self.step_s()
         if self.cfg.optim.schedule == "cosine":  # decided once, early: a margin for the rest
@@ -141,22 +160,23 @@ class Budget:
         save_s = self.save_s
         if save_s is None:  # ~4 copies of the fp32 weights (model, two AdamW moments, the export)
             save_s = 0.5 + 16 * sum(p.numel() for p in model.parameters()) / 2e8
-        values = [step_s, self.eval_steps * step_s, save_s, self.spent()]
+        interim_s, last_s = (self.batch_steps * reads * step_s for reads in self.reads)
+        values = [step_s, interim_s, last_s, save_s, self.spent()]
         if dist.world_size > 1:  # every rank decides alike from the means over ranks
             summed = dist.all_reduce_sum(
                 torch.tensor(values, dtype=torch.float64, device=dist.device)
             )
             values = (summed / dist.world_size).tolist()
-        step_s, eval_s, save_s, spent = values
+        step_s, interim_s, last_s, save_s, spent = values
         sample_s = 3.0 + 0.01 * t.sample_tokens if t.sample_tokens else 0.0  # generate.py's
         left = t.max_minutes * 60 - spent - sample_s
-        steps = steps_in_budget(left, step, step_s, eval_s, save_s, self.cfg)
-        return steps, left, step_s, eval_s
+        steps = steps_in_budget(left, step, step_s, (interim_s, last_s), save_s, self.cfg)
+        return steps, left, step_s, (interim_s, last_s)
 
     def decide(self, step: int, model, dist) -> tuple[int, int | None, str] | None:
         """The run's max_steps and decay_start (wsd's, else None) and a line saying how they were
         chosen, if it decides at `step`."""
-        steps, left, step_s, eval_s = self.estimate(step, model, dist)
+        steps, left, step_s, (interim_s, last_s) = self.estimate(step, model, dist)
         self.mark = time.perf_counter()
         t, o = self.cfg.train, self.cfg.optim
         wsd = o.schedule == "wsd"
@@ -169,7 +189,7 @@ class Budget:
         keys = "train.max_steps" + (" and optim.decay_start" if wsd else "")
         line = (
             f"budget {t.max_minutes:g} min, {self.spent():.0f} s spent: {step_s:.3f} s a step "
-            f"lately, an evaluation {eval_s:.1f} s, so {max_steps} steps{decaying} ({keys}, "
+            f"lately, {evaluations(interim_s, last_s)}, so {max_steps} steps{decaying} ({keys}, "
             "recorded for --resume)"
         )
         return max_steps, decay_start, line

@@ -49,6 +49,7 @@ NOT_NEGATIVE = {
     "optim.grad_clip",
     "optim.z_loss",
     "eval.interval",
+    "eval.interim_batches",
     "checkpoint.interval",
 }
 BELOW_ONE = {

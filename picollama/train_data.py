@@ -149,11 +149,9 @@ def padded(batch: tuple, rows: int) -> tuple:
     return tuple(torch.cat(pair) for pair in zip(batch, extra, strict=True))
 
 
-def evaluate(model, cfg: Config, data_dir: Path, meta: dict, dist: Dist) -> dict:
-    """Validation loss, perplexity and bits/byte over the first eval.batches batches, over ranks."""
-    batches = list(
-        eval_batches(data_dir, "val", cfg.eval.batch_size, cfg.train.seq_len, cfg.eval.batches)
-    )
+def evaluate(model, batches: list, meta: dict, dist: Dist) -> dict:
+    """Validation loss, perplexity and bits/byte over the batches, over ranks (bits/byte by the
+    split's bytes per token)."""
     loss = mean_loss(model, batches, dist)
     bits_per_byte = loss / math.log(2) / meta["bytes_per_token"]
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)), "val_bpb": bits_per_byte}
@@ -165,10 +163,19 @@ def held_out_metrics(model, batches: list, dist: Dist) -> dict:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700))}
 
 
+def spread(batches: list, count: int) -> list:
+    """`count` of the batches, evenly spaced from the first; all of them where count is 0 or more
+    than there are."""
+    if not 0 < count < len(batches):
+        return batches
+    return [batches[i * len(batches) // count] for i in range(count)]
+
+
 @dataclass
 class DataSource:
     loader: object  # next_batch(), state_dict(), load_state_dict()
-    validate: Callable[..., dict]  # model -> {"val_loss": ..., ...}
+    validate: Callable[..., dict]  # (model, batches) -> {"val_loss": ..., ...}
+    val_batches: list  # the first eval.batches validation batches
     probe_batches: list  # a few validation (x, y) batches, which a budget probe times
     tokenizer: Path | None  # the tokenizer saved with the model (None: the task has none)
     line: str  # what the data is
@@ -183,10 +190,10 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
         loader = RetrievalBatches(
             task, t.batch_size, t.seq_len, seed=t.seed, filler=d.retrieval_filler
         )
-        validate = partial(retrieval_metrics, batches=batches, device=dist.device)
+        validate = partial(retrieval_metrics, device=dist.device)
         sizes = f"{task.pairs} pairs of {task.keys} keys and {task.values} values"
         line = f"data: retrieval task ({sizes})"
-        return DataSource(loader, validate, batches[:3], None, line)
+        return DataSource(loader, validate, batches, batches[:3], None, line)
     data_dir, meta = prepare_data(cfg, dist)
     check_sample_fits(cfg, data_dir)
     tokenizer = tokenizer_file(data_dir) or data_dir / "tokenizer.model"
@@ -200,11 +207,11 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
         loader = batches(
             data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **d.copy_options()
         )
-    probe = list(eval_batches(data_dir, "val", e.batch_size, t.seq_len, min(3, e.batches)))
-    validate = partial(evaluate, cfg=cfg, data_dir=data_dir, meta=meta, dist=dist)
+    batches = list(eval_batches(data_dir, "val", e.batch_size, t.seq_len, e.batches))
+    validate = partial(evaluate, meta=meta, dist=dist)
     packed = ", documents packed" if d.pack_documents else ""
     line = f"data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens{packed})"
-    return DataSource(loader, validate, probe, tokenizer, line)
+    return DataSource(loader, validate, batches, batches[:3], tokenizer, line)
 
 
 def conversations_source(cfg: Config, data_dir: Path, tokenizer: Path, dist: Dist) -> DataSource:
@@ -214,7 +221,7 @@ def conversations_source(cfg: Config, data_dir: Path, tokenizer: Path, dist: Dis
     train, val = (Documents(data_dir, split, t.seq_len + 1, conversations=True) for split in SPLITS)
     loader = PackedBatches(train, t.batch_size, t.seq_len, seed=t.seed)
     batches = validation_batches(val, e.batch_size, t.seq_len, e.batches)
-    validate = partial(held_out_metrics, batches=batches, dist=dist)
+    validate = partial(held_out_metrics, dist=dist)
     line = f"data {data_dir} ({train.documents:,} conversations, {val.documents:,} held out"
     if train.cut or val.cut:
         # said once: a row holds a conversation's first seq_len + 1 tokens, never a later part
@@ -224,7 +231,7 @@ def conversations_source(cfg: Config, data_dir: Path, tokenizer: Path, dist: Dis
             "assistant token there"
         )
     probe = [batch[:2] for batch in batches[:3]]
-    return DataSource(loader, validate, probe, tokenizer, line + ")")
+    return DataSource(loader, validate, batches, probe, tokenizer, line + ")")
 
 
 def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:

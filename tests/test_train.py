@@ -1038,9 +1038,48 @@ def test_steps_in_budget_counts_steps_evaluations_and_saves():
     cfg = build_config({"eval": {"interval": 10}, "checkpoint": {"interval": 0}}, [])
     # 100 s left after 5 steps: the last evaluation (4 s) first, then 0.5 s a step + 4 s every 10
     # steps = 0.9 s a step
-    assert budget.steps_in_budget(100.0, 5, 0.5, 4.0, 2.0, cfg) == 5 + int((100 - 4 - 2) / 0.9)
+    assert budget.steps_in_budget(100.0, 5, 0.5, (4.0, 4.0), 2.0, cfg) == 5 + int(94 / 0.9)
+    # evaluations of 1 s before the last one (eval.interim_batches): 0.6 s a step
+    assert budget.steps_in_budget(100.0, 5, 0.5, (1.0, 4.0), 2.0, cfg) == 5 + int(94 / 0.6)
     # over budget already: stop after the probe
-    assert budget.steps_in_budget(-3.0, 5, 0.5, 4.0, 2.0, cfg) == 5
+    assert budget.steps_in_budget(-3.0, 5, 0.5, (4.0, 4.0), 2.0, cfg) == 5
+
+
+def test_spread_picks_evenly_spaced_batches_or_all():
+    batches = list(range(24))
+    assert train_data.spread(batches, 6) == [0, 4, 8, 12, 16, 20]
+    assert train_data.spread(batches, 0) == train_data.spread(batches, 30) == batches
+
+
+def test_interim_evaluations_read_their_part_and_the_budget_plans_for_the_whole_last_one(
+    dataset, tmp_path, monkeypatch, capsys
+):
+    """eval.interim_batches 1 of 4: each evaluation before the last reads one batch, the last all
+    four (their losses those of the batches read, which metrics.jsonl and the log say). On a clock
+    where a step takes 0.125 s and a validation batch 1 s, a 15-second wsd budget evaluating every
+    10 steps (deciding with half of it left) ends within it, having planned for the last
+    evaluation's 4 s."""
+    clock = FakeClock(0.125)
+    clock.install(monkeypatch.setattr)
+    read = []
+
+    def evaluate(model, batches, **kwargs):
+        read.append(len(batches))
+        clock.now += len(batches)
+        return {"val_loss": float(len(batches)), "val_ppl": 1.0, "val_bpb": 1.0}
+
+    monkeypatch.setattr(train_data, "evaluate", evaluate)
+    config = budgeted(tmp_path, dataset, 0.25, 0, schedule="wsd", decay_fraction=0.5)
+    batches = ("--eval.batches=4", "--eval.interim_batches=1", "--eval.interval=10")
+    assert run_in_process(config, tmp_path / "run", *batches) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    evaluations = [r for r in records if "val_loss" in r]
+    assert read == [1] * (len(read) - 1) + [4] and len(read) >= 4
+    assert [r.get("val_batches") for r in evaluations] == [1] * (len(read) - 1) + [None]
+    assert "step 10: val loss (1 of 4 batches) 1.0000" in capsys.readouterr().out
+    # within a step and the 0.5 s it keeps for the save (which takes no time on this clock); had
+    # it planned on an evaluation of 1 s, it would have ended at 17.75 s
+    assert 14 <= clock.now <= 15
 
 
 @pytest.mark.parametrize(
