@@ -22,15 +22,28 @@ def written_out_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa
         )
+    # The first half of the queries sees the first half of the keys only: scoring the halves apart
+    # skips a quarter of the (T, T) scores, all masked (5% of the default's step on a Zen 4).
+    half = length // 2
+    if not half:
+        return attend(q, k, v, 0)
+    first = attend(q[..., :half, :], k[..., :half, :], v[..., :half, :], 0)
+    return torch.cat([first, attend(q[..., half:, :], k, v, half)], dim=-2)
+
+
+def attend(q, k, v, start: int):
+    """softmax(q·kᵀ/√d) in fp32 times v, for queries at positions start.. over keys 0..: each query
+    sees the keys up to its own position."""
     scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
-    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+    shape = (q.shape[-2], k.shape[-2])
+    future = torch.ones(shape, dtype=torch.bool, device=q.device).triu(start + 1)
     return scores.masked_fill(future, float("-inf")).softmax(-1).to(v.dtype) @ v
 
 
 @contextmanager
 def cpu_training_attention(device: torch.device):
     """While it lasts, the model's attention on a CPU device is written_out_sdpa: 8-10% faster a
-    step of the default model, compiled, on a 2-core Zen 4 (docs/findings.md)."""
+    step of the default model, compiled, on a 2-core Zen 4, and 5% more in halves (findings.md)."""
     if device.type != "cpu":
         yield
         return

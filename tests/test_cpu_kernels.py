@@ -60,9 +60,12 @@ def qkv(heads=2, kv_heads=2, length=24, dtype=torch.float32, seed=0):
     return [torch.randn(s, generator=generator).to(dtype).requires_grad_() for s in shapes]
 
 
+@pytest.mark.parametrize("length", [24, 7, 1])  # halves of 12, of 3 and 4, none
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_written_out_attention_equals_pytorchs_causal_attention_and_its_gradients(dtype, tolerance):
-    ours, theirs = qkv(dtype=dtype), qkv(dtype=dtype)
+def test_written_out_attention_equals_pytorchs_causal_attention_and_its_gradients(
+    dtype, tolerance, length
+):
+    ours, theirs = qkv(length=length, dtype=dtype), qkv(length=length, dtype=dtype)
     out = written_out_sdpa(*ours, is_causal=True)
     expected = F.scaled_dot_product_attention(*theirs, is_causal=True)
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
