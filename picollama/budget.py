@@ -46,7 +46,7 @@ def steps_in_budget(
     return done + max(0, math.floor((seconds_left - last_s - save_s) / per_step))
 
 
-def evaluations(interim_s: float, last_s: float) -> str:
+def evaluation_costs(interim_s: float, last_s: float) -> str:
     """What an evaluation costs, said: '0.4 s an evaluation, 1.4 s the last' where they differ."""
     last = f", {last_s:.1f} s the last" if f"{last_s:.1f}" != f"{interim_s:.1f}" else ""
     return f"{interim_s:.1f} s an evaluation{last}"
@@ -111,8 +111,8 @@ class Budget:
 
     @contextmanager
     def timed(self, kind: str, final: bool = True):
-        """Time an evaluation (the last's batches, or one before it: `final`) or a save (`kind`),
-        which no step's time includes."""
+        """Time an evaluation (`final`: the last, reading every batch; else one before it) or a save
+        (`kind`), which no step's time includes."""
         begin = time.perf_counter()
         yield
         self.mark = time.perf_counter()
@@ -149,7 +149,7 @@ class Budget:
         self.batch_steps = statistics.median(times) / self.step_s()
         self.mark = time.perf_counter()
 
-    def estimate(self, step: int, model, dist) -> tuple[int, float, float, float]:
+    def estimate(self, step: int, model, dist) -> tuple[int, float, float, tuple[float, float]]:
         """The run's length if its recent step time holds (the same on every rank), the seconds
         left before the sample, that step time and an evaluation's seconds (one before the last,
         the last)."""
@@ -187,9 +187,9 @@ class Budget:
         max_steps, decay_start = (max(steps, step + 1), step) if wsd else (steps, None)
         decaying = f", decaying from step {step}" if wsd else ""
         keys = "train.max_steps" + (" and optim.decay_start" if wsd else "")
+        costs = evaluation_costs(interim_s, last_s)
         line = (
             f"budget {t.max_minutes:g} min, {self.spent():.0f} s spent: {step_s:.3f} s a step "
-            f"lately, {evaluations(interim_s, last_s)}, so {max_steps} steps{decaying} ({keys}, "
-            "recorded for --resume)"
+            f"lately, {costs}, so {max_steps} steps{decaying} ({keys}, recorded for --resume)"
         )
         return max_steps, decay_start, line

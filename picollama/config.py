@@ -123,7 +123,7 @@ class EvalConfig:
     interval: int = 250  # steps between validation runs (and at the end); 0: only at the end
     batches: int = 20
     batch_size: int = 16
-    interim_batches: int = 0  # of them, each run before the last reads these, spread; 0: all
+    interim_batches: int = 0  # read by each evaluation before the last, spread over them; 0: all
 
 
 @dataclass

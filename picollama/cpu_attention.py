@@ -23,7 +23,7 @@ def written_out_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False)
             q, k, v, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa
         )
     # The first half of the queries sees the first half of the keys only: scoring the halves apart
-    # skips a quarter of the (T, T) scores, all masked (5% of the default's step on a Zen 4).
+    # skips a quarter of the (T, T) scores, all masked (6.5% of the default's step on a Zen 4).
     half = length // 2
     if not half:
         return attend(q, k, v, 0)
@@ -43,7 +43,7 @@ def attend(q, k, v, start: int):
 @contextmanager
 def cpu_training_attention(device: torch.device):
     """While it lasts, the model's attention on a CPU device is written_out_sdpa: 8-10% faster a
-    step of the default model, compiled, on a 2-core Zen 4, and 5% more in halves (findings.md)."""
+    step of the default model, compiled, on a 2-core Zen 4, 6.5% more in halves (findings.md)."""
     if device.type != "cpu":
         yield
         return
