@@ -280,7 +280,7 @@ def decide_length(
     (the same on every rank)."""
     if budget.batch_steps is None:
         with clock.paused():  # the budget's estimate of an evaluation is not training time
-            budget.time_evaluation(model, data.probe_batches, dist)
+            budget.time_evaluation(model, data.val_batches[:3], dist)
     decision = budget.decide(step, model, dist)
     if decision is None:
         return cfg

@@ -142,7 +142,7 @@ class Budget:
         until the run has timed one of its own. At least one step is timed."""
         times = []
         with torch.no_grad():
-            for x, y in batches:
+            for x, y, *_ in batches:  # packed rows carry positions too, which the probe leaves out
                 begin = time.perf_counter()
                 model(x.to(dist.device), y.to(dist.device)).item()
                 times.append(time.perf_counter() - begin)

@@ -175,8 +175,7 @@ def spread(batches: list, count: int) -> list:
 class DataSource:
     loader: object  # next_batch(), state_dict(), load_state_dict()
     validate: Callable[..., dict]  # (model, batches) -> {"val_loss": ..., ...}
-    val_batches: list  # the first eval.batches validation batches
-    probe_batches: list  # a few validation (x, y) batches, which a budget probe times
+    val_batches: list  # the first eval.batches validation batches: (x, y), or packed rows'
     tokenizer: Path | None  # the tokenizer saved with the model (None: the task has none)
     line: str  # what the data is
 
@@ -193,7 +192,7 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
         validate = partial(retrieval_metrics, device=dist.device)
         sizes = f"{task.pairs} pairs of {task.keys} keys and {task.values} values"
         line = f"data: retrieval task ({sizes})"
-        return DataSource(loader, validate, batches, batches[:3], None, line)
+        return DataSource(loader, validate, batches, None, line)
     data_dir, meta = prepare_data(cfg, dist)
     check_sample_fits(cfg, data_dir)
     tokenizer = tokenizer_file(data_dir) or data_dir / "tokenizer.model"
@@ -211,7 +210,7 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
     validate = partial(evaluate, meta=meta, dist=dist)
     packed = ", documents packed" if d.pack_documents else ""
     line = f"data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens{packed})"
-    return DataSource(loader, validate, batches, batches[:3], tokenizer, line)
+    return DataSource(loader, validate, batches, tokenizer, line)
 
 
 def conversations_source(cfg: Config, data_dir: Path, tokenizer: Path, dist: Dist) -> DataSource:
@@ -230,8 +229,7 @@ def conversations_source(cfg: Config, data_dir: Path, tokenizer: Path, dist: Dis
             f"tokens cut to it, {train.dropped + val.dropped:,} of them left out for want of an "
             "assistant token there"
         )
-    probe = [batch[:2] for batch in batches[:3]]
-    return DataSource(loader, validate, batches, probe, tokenizer, line + ")")
+    return DataSource(loader, validate, batches, tokenizer, line + ")")
 
 
 def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:
