@@ -247,7 +247,8 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     max_steps, decay_start, budget = run_length(cfg, start, started)
     cfg = with_length(cfg, max_steps, decay_start)
     data = data_source(cfg, dist)
-    budget.evaluations(len(data.val_batches), cfg.eval.interim_batches, dist.world_size)
+    interim = len(spread(data.val_batches, cfg.eval.interim_batches))
+    budget.evaluations(interim, len(data.val_batches), dist.world_size)
     if start is not None and data.tokenizer is not None:
         check_tokenizer(start, data.tokenizer)
     seed_everything(cfg.train.seed)

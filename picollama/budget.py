@@ -103,11 +103,10 @@ class Budget:
         """The mean time of the recent steps."""
         return sum(seconds for _, seconds in self.recent) / len(self.recent)
 
-    def evaluations(self, batches: int, interim: int, ranks: int):
-        """Note that an evaluation reads `batches` validation batches shared over `ranks`, and one
-        before the last `interim` of them (eval.interim_batches; 0: all)."""
-        counts = (interim if 0 < interim < batches else batches, batches)
-        self.reads = tuple(math.ceil(count / ranks) for count in counts)
+    def evaluations(self, interim: int, last: int, ranks: int):
+        """Note that an evaluation before the last reads `interim` validation batches and the last
+        `last`, shared over `ranks`."""
+        self.reads = (math.ceil(interim / ranks), math.ceil(last / ranks))
 
     @contextmanager
     def timed(self, kind: str, final: bool = True):
