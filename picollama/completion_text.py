@@ -123,6 +123,10 @@ class ChoiceText:
         ready = 0
         while ready < len(self.entries) and self.entries[ready].end <= end:
             ready += 1
+        if ready == len(self.entries) and ready and not self.entries[-1].text and not final:
+            # the newest token's text may still come (bytes of a character held by the
+            # detokenizer): its entry waits, so that finish() can give it the U+FFFD
+            ready -= 1
         entries, self.entries = self.entries[:ready], self.entries[ready:]
         text, self.sent = self.text[self.sent : end], max(self.sent, end)
         return text, entries

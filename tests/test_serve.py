@@ -666,6 +666,24 @@ def test_accents_and_emoji_split_across_tokens_arrive_intact(scripted, browser, 
     assert not failures
 
 
+def test_logprobs_join_into_a_text_cut_inside_a_character(scripted):
+    """max_tokens ends the answer after two of the emoji's four bytes: the text ends in U+FFFD,
+    and the last token's logprob entry carries it (streamed or not, chat or completion)."""
+    server, answer = scripted
+    client = server.client("unused")
+    whole = chat(client, max_tokens=6, temperature=0, logprobs=True).choices[0]
+    cut = whole.message.content  # sentencepiece decodes each of the two bytes as a U+FFFD
+    assert cut == answer[:-1] + "\ufffd\ufffd" and whole.finish_reason == "length"
+    assert "".join(t.token for t in whole.logprobs.content) == cut
+    text, chunks = streamed(client, max_tokens=6, temperature=0, logprobs=True)
+    logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    entries = [t.token for chunk in logprobs for t in chunk.content]
+    assert text == cut and "".join(entries) == cut and len(entries) == 6
+    plain = client.completions.create(model="run", prompt="op", max_tokens=6, logprobs=1)
+    assert "".join(plain.choices[0].logprobs.tokens) == plain.choices[0].text
+    assert plain.choices[0].text.endswith("\ufffd\ufffd")
+
+
 @pytest.mark.skipif(not SMOLLM2, reason="set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file")
 def test_smollm2_names_the_capital_of_france_through_the_server(tmp_path):
     server = Server(tmp_path, SMOLLM2)
