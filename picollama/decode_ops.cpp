@@ -6,6 +6,12 @@
 // whole query group; scores 16 keys at a time (AVX-512), fp32 accumulation, values a block at a
 // time; long caches are split in chunks over the threads and merged by their maxima
 // (flash-decoding).
+// The headers are ATen's and torch/library.h, not torch/extension.h (all of torch, pybind11):
+// the build takes ~11 s instead of ~29 s on 2 cores.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <torch/library.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -198,7 +204,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   constexpr int D = C * W;
   const int G = H / KV;
   const float scale = 1.0f / std::sqrt(float(D));
-  at::Tensor qs = (q.to(at::kFloat) * scale).contiguous();
+  at::Tensor qs = q.to(at::kFloat).mul(scale).contiguous();
   // chunks of at least 256 tokens, enough of them for every thread
   const int64_t heads = B * KV;
   const int64_t want = (2 * at::get_num_threads() + heads - 1) / heads;
@@ -222,7 +228,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   &acc[task * G * D], s.data());
     }
   });
-  at::Tensor out = at::empty({B, H, D}, q.options().dtype(at::kFloat));
+  at::Tensor out = q.new_empty({B, H, D}, q.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   for (int64_t head = 0; head < heads; head++) {
     for (int g = 0; g < G; g++) {

@@ -25,19 +25,20 @@ ISA_FLAGS = (
 @functools.cache
 def decode_ops():
     """torch.ops.picollama (decode_ops.cpp: decode_attention, int4_linear), built at the first call
-    (~20 s) into the project's cache for this CPU and torch, or None where it cannot be built (no
+    (~11 s) into the project's cache for this CPU and torch, or None where it cannot be built (no
     C++ compiler), with a warning: the compiled step then attends with SDPA."""
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import load
 
-    source = (Path(__file__).parent / "decode_ops.cpp").read_text()
+    path = Path(__file__).parent / "decode_ops.cpp"
+    source = path.read_text()
     key = hashlib.sha256(f"{source}|{cpu_isa()}|{torch.__version__}".encode()).hexdigest()[:16]
     folder = REPO_ROOT / ".cache" / "extensions" / key
     folder.mkdir(parents=True, exist_ok=True)
     try:
         with build_lock(folder):
-            load_inline(
+            load(  # not load_inline, which puts torch/extension.h first
                 "picollama_decode_ops",
-                cpp_sources=source,
+                sources=[str(path)],
                 is_python_module=False,
                 build_directory=str(folder),
                 # -fopenmp: at::parallel_for is inlined here, and without it runs on one thread
