@@ -24,11 +24,11 @@ SLOWEST_FIRST = [
     "test_real_models.py",
     "test_sft_smollm2.py",
     "test_study.py",
-    "test_slots.py",
-    "test_bench.py",
     "test_serve.py",
-    "test_reliability_rules.py",
+    "test_bench.py",
+    "test_slots.py",
     "test_sft_train.py",
+    "test_data.py",
     "test_cli_errors.py",
 ]
 
