@@ -225,7 +225,7 @@ def test_n_choices_and_logprobs_that_join_into_the_content(client):
         assert "".join(t.token for t in content) == choice.message.content
         assert all(t.logprob <= 0 and len(t.top_logprobs) == 3 for t in content)
         assert all(t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
-    text = client.completions.create(model="run", prompt="op", max_tokens=6, logprobs=2)
+    text = client.completions.create(model="run", prompt="op", max_tokens=6, seed=1, logprobs=2)
     logprobs = text.choices[0].logprobs
     assert "".join(logprobs.tokens) == text.choices[0].text
     assert all(lp <= 0 for lp in logprobs.token_logprobs)
@@ -679,7 +679,9 @@ def test_logprobs_join_into_a_text_cut_inside_a_character(scripted):
     logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     entries = [t.token for chunk in logprobs for t in chunk.content]
     assert text == cut and "".join(entries) == cut and len(entries) == 6
-    plain = client.completions.create(model="run", prompt="op", max_tokens=6, logprobs=1)
+    plain = client.completions.create(
+        model="run", prompt="op", max_tokens=6, temperature=0, logprobs=1
+    )
     assert "".join(plain.choices[0].logprobs.tokens) == plain.choices[0].text
     assert plain.choices[0].text.endswith("\ufffd\ufffd")
 
