@@ -1,6 +1,7 @@
 """Train picollama in one process or under torchrun with FSDP2:
 python train.py [--config F.toml] [--section.key=value ...] [--resume]."""
 
+# ruff: noqa: E402 (the re-exec below comes before torch's import)
 import functools
 import math
 import os
@@ -12,6 +13,11 @@ import traceback
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
+
+from picollama.huge_pages import malloc_huge_pages
+
+if __name__ == "__main__":
+    malloc_huge_pages()
 
 import numpy as np
 import torch

@@ -16,6 +16,7 @@ from picollama.command import run_command
 from picollama.config import parse_cli
 from picollama.cpu_attention import cpu_training_attention
 from picollama.device import Dist, check_compiler, keep_freed_memory
+from picollama.huge_pages import malloc_huge_pages
 from picollama.lab.bench import common
 from picollama.optim import Optimizers
 
@@ -109,4 +110,5 @@ def report(cli, cfg, seconds: dict) -> int:
 
 
 if __name__ == "__main__":
+    malloc_huge_pages()  # as train.py starts
     sys.exit(run_command(main))
