@@ -41,5 +41,5 @@ def malloc_huge_pages():
     os.environ["GLIBC_TUNABLES"] = tunables
     try:
         os.execv(sys.executable, sys.orig_argv)
-    except OSError:  # cannot start again: train as it is
-        return
+    except OSError:
+        pass  # cannot start again: train as it is
