@@ -782,6 +782,43 @@ def test_the_compiled_model_and_loss_are_the_eager_ones(dataset, one_thread):
     assert all((a - b).norm() <= 0.02 * a.norm() for a, b in zip(*grads, strict=True))
 
 
+def test_compiled_validation_in_grad_mode_reuses_the_training_graph(dataset, one_thread):
+    """mean_loss with grad, as a compiled one-process run validates: no graph compiled beyond the
+    training step's, no gradient left behind, and the no_grad eager model's loss within bf16's
+    rounding; without grad the compiled blocks compile again (what grad saves)."""
+    from torch._dynamo.utils import counters
+
+    x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
+    cfg = build_config({"model": TINY["model"], "train": {"compile": True}}, [])
+    torch.manual_seed(0)
+    eager = Transformer(cfg.model)
+    model = parallel.parallelize(Transformer(cfg.model), cfg, None, torch.bfloat16)
+    model.load_state_dict(eager.state_dict())
+    with cpu_training_attention(torch.device("cpu")):
+        train.loss_terms(model, x, y, None, 0.0, True)["loss"].backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        graphs = counters["stats"]["unique_graphs"]
+        loss = train_data.mean_loss(model.eval(), [(x, y)], train.Dist("cpu"), grad=True)
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+        with torch.no_grad():
+            assert loss == pytest.approx(eager(x, y).item(), rel=1e-2)
+        train_data.mean_loss(model, [(x, y)], train.Dist("cpu"))
+        assert counters["stats"]["unique_graphs"] > graphs
+
+
+def test_check_compiler_trusts_the_cpu_flags_unless_the_user_decides(monkeypatch):
+    from torch._inductor import config
+
+    with config.patch({"cpp.vec_isa_ok": None}):
+        monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
+        device.check_compiler()
+        assert config.cpp.vec_isa_ok is None  # as Inductor read the user's setting
+        monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK")
+        device.check_compiler()
+        assert config.cpp.vec_isa_ok is True
+
+
 def test_a_short_last_validation_batch_is_grown_with_ignored_rows(dataset):
     """The model meets one batch shape in validation (a compiled one compiles no other for a short
     last batch), and the loss is still the mean over every window's targets."""
