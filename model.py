@@ -17,6 +17,7 @@ BLOCKS: dict = {}  # (norm_placement, parallel_block) -> the block class
 POSITIONS: dict = {}  # position -> the position encoding's class (Positions' interface)
 ATTENTIONS: dict = {}  # position -> its attention class, where it is not Attention (FoX)
 QUERY_SCALES: dict = {}  # a ModelArgs switch -> the module that scales queries when it is on
+OUTPUT_GATES: dict = {}  # a ModelArgs switch -> the module that gates the heads' output when on
 ROPE_INIT: dict = {}  # rope_scaling -> fn(args, d, seq_len) -> (inverse frequencies, scale)
 ROPE_ATTENTIONS: dict = {}  # rope_scaling -> the attention it needs past the context, fn(...)
 ATTENTION_WRAPS: list = []  # fn(args, positions, attend) -> attend, every forward (log-n)
@@ -59,6 +60,7 @@ class ModelArgs:
     nope_every: int = 0  # k > 0: every k-th layer sees no positions, to reach further (Llama 4)
     logn_attention: bool = False  # past the context, queries grow as log n: attention stays sharp
     ssmax: bool = False  # queries scaled by a learned s·log(keys seen): Scalable-Softmax (SSMax)
+    attention_gate: bool = False  # the heads' output times σ(wg·x): gated attention (Qwen3-Next)
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -227,8 +229,7 @@ class KVCache(nn.Module):
     def update(self, input_pos: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, kv heads, T, head dim) at input_pos.. and return every key and value."""
         batch, end = k.shape[0], input_pos + k.shape[2]
-        self.k[:batch, :, input_pos:end] = k
-        self.v[:batch, :, input_pos:end] = v
+        self.k[:batch, :, input_pos:end], self.v[:batch, :, input_pos:end] = k, v
         return self.k[:batch, :, :end], self.v[:batch, :, :end]
 
 
@@ -244,8 +245,9 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = qk_norm(), qk_norm()
         self.rotary = rotary  # False: a layer without positions
         self.q_scales = [name for name in QUERY_SCALES if getattr(args, name)]
-        for name in self.q_scales:
-            self.add_module(name, QUERY_SCALES[name](args))
+        self.gates = [name for name in OUTPUT_GATES if getattr(args, name)]
+        for name in self.q_scales + self.gates:
+            self.add_module(name, (QUERY_SCALES | OUTPUT_GATES)[name](args))
         self.cache: KVCache | None = None
 
     def new_cache(self, cache: type, shape: tuple, dtype, device) -> KVCache:
@@ -266,8 +268,10 @@ class Attention(nn.Module):
             k, v = k.to(q.dtype), v.to(q.dtype)  # a cache in another dtype; no-ops where equal
         for name in self.q_scales:
             q = self.get_submodule(name)(q, k.shape[2])
-        out = attend(q, k, v, self)
-        return self.wo(out.transpose(1, 2).reshape(batch, seqlen, -1))
+        out = attend(q, k, v, self).transpose(1, 2).reshape(batch, seqlen, -1)
+        for name in self.gates:
+            out = self.get_submodule(name)(out, x)
+        return self.wo(out)
 
 
 class FeedForward(nn.Module):
@@ -343,11 +347,9 @@ class Transformer(nn.Module):
         max_batch_size sequences of max_seq_len tokens, of `dtype` (None: the activations')."""
         weight = self.tok_embeddings.weight  # the activations' dtype and device
         shape = (max_batch_size, self.args.n_kv_heads, max_seq_len, self.args.head_dim)
-        for layer in self.layers:
-            attention = layer.attention
-            attention.cache = attention.new_cache(
-                cache, shape, dtype or weight.dtype, weight.device
-            )
+        where = dtype or weight.dtype, weight.device
+        for attention in (layer.attention for layer in self.layers):
+            attention.cache = attention.new_cache(cache, shape, *where)
 
     def reset_cache(self):
         for layer in self.layers:

@@ -35,7 +35,7 @@ from picollama.cpu_attention import cpu_training_attention
 from picollama.device import Dist, check_compiler, keep_freed_memory, peak_flops, pick_dtype
 from picollama.dropout import add_dropout
 from picollama.metrics import RunLog, Throughput, check_wandb, flops_per_token, memory_gb
-from picollama.optim import build_optimizer, decay_start, lr_at
+from picollama.optim import build_optimizer, decay_start, lr_at, set_weight_decay, weight_decay_at
 from picollama.outputs import exclusive
 from picollama.parallel import parallelize
 from picollama.resume import check_tokenizer, checkpoints, resume_point
@@ -320,6 +320,7 @@ def run_steps(
     rows = slice(dist.rank * share, (dist.rank + 1) * share)
     while step < cfg.train.max_steps:
         lr = lr_at(step, cfg)
+        set_weight_decay(optimizer, weight_decay_at(step, cfg))
         x, y, inputs, targets = next_rows(data.loader, cfg, rows, dist.device)
         losses, grad_norm, applied = train_step(
             model, optimizer, x, y, lr, cfg, dist, inputs, targets

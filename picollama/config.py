@@ -108,6 +108,9 @@ class OptimConfig:
     decay_fraction: float = 0.2
     decay_start: int | None = None  # wsd: the step the decay begins; None: decay_fraction's
     weight_decay: float = 0.1  # on matrices only
+    # wsd: weight_decay rises on a line over the decay to this at max_steps, keeping up the
+    # shrinking (lr·weight_decay) that the falling lr would end; None: weight_decay throughout
+    final_weight_decay: float | None = None
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8

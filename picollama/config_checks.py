@@ -83,14 +83,18 @@ def check_training_options(cfg: Config) -> None:
 
 
 def check_schedule(cfg: Config) -> None:
-    """Refuse a schedule that decays upward (optim.min_lr above optim.lr), and an optim.decay_start
-    that no wsd decay of train.max_steps can begin at."""
+    """Refuse a schedule that decays upward (optim.min_lr above optim.lr), an
+    optim.final_weight_decay without a wsd decay, and an optim.decay_start that no wsd decay of
+    train.max_steps can begin at."""
     o = cfg.optim
     if o.min_lr > o.lr:
         raise UserError(
             f"optim.min_lr ({o.min_lr:g}) must be at most optim.lr ({o.lr:g}): the schedule "
             "decays from lr to min_lr"
         )
+    if o.final_weight_decay is not None and o.schedule != "wsd":
+        problem = f"optim.final_weight_decay applies to optim.schedule wsd, not {o.schedule}"
+        raise UserError(problem + " (it rises over the wsd decay)")
     if o.decay_start is None:
         return
     if o.schedule != "wsd":

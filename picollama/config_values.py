@@ -46,6 +46,7 @@ NOT_NEGATIVE = {
     "optim.warmup_steps",
     "optim.decay_start",
     "optim.weight_decay",
+    "optim.final_weight_decay",
     "optim.grad_clip",
     "optim.z_loss",
     "eval.interval",

@@ -70,7 +70,7 @@ def checked_model_args(**values) -> ModelArgs:
         )
     choices = {"norm": NORMS, "norm_placement": PLACEMENTS, "activation": ACTIVATIONS}
     choices["position"] = POSITIONS
-    switches = ("parallel_block", "qk_norm", "logn_attention", "ssmax")
+    switches = ("parallel_block", "qk_norm", "logn_attention", "ssmax", "attention_gate")
     choices |= dict.fromkeys(switches, (False, True))
     choices["rope_scaling"] = ROPE_SCALINGS
     for key, allowed in choices.items():

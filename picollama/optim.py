@@ -70,6 +70,24 @@ def decay_start(cfg: Config) -> int:
     return max(o.warmup_steps, round((1 - o.decay_fraction) * cfg.train.max_steps))
 
 
+def weight_decay_at(step: int, cfg: Config) -> float:
+    """optim.weight_decay, or over a wsd decay (optim.final_weight_decay) the line from it to
+    final_weight_decay, by the decay's progress as lr_at counts it."""
+    o = cfg.optim
+    start = decay_start(cfg) if o.final_weight_decay is not None else None
+    if start is None or step < start:
+        return o.weight_decay
+    progress = (step + 1 - start) / (cfg.train.max_steps - start)
+    return o.weight_decay + (o.final_weight_decay - o.weight_decay) * min(progress, 1.0)
+
+
+def set_weight_decay(optimizer, weight_decay: float):
+    """weight_decay on each group of matrices (the only ones build_optimizer decays)."""
+    for group in optimizer.param_groups:
+        if any(p.ndim >= 2 for p in group["params"]):
+            group["weight_decay"] = weight_decay
+
+
 def lr_at(step: int, cfg: Config) -> float:
     """Linear warmup over warmup_steps, then (optim.schedule) a cosine decay to min_lr at max_steps
     (from step 0), or wsd: lr until decay_start, then 1 - sqrt of the decay's progress, reaching

@@ -27,7 +27,7 @@ from picollama.length import WINDOWED
 # the ModelArgs keys that leave LLaMA's architecture when away from their defaults
 SWITCHES = (
     "norm norm_placement parallel_block activation qk_norm logit_softcap position rope_fraction"
-    " nope_every logn_attention ssmax"
+    " nope_every logn_attention ssmax attention_gate"
 ).split()
 
 

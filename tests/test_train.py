@@ -291,6 +291,21 @@ def test_wsd_holds_lr_then_decays_by_one_minus_sqrt_to_min_lr_over_the_last_fift
     assert all(a > b for a, b in itertools.pairwise(lrs[79:])) and lrs[-1] == pytest.approx(0.1)
 
 
+def test_wsd_weight_decay_rises_over_the_decay_to_final_weight_decay_on_matrices_only():
+    optim_ = {"schedule": "wsd", "weight_decay": 0.1, "final_weight_decay": 0.9, "name": "muon"}
+    cfg = build_config({"train": {"max_steps": 100}, "optim": {**optim_, "warmup_steps": 10}}, [])
+    decays = [optim.weight_decay_at(step, cfg) for step in range(100)]
+    assert decays[:80] == [0.1] * 80 and decays[80] == pytest.approx(0.1 + 0.8 / 20)
+    assert all(a < b for a, b in itertools.pairwise(decays[79:])) and decays[-1] == 0.9
+    plain = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, final_weight_decay=None))
+    assert {optim.weight_decay_at(step, plain) for step in range(100)} == {0.1}
+    model = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=32))
+    optimizer = optim.build_optimizer(model, cfg, torch.device("cpu"))
+    optim.set_weight_decay(optimizer, 0.5)
+    # Muon's matrices and AdamW's (the embedding, the output layer) decay; the norms never
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.5, 0.5, 0.0]
+
+
 def test_wsd_decays_from_a_decay_start_given():
     optim_ = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10, "schedule": "wsd", "decay_start": 40}
     cfg = build_config({"train": {"max_steps": 100}, "optim": optim_}, [])
@@ -1135,6 +1150,11 @@ def test_interim_evaluations_read_their_part_and_the_budget_plans_for_the_whole_
         (["--optim.decay_fraction=0"], "--optim.decay_fraction must be positive, not 0.0"),
         (["--optim.decay_fraction=1"], "--optim.decay_fraction must be at least 0 and below 1"),
         (["--optim.decay_start=5"], "optim.decay_start applies to optim.schedule wsd, not cosine"),
+        (
+            ["--optim.final_weight_decay=0.5"],
+            "optim.final_weight_decay applies to optim.schedule wsd, not cosine",
+        ),
+        (["--optim.final_weight_decay=-1"], "--optim.final_weight_decay must be zero or more"),
         (
             ["--optim.schedule=wsd", "--optim.decay_start=12"],
             "optim.decay_start (12) must be below train.max_steps (12)",

@@ -37,6 +37,7 @@ VARIANTS = {
     "parallel-sandwich": dict(parallel_block=True, norm_placement="sandwich", norm="layernorm"),
     **{name: dict(activation=name) for name in ACTIVATIONS if name != "swiglu"},
     "qk_norm": dict(qk_norm=True),
+    "attention_gate": dict(attention_gate=True),
     "softcap": dict(logit_softcap=2.0),
     "alibi": dict(position="alibi"),
     "alibi-6-heads": dict(position="alibi", dim=48, n_heads=6, n_kv_heads=3),

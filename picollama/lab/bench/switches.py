@@ -48,6 +48,8 @@ QUALITY = {
     "random windows, no average": ["--data.sampling=random", "--train.weight_average=0"],
     "random windows": ["--data.sampling=random"],
     "no weight average": ["--train.weight_average=0"],
+    "no attention gate": ["--model.attention_gate=false"],  # a step's cost too: see "eager"
+    "final weight decay 0.9": ["--optim.final_weight_decay=0.9"],
     "dropout 0.1": ["--train.dropout=0.1"],
     "tied embeddings": ["--model.tie_embeddings=true"],
     "weight decay 0.3": ["--optim.weight_decay=0.3"],
