@@ -74,8 +74,7 @@ def weight_decay_at(step: int, cfg: Config) -> float:
     """optim.weight_decay, or over a wsd decay (optim.final_weight_decay) the line from it to
     final_weight_decay, by the decay's progress as lr_at counts it."""
     o = cfg.optim
-    start = decay_start(cfg) if o.final_weight_decay is not None else None
-    if start is None or step < start:
+    if o.final_weight_decay is None or step < (start := decay_start(cfg)):
         return o.weight_decay
     progress = (step + 1 - start) / (cfg.train.max_steps - start)
     return o.weight_decay + (o.final_weight_decay - o.weight_decay) * min(progress, 1.0)
