@@ -8,28 +8,23 @@ import time
 import torch
 
 from model import Transformer
-from picollama.caches import KV_CACHES, Sinks, check_sinks
-from picollama.cli import (
-    ArgumentParser,
-    UserError,
-    add_compile,
-    add_device,
-    add_run,
-    add_seed,
-    positive,
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import ArgumentParser, add_compile, add_device, add_run, add_seed, positive
+from picollama.components.length import ROPE_SCALINGS, stretched
+from picollama.device import check_compiler, memory_bytes, pick_device
+from picollama.sampling.caches import KV_CACHES, Sinks, check_sinks
+from picollama.sampling.chat import add_chat_flags, chat_command, check_chat_flags
+from picollama.sampling.decode import SCALING_METHODS, Sampling, check_length
+from picollama.sampling.load import fast_step, load_to_sample
+from picollama.sampling.memory import check_memory, free_bytes, prompt_file_limit
+from picollama.sampling.prompts import (
+    check_prompt_flags,
+    encode_prompt,
+    print_samples,
+    read_prompts,
 )
-from picollama.command import run_command
-from picollama.decode_step import DecodeStep
-from picollama.decoding import SCALING_METHODS, Sampling, check_length
-from picollama.device import check_compiler, memory_bytes, pick_device, pick_dtype
-from picollama.length import ROPE_SCALINGS, length_dependent, stretched
-from picollama.memory_budget import check_memory, free_bytes, prompt_file_limit
-from picollama.prompts import check_prompt_flags, encode_prompt, print_samples, read_prompts
-from picollama.quantize import QUANTIZATIONS, quantize
-from picollama.run_files import load_run
-from picollama.step_timing import compiled_unless_slower, tune_threads
-from picollama.terminal_chat import add_chat_flags, chat_command, check_chat_flags
-from picollama.variants import non_llama
+from picollama.sampling.quantize import QUANTIZATIONS
 
 # ---------------------------------------------------------------- the sampling command
 
@@ -42,15 +37,6 @@ def check_rope_flags(args):
         raise UserError(f"--rope-factor needs a scaling method: --rope-scaling {SCALING_METHODS}")
     if not (math.isfinite(args.rope_factor) and args.rope_factor >= 1):
         raise UserError(f"--rope-factor must be a finite number >= 1, not {args.rope_factor}")
-
-
-def load_model(args, device: torch.device) -> tuple[Transformer, object, torch.dtype]:
-    """The run's model (quantized and cast as the flags say), its tokenizer and activation dtype."""
-    from picollama.convert import imported_run  # a .gguf file or a Hugging Face directory
-
-    dtype = pick_dtype(args.dtype, device)
-    model, _, tokenizer = load_run(imported_run(args.run), device, torch.float32)
-    return quantize(model, args.quantize).to(dtype), tokenizer, dtype
 
 
 def fit_length(model: Transformer, args, total: int, sinks: Sinks | None = None):
@@ -71,25 +57,6 @@ def fit_length(model: Transformer, args, total: int, sinks: Sinks | None = None)
             f"warning: sinusoidal positions past {model.args.max_seq_len} were never trained",
             file=sys.stderr,
         )
-
-
-def fast_step(
-    model: Transformer, compile: bool, batch: int, kv_dtype=None, threads: int | None = None
-) -> DecodeStep | None:
-    """The fused one-token step for `batch` rows on its fastest thread count (timed; or on
-    `threads`, untimed), compiled unless that measures slower, on a KV cache of kv_dtype (None: the
-    activations'), or None where the model itself decodes: dynamic NTK re-runs the prefix as it
-    grows, and the fused step is LLaMA's."""
-    if non_llama(model.args) or length_dependent(model.args):
-        return None
-    step = DecodeStep(model, threads, kv_dtype=kv_dtype)
-    notes = [tune_threads(model, step, batch) if threads is None else None]
-    if compile:
-        step, note = compiled_unless_slower(model, step, batch)
-        notes.append(note)
-    for note in filter(None, notes):
-        print(note, file=sys.stderr)
-    return step
 
 
 def summary(args, model, prompts, outputs: list[int], seconds: float, device, dtype) -> str:
@@ -150,7 +117,7 @@ def sample_command(args) -> int:
     device = pick_device(args.device)
     if args.compile:
         check_compiler()
-    model, tokenizer, dtype = load_model(args, device)
+    model, tokenizer, dtype = load_to_sample(args, device)
     prompts = batch_prompts(args, model, tokenizer, sampling, device, sinks)
     step = fast_step(model, args.compile, len(prompts), KV_CACHES[args.kv_cache])
     start = time.perf_counter()
@@ -285,7 +252,7 @@ def main(argv: list[str]) -> int:
     if args.command == "study":
         return lab("study").run(args)
     if args.chat:
-        return chat_command(args, load_model, fast_step)
+        return chat_command(args)
     check_chat_flags(args)
     return sample_command(args)
 

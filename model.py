@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # The components ModelArgs names, each chosen by one lookup: LLaMA's registered after its blocks,
-# the others by picollama.components (the alternatives, the length methods).
+# the others by picollama.components.registry (the alternatives, the length methods).
 NORMS: dict = {}  # norm -> the class, made as cls(dim, eps)
 ACTIVATIONS: dict = {}  # activation -> (the FFN class, its function)
 BLOCKS: dict = {}  # (norm_placement, parallel_block) -> the block class
@@ -48,7 +48,7 @@ class ModelArgs:
     rope_original_max_seq_len: int | None = None  # the context stretched from; None: max_seq_len
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths past original/low are interpolated
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept
-    # The alternatives the seed lectures teach (picollama.variants); the defaults are LLaMA's.
+    # The lectures' alternatives (picollama.components.variants). The defaults are LLaMA's.
     norm: str = "rmsnorm"  # rmsnorm | layernorm (NORMS)
     norm_placement: str = "pre"  # pre | post | sandwich (BLOCKS)
     parallel_block: bool = False  # attention and FFN side by side, one fused input (GPT-J, PaLM)
@@ -142,7 +142,7 @@ def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
 
 
 # The kernel sdpa_attention calls: PyTorch's, unless a caller swaps in one of its signature for a
-# while (train.py on a CPU: picollama.cpu_attention's)
+# while (train.py on a CPU: picollama.training.cpu_attention's)
 SDPA_KERNEL = F.scaled_dot_product_attention
 
 
@@ -343,7 +343,7 @@ class Transformer(nn.Module):
             nn.init.normal_(p, mean=0.0, std=std)
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype=None, cache=KVCache):
-        """A KV cache of class `cache` (the caller's: picollama.caches has int8's) for
+        """A KV cache of class `cache` (the caller's: picollama.sampling.caches has int8's) for
         max_batch_size sequences of max_seq_len tokens, of `dtype` (None: the activations')."""
         weight = self.tok_embeddings.weight  # the activations' dtype and device
         shape = (max_batch_size, self.args.n_kv_heads, max_seq_len, self.args.head_dim)

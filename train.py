@@ -2,10 +2,8 @@
 python train.py [--config F.toml] [--section.key=value ...] [--resume]."""
 
 # ruff: noqa: E402 (the re-exec below comes before torch's import)
-import functools
 import math
 import os
-import random
 import subprocess
 import sys
 import time
@@ -14,33 +12,25 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-from picollama.huge_pages import malloc_huge_pages
+from picollama.training.huge_pages import malloc_huge_pages
 
 if __name__ == "__main__":
     malloc_huge_pages()
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from data.tokenizer import tokenizer_file
-from model import Transformer
 from picollama import REPO_ROOT
-from picollama.budget import Budget, run_length
 from picollama.cli import UserError
-from picollama.command import Interrupted, run_command
-from picollama.config import Config, parse_cli
-from picollama.config_checks import check_config
-from picollama.cpu_attention import cpu_training_attention
-from picollama.device import Dist, check_compiler, keep_freed_memory, peak_flops, pick_dtype
-from picollama.dropout import add_dropout
-from picollama.metrics import RunLog, Throughput, check_wandb, flops_per_token, memory_gb
-from picollama.optim import build_optimizer, decay_start, lr_at, set_weight_decay, weight_decay_at
-from picollama.outputs import exclusive
-from picollama.parallel import parallelize
-from picollama.resume import check_tokenizer, checkpoints, resume_point
-from picollama.train_checks import check_memory, check_out_dir, check_packing, init_from_weights
-from picollama.train_data import (
+from picollama.cli.command import Interrupted, run_command
+from picollama.cli.outputs import exclusive
+from picollama.config.checks import check_config
+from picollama.config.training import Config, parse_cli
+from picollama.device import Dist, check_compiler, keep_freed_memory, peak_flops
+from picollama.training.budget import Budget, run_length
+from picollama.training.checks import check_memory, check_out_dir, check_packing, init_from_weights
+from picollama.training.cpu_attention import cpu_training_attention
+from picollama.training.dataset import (
     VALIDATION_FORMATS,
     DataSource,
     check_dataset,
@@ -48,123 +38,12 @@ from picollama.train_data import (
     next_rows,
     spread,
 )
-from picollama.train_state import load_checkpoint, save_checkpoint, stopped
-from picollama.weight_average import WeightAverage, averaged
-
-# ---------------------------------------------------------------- model and step
-
-
-def build_model(
-    cfg: Config, dist: Dist, init: dict | None = None
-) -> tuple[Transformer, torch.optim.Optimizer, str]:
-    """The parallelized model (the same initial weights on any device and world size, or `init`'s),
-    its optimizer, and a line saying how many parameters it has, how many rank 0 stores, and the
-    precision."""
-    if dist.device.type == "cuda":
-        torch.set_float32_matmul_precision("high")
-    # initialised on the CPU generator first: the same weights anywhere
-    model = Transformer(cfg.model).to(dist.device)
-    if init is not None:
-        model.load_state_dict(init)
-    num_params = model.num_params()
-    dtype = pick_dtype(cfg.train.dtype, dist.device)
-    if dist.device.type == "mps" and dtype != torch.float32:
-        problem = f"train.dtype {cfg.train.dtype} on mps"
-        raise UserError(f"{problem}: picollama trains on Apple's GPU in fp32 only; use float32")
-    add_dropout(model, cfg.train.dropout)
-    model = parallelize(model, cfg, dist.mesh, dtype)
-    local_params = sum(
-        (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()
-    )
-    sizes = f"{num_params:,} parameters, {local_params:,} stored on rank 0 of {dist.world_size}"
-    precision = "fp32" if dtype == torch.float32 else f"{str(dtype)[6:]} with fp32 master weights"
-    return model, build_optimizer(model, cfg, dist.device), f"{sizes}; {precision}"
-
-
-def seed_everything(seed: int):
-    """Seed Python's, numpy's and torch's generators (a resumed run restores their states)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def logit_terms(logits, y, z_loss: float) -> dict[str, torch.Tensor]:
-    """The mean cross-entropy of y's targets (-100 ignored) in fp32 ("loss"), and with z_loss > 0
-    z_loss·mean(logsumexp(logits)²) ("z_loss"; PaLM's: it keeps the softmax normaliser near 1)."""
-    logits = logits.float()
-    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-    if not z_loss:
-        return {"loss": loss}
-    return {"loss": loss, "z_loss": z_loss * logits.logsumexp(-1).square().mean()}
-
-
-@functools.cache
-def compiled_logit_terms():
-    """logit_terms compiled, made when first asked for (the compiler takes seconds to import). With
-    train.compile the loss is compiled with the blocks: the (tokens, vocab) logits' fp32 copy,
-    softmax and their gradient were a quarter of a CPU step with compiled blocks (the default's)."""
-    return torch.compile(logit_terms)
-
-
-def loss_terms(
-    model, x, y, inputs: dict | None, z_loss: float, compiled: bool = False
-) -> dict[str, torch.Tensor]:
-    """One micro-batch's loss terms (logit_terms; compiled: its compiled version); `inputs`: the
-    model's other arguments (positions, a mask)."""
-    terms = compiled_logit_terms() if compiled else logit_terms
-    return terms(model(x, **(inputs or {})), y, z_loss)
-
-
-def micro_batches(x, y, inputs: dict, accum: int) -> list[tuple]:
-    """(x, y, inputs) of each of `accum` micro-batches: the rows cut alike."""
-    cut = {name: value.chunk(accum) for name, value in inputs.items()}
-    parts = zip(x.chunk(accum), y.chunk(accum), strict=True)
-    return [(xm, ym, {name: c[i] for name, c in cut.items()}) for i, (xm, ym) in enumerate(parts)]
-
-
-def train_step(
-    model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, inputs=None, targets=None
-):
-    """One optimizer step on this rank's rows (x, y, and the model's other `inputs`: positions, a
-    mask) of the global batch, in train.grad_accum micro-steps. The loss is the mean over the
-    `targets` targets (y not -100) of the whole global batch (None: this y's), not a mean of
-    micro-batch means: each micro-batch weighs by its targets.
-
-    Returns (losses, grad_norm, applied): each loss term (loss_terms) as it entered the gradient,
-    whose mean over the ranks is the step's (the cross-entropy's: that mean), and the global
-    gradient norm, all left on the device, and whether the update was applied: it is not when a
-    loss or the gradient norm is NaN or infinite."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
-    accum = cfg.train.grad_accum
-    targets = targets or int((y != -100).sum())
-    losses = {}
-    for micro, (xm, ym, im) in enumerate(micro_batches(x, y, inputs or {}, accum)):
-        if hasattr(model, "set_requires_gradient_sync"):
-            # FSDP2's: reduce gradients on the last micro-step only
-            model.set_requires_gradient_sync(micro == accum - 1)
-        terms = loss_terms(model, xm, ym, im, cfg.optim.z_loss, cfg.train.compile)
-        # this micro-batch's mean times its share of the global batch's targets (exactly 1 for a
-        # whole batch in one process), times the ranks, whose gradients FSDP2 averages; a
-        # micro-batch without targets would be NaN: packed rows hold one each, windows many
-        share = (ym != -100).sum() * dist.world_size / targets
-        weights = {name: share if name == "loss" else 1 / accum for name in terms}
-        sum(term * weights[name] for name, term in terms.items()).backward()
-        for name, term in terms.items():
-            losses[name] = losses.get(name, 0) + term.detach() * weights[name]
-    max_norm = cfg.optim.grad_clip or float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    # The one host sync of every step (free on CPU, a short stall on GPU). The gradient norm is
-    # global already; the loss is this rank's, so it joins through a sum over ranks: all ranks skip
-    # the update together.
-    applied = bool(torch.isfinite(dist.all_reduce_sum(sum(losses.values()).clone()) + grad_norm))
-    if applied:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return losses, grad_norm, applied
-
+from picollama.training.metrics import RunLog, Throughput, check_wandb, flops_per_token, memory_gb
+from picollama.training.optim import decay_start, lr_at, set_weight_decay, weight_decay_at
+from picollama.training.resume import check_tokenizer, checkpoints, resume_point
+from picollama.training.state import load_checkpoint, save_checkpoint, stopped
+from picollama.training.step import build_model, seed_everything, train_step
+from picollama.training.weight_average import WeightAverage, averaged
 
 # ---------------------------------------------------------------- the run
 

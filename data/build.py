@@ -46,7 +46,14 @@ from data.tokenizer import (
 from data.tokenizer_training import cpu_count, tokenizer_sample, train_tokenizer
 from picollama import REPO_ROOT
 from picollama.cli import UserError
-from picollama.outputs import check_free_space, check_writable, exclusive, remove, replace, resolved
+from picollama.cli.outputs import (
+    check_free_space,
+    check_writable,
+    exclusive,
+    remove,
+    replace,
+    resolved,
+)
 
 BLOCK_BYTES = 32_000_000  # documents are split, encoded and committed in blocks of this much text
 # BPE training is single-threaded and its time and memory grow with the sample and with how varied

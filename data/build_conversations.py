@@ -28,7 +28,7 @@ from data.tokenizer import load_tokenizer
 from picollama import REPO_ROOT
 from picollama.chat_template import load_chat_template
 from picollama.cli import UserError
-from picollama.outputs import check_writable, exclusive, remove, replace, resolved
+from picollama.cli.outputs import check_writable, exclusive, remove, replace, resolved
 
 SPLITS = ("train", "val")
 BLOCK_BYTES = build.BLOCK_BYTES  # of JSONL: conversations are split, encoded and committed by block

@@ -6,7 +6,7 @@ from pathlib import Path
 from data.sources import local_files
 from picollama.cli import UserError
 
-# the roles the OpenAI-compatible server takes (picollama/openai_api.py), and ShareGPT's names
+# the roles the OpenAI-compatible server takes (picollama/serve/protocol.py), and ShareGPT's names
 ROLES = ("system", "developer", "user", "assistant")
 SHAREGPT_ROLES = {
     "system": "system",

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from picollama.cli import UserError
-from picollama.outputs import atomic_output, check_replaceable, listed
+from picollama.cli.outputs import atomic_output, check_replaceable, listed
 
 FORMAT_VERSION = 3  # 2: EOS at the end of each document; 3: fixed-size shards listed in meta.json
 # what preparing writes in a dataset folder (shards of format 3, and of format 2: <split>.bin)

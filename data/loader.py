@@ -9,9 +9,10 @@ import torch
 
 from data.shards import docs_name, mask_name, split_shards
 from data.tokenizer import same_tokenizer, tokenizer_file, tokenizer_sha256
-from picollama.cli import UserError, check_type
-from picollama.model_args import SIZE_LIMITS
-from picollama.named_files import inside
+from picollama.cli import UserError
+from picollama.cli.flags import check_type
+from picollama.cli.named_files import inside
+from picollama.config.model_args import SIZE_LIMITS
 
 SPLITS = ("train", "val")
 

@@ -9,9 +9,10 @@ from data.build import SHARD_TOKENS, prepare
 from data.build_conversations import prepare_conversations
 from data.conversations import conversation_files
 from data.tokenizer_training import TOKENIZER_TYPES
-from picollama.cli import ArgumentParser, UserError, add_out, positive
-from picollama.command import run_command
-from picollama.output_place import check_output_place
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import ArgumentParser, add_out, positive
+from picollama.cli.output_place import check_output_place
 
 VOCAB_SIZE = 4096  # the vocabulary a tokenizer trains, unless --vocab-size says
 EPILOG = """\

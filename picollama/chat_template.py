@@ -12,8 +12,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from data.tokenizer import TOKENIZER_CONFIG, HFTokenizer, prompt_start, special_token
 from picollama.cli import UserError
-from picollama.outputs import atomic_output
-from picollama.user_files import read_small_text
+from picollama.cli.outputs import atomic_output
+from picollama.cli.user_files import read_small_text
 
 # The template of a run that has none (one trained here): plain text that any tokenizer spells,
 # "System: …\n", "User: …\n", "Assistant: …" and the tokenizer's EOS ending an assistant turn. The

@@ -19,10 +19,11 @@ from data.tokenizer import (
     tokenizer_sha256,
 )
 from model import ModelArgs, Transformer
-from picollama.cli import UserError, check_type
-from picollama.command import held_signals
-from picollama.model_args import CONTEXT_KEYS, saved_model_args
-from picollama.outputs import atomic_output, check_free_space
+from picollama.cli import UserError
+from picollama.cli.command import held_signals
+from picollama.cli.flags import check_type
+from picollama.cli.outputs import atomic_output, check_free_space
+from picollama.config.model_args import CONTEXT_KEYS, saved_model_args
 
 # model.safetensors' metadata key recording the model its weights are for (ModelArgs as JSON):
 # config.json edited to another n_heads or activation would load the same shapes, computing

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model import ModelArgs, Transformer, sdpa_attention
-from picollama.hf_format import interleaved_to_half
+from picollama.convert.hf import interleaved_to_half
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from model import ModelArgs, Transformer
-from picollama.command import run_command
+from picollama.cli.command import run_command
 from picollama.lab.bench import common
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from picollama.command import run_command
+from picollama.cli.command import run_command
 from picollama.lab.bench import common
 from picollama.lab.bench.serve import parse_args
 

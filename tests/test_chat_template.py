@@ -51,7 +51,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer.json and tokenizer_config.json (its chat template kept) as `convert
     from-gguf` writes them into the run directory (write_tokenizer; the weights, which the import
     takes half a minute to dequantize, play no part here)."""
-    from picollama.gguf_import import model_args, open_gguf, write_tokenizer
+    from picollama.convert.from_gguf import model_args, open_gguf, write_tokenizer
 
     folder = tmp_path_factory.mktemp("smollm2")
     reader, meta = open_gguf(Path(SMOLLM2))

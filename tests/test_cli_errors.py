@@ -22,10 +22,11 @@ from safetensors.torch import load_file, save_file
 import generate
 import train
 from data import prepare, tokenizer_training
-from picollama import convert, hf_format
 from picollama.cli import UserError
-from picollama.command import run_command
-from picollama.outputs import atomic_output, exclusive
+from picollama.cli.command import run_command
+from picollama.cli.outputs import atomic_output, exclusive
+from picollama.convert import hf as hf_format
+from picollama.convert import main as convert
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [

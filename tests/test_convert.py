@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from model import ModelArgs, Transformer
-from picollama import convert, gguf_export
-from picollama.command import run_command
-from picollama.decoding import Sampling, generate
-from picollama.hf_format import from_hf_state_dict, hf_config, to_hf_state_dict
-from picollama.prompts import encode_prompt
+from picollama.cli.command import run_command
+from picollama.convert import main as convert
+from picollama.convert import to_gguf as gguf_export
+from picollama.convert.hf import from_hf_state_dict, hf_config, to_hf_state_dict
 from picollama.run_files import load_model, load_run, save_model
+from picollama.sampling.decode import Sampling, generate
+from picollama.sampling.prompts import encode_prompt
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32, multiple_of=16)
 CONFIGS = {

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import model
 from model import ModelArgs, Transformer
 from picollama import REPO_ROOT
-from picollama.cpu_attention import MAX_LEN, cpu_training_attention, written_out_sdpa
-from picollama.muon import BatchedMuon
+from picollama.training.cpu_attention import MAX_LEN, cpu_training_attention, written_out_sdpa
+from picollama.training.muon import BatchedMuon
 
 # the default model's matrices: square (wq wk wv wo), tall (w1 w3) and wide (w2), several of each
 SHAPES = [(16, 16)] * 4 + [(48, 16)] * 2 + [(16, 48)] + [(8, 24)]

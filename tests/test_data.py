@@ -32,7 +32,7 @@ from data.splitting import split_documents
 from data.tokenizer import open_tokenizer, same_tokenizer, tokenizer_sha256
 from data.tokenizer_training import tokenizer_sample, train_tokenizer
 from picollama.cli import UserError
-from picollama.config import build_config
+from picollama.config.training import build_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SYLLABLES = "ka ri to ne su ma lo pe da vi qu ex an or él ça ñu öl ß 東 京 語 本".split()

@@ -30,7 +30,7 @@ import os, sys
 sys.path.insert(0, {repo!r})
 import numpy as np
 import train
-from picollama.command import run_command
+from picollama.cli.command import run_command
 seen, step = [], train.train_step
 def recording(model, optimizer, x, y, *args):
     seen.append(x.cpu().numpy())

@@ -18,10 +18,11 @@ import torch
 import generate
 from data.loader import load_meta
 from model import POSITIONS, ModelArgs, Transformer
-from picollama.cli import ArgumentParser, UserError
-from picollama.command import run_command
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import ArgumentParser
+from picollama.components.length import ROPE_SCALINGS, stretched
 from picollama.lab import extrapolate, passkey, runs, scoring, text_track
-from picollama.length import ROPE_SCALINGS, stretched
 from picollama.run_files import load_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")

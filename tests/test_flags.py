@@ -11,9 +11,9 @@ import pytest
 import generate
 import train
 from data import prepare
-from picollama import convert
-from picollama.command import run_command
-from picollama.config import DEFAULT_CONFIG
+from picollama.cli.command import run_command
+from picollama.config.training import DEFAULT_CONFIG
+from picollama.convert import main as convert
 
 REPO = Path(__file__).resolve().parent.parent
 FLAG_TABLE = REPO / "docs" / "usage.md"  # the one set of flags table (the README points there)
@@ -93,7 +93,7 @@ def test_device_and_dtype_default_to_auto_everywhere():
     for argv in ([], ["extrapolate", "--run", "r"]):
         args = generate.parser().parse_args(argv)
         assert (args.device, args.dtype) == ("auto", "auto")
-    from picollama.config import parse_cli
+    from picollama.config.training import parse_cli
 
     cfg, _ = parse_cli([])
     assert (cfg.train.device, cfg.train.dtype) == ("auto", "auto")
@@ -112,7 +112,7 @@ def test_old_spellings_still_work_with_a_note(tmp_path, capsys):
 
 
 def test_train_shorthands_set_their_config_keys(tmp_path):
-    from picollama.config import parse_cli
+    from picollama.config.training import parse_cli
 
     cfg, _ = parse_cli(
         [

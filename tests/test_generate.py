@@ -13,13 +13,14 @@ import torch
 import generate
 from data.tokenizer_training import train_tokenizer
 from model import ModelArgs, Transformer
-from picollama import decoding
-from picollama.caches import KV_CACHES
-from picollama.command import run_command
-from picollama.decoding import Sampling, decode_steps, sample
-from picollama.length import stretched
-from picollama.prompts import TextStream
+from picollama.cli.command import run_command
+from picollama.components.length import stretched
 from picollama.run_files import load_model, model_from_state_dict, save_model
+from picollama.sampling import decode as decoding
+from picollama.sampling.caches import KV_CACHES
+from picollama.sampling.decode import Sampling, decode_steps, sample
+from picollama.sampling.load import fast_step
+from picollama.sampling.prompts import TextStream
 
 TINY = dict(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16
@@ -172,8 +173,8 @@ def test_the_thread_timing_stays_within_its_budget(one_thread):
     on two threads of a busy CPU) is timed in a few calls, not 5 rounds of 16."""
     import time
 
-    from picollama.decode_step import DecodeStep
-    from picollama.step_timing import step_seconds
+    from picollama.sampling.fused_step import DecodeStep
+    from picollama.sampling.timing import step_seconds
 
     model = make_model()
     fast = DecodeStep(model)
@@ -358,7 +359,7 @@ import importlib, sys
 for name in {modules!r}:
     importlib.import_module(name)
 import generate
-from picollama.length import stretched
+from picollama.components.length import stretched
 generate.parser().parse_args(["--run", "r", "--prompt", "extrapolate"])
 print(sorted(m for m in sys.modules if m.startswith("picollama.lab")))
 generate.parser().parse_args(["extrapolate", "--run", "r", "--lengths", "64"])
@@ -378,7 +379,7 @@ def test_kv_cache_flag_sets_the_cache_dtype(kv_cache):
     """--kv-cache: the fused step's KV cache dtype (KV_CACHES), which generate() sets up."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=97)).eval()
-    step = generate.fast_step(model, False, 1, KV_CACHES[kv_cache])
+    step = fast_step(model, False, 1, KV_CACHES[kv_cache])
     seen = []
     original = model.setup_cache
 

@@ -9,7 +9,7 @@ import torch
 from conftest import TRAIN_LEN
 
 from data.loader import eval_batches, load_meta
-from picollama.command import run_command
+from picollama.cli.command import run_command
 from picollama.lab.bench.heldout import main
 from picollama.lab.bench.quantize import mean_loss
 from picollama.lab.interruptible import interruptible

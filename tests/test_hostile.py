@@ -9,11 +9,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import generate
-from picollama import convert, hf_format, memory_budget
 from picollama.cli import UserError
-from picollama.command import run_command
-from picollama.decoding import Sampling, sample
+from picollama.cli.command import run_command
+from picollama.convert import hf as hf_format
+from picollama.convert import main as convert
 from picollama.run_files import load_model, load_run
+from picollama.sampling import memory as memory_budget
+from picollama.sampling.decode import Sampling, sample
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +234,7 @@ def test_the_context_may_change_in_config_json_and_old_runs_load(run_dir, tmp_pa
 )
 def test_impossible_values_in_config_json_are_one_line(run_dir, tmp_path, capsys, changes, named):
     """A run saved before the weights recorded their model: config.json's values are checked for
-    their range (picollama.model_args's model_args_from_dict). A newer one's: refused either way."""
+    their range (config/model_args.py's model_args_from_dict). A newer one's: refused either way."""
     old = without_recorded_model(run_dir, tmp_path)
     edited = edited_run(old, tmp_path, lambda model: model.update(changes))
     status, out, err = sample_text(edited, capsys)

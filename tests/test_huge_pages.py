@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from picollama import huge_pages
+from picollama.training import huge_pages
 
 SCRIPT = """
 import os, sys
 print("started", file=sys.stderr)
-from picollama.huge_pages import malloc_huge_pages
+from picollama.training.huge_pages import malloc_huge_pages
 malloc_huge_pages()
 print(repr((sys.argv[1:], sys.flags.utf8_mode, os.environ["GLIBC_TUNABLES"])))
 """

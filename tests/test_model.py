@@ -9,7 +9,7 @@ import torch
 
 import model as model_module
 from model import FeedForward, ModelArgs, RMSNorm, Transformer, apply_rotary, rope_rotations
-from picollama.model_args import checked_model_args, model_args_from_dict
+from picollama.config.model_args import checked_model_args, model_args_from_dict
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32, multiple_of=16)
 CONFIGS = {"mha": ModelArgs(**TINY), "gqa": ModelArgs(**TINY, n_kv_heads=2)}

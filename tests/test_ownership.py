@@ -13,9 +13,10 @@ import train
 from data import prepare as prepare_module
 from data.build import prepare
 from data.loader import load_meta
-from picollama import cli, convert, outputs
-from picollama.cli import UserError
-from picollama.command import run_command
+from picollama.cli import UserError, outputs
+from picollama.cli import flags as cli
+from picollama.cli.command import run_command
+from picollama.convert import main as convert
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,16 @@ import torch
 from test_variants import TINY, make_model  # a tiny model (context 32), sharp weights
 
 from model import ModelArgs, Transformer, apply_rotary, rope_frequencies, rope_rotations
-from picollama import gguf_export, hf_format, length_encodings, windowed_rope
 from picollama.cli import UserError
-from picollama.config import parse_cli
-from picollama.length import near_window, stretched
-from picollama.length_encodings import SSMax, forget_gate_attention
-from picollama.model_args import checked_model_args
-from picollama.variants import non_llama
-from picollama.windowed_rope import WindowedRoPE
+from picollama.components import length_encodings, windowed_rope
+from picollama.components.length import near_window, stretched
+from picollama.components.length_encodings import SSMax, forget_gate_attention
+from picollama.components.variants import non_llama
+from picollama.components.windowed_rope import WindowedRoPE
+from picollama.config.model_args import checked_model_args
+from picollama.config.training import parse_cli
+from picollama.convert import hf as hf_format
+from picollama.convert import to_gguf as gguf_export
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,12 +14,12 @@ from data.build import prepare
 from data.epochs import EpochBatches
 from data.loader import RandomBatches, eval_batches
 from model import ModelArgs, Transformer
-from picollama.command import run_command
-from picollama.config import build_config
-from picollama.dropout import add_dropout
+from picollama.cli.command import run_command
+from picollama.config.training import build_config
 from picollama.lab.bench import switches
 from picollama.run_files import load_model
-from picollama.weight_average import WeightAverage
+from picollama.training.dropout import add_dropout
+from picollama.training.weight_average import WeightAverage
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=16)
 

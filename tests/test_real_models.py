@@ -13,11 +13,13 @@ import torch
 
 from data.tokenizer import HFTokenizer
 from model import ModelArgs, Transformer
-from picollama import convert, gguf_export, hf_format
-from picollama.command import run_command
-from picollama.decoding import Sampling, generate
-from picollama.prompts import TextStream, encode_prompt
+from picollama.cli.command import run_command
+from picollama.convert import hf as hf_format
+from picollama.convert import main as convert
+from picollama.convert import to_gguf as gguf_export
 from picollama.run_files import load_model, load_run
+from picollama.sampling.decode import Sampling, generate
+from picollama.sampling.prompts import TextStream, encode_prompt
 
 TEXTS = [
     "Héllo wörld, ça va? Ñandú über naïve café",
@@ -473,10 +475,10 @@ SMOLLM2_EXPORT_NEW = 8
 IMPORT_AND_SAMPLE = """
 import sys, torch
 from pathlib import Path
-from picollama import convert
-from picollama.command import run_command
-from picollama.decoding import Sampling, generate
-from picollama.prompts import encode_prompt
+from picollama.convert import main as convert
+from picollama.cli.command import run_command
+from picollama.sampling.decode import Sampling, generate
+from picollama.sampling.prompts import encode_prompt
 from picollama.run_files import load_run
 gguf, run = sys.argv[1:]
 print("status", run_command(convert.main, ["from-gguf", "--gguf", gguf, "--out", run]), flush=True)

@@ -15,15 +15,19 @@ import pytest
 import torch
 
 import generate
-from picollama import REPO_ROOT, convert, decode_ops, hf_format, memory_budget, outputs
-from picollama.cli import UserError
-from picollama.command import run_command
-from picollama.config import build_config
-from picollama.config_values import PATH_KEYS
+from picollama import REPO_ROOT
+from picollama.cli import UserError, outputs
+from picollama.cli.command import run_command
+from picollama.config.training import build_config
+from picollama.config.values import PATH_KEYS
+from picollama.convert import hf as hf_format
+from picollama.convert import main as convert
 from picollama.lab import cost, extrapolate
 from picollama.lab.bench import data as bench_data
 from picollama.lab.bench import switches
 from picollama.run_files import load_run
+from picollama.sampling import decode_ops
+from picollama.sampling import memory as memory_budget
 
 BENCH = ("data", "decode", "heldout", "memory", "perplexity", "quantize", "switches", "train")
 
@@ -224,7 +228,7 @@ def edited_gguf(source: Path, out: Path, changes: dict) -> Path:
 @pytest.fixture(scope="module")
 def sources(run_dir, tmp_path_factory) -> tuple[Path, dict]:
     """(a GGUF file of the tiny run, the Hugging Face config.json of its model)."""
-    from picollama.gguf_export import write_gguf
+    from picollama.convert.to_gguf import write_gguf
 
     model, _, tokenizer = load_run(run_dir, "cpu", torch.float32)
     gguf_file = tmp_path_factory.mktemp("gate") / "tiny.gguf"
@@ -435,7 +439,7 @@ def test_the_time_guard_errs_long_never_short(run_dir, monkeypatch):
 LONG_FORWARD = """
 import sys, torch
 import torch.nn.functional as F
-from picollama.command import run_command
+from picollama.cli.command import run_command
 from picollama.lab.interruptible import interruptible
 
 def attend(q):  # one operation of many seconds: Python runs no signal handler inside it

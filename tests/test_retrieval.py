@@ -10,7 +10,7 @@ import torch
 import train
 from data.retrieval import FILLER, RetrievalBatches, RetrievalTask
 from picollama.cli import UserError
-from picollama.command import run_command
+from picollama.cli.command import run_command
 
 # torch on one thread, as training is: on a busy 2-core machine two threads stall each other
 # (train.py's test: ~5 s against ~1.6 s)

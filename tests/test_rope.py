@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model import ModelArgs, Transformer, rope_frequencies
-from picollama.hf_format import hf_config
+from picollama.convert.hf import hf_config
 
 BASE = dict(dim=256, n_heads=4, n_layers=1, vocab_size=64, max_seq_len=512, rope_theta=10000.0)
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from model import ModelArgs, Transformer
-from picollama.decoding import Sampling, generate
-from picollama.row_decoding import Row, generate_rows
+from picollama.sampling.decode import Sampling, generate
+from picollama.sampling.rows import Row, generate_rows
 
 
 @pytest.fixture(scope="module")

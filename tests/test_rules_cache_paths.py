@@ -17,14 +17,16 @@ from test_reliability_rules import edited_gguf
 import generate
 from data import loader
 from data.shards import docs_name, mask_name
-from picollama import convert, import_cache, memory_budget
-from picollama.caches import Sinks
 from picollama.cli import UserError
-from picollama.command import run_command
-from picollama.decoding import Sampling, TokenRing
-from picollama.decoding import generate as sample_rows
-from picollama.prompts import TextStream
+from picollama.cli.command import run_command
+from picollama.convert import cache as import_cache
+from picollama.convert import main as convert
 from picollama.run_files import load_run
+from picollama.sampling import memory as memory_budget
+from picollama.sampling.caches import Sinks
+from picollama.sampling.decode import Sampling, TokenRing
+from picollama.sampling.decode import generate as sample_rows
+from picollama.sampling.prompts import TextStream
 
 
 @pytest.fixture(scope="module")

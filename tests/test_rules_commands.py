@@ -19,10 +19,11 @@ from test_reliability_rules import edited_gguf
 import generate
 import train
 from data import prepare, shards
-from picollama import convert, device, outputs
-from picollama.cli import UserError
-from picollama.command import run_command
-from picollama.config import build_config, parse_cli
+from picollama import device
+from picollama.cli import UserError, outputs
+from picollama.cli.command import run_command
+from picollama.config.training import build_config, parse_cli
+from picollama.convert import main as convert
 from picollama.lab.bench import data as bench_data
 from picollama.run_files import is_gguf_file, load_run
 
@@ -36,7 +37,7 @@ def tiny(make_tiny_run, one_thread) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tiny, tmp_path_factory) -> Path:
-    from picollama.gguf_export import write_gguf
+    from picollama.convert.to_gguf import write_gguf
 
     model, _, tokenizer = load_run(tiny[0], "cpu", torch.float32)
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"

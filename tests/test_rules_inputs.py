@@ -20,9 +20,10 @@ from data.loader import checked_meta
 from picollama import REPO_ROOT
 from picollama.chat_template import load_chat_template
 from picollama.cli import UserError
-from picollama.command import run_command
-from picollama.config import parse_cli
-from picollama.config_checks import check_config
+from picollama.cli.command import run_command
+from picollama.cli.user_files import SMALL_TEXT_BYTES
+from picollama.config.checks import check_config
+from picollama.config.training import parse_cli
 from picollama.lab import study
 from picollama.lab.bench import common, switches
 from picollama.lab.bench import decode as bench_decode
@@ -30,8 +31,7 @@ from picollama.lab.bench import memory as bench_memory
 from picollama.lab.bench import train as bench_train
 from picollama.lab.recipe import load_recipe
 from picollama.lab.trainings import Trainings
-from picollama.prompts import prompt_file_size
-from picollama.user_files import SMALL_TEXT_BYTES
+from picollama.sampling.prompts import prompt_file_size
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ import torch
 from test_reliability_rules import edited_gguf
 
 import generate
-from picollama import convert, hf_format
-from picollama.command import run_command
+from picollama.cli.command import run_command
+from picollama.convert import hf as hf_format
+from picollama.convert import main as convert
 from picollama.run_files import load_run
 
 U32 = 4  # gguf.GGUFValueType.UINT32
@@ -26,7 +27,7 @@ def run_dir(make_tiny_run, one_thread) -> Path:
 @pytest.fixture(scope="module")
 def tiny_gguf(run_dir, tmp_path_factory) -> Path:
     """The tiny run (dim 32, 4 heads of 8) as a GGUF file."""
-    from picollama.gguf_export import write_gguf
+    from picollama.convert.to_gguf import write_gguf
 
     model, _, tokenizer = load_run(run_dir, "cpu", torch.float32)
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"

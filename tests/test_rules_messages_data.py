@@ -7,7 +7,7 @@ import pytest
 
 import train
 from data import prepare
-from picollama.command import run_command
+from picollama.cli.command import run_command
 
 TRAIN = [
     "--model.dim=32",

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 import train
-from picollama import convert, metrics
 from picollama.cli import UserError
-from picollama.command import run_command
-from picollama.config import parse_cli
+from picollama.cli.command import run_command
+from picollama.config.training import parse_cli
+from picollama.convert import main as convert
+from picollama.training import metrics
 
 prepare_command = importlib.import_module("data.prepare")
 
@@ -126,7 +127,7 @@ def test_a_new_folder_beside_the_inputs_is_fine(command, places, tmp_path):
     out = tmp_path / ("m.gguf" if command == "to-gguf" else "out")
     main, args = argv(command, places, out)
     if command == "train.py":
-        from picollama.train_checks import check_out_dir
+        from picollama.training.checks import check_out_dir
 
         check_out_dir(parse_cli(args)[0])
         (out / "metrics.jsonl").parent.mkdir()

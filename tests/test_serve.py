@@ -397,9 +397,9 @@ def test_bad_input_is_a_4xx_in_openais_shape_and_the_next_request_is_served(
 def test_the_engine_batches_the_oldest_first_and_frees_the_places_of_clients_gone():
     import asyncio
 
-    from picollama.decoding import Sampling
-    from picollama.engine import Engine, Job, QueueFull
-    from picollama.row_decoding import Row
+    from picollama.sampling.decode import Sampling
+    from picollama.sampling.rows import Row
+    from picollama.serve.engine import Engine, Job, QueueFull
 
     def job(length: int, n: int = 1) -> Job:
         return Job([Row([1] * length, Sampling(4, 0.0))] * n, [None] * n)
@@ -434,11 +434,10 @@ def test_a_full_queue_is_503_with_retry_after(run):
     """In-process: an engine that never starts, so the second request finds the queue full."""
     import asyncio
 
-    from generate import load_model  # noqa: F401  (what the command loads with)
-    from picollama.engine import Engine
     from picollama.run_files import load_run
-    from picollama.serve_app import create_app
-    from picollama.served_model import ServedModel
+    from picollama.serve.app import create_app
+    from picollama.serve.engine import Engine
+    from picollama.serve.rows import ServedModel
 
     model, _, tokenizer = load_run(run, torch.device("cpu"), torch.float32)
     served = ServedModel(model, tokenizer, DEFAULT_TEMPLATE, "run")
@@ -489,7 +488,7 @@ PAGE_CHECK = """
 
 @pytest.mark.skipif(not shutil.which("node"), reason="node runs the chat page's script")
 def test_the_chat_pages_script_parses_and_reads_split_events(server, client, tmp_path):
-    page = (REPO / "picollama" / "web" / "chat.html").read_text()
+    page = (REPO / "picollama" / "serve" / "web" / "chat.html").read_text()
     script = re.search(r"<script>(.*)</script>", page, re.S)[1]
     assert "innerHTML" not in script and "insertAdjacentHTML" not in script
     (tmp_path / "page.js").write_text(script)
@@ -704,7 +703,7 @@ def test_smollm2_names_the_capital_of_france_through_the_server(tmp_path):
 def test_the_model_is_loaded_on_the_thread_that_decodes(monkeypatch):
     """One thread makes every torch call (libgomp's spin-wait, cut short with a second thread's
     pool on 2 cores, made each step 2.3x slower): load and the engine run on the same thread."""
-    import picollama.serve as serve
+    import picollama.serve.main as serve
 
     threads = {}
 

@@ -17,7 +17,7 @@ from data.conversations import checked_record, conversation_files
 from data.loader import checked_meta, doc_offsets, open_mask, open_tokens
 from data.tokenizer import HFTokenizer, load_tokenizer, open_tokenizer
 from picollama.chat_template import DEFAULT_TEMPLATE, ChatTemplateError, load_chat_template
-from picollama.command import run_command
+from picollama.cli.command import run_command
 
 SMOLLM2 = os.environ.get("PICOLLAMA_SMOLLM2_GGUF")
 needs_smollm2 = pytest.mark.skipif(
@@ -44,7 +44,7 @@ TAGGED_TURN = (
 @pytest.fixture(scope="module")
 def smollm2_dir(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer.json and tokenizer_config.json as `convert from-gguf` writes them."""
-    from picollama.gguf_import import model_args, open_gguf, write_tokenizer
+    from picollama.convert.from_gguf import model_args, open_gguf, write_tokenizer
 
     folder = tmp_path_factory.mktemp("smollm2")
     reader, meta = open_gguf(Path(SMOLLM2))

@@ -13,11 +13,11 @@ import torch
 import train
 from data.build_conversations import prepare_conversations
 from data.packing import Documents
-from picollama import convert
 from picollama.chat_template import load_chat_template
-from picollama.command import run_command
+from picollama.cli.command import run_command
+from picollama.convert import main as convert
 from picollama.run_files import load_run
-from picollama.served_model import ServedModel
+from picollama.serve.rows import ServedModel
 
 SMOLLM2 = os.environ.get("PICOLLAMA_SMOLLM2_GGUF")
 REPO = Path(__file__).resolve().parent.parent

@@ -24,10 +24,11 @@ from data.tokenizer_training import train_tokenizer
 from model import ModelArgs, Transformer
 from picollama.chat_template import DEFAULT_TEMPLATE, load_chat_template, run_chat_template
 from picollama.cli import UserError
-from picollama.command import run_command
-from picollama.config import build_config
+from picollama.cli.command import run_command
+from picollama.config.training import build_config
 from picollama.run_files import load_model, load_run
-from picollama.served_model import ServedModel
+from picollama.serve.rows import ServedModel
+from picollama.training import step as training_step
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -291,7 +292,7 @@ def test_masked_positions_get_no_gradient_and_their_labels_do_not_count(chats):
         logits.append(out)
 
     model.output.register_forward_hook(keep)
-    loss = train.loss_terms(model, x, y, inputs, 0.0)["loss"]
+    loss = training_step.loss_terms(model, x, y, inputs, 0.0)["loss"]
     logits[0].retain_grad()
     loss.backward()
     grad = logits[0].grad.abs().sum(-1)
@@ -303,7 +304,7 @@ def test_masked_positions_get_no_gradient_and_their_labels_do_not_count(chats):
         for where, same in ((masked, True), (~masked, False)):
             changed = torch.where(where, (raw + 1) % TINY["vocab_size"], raw)
             labels = torch.where(masked, -100, changed)
-            again = train.loss_terms(model, x, labels, inputs, 0.0)["loss"]
+            again = training_step.loss_terms(model, x, labels, inputs, 0.0)["loss"]
             assert (again.item() == loss.item()) == same, where
 
 

@@ -7,12 +7,12 @@ import torch
 
 import generate
 from model import ModelArgs, Transformer, apply_rotary, rope_rotations
-from picollama import decoding
-from picollama.caches import SinkCache, Sinks
-from picollama.command import run_command
-from picollama.decode_step import DecodeStep
-from picollama.decoding import Sampling
+from picollama.cli.command import run_command
 from picollama.run_files import save_model
+from picollama.sampling import decode as decoding
+from picollama.sampling.caches import SinkCache, Sinks
+from picollama.sampling.decode import Sampling
+from picollama.sampling.fused_step import DecodeStep
 
 TINY = dict(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from model import ModelArgs, Transformer
-from picollama.decode_ops import decode_ops
-from picollama.decode_step import DecodeStep
-from picollama.decoding import Sampling
-from picollama.row_decoding import Row, generate_rows
-from picollama.slots import SHORTEST_CACHE, Slots
+from picollama.sampling.decode import Sampling
+from picollama.sampling.decode_ops import decode_ops
+from picollama.sampling.fused_step import DecodeStep
+from picollama.sampling.rows import Row, generate_rows
+from picollama.sampling.slots import SHORTEST_CACHE, Slots
 
 
 @pytest.fixture(scope="module")

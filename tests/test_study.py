@@ -15,11 +15,12 @@ import generate
 from data.build import prepare
 from data.retrieval import RetrievalTask
 from model import ModelArgs, Transformer
-from picollama.cli import ArgumentParser, UserError
-from picollama.command import run_command
-from picollama.config import parse_cli
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import ArgumentParser
+from picollama.components.length import ROPE_SCALINGS
+from picollama.config.training import parse_cli
 from picollama.lab import retrieval_track, study
-from picollama.length import ROPE_SCALINGS
 from picollama.run_files import save_model
 
 TASK = RetrievalTask(keys=16, values=16, pairs=4)

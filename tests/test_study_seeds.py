@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from picollama.cli import ArgumentParser, UserError
-from picollama.command import run_command
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import ArgumentParser
 from picollama.lab import passkey, plots, recipe, report, seeds, study
 
 RECIPE = """config = "configs/retrieval.toml"

@@ -20,9 +20,9 @@ import torch
 import generate
 from data.tokenizer import open_tokenizer
 from model import Transformer
-from picollama import terminal_chat
-from picollama.command import run_command
+from picollama.cli.command import run_command
 from picollama.run_files import load_model, save_model
+from picollama.sampling import chat as terminal_chat
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = os.environ.get("PICOLLAMA_SMOLLM2_GGUF")

@@ -26,25 +26,20 @@ from data.loader import RandomBatches
 from data.tokenizer import tokenizer_sha256
 from data.tokenizer_training import train_tokenizer
 from model import ModelArgs, Transformer
-from picollama import (
-    budget,
-    device,
-    metrics,
-    optim,
-    outputs,
-    parallel,
-    train_checks,
-    train_data,
-    train_state,
-)
-from picollama.cli import UserError
-from picollama.command import run_command
-from picollama.config import build_config, parse_cli
-from picollama.config_checks import check_config
-from picollama.cpu_attention import cpu_training_attention
-from picollama.model_args import CONTEXT_KEYS
-from picollama.resume import checkpoints
+from picollama import device
+from picollama.cli import UserError, outputs
+from picollama.cli.command import run_command
+from picollama.config.checks import check_config
+from picollama.config.model_args import CONTEXT_KEYS
+from picollama.config.training import build_config, parse_cli
 from picollama.run_files import load_model, non_finite, save_model
+from picollama.training import budget, metrics, optim, parallel
+from picollama.training import checks as train_checks
+from picollama.training import dataset as train_data
+from picollama.training import state as train_state
+from picollama.training import step as training_step
+from picollama.training.cpu_attention import cpu_training_attention
+from picollama.training.resume import checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
 # one torch thread in this process (conftest's one_thread) and OMP_NUM_THREADS=1 in the train.py
@@ -337,12 +332,12 @@ def test_an_infinite_loss_skips_the_update_even_with_finite_gradients(dataset, m
     model = Transformer(cfg.model)
     optimizer = optim.build_optimizer(model, cfg, torch.device("cpu"))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    finite_terms = train.logit_terms
+    finite_terms = training_step.logit_terms
 
     def infinite_loss(logits, y, z_loss):  # the same gradients as the model's, an infinite loss
         return {"loss": finite_terms(logits, y, z_loss)["loss"] + float("inf")}
 
-    monkeypatch.setattr(train, "logit_terms", infinite_loss)
+    monkeypatch.setattr(training_step, "logit_terms", infinite_loss)
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
     dist = train.Dist("cpu")
     _, grad_norm, applied = train.train_step(model, optimizer, x, y, 1e-3, cfg, dist)
@@ -753,10 +748,10 @@ def test_muon_under_fsdp_two_ranks_matches_one_process_and_resumes_there(dataset
 def test_z_loss_adds_the_squared_log_normaliser_and_is_logged_beside_the_loss(dataset, tmp_path):
     model = Transformer(build_config({"model": TINY["model"]}, []).model)
     x, y = RandomBatches(dataset, "train", 4, 32).next_batch()
-    terms = train.loss_terms(model, x, y, None, 1e-2)
+    terms = training_step.loss_terms(model, x, y, None, 1e-2)
     assert torch.allclose(terms["loss"], model(x, y))
     assert torch.allclose(terms["z_loss"], 1e-2 * (torch.logsumexp(model(x), dim=-1) ** 2).mean())
-    assert train.loss_terms(model, x, y, None, 0.0).keys() == {"loss"}
+    assert training_step.loss_terms(model, x, y, None, 0.0).keys() == {"loss"}
     config = config_file(
         tmp_path, dataset, train={"max_steps": 3}, eval={"interval": 0}, checkpoint={"interval": 0}
     )
@@ -788,7 +783,7 @@ def test_the_compiled_model_and_loss_are_the_eager_ones(dataset, one_thread):
         models.append(parallel.parallelize(Transformer(cfg.model), cfg, None, torch.bfloat16))
         # compiled as train.py trains on a CPU: with the written-out attention (cpu_attention)
         with cpu_training_attention(torch.device("cpu")) if compiled else nullcontext():
-            terms.append(train.loss_terms(models[-1], x, y, None, 0.0, compiled)["loss"])
+            terms.append(training_step.loss_terms(models[-1], x, y, None, 0.0, compiled)["loss"])
             terms[-1].backward()
     assert torch.allclose(terms[0], models[0](x, y), rtol=1e-5)  # the eager model's own
     assert torch.allclose(*terms, rtol=1e-3)
@@ -810,7 +805,7 @@ def test_compiled_validation_in_grad_mode_reuses_the_training_graph(dataset, one
     model = parallel.parallelize(Transformer(cfg.model), cfg, None, torch.bfloat16)
     model.load_state_dict(eager.state_dict())
     with cpu_training_attention(torch.device("cpu")):
-        train.loss_terms(model, x, y, None, 0.0, True)["loss"].backward()
+        training_step.loss_terms(model, x, y, None, 0.0, True)["loss"].backward()
         grads = [p.grad.clone() for p in model.parameters()]
         graphs = counters["stats"]["unique_graphs"]
         loss = train_data.mean_loss(model.eval(), [(x, y)], train.Dist("cpu"), grad=True)
@@ -1218,7 +1213,7 @@ class FakeClock:
 # train.py at 0.125 s a step (sums of it are exact in binary), killed as step {die_at} begins
 KILLED_ON_A_FAKE_CLOCK = (
     "import sys, train; from tests.test_train import FakeClock; "
-    "from picollama.command import run_command; "
+    "from picollama.cli.command import run_command; "
     "FakeClock(0.125, die_at={die_at}).install(setattr); "
     "sys.exit(run_command(train.main, sys.argv[1:]))"
 )
@@ -1541,13 +1536,15 @@ def test_a_full_disk_ends_the_run_in_one_line_with_checkpoint_and_model_consiste
 
 
 def test_a_full_disk_during_to_hf_leaves_nothing(make_tiny_run, small_disk, monkeypatch, capsys):
-    from picollama import convert
+    from picollama.convert import main as convert
 
     run_dir, _ = make_tiny_run(steps=1)
     (small_disk / "filler").write_bytes(b"\0" * (1900 * 1024))
     for checked_first in (True, False):
         if not checked_first:
-            monkeypatch.setattr("picollama.outputs.check_free_space", lambda *args, **kwargs: None)
+            monkeypatch.setattr(
+                "picollama.cli.outputs.check_free_space", lambda *args, **kwargs: None
+            )
         assert (
             run_command(
                 convert.main, ["to-hf", "--run", str(run_dir), "--out", str(small_disk / "hf")]

@@ -14,11 +14,11 @@ from data import prepare
 from data.build import prepare as build
 from data.sources import default_name
 from model import ModelArgs, Transformer
-from picollama import convert
-from picollama.command import run_command
-from picollama.config import parse_cli
+from picollama.cli.command import run_command
+from picollama.config.training import parse_cli
+from picollama.convert import main as convert
 from picollama.run_files import load_model, save_model
-from picollama.train_data import check_dataset
+from picollama.training.dataset import check_dataset
 
 # text the tokenizer never saw: other letters, spaces, tabs, line breaks, bytes no piece covers
 TEXTS = [

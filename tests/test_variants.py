@@ -17,11 +17,12 @@ from model import (
     apply_rotary,
     sdpa_attention,
 )
-from picollama import convert, hf_format
-from picollama.command import run_command
-from picollama.model_args import checked_model_args
+from picollama.cli.command import run_command
+from picollama.components.variants import MLP, SWITCHES, ALiBi, Sinusoidal
+from picollama.config.model_args import checked_model_args
+from picollama.convert import hf as hf_format
+from picollama.convert import main as convert
 from picollama.run_files import save_model
-from picollama.variants import MLP, SWITCHES, ALiBi, Sinusoidal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,10 +8,10 @@ import torch
 
 from model import Transformer
 from picollama.cli import UserError
+from picollama.components.length import WINDOWED, stretched, uses_rope
 from picollama.device import memory_bytes
 from picollama.lab.interruptible import interruptible
-from picollama.length import WINDOWED, stretched, uses_rope
-from picollama.metrics import flops_per_token
+from picollama.training.metrics import flops_per_token
 
 BLOCK_TOKENS = 8192  # the tokens of one forward (rows × length) where rows are shorter
 HEAD_CHUNK = 2048  # the positions whose logits are made at once when scoring a sequence

@@ -5,23 +5,24 @@ training context, for each RoPE scaling method and each of several runs."""
 import json
 from pathlib import Path
 
-from picollama import cli
-from picollama.cli import UserError, comma_list, positive
-from picollama.convert import imported_run
-from picollama.device import pick_device, pick_dtype
-from picollama.lab.plots import plot_report, pyplot, retrieval_plot
-from picollama.lab.report import effective_line, markdown_report, retrieval_markdown
-from picollama.lab.retrieval_track import RETRIEVAL_MULTIPLES, retrieval_study
-from picollama.lab.runs import Options, load_runs
-from picollama.lab.text_track import TEXT_MULTIPLES, text_study
-from picollama.length import ROPE_SCALINGS
-from picollama.outputs import (
+from picollama.cli import UserError
+from picollama.cli import flags as cli
+from picollama.cli.flags import comma_list, positive
+from picollama.cli.outputs import (
     atomic_output,
     check_own_result,
     check_replaceable,
     check_writable,
     exclusive,
 )
+from picollama.components.length import ROPE_SCALINGS
+from picollama.convert.main import imported_run
+from picollama.device import pick_device, pick_dtype
+from picollama.lab.plots import plot_report, pyplot, retrieval_plot
+from picollama.lab.report import effective_line, markdown_report, retrieval_markdown
+from picollama.lab.retrieval_track import RETRIEVAL_MULTIPLES, retrieval_study
+from picollama.lab.runs import Options, load_runs
+from picollama.lab.text_track import TEXT_MULTIPLES, text_study
 
 
 def add_arguments(parser: cli.ArgumentParser):

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from picollama.cli import UserError
+from picollama.components.length import ROPE_SCALINGS
 from picollama.lab.report import run_title
-from picollama.length import ROPE_SCALINGS
 
 
 def pyplot():

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from picollama.cli import UserError
-from picollama.user_files import read_small_text
+from picollama.cli.user_files import read_small_text
 
 
 def is_count(value) -> bool:

@@ -10,11 +10,11 @@ from tqdm import tqdm
 from data.retrieval import RetrievalTask
 from model import Transformer
 from picollama.cli import UserError
-from picollama.config import DataConfig
+from picollama.components.length import stretched
+from picollama.config.training import DataConfig
 from picollama.lab.cost import Forwards, check_cost, model_logits
 from picollama.lab.passkey import THRESHOLD, effective_length
 from picollama.lab.runs import Options, fits, spread
-from picollama.length import stretched
 
 RETRIEVAL_MULTIPLES = (1, 2, 4, 8, 16)  # the default lengths of a retrieval report
 KEEPS = 0.5  # retrieval's effective context keeps at least this fraction of the in-context accuracy

@@ -10,7 +10,7 @@ import numpy as np
 from data.tokenizer import tokenizer_file, tokenizer_sha256
 from model import ModelArgs, Transformer
 from picollama.cli import UserError
-from picollama.length import ROPE_SCALINGS, position_limit, stretched
+from picollama.components.length import ROPE_SCALINGS, position_limit, stretched
 from picollama.run_files import load_model, load_run
 
 

@@ -16,11 +16,14 @@ import torch
 from tqdm import tqdm
 
 from data.build import prepare
-from picollama import REPO_ROOT, cli
-from picollama.cli import UserError, comma_list, positive
-from picollama.config import Config, parse_cli
-from picollama.config_checks import check_config
-from picollama.config_values import CHOICES
+from picollama import REPO_ROOT
+from picollama.cli import UserError
+from picollama.cli import flags as cli
+from picollama.cli.flags import comma_list, positive
+from picollama.cli.outputs import atomic_output, check_writable, exclusive, resolved
+from picollama.config.checks import check_config
+from picollama.config.training import Config, parse_cli
+from picollama.config.values import CHOICES
 from picollama.lab import extrapolate
 from picollama.lab.plots import pyplot, side_by_side_plot, text_report_problem
 from picollama.lab.recipe import FINE_TUNE_KEYS, Recipe, Run, chosen_runs, load_recipe, seeded_runs
@@ -28,8 +31,7 @@ from picollama.lab.report import markdown_report, retrieval_markdown, table
 from picollama.lab.runs import Options
 from picollama.lab.seeds import seeds_markdown, seeds_summary
 from picollama.lab.trainings import Trainings
-from picollama.outputs import atomic_output, check_writable, exclusive, resolved
-from picollama.train_data import check_dataset
+from picollama.training.dataset import check_dataset
 
 RECIPE = Path("configs/study/retrieval.toml")  # in the repository
 

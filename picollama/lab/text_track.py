@@ -14,6 +14,8 @@ from data.tokenizer import same_tokenizer, tokenizer_file
 from model import ModelArgs, Transformer, rope_frequencies
 from picollama import REPO_ROOT
 from picollama.cli import UserError
+from picollama.cli.outputs import check_writable
+from picollama.components.length import WINDOWED, length_dependent, stretched, uses_rope
 from picollama.lab.cost import Forwards, block_rows, check_cost
 from picollama.lab.longppl import key_tokens
 from picollama.lab.passkey import (
@@ -27,8 +29,6 @@ from picollama.lab.passkey import (
 from picollama.lab.report import BINS_PER_OCTAVE, MIN_BIN
 from picollama.lab.runs import Options, fits, spread
 from picollama.lab.scoring import losses_and_hits, row_blocks, sliding_losses, token_losses
-from picollama.length import WINDOWED, length_dependent, stretched, uses_rope
-from picollama.outputs import check_writable
 from picollama.run_files import read_tokenizer
 
 TEXT_MULTIPLES = (1, 2, 4, 8)  # the default lengths of a text report, × the training context

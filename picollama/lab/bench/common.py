@@ -18,12 +18,13 @@ import torch
 
 from model import ModelArgs, Transformer
 from picollama import REPO_ROOT
-from picollama.cli import ArgumentParser, UserError, add_device, add_out, comma_list, positive
+from picollama.cli import UserError
+from picollama.cli.flags import ArgumentParser, add_device, add_out, comma_list, positive
+from picollama.cli.outputs import atomic_output, check_own_result, check_writable, exclusive
+from picollama.cli.user_files import read_small_text
+from picollama.config.model_args import model_args_from_dict
+from picollama.convert.hf import hf_config, to_hf_state_dict
 from picollama.device import cpu_has_bf16, peak_flops, pick_device, pick_dtype
-from picollama.hf_format import hf_config, to_hf_state_dict
-from picollama.model_args import model_args_from_dict
-from picollama.outputs import atomic_output, check_own_result, check_writable, exclusive
-from picollama.user_files import read_small_text
 
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
 # model_args("smoke"): --smoke's model

@@ -1,5 +1,5 @@
-"""train.py's training step on a CPU with its CPU kernels (picollama.cpu_attention's written-out
-attention, picollama.muon's batched Muon) and with PyTorch's (flash attention, torch.optim.Muon):
+"""train.py's training step on a CPU with its CPU kernels (training/cpu_attention.py's written-out
+attention, training/muon.py's batched Muon) and with PyTorch's (flash attention, torch.optim.Muon):
 the default config's model and optimizer, in one process, steps interleaved in chunks."""
 
 import statistics
@@ -10,15 +10,16 @@ from contextlib import nullcontext
 import torch
 from tqdm import tqdm
 
-import train
-from picollama.cli import UserError, positive
-from picollama.command import run_command
-from picollama.config import parse_cli
-from picollama.cpu_attention import cpu_training_attention
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import positive
+from picollama.config.training import parse_cli
 from picollama.device import Dist, check_compiler, keep_freed_memory
-from picollama.huge_pages import malloc_huge_pages
 from picollama.lab.bench import common
-from picollama.optim import Optimizers
+from picollama.training.cpu_attention import cpu_training_attention
+from picollama.training.huge_pages import malloc_huge_pages
+from picollama.training.optim import Optimizers
+from picollama.training.step import build_model, seed_everything, train_step
 
 ARMS = ("pytorch's", "picollama's")  # the kernels each arm's steps run with
 
@@ -43,8 +44,8 @@ def with_torch_muon(optimizer: Optimizers) -> Optimizers:
 
 def step_of(cfg, dist: Dist, arm: str):
     """A training step of a fresh default model (seed 0) on random tokens with the arm's kernels."""
-    train.seed_everything(0)
-    model, optimizer, _ = train.build_model(cfg, dist)
+    seed_everything(0)
+    model, optimizer, _ = build_model(cfg, dist)
     if arm == ARMS[0]:
         optimizer = with_torch_muon(optimizer)
     shape = (cfg.train.batch_size, cfg.train.seq_len + 1)
@@ -54,7 +55,7 @@ def step_of(cfg, dist: Dist, arm: str):
     def step():
         kernels = cpu_training_attention(dist.device) if arm == ARMS[1] else nullcontext()
         with kernels:
-            train.train_step(model, optimizer, x, y, cfg.optim.lr, cfg, dist)
+            train_step(model, optimizer, x, y, cfg.optim.lr, cfg, dist)
 
     return step
 

@@ -15,10 +15,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from picollama.cli import UserError, positive
-from picollama.command import run_command
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import positive
+from picollama.cli.outputs import (
+    atomic_output,
+    check_free_space,
+    check_replaceable,
+    existing_parent,
+)
 from picollama.lab.bench import common
-from picollama.outputs import atomic_output, check_free_space, check_replaceable, existing_parent
 
 SMOKE_WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbo crates".split()

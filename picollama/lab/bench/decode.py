@@ -16,12 +16,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from picollama.caches import setup_cache
-from picollama.cli import add_compile, comma_list, positive
-from picollama.command import run_command
-from picollama.convert import imported_run
-from picollama.decode_step import DecodeStep
-from picollama.decoding import Sampling, generate
+from picollama.cli.command import run_command
+from picollama.cli.flags import add_compile, comma_list, positive
+from picollama.convert.main import imported_run
 from picollama.device import cpu_has_bf16
 from picollama.lab.bench import common
 from picollama.lab.bench.decode_report import (
@@ -34,8 +31,11 @@ from picollama.lab.bench.decode_report import (
     write,
 )
 from picollama.lab.bench.llama_cpp_runner import LlamaCpp, gguf_type, llama_cpp_decoders
-from picollama.quantize import int8_dtype, quantize
 from picollama.run_files import load_run, read_tokenizer
+from picollama.sampling.caches import setup_cache
+from picollama.sampling.decode import Sampling, generate
+from picollama.sampling.fused_step import DecodeStep
+from picollama.sampling.quantize import int8_dtype, quantize
 
 
 @torch.inference_mode()

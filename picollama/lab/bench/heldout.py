@@ -11,8 +11,9 @@ import torch
 from tqdm import tqdm
 
 from data.loader import load_meta, open_tokens
-from picollama.cli import UserError, add_run, positive
-from picollama.command import run_command
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import add_run, positive
 from picollama.lab.bench import common
 from picollama.lab.bench.quantize import run_and_data
 from picollama.lab.scoring import sliding_losses

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from picollama.gguf_export import write_gguf
-from picollama.spm_unigram import is_unigram
+from picollama.convert.spm_unigram import is_unigram
+from picollama.convert.to_gguf import write_gguf
 
 LLAMA_CPP_TYPES = ("f32", "bf16", "q8_0")
 

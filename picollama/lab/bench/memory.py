@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from picollama.cli import UserError, positive
-from picollama.command import run_command
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import positive
 from picollama.lab.bench import common
 
 # (batch, seq_len): base at B=4, T=512 fits 24 GB easily

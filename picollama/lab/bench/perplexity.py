@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from data.loader import document_windows
 from data.tokenizer import HFTokenizer
 from model import Transformer
-from picollama.cli import UserError, positive
-from picollama.command import run_command
-from picollama.convert import imported_run
-from picollama.gguf_export import write_gguf
-from picollama.gguf_import import import_gguf
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import positive
+from picollama.convert.from_gguf import import_gguf
+from picollama.convert.main import imported_run
+from picollama.convert.to_gguf import write_gguf
 from picollama.lab.bench import common
 from picollama.lab.scoring import token_losses
 from picollama.run_files import load_model

@@ -10,13 +10,14 @@ from tqdm import tqdm
 
 from data.loader import eval_batches, load_meta
 from model import Transformer
-from picollama.cli import UserError, add_run, positive
-from picollama.command import run_command
-from picollama.convert import imported_run
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import add_run, positive
+from picollama.convert.main import imported_run
 from picollama.lab.bench import common
 from picollama.lab.text_track import check_same_tokenizer
-from picollama.quantize import int8_dtype, quantize
 from picollama.run_files import load_model
+from picollama.sampling.quantize import int8_dtype, quantize
 
 PRECISIONS = {
     "fp32": (torch.float32, "none"),

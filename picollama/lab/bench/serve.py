@@ -12,12 +12,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from picollama.cli import UserError, comma_list, positive
-from picollama.command import run_command
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import comma_list, positive
+from picollama.cli.outputs import atomic_output
 from picollama.lab.bench import common
 from picollama.lab.bench.llama_cpp_server import has_amx
 from picollama.lab.bench.serve_load import ServerProcess, free_port, python_module, run_clients
-from picollama.outputs import atomic_output
 
 SERVERS = ("ours", "llama_cpp")
 NAMES = {"ours": "picollama.serve", "llama_cpp": "llama_cpp.server"}
@@ -176,7 +177,7 @@ class TokenCounter:
         if sample.finish == "length":
             return self.max_tokens
         if self.tokenizer is None:
-            from picollama.convert import imported_run
+            from picollama.convert.main import imported_run
             from picollama.run_files import read_tokenizer, tokenizer_file
 
             self.tokenizer = read_tokenizer(tokenizer_file(imported_run(self.gguf)))

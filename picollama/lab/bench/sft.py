@@ -14,8 +14,9 @@ import torch
 from tqdm import tqdm
 
 from data.packing import Documents, PackedBatches, document_mask
-from picollama.cli import UserError, positive
-from picollama.command import run_command
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import positive
 from picollama.device import keep_freed_memory
 from picollama.lab.bench import common
 from picollama.lab.bench.memory import proc_status_bytes, reset_cpu_peak

@@ -17,9 +17,10 @@ from tqdm import tqdm
 from data.build import prepare
 from model import Transformer
 from picollama import REPO_ROOT
-from picollama.cli import UserError, comma_list, positive
-from picollama.command import run_command
-from picollama.config import parse_cli
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import comma_list, positive
+from picollama.config.training import parse_cli
 from picollama.lab.bench import common
 
 # name -> train.py overrides; the first is the baseline every switch is compared with

@@ -8,11 +8,12 @@ from contextlib import nullcontext
 import torch
 from tqdm import tqdm
 
-from picollama.cli import UserError, add_compile, comma_list, positive
-from picollama.command import run_command
+from picollama.cli import UserError
+from picollama.cli.command import run_command
+from picollama.cli.flags import add_compile, comma_list, positive
 from picollama.device import keep_freed_memory
 from picollama.lab.bench import common
-from picollama.metrics import flops_per_token
+from picollama.training.metrics import flops_per_token
 
 PRECISIONS = ("float32", "bfloat16")  # bfloat16: both models autocast to bf16, fp32 weights
 

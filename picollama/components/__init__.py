@@ -1,0 +1,2 @@
+"""Everything that plugs into model.py: the alternatives to LLaMA's parts, RoPE's scalings and the
+length methods. model.py names none of them. registry.py puts each one in model.py's tables."""

@@ -1,0 +1,87 @@
+"""The Python side of decode_ops.cpp: its build into torch.ops.picollama (decode_attention,
+int4_linear), and this CPU's vector ISA class (cpu_isa), which keys what is built for it."""
+
+import functools
+import hashlib
+import sys
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from picollama import REPO_ROOT
+from picollama.cli.outputs import exclusive
+from picollama.device import cpu_flags
+
+ISA_FLAGS = (
+    ("amx", "amx_tile"),
+    ("avx512_bf16", "avx512_bf16"),
+    ("avx512", "avx512f"),
+    ("avx2", "avx2"),
+)
+
+
+@functools.cache
+def decode_ops():
+    """torch.ops.picollama (decode_ops.cpp: decode_attention, int4_linear), built at the first call
+    (~11 s) into the project's cache for this CPU and torch, or None where it cannot be built (no
+    C++ compiler), with a warning: the compiled step then attends with SDPA."""
+    from torch.utils.cpp_extension import load
+
+    path = Path(__file__).parent / "decode_ops.cpp"
+    source = path.read_text()
+    key = hashlib.sha256(f"{source}|{cpu_isa()}|{torch.__version__}".encode()).hexdigest()[:16]
+    folder = REPO_ROOT / ".cache" / "extensions" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with build_lock(folder):
+            load(  # not load_inline, which puts torch/extension.h first
+                "picollama_decode_ops",
+                sources=[str(path)],
+                is_python_module=False,
+                build_directory=str(folder),
+                # -fopenmp: at::parallel_for is inlined here, and without it runs on one thread
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+            )
+    except Exception as e:  # a missing or failing compiler: SDPA still works
+        warnings.warn(f"decode_ops.cpp not built ({e}); attending with SDPA", stacklevel=2)
+        return None
+    torch.library.register_fake("picollama::decode_attention")(_attention_shape)
+    torch.library.register_fake("picollama::int4_linear")(_int4_shape)
+    return torch.ops.picollama
+
+
+@contextmanager
+def build_lock(folder: Path):
+    """One build in `folder` at a time, by a lock the OS releases when its holder dies
+    (outputs.exclusive: a second build waits, saying for whom). torch's own lock, the file `lock`
+    it creates there and removes when done, stays behind when its build is killed, and every later
+    build would wait for it forever: under ours, no build is running, so one found is removed
+    (said in one line, with exclusive's line naming the killed holder where it knows one)."""
+    with exclusive(folder, wait=True) as gone:
+        baton = folder / "lock"
+        if baton.exists():
+            baton.unlink(missing_ok=True)
+            if gone is None:
+                print(f"note: removed {baton}, left by a build that was killed", file=sys.stderr)
+        yield
+
+
+def _attention_shape(q, k, v, length, k_scale=None, v_scale=None, lengths=None):
+    return q.new_empty(q.shape, dtype=torch.float32)
+
+
+def _int4_shape(x, packed, group, scales_zeros):
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def isa_class(flags: set[str]) -> str:
+    """The vector ISA class of /proc/cpuinfo flags: amx, avx512_bf16, avx512, avx2 or other."""
+    return next((isa for isa, flag in ISA_FLAGS if flag in flags), "other")
+
+
+def cpu_isa() -> str:
+    """This machine's isa_class ("other" where /proc/cpuinfo has no flags line)."""
+    return isa_class(cpu_flags())

@@ -1,0 +1,219 @@
+"""`python -m picollama.serve --run RUN`: an OpenAI-compatible server, with a chat page at /."""
+
+import os
+import queue
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from picollama.cli import UserError
+from picollama.cli.flags import ArgumentParser, add_compile, add_device, add_run, positive
+from picollama.sampling.caches import KV_CACHES
+from picollama.sampling.quantize import QUANTIZATIONS
+
+API_KEY_VARIABLE = "PICOLLAMA_API_KEY"
+
+
+def parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="python -m picollama.serve",
+        description="Serve a run (or a .gguf file, or a Hugging Face directory) with OpenAI's API: "
+        "/v1/chat/completions, /v1/completions, /v1/models; a chat page at /.",
+    )
+    add_run(parser)
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: all)",
+    )
+    parser.add_argument(
+        "--port", type=positive(int, zero=True), default=8000, help="default 8000; 0: a free one"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_VARIABLE) or None,
+        help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_VARIABLE}, else "
+        "no key)",
+    )
+    parser.add_argument("--model-name", help="the model's id in the API (default: the run's name)")
+    parser.add_argument(
+        "--chat-template", metavar="FILE", help="a Jinja chat template (default: the run's own)"
+    )
+    add_batching_flags(parser)
+    add_device(parser)
+    parser.add_argument(
+        "--threads",
+        type=positive(),
+        help="CPU threads for prompts and decoding (default: torch's count, or 1 where a decode "
+        "step timed at start is faster on one)",
+    )
+    add_compile(parser, "the one-token decode step, for each batch size (1, 2, 4, ...)")
+    parser.add_argument(
+        "--quantize", choices=QUANTIZATIONS, default="none", help="weights: int8 or int4 (CPU)"
+    )
+    parser.add_argument(
+        "--kv-cache",
+        choices=tuple(KV_CACHES),
+        default="same",
+        help="the KV cache's dtype: same (as the activations), bfloat16 or int8",
+    )
+    return parser
+
+
+def add_batching_flags(parser: ArgumentParser):
+    """How the engine batches: rows, the queue, the window, the prompts' spread."""
+    parser.add_argument(
+        "--max-batch", type=positive(), default=8, help="rows decoded together (default 8)"
+    )
+    static = "static batching only: a model without the fused decode step; "
+    parser.add_argument(
+        "--queue-size",
+        type=positive(),
+        default=64,
+        help="requests that may wait; past it, 503 with Retry-After (default 64)",
+    )
+    parser.add_argument(
+        "--batch-window-ms",
+        type=positive(float, zero=True),
+        default=10.0,
+        help=f"{static}how long a batch waits for more requests after its first (default 10)",
+    )
+    parser.add_argument(
+        "--max-prompt-spread",
+        type=positive(int, zero=True),
+        default=64,
+        metavar="TOKENS",
+        help=f"{static}prompts in one batch differ by at most this many tokens (rows step "
+        "together from the shortest prompt's end: a longer one's first token waits that many "
+        "steps; default 64)",
+    )
+
+
+def load(args):
+    """The ServedModel, its Engine set up (not started): the run loaded as generate.py loads it,
+    its chat template, and the fast decode step (compiled for each batch size the engine makes)."""
+    import torch
+
+    from picollama.chat_template import compiled, load_chat_template
+    from picollama.convert.main import imported_run
+    from picollama.device import check_compiler, memory_bytes, pick_device
+    from picollama.run_files import is_gguf_file
+    from picollama.sampling.load import fast_step, load_to_sample
+    from picollama.sampling.memory import free_bytes
+    from picollama.serve.engine import Engine
+    from picollama.serve.rows import ServedModel
+
+    device = pick_device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.compile:
+        check_compiler()
+    run = imported_run(args.run)
+    template = load_chat_template(run, args.chat_template)
+    compiled(template)  # a template that does not compile: an error now, not at each request
+    model, tokenizer, _ = load_to_sample(args, device)
+    source = Path(args.run)
+    name = args.model_name or (source.stem if is_gguf_file(source) else source.name)
+    served = ServedModel(model, tokenizer, template, name, free_bytes(model, memory_bytes(device)))
+    step = fast_step(model, args.compile, 1, KV_CACHES[args.kv_cache], args.threads)
+    if getattr(step, "compiled", None) is not None:
+        warm_up(served, step, args.max_batch)
+    served.engine = Engine(
+        model,
+        step,
+        served.vocab_limit,
+        args.max_batch,
+        args.queue_size,
+        args.batch_window_ms / 1000,
+        served.fits,
+        args.max_prompt_spread,
+    )
+    torch.set_grad_enabled(False)
+    return served
+
+
+def warm_up(served, step, max_batch: int):
+    """Compile the decode step for each batch size of the engine's slots, now rather than at the
+    first request of each (once a machine: the libraries are cached)."""
+    from picollama.sampling.decode import Sampling
+    from picollama.sampling.rows import Row
+    from picollama.sampling.slots import Slots
+    from picollama.serve.engine import bucket_sizes
+
+    sizes = bucket_sizes(max_batch)
+    print(f"compiling the decode step for batches of {sizes} (once)", file=sys.stderr)
+    row = Row([max(served.tokenizer.bos_id(), 0)], Sampling(2, 0.0))
+    for size in sizes:
+        slots = Slots(served.model, step)
+        for _ in range(size):
+            slots.join(row, lambda token: False, lambda reason: None)
+        slots.step_all()
+
+
+def load_on_engine_thread(args):
+    """load(args) on a new thread that then runs the engine (Engine.run), so that one thread makes
+    every OpenMP call: libgomp cuts its workers' spin-wait to almost nothing once its pools hold
+    more threads than there are cores, which a second thread's pool does on 2 cores (a decode step
+    15 ms on the thread that loaded, 34 ms on another: SmolLM2 int8, compiled, 2 Xeon cores)."""
+    loaded = queue.Queue()
+
+    def engine_thread():
+        try:
+            served = load(args)
+        except BaseException as e:  # a UserError, for the main thread to say
+            loaded.put(e)
+            return
+        loaded.put(served)
+        served.engine.run()
+
+    threading.Thread(target=engine_thread, name="picollama-engine", daemon=True).start()
+    served = loaded.get()
+    if isinstance(served, BaseException):
+        raise served
+    return served
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening (port 0: a free one)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:
+        cause = getattr(e, "strerror", None) or e
+        raise UserError(f"cannot listen on {host}:{port}: {cause}") from None
+    sock.listen(128)
+    return sock
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from picollama.serve.app import Server, create_app
+    except ImportError as e:
+        raise UserError(f"serving needs {e.name}: pip install -e '.[serve]'") from None
+    sock = listening_socket(args.host, args.port)  # a port in use: an error before loading
+    served = load_on_engine_thread(args)
+    host, port = sock.getsockname()[:2]
+    where = f"[{host}]" if ":" in host else host
+    key = ", API key required" if args.api_key else ""
+    print(
+        f"serving {served.name} on http://{where}:{port}/ (the chat page; the API at /v1{key})",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(
+        create_app(served, args.api_key),
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=3,
+    )
+    try:
+        Server(config, served.engine).run(sockets=[sock])
+    finally:
+        served.engine.close()
+    return 0

@@ -1,0 +1,140 @@
+"""The model a server answers with: requests made into rows of tokens, checked against context."""
+
+import time
+from functools import cached_property
+
+from picollama.chat_template import ChatTemplateError, encode_chat, render_chat, stop_ids
+from picollama.cli import UserError
+from picollama.sampling.completion_text import ChoiceText
+from picollama.sampling.decode import Sampling
+from picollama.sampling.memory import check_memory
+from picollama.sampling.prompts import encode_prompt
+from picollama.sampling.rows import Row
+from picollama.serve.protocol import SEEDS, Ask, bad
+
+DEFAULT_TEXT_TOKENS = 16  # OpenAI's default max_tokens for a (legacy) completion
+
+
+class ServedModel:
+    """A loaded model, its tokenizer and chat template, under the name clients call it by; `free`:
+    the bytes of memory beside its weights (None: unknown). `engine` is set by the server."""
+
+    def __init__(self, model, tokenizer, template: str, name: str, free: int | None = None):
+        self.model, self.tokenizer, self.template = model, tokenizer, template
+        self.name, self.free = name, free
+        self.context = model.args.max_seq_len
+        self.created = int(time.time())
+        eos = tokenizer.eos_id()
+        self.text_stops = frozenset({eos} if eos >= 0 else ())
+        self.chat_stops = frozenset(stop_ids(tokenizer, template))
+        pieces = tokenizer.get_piece_size()
+        self.vocab_limit = pieces if pieces < model.args.vocab_size else None
+        self.engine = None
+
+    def card(self) -> dict:
+        """The model as /v1/models lists it."""
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "picollama",
+            "context_length": self.context,
+        }
+
+    @cached_property
+    def longest_piece(self) -> int:
+        """The most characters one token spells."""
+        pieces = range(self.tokenizer.get_piece_size())
+        return max(len(self.tokenizer.id_to_piece(i)) for i in pieces)
+
+    def rows(self, ask: Ask) -> tuple[list[Row], list[ChoiceText], int]:
+        """(the rows to decode, n a prompt, in the order of the choices' indexes; their texts; the
+        prompt tokens), or ApiError: a prompt past the context, max_tokens past what is left of it,
+        more memory than the machine has."""
+        chat = ask.kind == "chat"
+        if chat:
+            prompts = [self.chat_prompt(ask.messages)]
+        else:
+            prompts = [self.text_prompt(p) for p in ask.prompts]
+        param = "messages" if chat else "prompt"
+        news = [self.new_tokens(len(prompt), ask, param) for prompt in prompts]
+        rows, texts = [], []
+        for prompt, new in zip(prompts, news):
+            for _ in range(ask.n):
+                seed = None if ask.seed is None else (ask.seed + len(rows)) % SEEDS
+                sampling = Sampling(new, ask.temperature, ask.top_k, ask.top_p, seed)
+                stops = self.chat_stops if chat else self.text_stops
+                rows.append(Row(prompt, sampling, stops, ask.logprobs))
+                texts.append(ChoiceText(self.tokenizer, prompt, ask.stop, strip=chat))
+        if not self.fits(rows):
+            raise bad(
+                "this request needs more memory than the server has left: "
+                "ask for fewer max_tokens or choices",
+                "max_tokens",
+            )
+        return rows, texts, sum(map(len, prompts))
+
+    def too_long(self, tokens: int | None, param: str):
+        said = "more than that" if tokens is None else f"{tokens:,} tokens"
+        return bad(
+            f"This model's maximum context length is {self.context:,} tokens; your {param} "
+            f"resulted in {said}. Please shorten it.",
+            param,
+            "context_length_exceeded",
+        )
+
+    def check_characters(self, text_length: int, param: str):
+        """A text too long to fit even at the longest piece a token: refused before encoding."""
+        if text_length > self.context * self.longest_piece:
+            raise self.too_long(None, param)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        self.check_characters(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            text = render_chat(self.template, messages, self.tokenizer)
+        except ChatTemplateError as e:
+            raise bad(str(e), "messages") from None
+        return encode_chat(self.tokenizer, text)
+
+    def text_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            self.check_characters(len(prompt), "prompt")
+            ids = encode_prompt(self.tokenizer, prompt)
+            if not ids:
+                raise bad(
+                    "an empty prompt needs a BOS token, which this tokenizer has not", "prompt"
+                )
+            return ids
+        vocab = self.model.args.vocab_size
+        if not all(0 <= i < vocab for i in prompt):
+            raise bad(f"prompt token ids must lie in 0..{vocab - 1}", "prompt")
+        return prompt
+
+    def new_tokens(self, prompt: int, ask: Ask, param: str) -> int:
+        """The most tokens a row of this prompt may add: max_tokens if it fits the context, else
+        (not given) the rest of the context for a chat, 16 for a completion."""
+        if prompt >= self.context:
+            raise self.too_long(prompt, param)
+        room = self.context - prompt
+        if ask.max_tokens is None:
+            return room if ask.kind == "chat" else min(DEFAULT_TEXT_TOKENS, room)
+        if ask.max_tokens > room:
+            raise bad(
+                f"This model's maximum context length is {self.context:,} tokens and the {param} "
+                f"take {prompt:,} of them: {ask.max_tokens_param} can be at most {room:,}, not "
+                f"{ask.max_tokens:,}",
+                ask.max_tokens_param,
+                "context_length_exceeded",
+            )
+        return ask.max_tokens
+
+    def fits(self, rows: list[Row]) -> bool:
+        """Whether a batch of these rows fits in memory (memory_budget.check_memory)."""
+        shortest = min(len(row.prompt) for row in rows)
+        total = max(len(row.prompt) + row.sampling.max_new_tokens for row in rows)
+        sampled = any(row.sampling.temperature > 0 for row in rows)
+        try:
+            check_memory(self.model, len(rows), (shortest, total), sampled, self.free)
+        except UserError:
+            return False
+        return True

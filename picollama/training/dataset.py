@@ -1,0 +1,269 @@
+"""A training run's data: the dataset checked or prepared, its batches and positions, validation."""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from data.build import prepare
+from data.epochs import EpochBatches
+from data.loader import SPLITS, RandomBatches, checked_meta, eval_batches, open_tokens
+from data.packing import Documents, PackedBatches, document_mask, validation_batches
+from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
+from data.sources import default_name
+from data.tokenizer import open_tokenizer, tokenizer_file
+from picollama import REPO_ROOT
+from picollama.cli import UserError
+from picollama.cli.outputs import listed, resolved
+from picollama.components.length import length_problem
+from picollama.config.training import Config, DataConfig
+from picollama.device import Dist
+
+KINDS = ("text", "conversations")  # the datasets train.py reads (meta.json's "kind")
+ALL = slice(None)  # every row of a batch
+VALIDATION_FORMATS = {
+    "val_ppl": "perplexity {:.2f}",
+    "val_bpb": "{:.4f} bits/byte",
+    "val_acc": "accuracy {:.1%}",
+}
+
+
+def check_dataset(cfg: Config):
+    """UserError, before any work, unless data.dir is a prepared dataset (a folder with meta.json)
+    or a missing (absent or empty) folder that train.py prepares from data.source: the default
+    source's own folder for data.tokenizer_type (data/shakespeare, data/shakespeare-unigram; from
+    the current directory or the repository), or any folder for a data.source given (so that a
+    mistyped --data.dir is never filled with Shakespeare)."""
+    d = cfg.data
+    data_dir = Path(d.dir)
+    if d.task != "text" or (data_dir / "meta.json").is_file():
+        return
+    if data_dir.is_file():
+        problem = "it is a file"
+    elif data_dir.is_dir() and any(data_dir.iterdir()):
+        held = listed(sorted(p.name + "/" * p.is_dir() for p in data_dir.iterdir()))
+        problem = f"no meta.json; it holds {held}"
+    else:
+        if d.source != DataConfig.source:
+            return
+        own_dir = f"data/{default_name(d.source, d.tokenizer_type)}"
+        if resolved(data_dir) in {resolved(own_dir), resolved(REPO_ROOT / own_dir)}:
+            return
+        problem = "it is empty" if data_dir.is_dir() else "it does not exist"
+        raise UserError(
+            f"data.dir {data_dir} is not a prepared dataset ({problem}); make one with python "
+            f"data/prepare.py --source YOUR_TEXT --out {data_dir}, or give --data.source=YOUR_TEXT "
+            f"to prepare it here (only {own_dir} is prepared by itself, with Shakespeare)"
+        )
+    raise UserError(
+        f"data.dir {data_dir} is not a prepared dataset ({problem}); make one with python "
+        "data/prepare.py --source YOUR_TEXT --out DIR and train with --data.dir=DIR"
+    )
+
+
+def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
+    """data.dir (prepared from data.source if missing, as check_dataset allows) and its meta.json,
+    checked against cfg."""
+    data_dir = Path(cfg.data.dir)
+    if not (data_dir / "meta.json").is_file() and dist.main:
+        print(f"{data_dir} is not prepared yet: preparing it from {cfg.data.source}")
+        vocab_size = cfg.data.vocab_size or cfg.model.vocab_size
+        command = ["train.py", "(auto-prepare)"]
+        prepare(
+            cfg.data.source,
+            vocab_size,
+            data_dir,
+            command=command,
+            source_key="data.source",
+            tokenizer_type=cfg.data.tokenizer_type,
+        )
+    dist.barrier()
+    meta = checked_meta(data_dir)
+    kind = meta.get("kind", "text")
+    if kind not in KINDS:
+        raise UserError(
+            f"{data_dir}/meta.json: a dataset of kind {kind!r}; train.py reads {listed(KINDS)}"
+        )
+    if meta["vocab_size"] > cfg.model.vocab_size:
+        raise UserError(
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer of "
+            f"{data_dir} ({meta['vocab_size']}); set --model.vocab_size={meta['vocab_size']}"
+        )
+    for split in SPLITS:
+        open_tokens(data_dir, split)  # checks the shard against meta.json
+        tokens = meta["splits"][split]["tokens"]
+        if kind == "text" and tokens < cfg.train.seq_len + 1:  # conversations: rows are padded
+            raise UserError(
+                f"the {split} split of {data_dir} has {tokens} tokens, too few for train.seq_len "
+                f"{cfg.train.seq_len}; lower train.seq_len or use more text"
+            )
+    return data_dir, meta
+
+
+def check_sample_fits(cfg: Config, data_dir: Path):
+    """UserError, before training, if the final sample (prompt and sample_tokens) is too long."""
+    t = cfg.train
+    if not t.sample_tokens:
+        return
+    tokenizer = open_tokenizer(tokenizer_file(data_dir) or data_dir / "tokenizer.model")
+    prompt = 1 + len(tokenizer.encode(t.sample_prompt))  # BOS and the prompt, as generate.py does
+    problem = length_problem(cfg.model, prompt + t.sample_tokens)
+    if problem:
+        raise UserError(
+            f"train.sample_tokens ({t.sample_tokens}) and the prompt ({prompt} tokens): {problem}; "
+            "lower train.sample_tokens"
+        )
+
+
+def mean_loss(model, batches: list, dist: Dist, grad: bool = False) -> float:
+    """The mean loss over every target (y not -100) of the batches, (x, y) or packed rows' (x, y,
+    positions), the batches shared out over the ranks; with `grad`, in grad mode (see
+    data_source)."""
+    per_rank = math.ceil(len(batches) / dist.world_size)
+    totals = torch.zeros(2, dtype=torch.float64, device=dist.device)
+    with torch.enable_grad() if grad else torch.no_grad():
+        for i in range(per_rank):
+            index = i * dist.world_size + dist.rank
+            # ranks without a batch still join FSDP's collectives
+            batch = padded(batches[min(index, len(batches) - 1)], len(batches[0][0]))
+            x, y, inputs = model_inputs(batch, ALL, dist.device)
+            loss = model(x, y, **inputs)
+            if index < len(batches):
+                count = (y != -100).sum()
+                totals += torch.stack([loss.detach().double() * count, count])
+    loss_sum, count = dist.all_reduce_sum(totals).tolist()
+    return loss_sum / count
+
+
+def padded(batch: tuple, rows: int) -> tuple:
+    """The batch, (x, y) or with positions, grown to `rows` rows by copies of its first whose
+    targets are all ignored: a compiled model meets the first batches' shape again, not a new one
+    to compile for a short last batch."""
+    short = rows - len(batch[0])
+    if short <= 0:
+        return batch
+    extra = [part[:1].expand(short, *part.shape[1:]) for part in batch]
+    extra[1] = torch.full_like(extra[1], -100)
+    return tuple(torch.cat(pair) for pair in zip(batch, extra, strict=True))
+
+
+def evaluate(model, batches: list, meta: dict, dist: Dist, grad: bool = False) -> dict:
+    """Validation loss, perplexity and bits/byte over the batches, over ranks (bits/byte by the
+    split's bytes per token); `grad`: mean_loss's."""
+    loss = mean_loss(model, batches, dist, grad)
+    bits_per_byte = loss / math.log(2) / meta["bytes_per_token"]
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)), "val_bpb": bits_per_byte}
+
+
+def held_out_metrics(model, batches: list, dist: Dist) -> dict:
+    """Validation loss and perplexity on the supervised (assistant) tokens of packed rows."""
+    loss = mean_loss(model, batches, dist)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700))}
+
+
+def spread(batches: list, count: int) -> list:
+    """`count` of the batches, evenly spaced from the first; all of them where count is 0 or more
+    than there are."""
+    if not 0 < count < len(batches):
+        return batches
+    return [batches[i * len(batches) // count] for i in range(count)]
+
+
+@dataclass
+class DataSource:
+    loader: object  # next_batch(), state_dict(), load_state_dict()
+    validate: Callable[..., dict]  # (model, batches) -> {"val_loss": ..., ...}
+    val_batches: list  # the first eval.batches validation batches: (x, y), or packed rows'
+    tokenizer: Path | None  # the tokenizer saved with the model (None: the task has none)
+    line: str  # what the data is
+
+
+def data_source(cfg: Config, dist: Dist) -> DataSource:
+    """The batches and validation of data.task: a prepared dataset, or the retrieval task."""
+    t, d, e = cfg.train, cfg.data, cfg.eval
+    if d.task == "retrieval":
+        task = RetrievalTask(d.retrieval_keys, d.retrieval_values, d.retrieval_pairs)
+        batches = task.fixed_batches(e.batches, e.batch_size, t.seq_len)
+        loader = RetrievalBatches(
+            task, t.batch_size, t.seq_len, seed=t.seed, filler=d.retrieval_filler
+        )
+        validate = partial(retrieval_metrics, device=dist.device)
+        sizes = f"{task.pairs} pairs of {task.keys} keys and {task.values} values"
+        line = f"data: retrieval task ({sizes})"
+        return DataSource(loader, validate, batches, None, line)
+    data_dir, meta = prepare_data(cfg, dist)
+    check_sample_fits(cfg, data_dir)
+    tokenizer = tokenizer_file(data_dir) or data_dir / "tokenizer.model"
+    if meta.get("kind") == "conversations":
+        return conversations_source(cfg, data_dir, tokenizer, dist)
+    if d.pack_documents:
+        documents = Documents(data_dir, "train", t.seq_len + 1, conversations=False)
+        loader = PackedBatches(documents, t.batch_size, t.seq_len, seed=t.seed)
+    else:
+        batches = EpochBatches if d.sampling == "epochs" else RandomBatches
+        loader = batches(
+            data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **d.copy_options()
+        )
+    batches = list(eval_batches(data_dir, "val", e.batch_size, t.seq_len, e.batches))
+    # Compiled blocks meeting no_grad compile a second graph (4.6 s of a 5-minute run's first
+    # evaluation on a 2-core Zen 4); batches the shape of a training micro-batch go through the
+    # training graph instead, in grad mode. One process only: FSDP2 expects a backward after that.
+    grad = t.compile and dist.world_size == 1 and e.batch_size * t.grad_accum == t.batch_size
+    validate = partial(evaluate, meta=meta, dist=dist, grad=grad)
+    packed = ", documents packed" if d.pack_documents else ""
+    line = f"data {data_dir} ({meta['splits']['train']['tokens']:,} train tokens{packed})"
+    return DataSource(loader, validate, batches, tokenizer, line)
+
+
+def conversations_source(cfg: Config, data_dir: Path, tokenizer: Path, dist: Dist) -> DataSource:
+    """A conversations dataset's training conversations packed into rows (PackedBatches), and its
+    validation: the loss on the assistant tokens of the held-out conversations, packed alike."""
+    t, e = cfg.train, cfg.eval
+    train, val = (Documents(data_dir, split, t.seq_len + 1, conversations=True) for split in SPLITS)
+    loader = PackedBatches(train, t.batch_size, t.seq_len, seed=t.seed)
+    batches = validation_batches(val, e.batch_size, t.seq_len, e.batches)
+    validate = partial(held_out_metrics, dist=dist)
+    line = f"data {data_dir} ({train.documents:,} conversations, {val.documents:,} held out"
+    if train.cut or val.cut:
+        # said once: a row holds a conversation's first seq_len + 1 tokens, never a later part
+        line += (
+            f"; {train.cut + val.cut:,} longer than a row of train.seq_len + 1 = {t.seq_len + 1} "
+            f"tokens cut to it, {train.dropped + val.dropped:,} of them left out for want of an "
+            "assistant token there"
+        )
+    return DataSource(loader, validate, batches, tokenizer, line + ")")
+
+
+def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:
+    """Randomized positions (Ruoss et al. 2023), (batch, seq_len) int64: each row a sorted random
+    subset of seq_len distinct positions from [0, k·seq_len), drawn from torch's global generator
+    (seeded, and checkpointed)."""
+    return torch.rand(batch, k * seq_len).topk(seq_len, dim=1).indices.sort(dim=1).values
+
+
+def model_inputs(batch: tuple, rows: slice, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(x, y, inputs): the rows of a batch, (x, y) or packed rows' (x, y, positions), on the
+    device, and the model's other arguments for them: the positions and their document mask."""
+    x, y = (part[rows].to(device) for part in batch[:2])
+    if len(batch) == 2:
+        return x, y, {}
+    positions = batch[2][rows].to(device)
+    return x, y, {"positions": positions, "mask": document_mask(positions)}
+
+
+def next_rows(loader, cfg: Config, rows: slice, device: torch.device):
+    """(x, y, inputs, targets): this rank's rows of the next global batch on the device, the
+    model's other arguments for them (model_inputs; random positions where train.random_positions
+    is on), and how many targets (y not -100) the whole global batch holds."""
+    t = cfg.train
+    batch = loader.next_batch()
+    targets = int((batch[1] != -100).sum())  # on the CPU: no device sync
+    x, y, inputs = model_inputs(batch, rows, device)
+    if t.random_positions:
+        # drawn for the global batch, as the data is: the same on any number of ranks
+        positions = random_positions(t.batch_size, t.seq_len, t.random_positions)
+        inputs = {"positions": positions[rows].to(device)}
+    return x, y, inputs, targets
