@@ -11,11 +11,18 @@ from model import Transformer
 from picollama.cli import UserError
 from picollama.cli.command import run_command
 from picollama.cli.flags import ArgumentParser, add_compile, add_device, add_run, add_seed, positive
-from picollama.components.length import ROPE_SCALINGS, stretched
+from picollama.components.length import stretched
+from picollama.components.registry import ROPE_SCALINGS
 from picollama.device import check_compiler, memory_bytes, pick_device
-from picollama.sampling.caches import KV_CACHES, Sinks, check_sinks
+from picollama.sampling.caches import (
+    KV_CACHES,
+    Sinks,
+    add_kv_cache_flag,
+    check_sink_cache,
+    check_sinks,
+)
 from picollama.sampling.chat import add_chat_flags, chat_command, check_chat_flags
-from picollama.sampling.decode import SCALING_METHODS, Sampling, check_length
+from picollama.sampling.decode import SCALING_METHODS, check_length
 from picollama.sampling.load import fast_step, load_to_sample
 from picollama.sampling.memory import check_memory, free_bytes, prompt_file_limit
 from picollama.sampling.prompts import (
@@ -25,6 +32,7 @@ from picollama.sampling.prompts import (
     read_prompts,
 )
 from picollama.sampling.quantize import QUANTIZATIONS
+from picollama.sampling.sampler import Sampling
 
 # ---------------------------------------------------------------- the sampling command
 
@@ -110,8 +118,8 @@ def sample_command(args) -> int:
         raise UserError("the following arguments are required: --run (see --help)")
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     sinks = sinks_of(args)
-    if sinks and args.kv_cache == "int8":
-        raise UserError("--sink-tokens moves cached keys, which an int8 --kv-cache cannot turn")
+    if sinks:
+        check_sink_cache(args.kv_cache)
     check_rope_flags(args)
     check_prompt_flags(args)
     device = pick_device(args.device)
@@ -202,13 +210,7 @@ def add_sampling_flags(parser: ArgumentParser):
         help="int8: weight-only int8 with per-channel scales; int4 (CPU): 4-bit in groups of 32 "
         "(default none; bfloat16 weights: --dtype bfloat16)",
     )
-    parser.add_argument(
-        "--kv-cache",
-        choices=tuple(KV_CACHES),
-        default="same",
-        help="the KV cache's dtype for LLaMA models: same (as the activations, default), bfloat16 "
-        "or int8 (a scale a token and head): less to read a step at long lengths",
-    )
+    add_kv_cache_flag(parser)
 
 
 def add_sink_flags(parser: ArgumentParser):

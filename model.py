@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The components ModelArgs names, each chosen by one lookup: LLaMA's registered after its blocks,
-# the others by picollama.components.registry (the alternatives, the length methods).
+# The components ModelArgs names, each chosen by one lookup. model.py puts in LLaMA's own, below
+# its blocks. picollama/components/registry.py puts in all the others, in plain statements.
+# Until something imports registry.py, the tables hold LLaMA's parts only.
 NORMS: dict = {}  # norm -> the class, made as cls(dim, eps)
 ACTIVATIONS: dict = {}  # activation -> (the FFN class, its function)
 BLOCKS: dict = {}  # (norm_placement, parallel_block) -> the block class
@@ -38,8 +39,8 @@ class ModelArgs:
     rope_theta: float = 10000.0  # RoPE's base: a larger one turns the slowest pairs more slowly
     max_seq_len: int = 256  # the training context
     tie_embeddings: bool = False  # the output layer reuses the embedding's weights: fewer weights
-    # RoPE scaling, to run past the training context (ROPE_INIT, ROPE_ATTENTIONS): none |
-    # linear | ntk | dynamic | yarn | llama3, or in two branches: rerope | self_extend | rerope_topk
+    # RoPE scaling, to run past the training context: a key of ROPE_INIT ("none", "yarn", ...),
+    # those in ROPE_ATTENTIONS attending in two branches ("rerope", ...)
     rope_scaling: str = "none"
     rope_factor: float = 1.0  # how many times longer the context becomes (self_extend: rounded)
     # rerope, self_extend, rerope_topk: nearer keys keep exact RoPE; 0: original_seq_len//4 (·3/4)

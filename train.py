@@ -1,5 +1,6 @@
-"""Train picollama in one process or under torchrun with FSDP2:
-python train.py [--config F.toml] [--section.key=value ...] [--resume]."""
+"""Train picollama, in one process or under torchrun with FSDP2.
+
+Usage: python train.py [--config F.toml] [--section.key=value ...] [--resume]."""
 
 # ruff: noqa: E402 (the re-exec below comes before torch's import)
 import math
@@ -69,8 +70,8 @@ def log_step(log: RunLog, step: int, lr: float, losses: dict, grad_norm, clock: 
 
 
 def validate(model, data: DataSource, log: RunLog, step: int, run_dir: Path, interim: int = 0):
-    """Evaluate (in eval mode: no dropout) on the validation batches, or on `interim` of them spread
-    over the split (0: all); record and say the metrics; stop the run if the loss is not finite."""
+    """Evaluate in eval mode, so without dropout, then record and say the metrics.
+    It reads `interim` batches spread over the split, or all with 0. A loss not finite stops it."""
     batches = spread(data.val_batches, interim)
     model.eval()
     try:
@@ -97,11 +98,11 @@ def save(
     budget,
     average: WeightAverage | None,
 ):
-    """Save the resumable checkpoint and the model export, with the run's settings and tokenizer,
-    and in a train.max_minutes run the wall seconds its Budget `budget` has spent (over all its
-    processes), which a resumed budget goes on from."""
+    """Save the resumable checkpoint and the model export, with the run's settings and tokenizer.
+    A train.max_minutes run also saves the wall seconds `budget` has spent, over all processes.
+    A resumed budget goes on from there."""
     run_dir = Path(cfg.train.out_dir)
-    # the model's own settings go beside them
+    # The model export adds the model's own settings.
     settings = {k: v for k, v in cfg.to_dict().items() if k != "model"}
     if cfg.train.max_minutes:
         settings["train"]["spent_s"] = round(budget.spent(), 3)
@@ -124,8 +125,8 @@ def with_length(cfg: Config, max_steps: int, decay_start: int | None) -> Config:
 def train(cfg: Config, resume: bool, dist: Dist, started: float):
     """Train cfg from scratch or from train.out_dir's latest checkpoint: log, evaluate and save."""
     run_dir = Path(cfg.train.out_dir)
-    # The config that runs: the model as train.init_from leaves it (resume_point checks that one),
-    # for as many steps as a train.max_minutes budget allows.
+    # Settle the config that runs. The model is as train.init_from leaves it, which resume_point
+    # checks. The length is what a train.max_minutes budget allows.
     init, model_args = init_from_weights(cfg)
     cfg = replace(cfg, model=model_args)
     start = resume_point(run_dir, cfg.model, resume, cfg.to_dict())
@@ -137,10 +138,10 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     if start is not None and data.tokenizer is not None:
         check_tokenizer(start, data.tokenizer)
     seed_everything(cfg.train.seed)
-    # a resumed run loads its checkpoint instead
+    # A resumed run loads its checkpoint instead.
     model, optimizer, sizes = build_model(cfg, dist, None if start else init)
     fine_tune = init is not None and start is None
-    del init  # copied into the model: its memory is free for training
+    del init  # Copied into the model. Free its memory for training.
     average = WeightAverage(model, cfg.train.weight_average) if cfg.train.weight_average else None
     if start is not None:
         step = load_checkpoint(start, model, optimizer, data.loader, dist, average)
@@ -148,10 +149,10 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
         step = 0
     log = RunLog(cfg, run_dir, step, max_steps if budget.decided else None, dist.main)
     resuming = f"; resuming at step {step}" if start else ""
-    # the first step waits for the compiler: say so, or the run looks stuck
+    # The first step waits for the compiler. Say so, or the run looks stuck.
     compiling = "; compiling its first step (~30 s the first time)" if cfg.train.compile else ""
     log.say(f"model: {sizes}; {data.line}; device {dist.device}{compiling}{resuming}")
-    if fine_tune:  # where it starts from
+    if fine_tune:  # Measure where it starts from.
         with budget.timed("eval", final=True):
             validate(model, data, log, 0, run_dir)
     with cpu_training_attention(dist.device):
@@ -162,10 +163,10 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
 def decide_length(
     cfg: Config, budget: Budget, step: int, model, data: DataSource, log: RunLog, dist: Dist, clock
 ) -> Config:
-    """cfg, with the train.max_steps (and optim.decay_start) its budget decides at `step` if it does
-    (the same on every rank)."""
+    """cfg with the train.max_steps and optim.decay_start that the budget decides at `step`, if it
+    does. Every rank gets the same."""
     if budget.batch_steps is None:
-        with clock.paused():  # the budget's estimate of an evaluation is not training time
+        with clock.paused():  # Timing an evaluation is not training time.
             budget.time_evaluation(model, data.val_batches[:3], dist)
     decision = budget.decide(step, model, dist)
     if decision is None:
@@ -186,15 +187,16 @@ def run_steps(
     budget,
     average: WeightAverage | None,
 ):
-    """Train on from `step` to train.max_steps, logging, evaluating and saving when due; until the
-    Budget `budget` has decided train.max_steps, it may at any step."""
-    t = cfg.train  # the settings that stay; train.max_steps may change
+    """Train from `step` to train.max_steps, logging, evaluating and saving when due. Until
+    `budget` has decided train.max_steps, it may do so at any step."""
+    t = cfg.train  # Settings that stay. train.max_steps may change.
     run_dir = Path(t.out_dir)
     peak = peak_flops(dist.device, t.peak_tflops)
     peak = peak * dist.world_size if peak else None
     tokens = t.batch_size * t.seq_len
     clock = Throughput(tokens, flops_per_token(model, t.seq_len), peak, dist.device)
-    # every rank draws the same global batch and keeps its rows: the data never depends on the ranks
+    # Every rank draws the same global batch and keeps its own rows. So the data never depends on
+    # the number of ranks.
     share = t.batch_size // dist.world_size
     rows = slice(dist.rank * share, (dist.rank + 1) * share)
     while step < cfg.train.max_steps:
@@ -205,7 +207,7 @@ def run_steps(
             model, optimizer, x, y, lr, cfg, dist, inputs, targets
         )
         if not applied:
-            # a NaN or infinity: every rank skipped the update; stop, naming the last checkpoint
+            # A NaN or infinity. Every rank skipped the update. Stop, naming the last checkpoint.
             loss = dist.mean(losses["loss"])
             problem = f"the loss is {loss} (gradient norm {grad_norm.item()}) at step {step + 1}"
             raise stopped(f"{problem}; training stopped before applying that update", run_dir)
@@ -222,12 +224,12 @@ def run_steps(
         evaluating = due(step, cfg.eval.interval, last)
         saving = due(step, cfg.checkpoint.interval, last)
         if evaluating or saving:
-            with clock.paused():  # tokens/s and MFU count training time alone
+            with clock.paused():  # Tokens/s and MFU count training time alone.
                 if evaluating:
                     interim = 0 if step == last else cfg.eval.interim_batches
                     with budget.timed("eval", final=not interim), averaged(average):
                         validate(model, data, log, step, run_dir, interim)
-                if saving:  # the weights, and the average as the exported model
+                if saving:  # The weights, and the average as the exported model.
                     with budget.timed("save"):
                         save(model, optimizer, data, cfg, dist, log, step, budget, average)
 
@@ -236,7 +238,8 @@ def run_steps(
 
 
 def print_sample(cfg: Config, device: torch.device):
-    """A sample from the saved run, by generate.py in its own process (no script imports one)."""
+    """Print a sample from the saved run. generate.py makes it in its own process, since no script
+    imports another."""
     t = cfg.train
     flags = f"--run {t.out_dir} --max-new-tokens {t.sample_tokens} --top-k 200 --seed {t.seed}"
     prompt = ["--prompt", t.sample_prompt] if t.sample_prompt else []
@@ -271,7 +274,7 @@ def interruption(run_dir: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    started = time.perf_counter()  # a train.max_minutes budget counts from here
+    started = time.perf_counter()  # A train.max_minutes budget counts from here.
     cfg, resume = parse_cli(argv, __doc__)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_config(cfg, world_size)
@@ -284,13 +287,13 @@ def main(argv: list[str]) -> int:
     if cfg.train.compile:
         check_compiler()
     keep_freed_memory()
-    # one writer per run directory: rank 0 holds the lock for the whole job
+    # One writer per run directory. Rank 0 holds the lock for the whole job.
     with exclusive(run_dir) if os.environ.get("RANK", "0") == "0" else nullcontext():
         dist = Dist(cfg.train.device)
         try:
             train(cfg, resume, dist, started)
         except BaseException as e:
-            # the failed frames' model and optimizer must go before close()
+            # The failed frames hold the model and optimizer. They must go before close().
             traceback.clear_frames(e.__traceback__)
             if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
                 raise Interrupted(interruption(run_dir)) from None

@@ -1,2 +1,2 @@
-"""Datasets: prepared from a corpus (prepare.py, the command, and its rooms) and read as batches by
-training and evaluation (loader.py)."""
+"""Datasets. prepare.py, the command, and its modules make them from a corpus. Training and
+evaluation read them as batches through loader.py."""

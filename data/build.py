@@ -1,4 +1,5 @@
-"""Build a dataset folder resumably, one writer at a time: tokenizer, shards by block, meta.json."""
+"""Build a dataset folder: the tokenizer, the shards block by block, then meta.json. It resumes
+after an interruption, one writer at a time."""
 
 import itertools
 import sys
@@ -55,18 +56,18 @@ from picollama.cli.outputs import (
     resolved,
 )
 
-BLOCK_BYTES = 32_000_000  # documents are split, encoded and committed in blocks of this much text
-# BPE training is single-threaded and its time and memory grow with the sample and with how varied
-# it is: on 40 MB of Python sources, 8 MB trained a 4,096-piece vocabulary in ~8 s (0.31 GB) and 32
-# MB in ~35 s (0.57 GB), and the 32 MB tokenizer compressed held-out text only 0.8% better (0.9% at
-# 16,384 pieces). So the tokenizer trains on at most 8 MB, a seeded choice of the first block's
-# training documents; Shakespeare (5.06 MB) fits whole.
+BLOCK_BYTES = 32_000_000  # Documents are split, encoded and saved in blocks of this much text.
+# BPE training is single-threaded. Its time and memory grow with the sample's size and variety.
+# On 40 MB of Python sources, 8 MB trained a 4,096-piece vocabulary in ~8 s (0.31 GB). 32 MB took
+# ~35 s (0.57 GB), yet compressed held-out text only 0.8% better (0.9% at 16,384 pieces). So the
+# tokenizer trains on at most 8 MB, a seeded choice of the first block's training documents.
+# Shakespeare (5.06 MB) fits whole.
 TOKENIZER_SAMPLE_BYTES = 8_000_000
 SHARD_TOKENS = 100_000_000
 
 
 def resumable(work: Path, inputs: dict) -> dict | None:
-    """The progress of an interrupted preparation of these inputs in `work`; None (removing it)."""
+    """Progress of an interrupted preparation of these inputs in `work`. Else None (removing it)."""
     progress = read_json(work / "progress" / "progress.json")
     if progress and progress.get("inputs") == inputs and tokenizer_file(work) is not None:
         return progress
@@ -75,7 +76,7 @@ def resumable(work: Path, inputs: dict) -> dict | None:
 
 
 def first_blocks(blocks, splitter: Splitter, sample_bytes: int) -> list[tuple]:
-    """The first split blocks, enough for sample_bytes of text (one at least); UserError if none."""
+    """The first split blocks, enough for sample_bytes of text, at least one. UserError if none."""
     head = []
     total = 0
     for index, texts, sizes, last in blocks:
@@ -101,9 +102,9 @@ def check_free_disk(
 def check_room(
     work: Path, left: int | None, done: int, per_byte: float, dtype: np.dtype, shard_tokens: int
 ):
-    """UserError, before another shard is written, when the shards of the `left` text bytes (None:
-    unknown) at `per_byte` tokens a byte, after the `done` tokens, would not fit on the disk or make
-    too many files; a preparation that has written no shard yet leaves nothing behind."""
+    """UserError, before another shard is written, if the shards of the `left` text bytes (None:
+    unknown) would not fit. They count `per_byte` tokens a byte after `done` tokens. Too little
+    disk or too many files fail. A preparation with no shard yet leaves nothing behind."""
     if left is None:
         return
     try:
@@ -118,7 +119,8 @@ def check_room(
 def start(
     work: Path, inputs: dict, head: list, model_proto: bytes | None, vocab_size: int
 ) -> tuple[dict, bytes]:
-    """Start afresh in `work` with the tokenizer (trained on `head` unless given); the progress."""
+    """Start afresh in `work` with the tokenizer, trained on `head` unless given. Returns the
+    progress."""
     if model_proto is None:
         texts = [text for _, train, _, _ in head for text in train]
         sample = tokenizer_sample(texts, TOKENIZER_SAMPLE_BYTES, SEED)
@@ -126,7 +128,7 @@ def start(
     remove(work)
     (work / "progress").mkdir(parents=True)
     (work / tokenizer_name(model_proto)).write_bytes(model_proto)
-    if "tokenizer_config" in inputs:  # special tokens, add_bos_token, the chat template
+    if "tokenizer_config" in inputs:  # Special tokens, add_bos_token, the chat template.
         write_json(work / TOKENIZER_CONFIG, inputs["tokenizer_config"])
     progress = {"inputs": inputs, "blocks": 0, "bytes_read": 0, "splits": {}}
     write_json(work / "progress" / "progress.json", progress)
@@ -134,12 +136,11 @@ def start(
 
 
 def encode_blocks(work: Path, blocks, progress: dict, tokenizer, writers: dict, workers: int, bar):
-    """Encode each block on `workers` threads, append it to the shards and commit the progress after
-    it.
+    """Encode each block on `workers` threads, append it to the shards, and commit the progress.
 
-    sentencepiece encodes one block after another in the background, without the GIL, while this
-    thread cuts the next block into pieces and writes the one before, so that the cores keep
-    encoding; blocks are written in order."""
+    sentencepiece encodes blocks in the background, without the GIL. Meanwhile this thread cuts the
+    next block into pieces and writes the one before. So the cores keep encoding. Blocks are
+    written in order."""
     cut = cuts_after_newlines(tokenizer)
     pool = ThreadPoolExecutor(1, thread_name_prefix="encode")
     pending = None
@@ -207,7 +208,7 @@ def build(
 ) -> dict:
     """Prepare out_dir from the source in `options`, block by block, resuming work if it can."""
     meta = read_json(work / "meta.json")
-    if meta and meta.get("inputs") == inputs:  # interrupted while renaming: complete already
+    if meta and meta.get("inputs") == inputs:  # Interrupted while renaming, so complete already.
         remove(work / "progress")
         replace(work, out_dir)
         return meta
@@ -242,8 +243,9 @@ def build(
 
 
 def begin(work: Path, inputs: dict, blocks, model_proto: bytes | None, options: dict) -> tuple:
-    """(progress, model_proto, splitter, head): an interrupted preparation of these inputs in
-    `work`, resumed, or a new one started on the first blocks (head), read for its tokenizer."""
+    """(progress, model_proto, splitter, head) for these inputs in `work`. An interrupted
+    preparation is resumed. Else a new one starts on the first blocks (head), read for its
+    tokenizer."""
     progress = resumable(work, inputs)
     if progress is not None:
         read = progress["bytes_read"]
@@ -257,8 +259,8 @@ def begin(work: Path, inputs: dict, blocks, model_proto: bytes | None, options: 
 
 
 def sample_tokens_per_byte(tokenizer, head: list) -> float:
-    """Tokens per byte of the first blocks' text, from a sample of it: one long string encodes
-    slowly (10 MB took 7 s), so 256k characters."""
+    """Tokens per byte of the first blocks' text, from a 256k-character sample. One long string
+    encodes slowly: 10 MB took 7 s."""
     sample = "".join(text for _, train, _, _ in head for text in train[:100])[: 1 << 18] or "a"
     return len(tokenizer.encode(sample)) / utf8_size(sample)
 
@@ -278,7 +280,7 @@ def prepare(
     source_key="--source",
     tokenizer_type="bpe",
 ) -> Path:
-    """Prepare a dataset directory (see --help; errors name the source source_key); its path."""
+    """Prepare a dataset directory (see --help) and return its path. Errors say source_key."""
     out_dir = Path(out_dir or REPO_ROOT / "data" / default_name(source, tokenizer_type))
     if source.startswith("hf:") and max_bytes is None:
         max_bytes = HF_DEFAULT_MAX_BYTES
@@ -298,7 +300,7 @@ def prepare(
         "shard_tokens": shard_tokens,
     }
     model_proto = given_tokenizer(tokenizer, vocab_size, inputs, tokenizer_type)
-    with exclusive(out_dir):  # one writer at a time, from the check of what is there to the rename
+    with exclusive(out_dir):  # One writer at a time, from the check of what is there to the rename.
         if meta := existing_output(out_dir, inputs, force):
             print(f"already prepared (same inputs; --force rebuilds): {summary(out_dir, meta)}")
             return out_dir
@@ -315,18 +317,18 @@ def prepare(
             "command": list(command or sys.argv),
         }
         with warnings.catch_warnings():
-            # library chatter from datasets; real failures arrive as exceptions
+            # Library chatter from datasets. Real failures arrive as exceptions.
             warnings.simplefilter("ignore")
-            target = resolved(out_dir)  # a link's target: a folder is never renamed over a link
+            target = resolved(out_dir)  # Never rename a folder over a link.
             meta = build(target, partial_dir(target), inputs, model_proto, options)
         print(f"wrote {summary(out_dir, meta)}")
     return out_dir
 
 
 def given_tokenizer(tokenizer, vocab_size: int, inputs: dict, kind: str = "bpe") -> bytes | None:
-    """The serialized --tokenizer (None: one of `kind` is trained), recording its identity in
-    `inputs` (a trained BPE one as before there were kinds, so that earlier datasets are reused;
-    a given one is of its own kind)."""
+    """The serialized --tokenizer, or None if one of `kind` is trained. Its identity goes in
+    `inputs`. A trained BPE one is recorded as before kinds existed, so older datasets are reused.
+    A given one is of its own kind."""
     if not tokenizer:
         if vocab_size < 1:
             raise UserError(f"--vocab-size must be positive, got {vocab_size}")
@@ -335,14 +337,14 @@ def given_tokenizer(tokenizer, vocab_size: int, inputs: dict, kind: str = "bpe")
             inputs["tokenizer_type"] = kind
         return None
     tokenizer_path = Path(tokenizer)
-    if tokenizer_path.is_dir():  # a run directory, or a dataset: its tokenizer
+    if tokenizer_path.is_dir():  # A run directory or a dataset. Take its tokenizer.
         tokenizer_path = tokenizer_file(tokenizer_path) or tokenizer_path / "tokenizer.model"
     if not tokenizer_path.is_file():
         raise UserError(f"{tokenizer_path}: no such tokenizer file")
     model_proto = tokenizer_path.read_bytes()
     config_path = tokenizer_path.with_name(TOKENIZER_CONFIG)
-    # a tokenizer.json's special tokens; beside a tokenizer.model (an imported llama.cpp
-    # vocabulary's), whether documents start with BOS
+    # A tokenizer.json's special tokens. Beside a tokenizer.model, such as an imported llama.cpp
+    # vocabulary, it says whether documents start with BOS.
     if config_path.is_file() or tokenizer_name(model_proto) == "tokenizer.json":
         inputs["tokenizer_config"] = read_json(config_path) if config_path.is_file() else {}
     load_tokenizer(model_proto, str(tokenizer_path), inputs.get("tokenizer_config"))

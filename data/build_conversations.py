@@ -1,4 +1,5 @@
-"""Prepare a chat dataset resumably: conversations as token shards with their loss masks."""
+"""Prepare a chat dataset: conversations as token shards, each with its loss mask. As in
+build.py, a preparation resumes after an interruption."""
 
 import errno
 import os
@@ -31,12 +32,13 @@ from picollama.cli import UserError
 from picollama.cli.outputs import check_writable, exclusive, remove, replace, resolved
 
 SPLITS = ("train", "val")
-BLOCK_BYTES = build.BLOCK_BYTES  # of JSONL: conversations are split, encoded and committed by block
+BLOCK_BYTES = build.BLOCK_BYTES  # Of JSONL. Conversations are split, encoded and saved by block.
 
 
 class MaskWriter:
-    """Appends a split's loss mask, one uint8 per token, to X.mask.bin beside each of its shards
-    X.bin (cut where they are); made to hold exactly `tokens`, the shards' progress, on resume."""
+    """Appends a split's loss mask, one uint8 per token, to X.mask.bin beside each shard X.bin.
+    Masks are cut where the shards are. On resume they hold exactly `tokens`, the shards'
+    progress."""
 
     def __init__(self, folder: Path, split: str, shard_tokens: int, tokens: int):
         self.folder, self.split = folder, split
@@ -71,7 +73,7 @@ class MaskWriter:
 
 
 def encode_block(tokenizer, template: str, records: list) -> list[tuple]:
-    """(text, ids, mask) of each (where, messages) record; UserError naming the line of one the
+    """(text, ids, mask) of each (where, messages) record. A UserError names the line of one the
     template or tokenizer cannot mask."""
     rows = []
     for where, messages in records:
@@ -84,8 +86,8 @@ def encode_block(tokenizer, template: str, records: list) -> list[tuple]:
 
 
 def held_out(splitter: Splitter, index: int, rows: list, last: bool) -> list[bool]:
-    """Which of a block's conversations go to val: the Splitter's choice, weighed by the bytes of
-    their text (it returns the very text objects it is given, in order)."""
+    """Which of a block's conversations go to val, as the Splitter chooses by bytes of text. It
+    returns the very text objects it is given, in order."""
     texts = [text for text, _, _ in rows]
     if index == 0 and last and len(texts) < 2:
         raise UserError(
@@ -118,9 +120,9 @@ def commit_block(work: Path, progress: dict, rows: list, flags: list, writers: d
 
 
 def check_room(work: Path, rows: list, size: int, left: int, dtype: np.dtype):
-    """OSError (ENOSPC; the work so far is kept, to resume) when the shards and masks of `left`
-    more bytes of JSONL, at the tokens a byte of `rows` (`size` bytes) gave, would not fit."""
-    per_byte = sum(len(row[1]) for row in rows) / size * (1 + 1 / dtype.itemsize)  # and the mask
+    """OSError (ENOSPC) when the shards and masks of `left` more bytes of JSONL would not fit.
+    The work so far is kept, to resume. It estimates from the tokens a byte `rows` gave."""
+    per_byte = sum(len(row[1]) for row in rows) / size * (1 + 1 / dtype.itemsize)  # Plus the mask.
     try:
         check_free_disk(work, left, per_byte, dtype)
     except UserError as e:
@@ -141,7 +143,7 @@ def encode_all(work: Path, progress: dict, tokenizer, template: str, writers: di
             if index < progress["blocks"]:
                 continue
             rows = encode_block(tokenizer, template, block)
-            if index == progress["blocks"]:  # the first block this run: the disk's room for all
+            if index == progress["blocks"]:  # First block this run: check room for all.
                 check_room(work, rows, sum(sizes), total - read, writers["train"].dtype)
             flags = held_out(splitter, index, rows, last)
             progress.update(blocks=index + 1, bytes_read=progress["bytes_read"] + sum(sizes))
@@ -153,9 +155,9 @@ def encode_all(work: Path, progress: dict, tokenizer, template: str, writers: di
 
 def build_dataset(out_dir: Path, work: Path, inputs: dict, model_proto: bytes, options) -> dict:
     """Prepare out_dir from the conversations in `options`, block by block, resuming work if it
-    can; on bad input, UserError with nothing kept."""
+    can. Bad input is a UserError, and nothing is kept."""
     meta = read_json(work / "meta.json")
-    if meta and meta.get("inputs") == inputs:  # interrupted while renaming: complete already
+    if meta and meta.get("inputs") == inputs:  # Interrupted while renaming, so complete already.
         remove(work / "progress")
         replace(work, out_dir)
         return meta
@@ -177,7 +179,7 @@ def build_dataset(out_dir: Path, work: Path, inputs: dict, model_proto: bytes, o
     try:
         encode_all(work, progress, tokenizer, config["chat_template"], writers, options)
     except UserError:
-        remove(work)  # bad input: once it is fixed the inputs differ, so nothing here is of use
+        remove(work)  # Once fixed, the inputs differ, so none of this is of use.
         raise
     conversations = {split: sum(writers[split].shard_docs) for split in SPLITS}
     meta = {
@@ -200,8 +202,8 @@ def prepare_conversations(
     command=None,
     shard_tokens=SHARD_TOKENS,
 ) -> Path:
-    """Prepare a chat dataset directory from JSONL conversations in the chat template and with the
-    tokenizer of `tokenizer` (a run directory, or its tokenizer file); returns its path."""
+    """Prepare a chat dataset directory from JSONL conversations and return its path. It uses the
+    chat template and tokenizer of `tokenizer`, a run directory or its tokenizer file."""
     files = conversation_files(source)
     if files is None:
         raise UserError(f'{source}: no .jsonl records of "messages" or "conversations"')
@@ -225,9 +227,9 @@ def prepare_conversations(
     }
     model_proto = given_tokenizer(tokenizer, 0, inputs)
     folder = Path(tokenizer) if Path(tokenizer).is_dir() else Path(tokenizer).parent
-    template = load_chat_template(folder)  # its own, or the default one (a run trained here)
+    template = load_chat_template(folder)  # Its own, or the default for a run trained here.
     inputs["tokenizer_config"] = {**inputs.get("tokenizer_config", {}), "chat_template": template}
-    with exclusive(out_dir):  # one writer at a time, from the check of what is there to the rename
+    with exclusive(out_dir):  # One writer at a time, from the check of what is there to the rename.
         if meta := existing_output(out_dir, inputs, force):
             print(f"already prepared (same inputs; --force rebuilds): {summary(out_dir, meta)}")
             return out_dir
@@ -240,7 +242,7 @@ def prepare_conversations(
             "total": sum(path.stat().st_size for path in files),
             "command": list(command or sys.argv),
         }
-        target = resolved(out_dir)  # a link's target: a folder is never renamed over a link
+        target = resolved(out_dir)  # Never rename a folder over a link.
         meta = build_dataset(target, partial_dir(target), inputs, model_proto, options)
         trained = sum(meta["supervised_tokens"].values())
         total = sum(meta["splits"][split]["tokens"] for split in SPLITS)

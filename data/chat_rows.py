@@ -1,4 +1,5 @@
-"""One conversation as token ids and a loss mask on its replies, right by construction."""
+"""One conversation as token ids, with a loss mask over its replies. The mask is checked against
+the whole text's tokens."""
 
 import re
 from bisect import bisect_left, bisect_right
@@ -22,15 +23,15 @@ from picollama.chat_template import (
     stop_ids,
 )
 
-# noncharacters, never text: what a {% generation %} block's output is wrapped in while rendering
+# Unicode noncharacters, never real text. They wrap a {% generation %} block's output in rendering.
 OPEN, CLOSE = "\ufdd0", "\ufdd1"
 GENERATION_TAG = re.compile(r"{%[-+]?\s*generation\s*[-+]?%}")
 
 
 def conversation_ids(tokenizer, template: str, messages) -> tuple[list[int], list[int]]:
-    """(ids, mask) of a conversation of OpenAI-shaped messages: ids as encode_chat gives its
-    rendering by `template`, mask 1 on each token the loss trains (the replies, but those of
-    assistant messages marked "train": false), 0 elsewhere; ChatTemplateError naming why not."""
+    """(ids, mask) of a conversation of OpenAI-shaped messages. ids are encode_chat's for its
+    rendering by `template`. mask is 1 on each token the loss trains, the replies but those marked
+    "train": false. ChatTemplateError says why not."""
     _, ids, mask = encoded_conversation(tokenizer, template, messages)
     return ids, mask
 
@@ -38,11 +39,11 @@ def conversation_ids(tokenizer, template: str, messages) -> tuple[list[int], lis
 def encoded_conversation(tokenizer, template: str, messages) -> tuple[str, list[int], list[int]]:
     """(text, ids, mask): the rendered conversation and conversation_ids' answer.
 
-    The replies are the text inside the template's {% generation %} blocks where it has them (as
-    transformers' return_assistant_tokens_mask reads them), else found by prefixes (reply_spans),
-    up to the end-of-turn token; the tokens are those of the whole text (masked_ids)."""
+    A template's {% generation %} blocks mark the replies where it has them, as transformers'
+    return_assistant_tokens_mask reads them. Else replies are found by prefixes (reply_spans). A
+    reply runs up to its end-of-turn token. The tokens are those of the whole text (masked_ids)."""
     if not isinstance(messages, list | tuple):
-        checked_messages(messages)  # its error
+        checked_messages(messages)  # Raises its error.
     trained = [trains(message) for message in messages]
     shown = [drop_train(message) for message in messages]
     if GENERATION_TAG.search(template):
@@ -70,9 +71,9 @@ def drop_train(message):
 
 def reply_spans(tokenizer, template: str, messages: list, trained: list[bool]) -> tuple:
     """(text, spans): the whole conversation rendered, and the (start, end) characters of each
-    trained reply. For the assistant message k, the conversation up to it with the generation
-    prompt must be a prefix of it up to its end without, and that a prefix of the whole: the
-    difference is the reply. ChatTemplateError ("not prefix-stable") when it is not."""
+    trained reply. Take assistant message k. The messages before it, rendered with the generation
+    prompt, must start the rendering through k. That must start the whole. The difference is the
+    reply. Else a ChatTemplateError says "not prefix-stable"."""
     text = render_chat(template, messages, tokenizer, add_generation_prompt=False)
     spans = []
     for k in (i for i, train in enumerate(trained) if train):
@@ -95,10 +96,10 @@ def reply_spans(tokenizer, template: str, messages: list, trained: list[bool]) -
 
 
 def generation_spans(tokenizer, template: str, messages: list, trained: list[bool]) -> tuple:
-    """(text, spans): the conversation rendered, and the (start, end) characters of the output of
-    each {% generation %} block, but of a reply marked "train": false (blocks are matched to the
-    assistant messages in order: there must then be one each)."""
-    text = render_chat(template, messages, tokenizer, add_generation_prompt=False)  # or its error
+    """(text, spans): the conversation rendered, and the (start, end) characters of each
+    {% generation %} block's output. Replies marked "train": false are left out. Blocks match the
+    assistant messages in order, so there must then be one each."""
+    text = render_chat(template, messages, tokenizer, add_generation_prompt=False)  # Or its error.
     marked = marked_template(template).render(
         messages=checked_messages(messages),
         tools=None,
@@ -143,7 +144,7 @@ class _Marked(Extension):
     """{% generation %}…{% endgeneration %}: the body's output between OPEN and CLOSE."""
 
     tags = {"generation"}
-    priority = 200  # after picollama.chat_template's _Generation, whose tag this takes over
+    priority = 200  # After chat_template's _Generation, so this takes over its tag.
 
     def parse(self, parser):
         """The block's body, as a call of _mark."""
@@ -158,8 +159,8 @@ class _Marked(Extension):
 
 @lru_cache(maxsize=4)
 def marked_template(template: str) -> jinja2.Template:
-    """The template compiled in chat_template's environment with its generation blocks marked (it
-    compiles: render_chat compiled it first)."""
+    """The template compiled in chat_template's environment, with its generation blocks marked.
+    It compiles, since render_chat compiled it first."""
     return environment().overlay(extensions=[_Marked]).from_string(template)
 
 
@@ -170,12 +171,12 @@ def turn_ends(tokenizer, template: str) -> frozenset[int]:
 
 
 def masked_ids(tokenizer, text: str, spans: list, ends: frozenset) -> tuple[list, list]:
-    """(ids, mask): the tokens encode_chat gives the text, mask 1 on a span's tokens, up to its
-    last token in `ends` where it holds one (what a template writes after the end of a turn,
-    ChatML's newline, is never generated). Encoded piece by piece, cut at the spans' edges, where
-    that gives the whole's tokens (a reply's tokens are then those a model writes after its
-    prompt); else the whole's tokens that overlap a span, transformers' rule (overlap_mask).
-    ChatTemplateError when neither can: the tokenizer gives no character offsets."""
+    """(ids, mask): the tokens encode_chat gives the text, and a mask of 1 on a span's tokens up
+    to its last token in `ends`, if any. What follows a turn's end, such as ChatML's newline, is
+    never generated. The text is encoded piece by piece, cut at span edges, where that gives the
+    whole's tokens. A reply's tokens are then those a model writes after its prompt. Else the mask
+    covers the whole's tokens that overlap a span (overlap_mask), as transformers does.
+    ChatTemplateError when the tokenizer gives no offsets."""
     whole = encode_chat(tokenizer, text)
     ids, mask = piecewise_ids(tokenizer, text, spans, ends)
     if ids == whole:
@@ -192,8 +193,8 @@ def masked_ids(tokenizer, text: str, spans: list, ends: frozenset) -> tuple[list
 
 
 def piecewise_ids(tokenizer, text: str, spans: list, ends: frozenset) -> tuple[list, list]:
-    """(ids, mask) of the text encoded piece by piece, cut at each span's edges, BOS first where
-    the tokenizer adds one; mask 1 on a span's tokens up to its last token in `ends`."""
+    """(ids, mask) of the text encoded piece by piece, cut at each span's edges. BOS comes first
+    where the tokenizer adds one. mask is 1 on a span's tokens up to its last token in `ends`."""
     ids, mask, cut = [], [], 0
     for start, end in spans:
         context = encode_with_specials(tokenizer, text[cut:start])
@@ -212,8 +213,8 @@ def piecewise_ids(tokenizer, text: str, spans: list, ends: frozenset) -> tuple[l
 
 def overlap_mask(ids: list, offsets: list, spans: list, ends: frozenset) -> list[int]:
     """Mask 1 on each token whose characters overlap a span, as transformers'
-    return_assistant_tokens_mask marks them (spans and offsets both in order), but the tokens of
-    a span after its last token in `ends`."""
+    return_assistant_tokens_mask marks them. Spans and offsets are both in order. A span's tokens
+    after its last token in `ends` get 0."""
     owners, k = [], 0
     for start, end in offsets:
         while k < len(spans) and start >= spans[k][1]:
@@ -225,10 +226,10 @@ def overlap_mask(ids: list, offsets: list, spans: list, ends: frozenset) -> list
 
 def offset_ids(tokenizer, text: str) -> tuple[list, list] | None:
     """(ids, offsets): the tokens encode_chat gives the text, each with its (start, end)
-    characters in it (BOS added before it: (0, 0)); None for a tokenizer that cannot say."""
+    characters. An added BOS gets (0, 0). None for a tokenizer that cannot say."""
     from sentencepiece import SentencePieceProcessor
 
-    if isinstance(tokenizer, HFTokenizer):  # added tokens too: offsets of their text
+    if isinstance(tokenizer, HFTokenizer):  # Added tokens too, at their text's offsets.
         encoding = tokenizer.backend.encode(text, add_special_tokens=False)
         ids, offsets = encoding.ids, [tuple(offset) for offset in encoding.offsets]
     elif isinstance(tokenizer, SentencePieceProcessor):
@@ -242,12 +243,12 @@ def offset_ids(tokenizer, text: str) -> tuple[list, list] | None:
 
 
 def sentencepiece_offsets(tokenizer, text: str) -> tuple[list, list]:
-    """encode_with_specials' ids of the text and their character offsets: its control pieces split
-    out (each its own characters), the parts between encoded apart, their offsets shifted."""
+    """encode_with_specials' ids of the text and their character offsets. Control pieces are split
+    out, each over its own characters. The parts between are encoded apart, offsets shifted."""
     pattern, pieces = control_pieces(tokenizer)
     ids, offsets, at = [], [], 0
     for i, part in enumerate(pattern.split(text) if pattern else [text]):
-        if i % 2:  # a control piece
+        if i % 2:  # A control piece.
             ids.append(pieces[part])
             offsets.append((at, at + len(part)))
         elif part:
@@ -259,13 +260,13 @@ def sentencepiece_offsets(tokenizer, text: str) -> tuple[list, list]:
 
 
 def part_offsets(tokenizer, text: str) -> list[tuple[int, int, int]]:
-    """(id, start, end) of each token sentencepiece encodes the text into, in characters (its
-    begin and end count bytes; a dummy prefix is (0, 0), a character's fallback bytes but its
-    last are empty)."""
+    """(id, start, end) in characters of each token sentencepiece encodes the text into. Its byte
+    counts are mapped to characters. A dummy prefix is (0, 0). A character's fallback bytes but
+    its last are empty."""
     from sentencepiece.sentencepiece_pb2 import SentencePieceText
 
     found = SentencePieceText.FromString(tokenizer.encode(text, out_type="serialized_proto"))
-    starts = list(accumulate((len(c.encode()) for c in text), initial=0))  # each char's first byte
+    starts = list(accumulate((len(c.encode()) for c in text), initial=0))  # Each char's first byte.
     return [
         (piece.id, bisect_right(starts, piece.begin) - 1, bisect_left(starts, piece.end))
         for piece in found.pieces

@@ -1,4 +1,5 @@
-"""Chat datasets: JSONL records of OpenAI's "messages" or ShareGPT's "conversations", checked."""
+"""Chat datasets in JSONL: records of OpenAI's "messages" or ShareGPT's "conversations". An error
+names the bad line."""
 
 import json
 from pathlib import Path
@@ -6,7 +7,7 @@ from pathlib import Path
 from data.sources import local_files
 from picollama.cli import UserError
 
-# the roles the OpenAI-compatible server takes (picollama/serve/protocol.py), and ShareGPT's names
+# The roles the OpenAI-compatible server takes (picollama/serve/protocol.py), then ShareGPT's.
 ROLES = ("system", "developer", "user", "assistant")
 SHAREGPT_ROLES = {
     "system": "system",
@@ -15,16 +16,16 @@ SHAREGPT_ROLES = {
     "gpt": "assistant",
     "assistant": "assistant",
 }
-# the two shapes: the record's key, and the keys of a message's role and content in it
+# The two shapes. Each maps the record's key to the keys of a message's role and content.
 SHAPES = {"messages": ("role", "content"), "conversations": ("from", "value")}
-KEPT_KEYS = ("name", "reasoning_content", "thinking", "reasoning")  # passed on to the template
-PEEK_LINES = 100  # lines read for the first JSON record that tells what a .jsonl file holds
+KEPT_KEYS = ("name", "reasoning_content", "thinking", "reasoning")  # Passed on to the template.
+PEEK_LINES = 100  # Lines read for the first JSON record, which tells what a .jsonl holds.
 
 
 def conversation_files(source: str) -> list[Path] | None:
-    """The .jsonl files of a source whose records hold conversations ("messages" or
-    "conversations"; the first JSON record of its first .jsonl file decides), None for a text
-    source; UserError when conversations come with files of another kind."""
+    """The .jsonl files of a source whose records hold conversations, or None for a text source.
+    The first JSON record of the first .jsonl file decides. UserError when conversations come
+    with files of another kind."""
     if source == "shakespeare" or source.startswith("hf:"):
         return None
     files = local_files(source)
@@ -55,9 +56,9 @@ def first_shape(path: Path) -> str | None:
 
 
 def read_conversations(files: list[Path], max_docs: int | None = None):
-    """(where, messages, size) of each record of the files, in order: "FILE line N", the messages
-    as OpenAI's (with a "train" flag each) and the line's bytes; blank lines skipped, at most
-    max_docs records. UserError naming the line of the first bad one."""
+    """(where, messages, size) of each record, in order. where is "FILE line N", the messages are
+    OpenAI's with a "train" flag each, size is the line's bytes. Blank lines are skipped, at most
+    max_docs records read. A UserError names the first bad line."""
     count = 0
     for path in files:
         with open(path, "rb") as file:
@@ -72,7 +73,7 @@ def read_conversations(files: list[Path], max_docs: int | None = None):
 
 
 def decoded(raw: bytes, where: str) -> str:
-    """A line's text; UserError unless it is UTF-8."""
+    """A line's text. UserError unless it is UTF-8."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -83,8 +84,8 @@ def decoded(raw: bytes, where: str) -> str:
 
 
 def checked_record(line: str, where: str) -> list[dict]:
-    """A record's messages, OpenAI-shaped, checked: roles, text content, an assistant turn to
-    train; UserError naming the line and what is wrong."""
+    """A record's messages, OpenAI-shaped and checked: roles, text content, an assistant turn to
+    train. A UserError names the line and the problem."""
     try:
         record = json.loads(line)
     except ValueError as e:
@@ -141,7 +142,7 @@ def checked_message(turn, where: str, shape: str) -> dict:
 
 
 def text_content(value, where: str) -> str:
-    """A message's text: a string, or OpenAI's list of text parts joined; UserError if empty."""
+    """A message's text: a string, or OpenAI's list of text parts joined. UserError if empty."""
     if isinstance(value, list) and value:
         texts = [part.get("text") for part in value if isinstance(part, dict)]
         if len(texts) == len(value) and all(isinstance(text, str) for text in texts):

@@ -1,4 +1,5 @@
-"""A dataset folder prepare writes: reused, refused or replaced; its summary, partial dir, JSON."""
+"""The dataset folder prepare writes: whether an existing one is reused, refused or replaced.
+Also its partial folder, summary and JSON files."""
 
 import json
 from pathlib import Path
@@ -6,8 +7,9 @@ from pathlib import Path
 from picollama.cli import UserError
 from picollama.cli.outputs import atomic_output, check_replaceable, listed
 
-FORMAT_VERSION = 3  # 2: EOS at the end of each document; 3: fixed-size shards listed in meta.json
-# what preparing writes in a dataset folder (shards of format 3, and of format 2: <split>.bin)
+# Format 2 ends each document with EOS. Format 3 has fixed-size shards listed in meta.json.
+FORMAT_VERSION = 3
+# What preparing writes in a dataset folder. Format 2's shards are <split>.bin.
 DATASET_FILES = (
     r"meta\.json|tokenizer(\.model|\.json|_config\.json)"
     r"|(train|val)(-\d{5,})?\.(bin|docs\.npy|mask\.bin)"
@@ -15,9 +17,9 @@ DATASET_FILES = (
 
 
 def existing_output(out_dir: Path, inputs: dict, force: bool) -> dict | None:
-    """meta.json of an output in out_dir these inputs can reuse; UserError if it must stay. None
-    when out_dir is to be replaced (--force, or no readable meta.json): prepare then checks it is
-    its own (check_own), once the inputs are known not to lie inside it."""
+    """meta.json of an output in out_dir that these inputs can reuse. UserError if it must stay.
+    None when out_dir is to be replaced, with --force or no readable meta.json. prepare then checks
+    it is its own (check_own), once the inputs are known not to lie inside it."""
     if not out_dir.exists() or out_dir.is_dir() and not any(out_dir.iterdir()):
         return None
     meta_path = out_dir / "meta.json"
@@ -35,12 +37,12 @@ def existing_output(out_dir: Path, inputs: dict, force: bool) -> dict | None:
     problem = reuse_problem(out_dir, meta, inputs)
     if problem is None:
         return meta
-    check_own(out_dir)  # so that the advice to pass --force is never one that deletes a user's file
+    check_own(out_dir)  # So the advice to pass --force never deletes a user's file.
     raise UserError(problem)
 
 
 def reuse_problem(out_dir: Path, meta: dict, inputs: dict) -> str | None:
-    """Why the dataset `meta` describes cannot be reused for these inputs; None if it can."""
+    """Why the dataset `meta` describes cannot be reused for these inputs. None if it can."""
     if meta.get("format") != FORMAT_VERSION:
         return (
             f"{out_dir} was prepared in format {meta.get('format')}, not {FORMAT_VERSION} "
@@ -63,8 +65,8 @@ def reuse_problem(out_dir: Path, meta: dict, inputs: dict) -> str | None:
 
 
 def check_own(out_dir: Path):
-    """UserError unless out_dir is absent, empty or a dataset picollama prepared: a manifest
-    meta.json (with a format and splits), a tokenizer and shards, and nothing else."""
+    """UserError unless out_dir is absent, empty or a dataset picollama prepared. Such a dataset
+    holds only a manifest meta.json (with a format and splits), a tokenizer and shards."""
     what = "--force replaces only a prepared dataset: meta.json, its tokenizer and shards"
     check_replaceable(out_dir, DATASET_FILES, marks=["meta.json"], what=what)
     if not out_dir.is_dir() or not any(out_dir.iterdir()):
@@ -89,8 +91,8 @@ def summary(out_dir: Path, meta: dict) -> str:
 
 
 def partial_dir(out_dir: Path) -> Path:
-    """Where a preparation of out_dir is written until it is complete, then renamed to out_dir (a
-    resolved path: beside a link's target, on its disk)."""
+    """Where a preparation of out_dir is written until complete, then renamed to out_dir. out_dir
+    is resolved, so this sits beside a link's target, on its disk."""
     return out_dir.with_name(f".{out_dir.name}.partial")
 
 

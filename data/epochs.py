@@ -1,6 +1,6 @@
-"""Training windows in epochs: each pass over the split takes every window once, in a random
-order, from a random phase — no text drawn twice before the rest has been drawn once (the
-"shuffled epochs" of data-limited training), where RandomBatches draws with replacement."""
+"""Training windows in epochs. Each pass over the split takes every window once, in random order,
+from a random phase. So no text is drawn twice before the rest is drawn once. These are the
+"shuffled epochs" of data-limited training. RandomBatches draws with replacement instead."""
 
 import numpy as np
 
@@ -8,14 +8,14 @@ from data.loader import RandomBatches
 
 
 class EpochBatches(RandomBatches):
-    """RandomBatches whose windows (seq_len+1 tokens, seq_len apart: each one's last target is the
-    next one's first input) start at a random phase, shuffled, taken in turn; a new phase and order
-    each epoch."""
+    """RandomBatches taking shuffled windows in turn from a random phase, new each epoch with a new
+    order. Windows of seq_len+1 tokens start seq_len apart: one's last target is the next one's
+    first input."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.order = np.zeros(0, dtype=np.int64)  # this epoch's window starts
-        self.taken = 0  # how many of them batches have used
+        self.order = np.zeros(0, dtype=np.int64)  # This epoch's window starts.
+        self.taken = 0  # How many of them batches have used.
 
     def starts(self) -> np.ndarray:
         starts = []
@@ -29,7 +29,7 @@ class EpochBatches(RandomBatches):
 
     def new_epoch(self):
         phase = int(self.rng.integers(0, self.seq_len))
-        last = len(self.tokens) - self.seq_len - 1  # the last start of a whole window
+        last = len(self.tokens) - self.seq_len - 1  # The last start of a whole window.
         self.order = self.rng.permutation(np.arange(phase, last + 1, self.seq_len))
         self.taken = 0
 

@@ -1,4 +1,5 @@
-"""Read a prepared dataset (meta.json, token shards, document offsets) as batches of token ids."""
+"""Read a prepared dataset (meta.json, token shards, document offsets) as batches of token ids.
+It checks the files against meta.json, but never tokenizes text."""
 
 import json
 import math
@@ -33,8 +34,8 @@ def load_meta(data_dir) -> dict:
 
 
 def checked_meta(data_dir) -> dict:
-    """load_meta, with the keys training reads checked (UserError naming the key) and its tokenizer
-    checked against the sha256 meta.json records: training would not notice another one."""
+    """load_meta, with the keys training reads checked, and a UserError naming a bad one. The
+    tokenizer is checked against the sha256 meta.json records. Training would not notice another."""
     meta = load_meta(data_dir)
     try:
         for key, kind in (("vocab_size", int), ("bytes_per_token", float)):
@@ -58,8 +59,8 @@ def checked_meta(data_dir) -> dict:
 
 def check_meta_counts(data_dir, meta: dict) -> None:
     """UserError unless meta.json's vocab_size lies in 1..SIZE_LIMITS' and each split's token count
-    is its shards' sum (open_tokens holds each shard to its file's size): a count that lies passed
-    for the "too few tokens" check and was printed as the dataset's size."""
+    is its shards' sum. open_tokens holds each shard to its file's size. A false count once passed
+    the "too few tokens" check and was printed as the dataset's size."""
     where = f"{data_dir}/meta.json"
     vocab_size, limit = meta["vocab_size"], SIZE_LIMITS["vocab_size"]
     if not 0 < vocab_size <= limit:
@@ -82,8 +83,8 @@ def check_meta_counts(data_dir, meta: dict) -> None:
 
 def check_dataset_tokenizer(data_dir, meta: dict) -> None:
     """UserError unless data_dir holds a tokenizer (tokenizer.model or tokenizer.json) with the
-    sha256 meta.json records (any one, where it records none): its shards hold that tokenizer's
-    ids."""
+    sha256 meta.json records. Any one passes where it records none. The shards hold that
+    tokenizer's ids."""
     path = tokenizer_file(data_dir)
     recorded = check_type(
         f"{data_dir}/meta.json tokenizer_sha256", meta.get("tokenizer_sha256"), str | None
@@ -151,9 +152,9 @@ def shard_path(data_dir, name, split: str) -> Path:
 
 
 def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
-    """The split's token ids as a read-only memmap, or a ShardedTokens over the memmaps of its
-    shards (nothing is loaded into memory up front); UserError unless each shard holds exactly the
-    tokens meta.json counts."""
+    """The split's token ids as a read-only memmap, or a ShardedTokens over its shards' memmaps.
+    Nothing is loaded into memory up front. UserError unless each shard holds exactly the tokens
+    meta.json counts."""
     _check_split(split)
     meta = load_meta(data_dir)
     try:
@@ -185,9 +186,9 @@ def open_tokens(data_dir, split) -> np.memmap | ShardedTokens:
 
 
 def open_mask(data_dir, split) -> np.memmap | ShardedTokens:
-    """A conversations dataset's loss mask of the split, shaped as open_tokens' tokens: uint8, 1 on
-    each token the loss trains (from X.mask.bin beside each shard); UserError unless each holds one
-    byte per token of its shard."""
+    """A conversations dataset's loss mask of the split, shaped as open_tokens' tokens. It is uint8,
+    1 on each token the loss trains, from X.mask.bin beside each shard. UserError unless each has
+    one byte per shard token."""
     _check_split(split)
     meta = load_meta(data_dir)
     if meta.get("kind", "text") != "conversations":
@@ -227,8 +228,8 @@ def doc_offsets(data_dir, split) -> np.ndarray:
 def _to_device(
     windows: np.ndarray, device, unpredictable: np.ndarray | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split (B, T+1) windows into int64 x and y = x shifted by one, both contiguous, on device; y
-    is -100 (ignored by the loss) where `unpredictable` (B, T+1) marks the token."""
+    """Split (B, T+1) windows into int64 x and y = x shifted by one, both contiguous, on device.
+    y is -100, ignored by the loss, where `unpredictable` (B, T+1) marks the token."""
     x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1], dtype=np.int64))
     y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:], dtype=np.int64))
     if unpredictable is not None:
@@ -250,8 +251,8 @@ def _check_fits(tokens: np.ndarray, split: str, seq_len: int) -> None:
 
 
 def copy_vocabulary(meta: dict) -> np.ndarray:
-    """The token ids random copy spans draw from, uniformly: the whole vocabulary but its control
-    tokens (unk, BOS, EOS, pad), so that no language prior can predict a span."""
+    """The token ids random copy spans draw from, uniformly. That is the whole vocabulary but its
+    control tokens (unk, BOS, EOS, pad), so no language prior can predict a span."""
     special = {meta.get(key) for key in ("unk_id", "bos_id", "eos_id", "pad_id")}
     return np.array([i for i in range(meta["vocab_size"]) if i not in special], dtype=np.int64)
 
@@ -259,10 +260,10 @@ def copy_vocabulary(meta: dict) -> np.ndarray:
 def plant_copies(
     windows: np.ndarray, rng: np.random.Generator, vocabulary: np.ndarray, span: int, repeats: int
 ):
-    """Overwrite each row of windows (B, T) in place with a random span of `span` ids from
-    `vocabulary` and `repeats` exact copies of it later in the row, at random places with the row's
-    own text between (gaps may be empty). Returns the (B, T) mask of tokens nothing can predict: the
-    first occurrence and each copy's first token."""
+    """Plant a random span of `span` ids from `vocabulary` in each row of windows (B, T), in place.
+    `repeats` exact copies follow later in the row, at random places. The row's own text fills the
+    gaps, which may be empty. Returns the (B, T) mask of tokens nothing can predict: the first
+    occurrence and each copy's first token."""
     rows, length = windows.shape
     occurrences = repeats + 1
     free = length - occurrences * span
@@ -285,15 +286,15 @@ def plant_copies(
 
 
 class RandomBatches:
-    """Random windows of seq_len+1 tokens from a split; seeded and resumable. Under torchrun every
-    rank draws the same global batch and keeps its own rows (train.py), so the data never depends on
-    the number of ranks.
+    """Random windows of seq_len+1 tokens from a split, seeded and resumable. Under torchrun every
+    rank draws the same global batch and keeps its own rows (train.py). So the data never depends
+    on the number of ranks.
 
-    With copy_fraction > 0, each window is, with that probability, given synthetic copy data
-    (Bi-Induct-style forward-copy snippets, Sabry & Belz 2025, here planted inside real text): see
-    plant_copies. Its unpredictable tokens are -100 in y, so the loss trains only the copies and the
-    text. It is there to give induction heads something to form on; `generate.py extrapolate`'s copy
-    probe tells whether they did."""
+    With copy_fraction > 0, each window gets synthetic copy data with that probability
+    (plant_copies). These are Bi-Induct-style forward-copy snippets (Sabry & Belz 2025), planted
+    here inside real text. Their unpredictable tokens are -100 in y, so the loss trains only the
+    copies and the text. They give induction heads something to form on. `generate.py
+    extrapolate`'s copy probe tells whether they did."""
 
     def __init__(
         self,
@@ -354,7 +355,7 @@ class RandomBatches:
         return {"task": "text", "rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
-        # older states name no task (but a rank, always 0, and world size 1)
+        # Older states name no task. They name a rank, always 0, and world size 1.
         if state.get("task", "text") != "text":
             raise UserError(
                 "the checkpoint's loader state is not a text dataset's; resume with its data.task"
@@ -363,8 +364,8 @@ class RandomBatches:
 
 
 def eval_batches(data_dir, split, batch_size, seq_len, max_batches=None, device="cpu"):
-    """Sequential, non-overlapping (x, y) batches over the split, deterministic; at most
-    max_batches. Window i covers x = tokens[i*seq_len : (i+1)*seq_len]; the last batch may have
+    """Sequential, non-overlapping (x, y) batches over the split, deterministic, at most
+    max_batches. Window i covers x = tokens[i*seq_len : (i+1)*seq_len]. The last batch may have
     fewer than batch_size rows."""
     tokens = open_tokens(data_dir, split)
     _check_fits(tokens, split, seq_len)
@@ -380,8 +381,8 @@ def eval_batches(data_dir, split, batch_size, seq_len, max_batches=None, device=
 
 
 def document_windows(data_dir, split, length, num_windows, seed=0) -> np.ndarray:
-    """(num_windows, length) int64 windows each lying inside a single document (documents shorter
-    than length are skipped; UserError if none is long enough); deterministic for a seed."""
+    """(num_windows, length) int64 windows, each inside a single document, deterministic for a
+    seed. Documents shorter than length are skipped. UserError if none is long enough."""
     tokens = open_tokens(data_dir, split)
     starts = doc_offsets(data_dir, split)
     lengths = np.diff(np.append(starts, len(tokens)))

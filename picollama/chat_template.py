@@ -1,4 +1,5 @@
-"""Chat templates: a conversation rendered with the model's own Jinja template, encoded, stopped."""
+"""Chat templates: a conversation rendered with the model's own Jinja template, as transformers
+does. Also its encoding, and the tokens that end a reply."""
 
 import json
 import re
@@ -15,10 +16,11 @@ from picollama.cli import UserError
 from picollama.cli.outputs import atomic_output
 from picollama.cli.user_files import read_small_text
 
-# The template of a run that has none (one trained here): plain text that any tokenizer spells,
-# "System: …\n", "User: …\n", "Assistant: …" and the tokenizer's EOS ending an assistant turn. The
-# generation prompt ends at "Assistant:" with no space: a reply's first token carries its space
-# (" Hello"), as in the turns SFT trains on. BOS is the tokenizer's to add (encode_chat).
+# The template of a run that has none, such as one trained here. It is plain text that any
+# tokenizer can spell. Each turn starts with its role (System, User, Assistant) and a colon. The
+# tokenizer's EOS ends an assistant turn. The generation prompt ends at "Assistant:" with no space.
+# A reply's first token carries its space (" Hello"), as in the turns SFT trains on. encode_chat
+# adds the BOS, where the tokenizer has one.
 DEFAULT_TEMPLATE = """\
 {% for message in messages %}
 {% if message['role'] in ('system', 'developer') %}
@@ -35,7 +37,7 @@ Assistant: {{ message['content'] }}{{ eos_token }}
 Assistant:
 {%- endif %}"""
 
-# transformers' named special tokens (its SPECIAL_TOKENS_ATTRIBUTES): each template sees those set
+# transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES). A template sees those set.
 SPECIAL_TOKEN_KEYS = (
     "bos_token",
     "eos_token",
@@ -45,15 +47,15 @@ SPECIAL_TOKEN_KEYS = (
     "cls_token",
     "mask_token",
 )
-# the oldest jinja2 without known sandbox escapes (templates in GGUF files are untrusted code)
+# The oldest jinja2 without known sandbox escapes. Templates in GGUF files are untrusted code.
 SAFE_JINJA = (3, 1, 6)
-# the assistant's words in the conversation stop_ids renders to find what ends a turn
+# The assistant's words in a probe conversation. stop_ids renders it to find what ends a turn.
 PROBE = "picollama-probe-7f3a"
 
 
 class ChatTemplateError(UserError):
-    """A chat template that cannot be read or compiled, or that refuses (raise_exception) or fails
-    on a conversation: one line naming the cause (a ValueError: an `error:` line, an HTTP 400)."""
+    """A chat template that cannot be read or compiled, or that refuses or fails on a conversation.
+    One line names the cause, as an `error:` line or an HTTP 400."""
 
 
 class _Refusal(jinja2.TemplateError):
@@ -61,8 +63,8 @@ class _Refusal(jinja2.TemplateError):
 
 
 def load_chat_template(run_dir, override=None) -> str:
-    """The chat template for a run: the file `override` (--chat-template FILE) if given, else the
-    run's own (run_chat_template), else DEFAULT_TEMPLATE; ChatTemplateError naming a bad file."""
+    """The chat template for a run. That is the file `override` (--chat-template FILE) if given,
+    else the run's own, else DEFAULT_TEMPLATE. ChatTemplateError names a bad file."""
     if override is not None:
         try:
             return read_small_text(override, "--chat-template")
@@ -73,8 +75,8 @@ def load_chat_template(run_dir, override=None) -> str:
 
 
 def run_chat_template(run_dir) -> str | None:
-    """The run directory's own template, tokenizer_config.json's "chat_template": a string, or
-    transformers' list of {"name", "template"} (its "default" one); None when it has none."""
+    """The run directory's own template from tokenizer_config.json, or None. It is a string, or
+    the "default" one of transformers' list of {"name", "template"}."""
     path = Path(run_dir) / TOKENIZER_CONFIG
     found = read_tokenizer_config(path).get("chat_template")
     if found is None or isinstance(found, str):
@@ -95,8 +97,8 @@ def run_chat_template(run_dir) -> str | None:
 
 
 def read_tokenizer_config(path: Path) -> dict:
-    """A tokenizer_config.json's object ({} where there is no such file); ChatTemplateError if it
-    is not a JSON object."""
+    """A tokenizer_config.json's object, or {} where there is no such file. ChatTemplateError if
+    it is not a JSON object."""
     if not path.is_file():
         return {}
     try:
@@ -109,22 +111,23 @@ def read_tokenizer_config(path: Path) -> dict:
 
 
 def write_default_template(run_dir, template: str = DEFAULT_TEMPLATE) -> bool:
-    """Give a run directory that has no chat template `template` (DEFAULT_TEMPLATE): written into
-    its tokenizer_config.json (made if missing, the rest kept) atomically; whether it wrote."""
+    """Give a run directory with no chat template this `template`, and say whether it wrote.
+    It goes atomically into tokenizer_config.json, kept or made."""
     path = Path(run_dir) / TOKENIZER_CONFIG
     if not Path(run_dir).is_dir():
         raise ChatTemplateError(f"{run_dir} is not a run directory")
     config = read_tokenizer_config(path)
     if config.get("chat_template") is not None:
         return False
-    compiled(template)  # never write a template that does not compile
+    compiled(template)  # Never write a template that does not compile.
     with atomic_output(path) as tmp:
         tmp.write_text(json.dumps({**config, "chat_template": template}, indent=2) + "\n")
     return True
 
 
 class _Generation(Extension):
-    """transformers' {% generation %}…{% endgeneration %} (its assistant-token mask): the body."""
+    """transformers' {% generation %}…{% endgeneration %}, its assistant-token mask. Renders the
+    body alone."""
 
     tags = {"generation"}
 
@@ -138,7 +141,7 @@ def raise_exception(message):
 
 
 def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    """transformers' tojson: json.dumps as it is (Jinja's own escapes <, >, & and ' for HTML)."""
+    """transformers' tojson, plain json.dumps. Jinja's own escapes <, >, & and ' for HTML."""
     return json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -150,8 +153,8 @@ def strftime_now(format: str) -> str:
 
 @lru_cache(maxsize=1)
 def environment() -> ImmutableSandboxedEnvironment:
-    """The Jinja environment of transformers' apply_chat_template: sandboxed (no attribute that
-    starts with _, no mutating a value the template was given), trim_blocks and lstrip_blocks,
+    """The Jinja environment of transformers' apply_chat_template. Its sandbox hides attributes
+    starting with _ and freezes the values a template gets. It has trim_blocks and lstrip_blocks,
     loop controls, {% generation %}, and the helpers templates call."""
     version = tuple(int(n) for n in re.findall(r"\d+", jinja2.__version__)[:3])
     if version < SAFE_JINJA:
@@ -169,7 +172,7 @@ def environment() -> ImmutableSandboxedEnvironment:
 
 @lru_cache(maxsize=16)
 def compiled(template: str) -> jinja2.Template:
-    """A template compiled once; ChatTemplateError naming the line of a syntax error."""
+    """A template compiled once. ChatTemplateError names the line of a syntax error."""
     if not isinstance(template, str):
         raise ChatTemplateError(f"a chat template is text, not {type(template).__name__}")
     try:
@@ -181,8 +184,8 @@ def compiled(template: str) -> jinja2.Template:
 
 
 def special_tokens(tokenizer) -> dict[str, str]:
-    """The special tokens a template sees by name (bos_token, eos_token, ...): a tokenizer.json's
-    from its tokenizer_config.json, as transformers reads them; a sentencepiece model's pieces."""
+    """The special tokens a template sees by name, such as bos_token. A tokenizer.json's come from
+    tokenizer_config.json, as transformers reads them. A sentencepiece model's are its pieces."""
     if isinstance(tokenizer, HFTokenizer):
         found = {key: special_token(tokenizer.config, key) for key in SPECIAL_TOKEN_KEYS}
         return {key: str(token) for key, token in found.items() if token is not None}
@@ -192,10 +195,10 @@ def special_tokens(tokenizer) -> dict[str, str]:
 
 
 def render_chat(template: str, messages, tokenizer=None, add_generation_prompt=True, **extra):
-    """The text of a conversation, OpenAI-shaped messages ([{"role", "content"}, ...]), rendered by
-    `template` as transformers' apply_chat_template(tokenize=False) renders it: keys whose value is
-    None dropped, the tokenizer's special tokens (special_tokens), tools and documents None, and
-    `extra` (a template's own variables) given to the template; ChatTemplateError naming why not."""
+    """The text of OpenAI-shaped messages ([{"role", "content"}, ...]) rendered by `template`.
+    It matches transformers' apply_chat_template(tokenize=False). Keys whose value is None are
+    dropped. The template gets the tokenizer's special tokens, tools and documents as None, and
+    `extra`, its own variables. ChatTemplateError says why it fails."""
     conversation = checked_messages(messages)
     names = {**(special_tokens(tokenizer) if tokenizer is not None else {}), **extra}
     program = compiled(template)
@@ -209,15 +212,16 @@ def render_chat(template: str, messages, tokenizer=None, add_generation_prompt=T
         )
     except _Refusal as e:
         raise ChatTemplateError(f"the chat template refuses this conversation: {e}") from None
-    except jinja2.TemplateError as e:  # undefined names, sandbox refusals
+    except jinja2.TemplateError as e:  # Undefined names and sandbox refusals.
         raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
     except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
         raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
 
 
 def checked_messages(messages) -> list[dict]:
-    """The messages as the template sees them (copies, keys whose value is None dropped, reasoning
-    under transformers' names); ChatTemplateError unless a non-empty list of objects with roles."""
+    """Copies of the messages as the template sees them: keys whose value is None dropped,
+    reasoning under transformers' names. ChatTemplateError unless a non-empty list of objects
+    with roles."""
     if not isinstance(messages, list | tuple) or not messages:
         raise ChatTemplateError("a conversation is a non-empty list of messages")
     conversation = []
@@ -232,38 +236,39 @@ def checked_messages(messages) -> list[dict]:
     return conversation
 
 
-# the names a message's reasoning comes under; templates read the first (gpt-oss's: "thinking")
+# Names a message's reasoning comes under. Most templates read the first. gpt-oss's reads
+# "thinking".
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 
 def encode_chat(tokenizer, text: str) -> list[int]:
-    """The token ids of a rendered conversation: special tokens written in the text (BOS, EOS,
-    <|im_end|>) are those tokens, and BOS comes first where the tokenizer adds one, never twice
-    (not when the text itself starts with it). The rest as apply_chat_template(tokenize=True)."""
+    """The token ids of a rendered conversation, as apply_chat_template(tokenize=True) makes them.
+    Special tokens written in the text, such as BOS, EOS or <|im_end|>, become those tokens. BOS
+    comes first where the tokenizer adds one, but never twice."""
     ids = encode_with_specials(tokenizer, text)
     start = prompt_start(tokenizer)
     return ids if ids[:1] == start else start + ids
 
 
 def encode_with_specials(tokenizer, text: str) -> list[int]:
-    """Token ids of text with its special tokens matched whole: a tokenizer.json's own added
-    tokens; a sentencepiece model's control pieces (<s>, </s>), which its encode spells out letter
-    by letter, split out first (the text between encoded as llama.cpp does, each on its own)."""
+    """Token ids of text, with its special tokens matched whole. A tokenizer.json matches its own
+    added tokens. A sentencepiece model would spell control pieces (<s>, </s>) letter by letter.
+    So they are split out first, and each stretch between is encoded alone, as llama.cpp does."""
     if isinstance(tokenizer, HFTokenizer):
         return tokenizer.encode(text)
     pattern, pieces = control_pieces(tokenizer)
     if pattern is None:
         return tokenizer.encode(text)
     ids = []
-    for i, part in enumerate(pattern.split(text)):  # odd parts: the control pieces
+    for i, part in enumerate(pattern.split(text)):  # Odd parts are the control pieces.
         ids += [pieces[part]] if i % 2 else tokenizer.encode(part) if part else []
     return ids
 
 
 @lru_cache(maxsize=8)
 def control_pieces(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
-    """(a regex splitting out a sentencepiece model's control pieces, the longest first, or None;
-    {piece: id})."""
+    """(regex, {piece: id}) of a sentencepiece model's control pieces. The regex, None for none,
+    splits them out longest first."""
     pieces = {
         tokenizer.id_to_piece(i): i
         for i in range(tokenizer.get_piece_size())
@@ -277,13 +282,13 @@ def control_pieces(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
 
 def stop_ids(tokenizer, template: str) -> set[int]:
     """The token ids that end a reply: EOS, and the template's end of turn where that is one
-    special token (ChatML's <|im_end|>, Llama 3's <|eot_id|>): the first token after an assistant
-    message the template renders (spaces skipped)."""
+    special token, such as ChatML's <|im_end|>. It is the first token after a rendered assistant
+    message, spaces skipped."""
     stops = {tokenizer.eos_id()} if tokenizer.eos_id() >= 0 else set()
     turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": PROBE}]
     try:
         text = render_chat(template, turn, tokenizer, add_generation_prompt=False)
-    except ChatTemplateError:  # a template that wants other turns: EOS alone
+    except ChatTemplateError:  # A template that wants other turns: EOS alone.
         return stops
     if PROBE not in text:
         return stops
@@ -293,8 +298,8 @@ def stop_ids(tokenizer, template: str) -> set[int]:
 
 
 def is_special(tokenizer, i: int) -> bool:
-    """Whether token i is a special token: a tokenizer.json's added token marked special; a
-    sentencepiece model's control or user-defined piece (matched whole, never spelled out)."""
+    """Whether token i is special. In a tokenizer.json, it is an added token marked special. In a
+    sentencepiece model, a control or user-defined piece, matched whole."""
     if isinstance(tokenizer, HFTokenizer):
         added = tokenizer.backend.get_added_tokens_decoder().get(i)
         return added is not None and added.special

@@ -1,4 +1,5 @@
-"""Where and how to run: the device, a job's ranks, the dtype, peak FLOP/s, glibc's memory reuse."""
+"""Where and how training runs: the device, the dtype and a job's ranks. Also each GPU's peak
+FLOP/s, and glibc's memory reuse."""
 
 import ctypes
 import ctypes.util
@@ -13,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from picollama.cli import UserError
 
-# Dense bf16 tensor-core peaks (TFLOP/s) by device-name substring; the first match wins.
+# Dense bf16 tensor-core peaks in TFLOP/s, by device-name substring. The first match wins.
 GPU_BF16_PEAK_TFLOPS = (
     ("H200", 989.0),
     ("H100 PCIe", 756.0),
@@ -33,11 +34,11 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-# Devices whose tensors neither gloo nor nccl can hold, even in a group of one (Apple's MPS)
+# Devices whose tensors neither gloo nor nccl can hold, even in a group of one. That is MPS.
 NO_COLLECTIVES = ("mps",)
-# Where one process trains the plain model, without a group or FSDP2: MPS, and the CPU, where a
-# group of one only added FSDP2's per-block copies and hooks (without: 1.3x the tokens/s of the
-# default config, compiled; docs/findings.md)
+# Devices where one process trains the plain model, with no group and no FSDP2. On the CPU a
+# group of one only added FSDP2's per-block copies and hooks. Without them, the default config
+# ran 1.3x the tokens/s, compiled (docs/findings.md).
 UNGROUPED = ("mps", "cpu")
 
 
@@ -46,8 +47,8 @@ def mps_available() -> bool:
 
 
 def pick_device(name: str | None = None) -> torch.device:
-    """The named device (cpu, cuda, cuda:1, mps), or what the machine has: cuda, else Apple's mps,
-    else cpu; UserError if unusable."""
+    """The named device (cpu, cuda, cuda:1, mps), or what the machine has: cuda, else Apple's
+    mps, else cpu. UserError if unusable."""
     if name in (None, "auto"):
         return torch.device(
             "cuda" if torch.cuda.is_available() else "mps" if mps_available() else "cpu"
@@ -75,9 +76,9 @@ def pick_device(name: str | None = None) -> torch.device:
 
 
 class Dist:
-    """Rank, world size, device, device mesh and the collectives training needs. A single process on
-    an UNGROUPED device has no group (mesh None: the plain model, no FSDP2); elsewhere it is a group
-    of one (in-process, no port) and trains through the same FSDP2 code as N ranks."""
+    """Rank, world size, device, device mesh and the collectives training needs.
+    A single process on an UNGROUPED device has no group. Its mesh is None, so there is no FSDP2.
+    Elsewhere it is an in-process group of one. It runs the same FSDP2 code as N ranks."""
 
     def __init__(self, device_name: str):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -86,7 +87,7 @@ class Dist:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
-        self.mesh = None  # no group: a plain model, no FSDP2
+        self.mesh = None  # No group: a plain model, no FSDP2.
         if self.device.type in NO_COLLECTIVES and self.world_size > 1:
             raise UserError(
                 f"no collective backend serves {self.device.type} tensors: train there in one "
@@ -95,7 +96,7 @@ class Dist:
         if self.device.type in UNGROUPED and self.world_size == 1:
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if "WORLD_SIZE" in os.environ:  # torchrun's
+        if "WORLD_SIZE" in os.environ:  # Set by torchrun.
             torch_dist.init_process_group(backend)
         else:
             store = torch_dist.HashStore()
@@ -120,25 +121,26 @@ class Dist:
         return self.all_reduce_sum(scalar).item() / self.world_size
 
     def close(self):
-        """Destroy the process group once nothing references the model and optimizer
-        (pytorch#190489: gloo can abort at exit otherwise): drop the mesh, collect the freed FSDP
-        modules, then destroy."""
+        """Destroy the process group once nothing references the model and optimizer.
+        Otherwise gloo can abort at exit (pytorch#190489). So drop the mesh, collect the freed
+        FSDP modules, then destroy."""
         self.mesh = None
         if torch_dist.is_initialized():
-            gc.collect()  # a full collection costs ~0.2 s: only when there is a group to destroy
+            gc.collect()  # Costs ~0.2 s, so only with a group to destroy.
             torch_dist.destroy_process_group()
 
 
 def check_compiler():
-    """UserError unless torch.compile can build kernels: Inductor needs a C++ compiler. Inductor
-    then trusts the CPU's flags for its vector ISAs (AVX2, AVX-512) instead of compiling a test
-    program for each before its first kernel: 5.5 s of a 5-minute run's cold start on a 2-core
-    Zen 4 (TORCHINDUCTOR_VEC_ISA_OK, when a user sets it, decides instead)."""
-    from torch._inductor import config, cpp_builder  # imported only when compiling: it's slow
+    """UserError unless torch.compile can build kernels, since Inductor needs a C++ compiler.
+
+    Then Inductor trusts the CPU's flags for its vector ISAs (AVX2, AVX-512). Otherwise it builds a
+    test program for each before its first kernel. That took 5.5 s of a 5-minute run's cold start
+    on a 2-core Zen 4. A TORCHINDUCTOR_VEC_ISA_OK that the user sets decides instead."""
+    from torch._inductor import config, cpp_builder  # Imported only when compiling. It is slow.
 
     try:
         cpp_builder.get_cpp_compiler()
-    except Exception:  # Inductor's InvalidCxxCompiler, or whatever its search runs into
+    except Exception:  # Inductor's InvalidCxxCompiler, or whatever its search hits.
         raise UserError(
             "--compile needs a working C++ compiler for torch.compile (Inductor), and none was "
             "found (tried $CXX, g++); install one, or run without compiling (--no-compile)"
@@ -158,26 +160,27 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): bf16 matmuls beat fp32."""
+    """Whether this CPU computes bf16 natively, with AVX-512 BF16 or AMX. There bf16 beats fp32."""
     return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 def keep_freed_memory():
-    """Make glibc keep the memory the training step frees for the next step (Linux; elsewhere
-    nothing). By default it returns large freed blocks to the OS and the next step faults them back
-    in: ~110k page faults a step of the default model on 2 cores, a quarter of its time (measured:
-    9.6k → 12.9k tokens/s with this). The cost: the process holds on to its peak memory."""
+    """Make glibc keep the memory a training step frees, for the next step. Linux only.
+
+    By default glibc returns large freed blocks to the OS, and the next step faults them back in.
+    The default model on 2 cores took ~110k page faults a step, a quarter of its time. This raised
+    it from 9.6k to 12.9k tokens/s. The cost is that the process keeps its peak memory."""
     if not sys.platform.startswith("linux") or (name := ctypes.util.find_library("c")) is None:
         return
     libc = ctypes.CDLL(name)
-    if hasattr(libc, "mallopt"):  # glibc's M_TRIM_THRESHOLD (-1) and M_MMAP_THRESHOLD (-3): 1 GiB
+    if hasattr(libc, "mallopt"):  # M_TRIM_THRESHOLD (-1) and M_MMAP_THRESHOLD (-3) to 1 GiB.
         libc.mallopt(-1, 1 << 30)
         libc.mallopt(-3, 1 << 30)
 
 
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """The named dtype; "auto" (or None) is bfloat16 where the device computes it natively (a GPU
-    that supports it, or a CPU with cpu_has_bf16()) and float32 elsewhere."""
+    """The named dtype. "auto" or None picks bfloat16 where the device computes it natively, else
+    float32. Native means a GPU that supports it, or a CPU with cpu_has_bf16()."""
     if name in (None, "auto"):
         native = (
             torch.cuda.is_bf16_supported()
@@ -191,7 +194,7 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def peak_flops(device: torch.device, tflops: float | None = None) -> float | None:
-    """Peak FLOP/s for MFU: `tflops` when given, else the GPU table; None when unknown (CPUs)."""
+    """Peak FLOP/s for MFU. `tflops` when given, else the GPU table. None when unknown (CPUs)."""
     if tflops is not None:
         return tflops * 1e12
     if device.type != "cuda":
@@ -200,13 +203,13 @@ def peak_flops(device: torch.device, tflops: float | None = None) -> float | Non
     return next((peak * 1e12 for key, peak in GPU_BF16_PEAK_TFLOPS if key in name), None)
 
 
-# cgroup v2 and v1: a container's memory limit
+# A container's memory limit, under cgroup v2 and v1.
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
 def memory_bytes(device: torch.device) -> int | None:
-    """The memory a device computes in: a GPU's own, else this machine's (its cgroup's limit when
-    lower); None where the system does not say."""
+    """The memory a device computes in: a GPU's own, else this machine's, or its cgroup's limit
+    when lower. None where the system does not say."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     try:
@@ -216,7 +219,7 @@ def memory_bytes(device: torch.device) -> int | None:
     for limit in CGROUP_LIMITS:
         try:
             total = min(total, int(Path(limit).read_text()))
-        except (OSError, ValueError):  # absent, or "max"
+        except (OSError, ValueError):  # Absent, or "max".
             pass
     return total
 

@@ -1,4 +1,5 @@
-"""Run directories: the model (model.safetensors, config.json, tokenizer) saved and loaded."""
+"""Saving and loading the model in a run directory: model.safetensors, config.json and the
+tokenizer. They are replaced together, so a failed save leaves the old ones."""
 
 import json
 import re
@@ -25,16 +26,16 @@ from picollama.cli.flags import check_type
 from picollama.cli.outputs import atomic_output, check_free_space
 from picollama.config.model_args import CONTEXT_KEYS, saved_model_args
 
-# model.safetensors' metadata key recording the model its weights are for (ModelArgs as JSON):
-# config.json edited to another n_heads or activation would load the same shapes, computing
-# something else
+# The metadata key in model.safetensors that records the model its weights are for, as JSON.
+# A config.json edited to another n_heads or activation loads the same shapes. It would quietly
+# compute something else.
 WEIGHTS_MODEL = "picollama.model"
 
 
 def save_model(model: Transformer, run_dir, config: dict | None = None, tokenizer=None) -> Path:
-    """Write model.safetensors, config.json ({"model": ModelArgs, **config, and the tokenizer's
-    sha256}) and a copy of tokenizer.model, all atomically together (see model_files); UserError,
-    writing nothing, if a weight is NaN or infinite or the disk has too little space."""
+    """Write model.safetensors, config.json and a copy of the tokenizer, atomically together.
+    config.json holds {"model": ModelArgs, **config} and the tokenizer's sha256. A NaN or infinite
+    weight, or too little disk space, is a UserError, and nothing is written."""
     with model_files(model, run_dir, config, tokenizer):
         pass
     return Path(run_dir)
@@ -42,16 +43,16 @@ def save_model(model: Transformer, run_dir, config: dict | None = None, tokenize
 
 @contextmanager
 def model_files(model: Transformer, run_dir, config: dict | None = None, tokenizer=None):
-    """save_model's files, each written to a temporary name before the block and all renamed into
-    place after it (in the order tokenizer, config, weights), so that a failed write (a full disk)
-    or a failed block leaves the previous model, config and tokenizer as they were, consistent."""
+    """save_model's files. Each is written to a temporary name before the block. All are renamed
+    into place after it, in the order tokenizer, config, weights. So a failed write, such as a full
+    disk, or a failed block leaves the previous model, config and tokenizer consistent."""
     run_dir = Path(run_dir)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     bad = non_finite(state.items())
     if bad:
         raise UserError(f"not saving {run_dir}: {', '.join(bad[:3])} hold NaN or infinite values")
     if model.args.tie_embeddings:
-        del state["output.weight"]  # the same tensor as tok_embeddings.weight
+        del state["output.weight"]  # The same tensor as tok_embeddings.weight.
     recorded = {"tokenizer_sha256": tokenizer_sha256(tokenizer)} if tokenizer is not None else {}
     text = json.dumps({"model": model.args.to_dict(), **(config or {}), **recorded}, indent=2)
     target = run_dir / tokenizer_name(tokenizer) if tokenizer is not None else None
@@ -59,8 +60,8 @@ def model_files(model: Transformer, run_dir, config: dict | None = None, tokeniz
     needed = model_bytes(model) + len(text) + (Path(tokenizer).stat().st_size if copy else 0)
     check_free_space(run_dir, needed, f"the model to {run_dir}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    # a signal waits from the block to the last rename, so that all or none are renamed
-    with ExitStack() as renames, ExitStack() as files:  # files renamed in the reverse order
+    # Signals wait from the block to the last rename, so all or none are renamed.
+    with ExitStack() as renames, ExitStack() as files:  # Files are renamed in reverse order.
         weights = files.enter_context(atomic_output(run_dir / "model.safetensors", needed))
         save_file(state, weights, metadata={WEIGHTS_MODEL: json.dumps(model.args.to_dict())})
         config_tmp = files.enter_context(atomic_output(run_dir / "config.json"))
@@ -68,7 +69,7 @@ def model_files(model: Transformer, run_dir, config: dict | None = None, tokeniz
         if copy:
             shutil.copyfile(tokenizer, files.enter_context(atomic_output(target)))
             tokenizer_config = Path(tokenizer).with_name(TOKENIZER_CONFIG)
-            if tokenizer_config.is_file():  # special tokens, the chat template
+            if tokenizer_config.is_file():  # Special tokens and the chat template.
                 shutil.copyfile(
                     tokenizer_config, files.enter_context(atomic_output(run_dir / TOKENIZER_CONFIG))
                 )
@@ -82,15 +83,15 @@ def tokenizer_name(tokenizer) -> str:
 
 
 def model_bytes(model: Transformer) -> int:
-    """About the size of model.safetensors: the weights (a tied output counted once), a header."""
+    """About the size of model.safetensors: the weights, a tied output once, and a header."""
     params = {id(p): p for p in model.parameters()}.values()
     return sum(p.numel() * p.element_size() for p in params) + 64 * 1024
 
 
 def non_finite(named_tensors) -> list[str]:
     """The names of the floating-point tensors among (name, tensor) pairs that hold a NaN or inf.
-    A finite sum proves a tensor finite (a NaN or inf makes it NaN or inf) without the full-size
-    mask that isfinite makes (0.03 s against 0.29 s for a 135M model's weights)."""
+    A NaN or inf makes the sum NaN or inf, so a finite sum proves a tensor finite. That skips
+    isfinite's full-size mask: 0.03 s against 0.29 s for a 135M model's weights."""
     return [
         name
         for name, t in named_tensors
@@ -101,7 +102,7 @@ def non_finite(named_tensors) -> list[str]:
 
 
 def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
-    """The model saved in run_dir and its config.json; UserError naming what is missing or wrong."""
+    """The model saved in run_dir and its config.json. UserError names what is missing or wrong."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
         raise UserError(not_a_run_file(run_dir))
@@ -136,8 +137,8 @@ def load_model(run_dir, device="cpu") -> tuple[Transformer, dict]:
 
 
 def not_a_run_file(path: Path) -> str:
-    """What to say of a file given where a run directory goes: a GGUF is imported first; a file in
-    a run is its run's; anything else is neither."""
+    """What to say of a file given where a run directory goes. A GGUF must be imported first.
+    A file inside a run points to its run. Anything else is neither."""
     if is_gguf_file(path):
         return (
             f"{path} is a GGUF file, not a run directory; import it first: "
@@ -150,8 +151,8 @@ def not_a_run_file(path: Path) -> str:
 
 
 def read_run_config(path: Path) -> dict:
-    """A run's config.json, a JSON object with a "model" key; UserError naming the file and what
-    is wrong with it (not UTF-8, not JSON, not an object, no "model")."""
+    """A run's config.json, a JSON object with a "model" key. A UserError names the file and what
+    is wrong: not UTF-8, not JSON, not an object, or no "model"."""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
@@ -179,8 +180,8 @@ def read_weights(path: Path, device) -> tuple[dict, dict | None]:
 
 
 def check_saved_model(args: ModelArgs, saved: dict | None):
-    """UserError naming the first model key (but CONTEXT_KEYS) in which config.json's model, `args`,
-    differs from the one the weights were saved with, `saved` (None: not recorded)."""
+    """UserError naming the first model key where config.json's `args` differ from `saved`, the
+    model the weights were saved with. CONTEXT_KEYS may differ. None means it was not recorded."""
     ours = args.to_dict()
     for key, value in (saved or {}).items():
         if key in ours and key not in CONTEXT_KEYS and ours[key] != value:
@@ -191,7 +192,7 @@ def check_saved_model(args: ModelArgs, saved: dict | None):
 
 
 def is_gguf_file(path: Path) -> bool:
-    """Whether `path` is a file named *.gguf, in any case (UPPER.GGUF too): what --run imports."""
+    """Whether `path` is a file named *.gguf, in any case (UPPER.GGUF too). --run imports one."""
     return path.suffix.lower() == ".gguf" and path.is_file()
 
 
@@ -205,9 +206,9 @@ def is_hf_directory(path: Path) -> bool:
 
 
 def load_run(run_dir, device, dtype: torch.dtype) -> tuple[Transformer, dict, object]:
-    """(model in dtype and eval mode, config, tokenizer (data.tokenizer's interface)) from a run
-    directory; UserError naming what is wrong. The tokenizer may have fewer pieces than the model
-    has embeddings (padded vocabularies): generate.py then samples only ids it can decode."""
+    """(model in dtype and eval mode, config, tokenizer) from a run directory. UserError names
+    what is wrong. The tokenizer, with data.tokenizer's interface, may have fewer pieces than a
+    padded vocabulary has embeddings. generate.py then samples only ids it can decode."""
     model, config = load_model(run_dir, device)
     tokenizer_path = tokenizer_file(run_dir)
     if tokenizer_path is None:
@@ -230,7 +231,7 @@ def load_run(run_dir, device, dtype: torch.dtype) -> tuple[Transformer, dict, ob
 
 
 def read_tokenizer(path: Path):
-    """The tokenizer of a tokenizer.model or tokenizer.json file; UserError if it is not one."""
+    """The tokenizer of a tokenizer.model or tokenizer.json file. UserError if it is not one."""
     try:
         return open_tokenizer(path)
     except ValueError as e:
@@ -239,10 +240,10 @@ def read_tokenizer(path: Path):
 
 @contextmanager
 def embedding_not_drawn():
-    """nn.init.normal_ a no-op while a model is built on the meta device to be assigned weights:
-    nn.Embedding draws its table with it, which on a meta tensor runs a Python reference that
-    imports torch._dynamo, a second of a chat's start-up (transformers' no_init_weights skips
-    inits the same way)."""
+    """Make nn.init.normal_ a no-op while a model is built on the meta device for given weights.
+    nn.Embedding draws its table with it. On a meta tensor, that runs a Python reference that
+    imports torch._dynamo, a second of a chat's start-up. transformers' no_init_weights skips
+    inits the same way."""
     normal = nn.init.normal_
 
     def not_drawn(tensor, *args, **kwargs):
@@ -256,14 +257,14 @@ def embedding_not_drawn():
 
 
 def model_from_state_dict(args: ModelArgs, state: dict, config: str = "config.json") -> Transformer:
-    """A Transformer of args holding state's tensors as they are (dtype, device), uninitialized;
-    `config` names where args came from in a refusal."""
+    """A Transformer of args holding state's tensors as they are (dtype, device), uninitialized.
+    `config` names where args came from, in errors."""
     layers = len({key.split(".")[1] for key in state if key.startswith("layers.")})
     embedding = state.get("tok_embeddings.weight")
     rows, columns = (
         embedding.shape if embedding is not None and embedding.ndim == 2 else (None, None)
     )
-    # checked before the model is built: a corrupt size could take minutes
+    # Checked before the model is built. A corrupt size could take minutes.
     for key, found in (("n_layers", layers), ("vocab_size", rows), ("dim", columns)):
         if found not in (None, getattr(args, key)):
             raise UserError(
@@ -276,7 +277,7 @@ def model_from_state_dict(args: ModelArgs, state: dict, config: str = "config.js
         model = Transformer(args)
     try:
         model.load_state_dict(state, assign=True)
-    except RuntimeError as e:  # a line per wrong weight; the first, with its shapes, says enough
+    except RuntimeError as e:  # One line per wrong weight. The first, with its shapes, says enough.
         problems = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
         first = re.sub(
             r"copying a param with shape torch\.Size\((.*?)\) from checkpoint, "

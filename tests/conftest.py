@@ -11,7 +11,7 @@ import torch
 from data.build import prepare
 from data.loader import RandomBatches
 from model import ModelArgs, Transformer
-from picollama.components import registry as components  # noqa: F401  (the alternatives the tests build)
+from picollama.components import registry  # noqa: F401  (fills the tables: every variant)
 from picollama.run_files import save_model
 
 TRAIN_LEN = 32

@@ -15,8 +15,9 @@ from picollama.convert import main as convert
 from picollama.convert import to_gguf as gguf_export
 from picollama.convert.hf import from_hf_state_dict, hf_config, to_hf_state_dict
 from picollama.run_files import load_model, load_run, save_model
-from picollama.sampling.decode import Sampling, generate
+from picollama.sampling.decode import generate
 from picollama.sampling.prompts import encode_prompt
+from picollama.sampling.sampler import Sampling
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32, multiple_of=16)
 CONFIGS = {

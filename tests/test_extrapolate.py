@@ -21,7 +21,8 @@ from model import POSITIONS, ModelArgs, Transformer
 from picollama.cli import UserError
 from picollama.cli.command import run_command
 from picollama.cli.flags import ArgumentParser
-from picollama.components.length import ROPE_SCALINGS, stretched
+from picollama.components.length import stretched
+from picollama.components.registry import ROPE_SCALINGS
 from picollama.lab import extrapolate, passkey, runs, scoring, text_track
 from picollama.run_files import load_run
 

@@ -15,7 +15,7 @@ from picollama.convert import hf as hf_format
 from picollama.convert import main as convert
 from picollama.run_files import load_model, load_run
 from picollama.sampling import memory as memory_budget
-from picollama.sampling.decode import Sampling, sample
+from picollama.sampling.sampler import Sampler, Sampling
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +45,29 @@ def test_a_tiny_temperature_samples_greedily(temperature):
     """logits / temperature overflows (inf; NaN where the temperature is 0 in float32): the limit of
     a temperature going to 0 is greedy, never a failed torch.multinomial."""
     logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [-5.0, -1.0, -3.0, -2.0], [0.0, 0.5, 0.0, 0.2]])
-    generator = torch.Generator().manual_seed(0)
     for top_k, top_p in [(None, None), (2, None), (None, 0.5), (3, 0.9)]:
-        assert sample(logits, temperature, top_k, top_p, generator).tolist() == [1, 1, 1]
+        for seed in (0, None):  # its own generator, or torch's global one
+            sampler = Sampler([Sampling(1, temperature, top_k, top_p, seed)] * 3, logits.device)
+            assert sampler(logits, [True] * 3).tolist() == [1, 1, 1]
 
 
 def test_ordinary_temperatures_sample_as_before():
     """The overflow guard changes no sample: the same draws as softmax(logits / t) alone."""
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1)) * 4
+    every = [True] * len(logits)
     for temperature in (0.5, 0.8, 1.0, 2.0):
-        ours = sample(logits, temperature, None, None, torch.Generator().manual_seed(7))
-        plain = torch.multinomial(
-            (logits / temperature).softmax(-1), 1, generator=torch.Generator().manual_seed(7)
-        )
-        assert torch.equal(ours, plain.squeeze(-1))
+        probs = (logits / temperature).softmax(-1)
+        # each row seeded 7 + row: its own generator
+        seeded = [Sampling(1, temperature, seed=7 + row) for row in range(len(logits))]
+        ours = Sampler(seeded, logits.device)(logits, every)
+        for row, token in enumerate(ours.tolist()):
+            generator = torch.Generator().manual_seed(7 + row)
+            assert token == torch.multinomial(probs[row], 1, generator=generator).item()
+        # no seed: one draw of every row from torch's global generator
+        torch.manual_seed(7)
+        ours = Sampler([Sampling(1, temperature)] * len(logits), logits.device)(logits, every)
+        torch.manual_seed(7)
+        assert torch.equal(ours, torch.multinomial(probs, 1).squeeze(-1))
 
 
 def test_a_tiny_temperature_on_the_command_line_is_greedy(run_dir, capsys):

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from model import ModelArgs, Transformer, apply_rotary, rope_frequencies, rope_rotations
 from picollama.sampling import decode as decoding
 from picollama.sampling.caches import quantize_rows, setup_cache
-from picollama.sampling.decode import Sampling
+from picollama.sampling.decode import DecodeOptions
 from picollama.sampling.decode_ops import cpu_isa, decode_ops, isa_class
 from picollama.sampling.fused_step import DecodeStep, RowDot, projection
 from picollama.sampling.quantize import Int4Linear, Int8Linear, Int8RowDot, quantize
+from picollama.sampling.sampler import Sampling
 from picollama.sampling.timing import compiled_unless_slower, pick_step, tune_threads
 
 # tiny models on one thread throughout (conftest.one_thread: two stall each other on a busy 2-core
@@ -125,7 +126,9 @@ def test_generate_with_the_fused_step_gives_the_same_tokens():
     model = make_model()
     expected = decoding.generate(copy_of(model), PROMPTS, Sampling(20, temperature=0))
     assert (
-        decoding.generate(model, PROMPTS, Sampling(20, temperature=0), step=DecodeStep(model))
+        decoding.generate(
+            model, PROMPTS, Sampling(20, temperature=0), options=DecodeOptions(DecodeStep(model))
+        )
         == expected
     )
 
@@ -203,20 +206,23 @@ def test_compiled_step_gives_the_same_tokens_without_recompiling(one_thread):
     model = make_model(n_layers=1, max_seq_len=16, rope_scaling="linear", rope_factor=4.0)
     reference = copy_of(model)
     step = DecodeStep(model, compiled=True)
+    fused = DecodeOptions(step)
     # on the CPU: products written by Inductor
     assert isinstance(step.layers[0].w13, RowDot)
     # cache lengths 17, 42, 16
     for prompts, new in (([[1, 5, 6, 7]], 13), ([[1, 9]], 40), ([[1, 2, 3]], 13)):
         expected = decoding.generate(reference, prompts, Sampling(new, temperature=0))
         assert (
-            decoding.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
+            decoding.generate(model, prompts, Sampling(new, temperature=0), options=fused)
+            == expected
         )
     assert list(step.compiled) == [("shared", 1, 1)]
     for new in (13, 20):  # rows of a token buffer as wide as the run
         prompts = [[1, 5, 6, 7], [1, 9, 2, 3]]
         expected = decoding.generate(reference, prompts, Sampling(new, temperature=0))
         assert (
-            decoding.generate(model, prompts, Sampling(new, temperature=0), step=step) == expected
+            decoding.generate(model, prompts, Sampling(new, temperature=0), options=fused)
+            == expected
         )
     assert list(step.compiled) == [("shared", 1, 1), ("shared", 2, 2)]
     # up to the cache's last slot, whose keys are the whole cache
@@ -308,7 +314,9 @@ def test_compiled_unless_slower_decodes_like_the_model(one_thread):
     expected = decoding.generate(copy_of(model), PROMPTS[:2], Sampling(12, temperature=0))
     step, note = compiled_unless_slower(model, DecodeStep(model), batch=2)
     assert note is None or note.startswith("--compile:")
-    assert decoding.generate(model, PROMPTS[:2], Sampling(12, temperature=0), step=step) == expected
+    fused = DecodeOptions(step)
+    got = decoding.generate(model, PROMPTS[:2], Sampling(12, temperature=0), options=fused)
+    assert got == expected
     # timed at the batch it decodes
     assert step.compiled is None or list(step.compiled) == [("shared", 2, 2)]
     # the model's layers hold views of the chosen step's weights (the other's copy went with it)

@@ -1,19 +1,58 @@
-"""The layout the card and the "core and lab" issue fix: a small top level, model.py a leaf that
-reads top to bottom, short functions."""
+"""The layout the card and the "core and lab" and "wings" issues fix: a small top level, model.py a
+leaf that reads top to bottom, short functions, and picollama/ in layered sub-packages."""
 
 import ast
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CARD = {"pyproject.toml", "model.py", "train.py", "generate.py", "data", "configs", "tests"}
+PACKAGE = REPO / "picollama"
+# the modules at the package's root, shared by every layer above config. __init__ is the
+# package's face (REPO_ROOT): it imports nothing of picollama, and every layer may read it.
+ROOT_LEAVES = {"__init__", "device", "run_files", "chat_template"}
+# picollama's layers, lowest first ("root": ROOT_LEAVES); a module imports only from its own layer
+# and those below it
+LAYERS = [
+    "face",
+    "cli",
+    "components",
+    "config",
+    "root",
+    "convert",
+    "sampling",
+    "training",
+    "serve",
+    "lab",
+]
+ENTRY_SCRIPTS = {"train", "generate"}
+MAX_MODULES = 15  # a sub-package's modules, __init__ and __main__ not counted
+# a module's name does not repeat its folder's: serve/app.py, not serve/serve_app.py
+FOLDER_WORDS = {
+    "components": {"component", "components"},
+    "config": {"config", "configs"},
+    "convert": {"convert", "converted", "conversion"},
+    "sampling": {"sample", "sampled", "sampler", "sampling"},
+    "training": {"train", "trained", "trainer", "training"},
+    "serve": {"serve", "served", "server", "serving"},
+    "bench": {"bench", "benchmark"},
+}
+README_TREE_LINES = 60
 
 
 def tracked(pattern: str = "*") -> list[str]:
-    done = subprocess.run(["git", "ls-files", pattern], cwd=REPO, capture_output=True, text=True)
+    """The files a commit of the tree would hold: tracked or new (not ignored), and present."""
+    done = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", pattern],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
-    return done.stdout.split()
+    return [path for path in dict.fromkeys(done.stdout.split()) if (REPO / path).is_file()]
 
 
 def functions(path: str) -> list[ast.FunctionDef]:
@@ -80,13 +119,19 @@ def test_model_py_and_every_other_source_file_stay_small():
 
 
 def imports(path: str) -> list[tuple[str, ast.AST]]:
-    """(module, node) of every import in a file, however deep (lazy ones too)."""
+    """(module, node) of every import in a file, however deep (lazy ones too); a relative import
+    spelled out from the file's package."""
+    package = path[:-3].replace("/", ".").rpartition(".")[0]
     found = []
     for node in ast.walk(ast.parse((REPO / path).read_text())):
         if isinstance(node, ast.Import):
             found += [(alias.name, node) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found += [(f"{node.module}.{alias.name}", node) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0]
+                base = f"{anchor}.{base}".rstrip(".")
+            found += [(f"{base}.{alias.name}", node) for alias in node.names]
     return found
 
 
@@ -165,3 +210,177 @@ def test_no_import_cycle_among_the_projects_modules():
 
     for name in graph:
         visit(name, [])
+
+
+def source_modules() -> dict[str, str]:
+    """Every module outside the tests, dotted (a package by its own name): its path."""
+    return {
+        p[:-3].replace("/", ".").removesuffix(".__init__"): p
+        for p in tracked("*.py")
+        if not p.startswith("tests/")
+    }
+
+
+def imported_modules(path: str, modules: dict[str, str]) -> list[tuple[str, ast.AST]]:
+    """(module, node) of each of the project's modules a file imports, at any depth: `from a
+    import b` counts a.b where b is a module, else a."""
+    found = []
+    for name, node in imports(path):
+        target = name if name in modules else name.rpartition(".")[0]
+        if target in modules:
+            found.append((target, node))
+    return found
+
+
+def layer(module: str) -> str | None:
+    """The layer of one of picollama's modules, by its sub-package; None outside picollama."""
+    parts = module.split(".")
+    if parts[0] != "picollama":
+        return None
+    if len(parts) == 1:  # the package's face (REPO_ROOT): Python runs it before any module
+        return "face"
+    return "root" if parts[1] in ROOT_LEAVES else parts[1]
+
+
+def sub_packages() -> list[Path]:
+    """picollama's sub-packages, at any depth (lab/bench too): the folders holding modules."""
+    folders = {(REPO / p).parent for p in tracked("picollama/*.py")}
+    return sorted(folder for folder in folders if folder != PACKAGE)
+
+
+def test_the_package_root_holds_only_the_shared_leaves():
+    leaves = {Path(p).stem for p in tracked("picollama/*.py") if p.count("/") == 1}
+    assert leaves == ROOT_LEAVES, leaves ^ ROOT_LEAVES
+
+
+def test_every_sub_package_has_a_layer_and_is_installed():
+    top = {folder.relative_to(PACKAGE).parts[0] for folder in sub_packages()}
+    expected = set(LAYERS) - {"face", "root"}
+    assert top == expected, top ^ expected
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dotted = {".".join(folder.relative_to(REPO).parts) for folder in sub_packages()}
+    assert dotted | {"picollama"} <= set(packages["packages"]), dotted - set(packages["packages"])
+
+
+def test_each_module_imports_only_its_own_layer_and_those_below():
+    modules = source_modules()
+    upward = [
+        f"{path}:{node.lineno} ({layer(name)}) imports {target} ({layer(target)})"
+        for name, path in modules.items()
+        if layer(name)
+        for target, node in imported_modules(path, modules)
+        if layer(target) and LAYERS.index(layer(target)) > LAYERS.index(layer(name))
+    ]
+    assert not upward, upward
+
+
+def test_no_import_cycle_among_the_sub_packages():
+    # a graph over picollama's folders (its root, cli, ..., lab, lab.bench), every import counted
+    modules = source_modules()
+    folder = {name: path.rpartition("/")[0].replace("/", ".") for name, path in modules.items()}
+    folder["picollama"] = "picollama.__init__"  # the face: it imports nothing of picollama
+    graph = {}
+    for name, path in modules.items():
+        if not layer(name):
+            continue
+        edges = graph.setdefault(folder[name], {})
+        for target, node in imported_modules(path, modules):
+            if layer(target) and folder[target] != folder[name]:
+                edges.setdefault(folder[target], f"{path}:{node.lineno}")
+    state = {}
+
+    def visit(package, trail):
+        if state.get(package) == "done":
+            return
+        assert state.get(package) != "open", " -> ".join(trail + [package])
+        state[package] = "open"
+        for target, where in graph.get(package, {}).items():
+            visit(target, trail + [f"{package} ({where})"])
+        state[package] = "done"
+
+    for package in graph:
+        visit(package, [])
+
+
+def test_nothing_imports_an_entry_script():
+    # train.py and generate.py are doors in, never a library: what they share lives in picollama
+    # (training/step.py, sampling/load.py); the lab is entered by generate.py, never the reverse
+    reaching = []
+    for path in tracked("*.py"):
+        if path.startswith("tests/"):
+            continue
+        tree = ast.parse((REPO / path).read_text())
+        names = [(name, node) for name, node in imports(path)]
+        names += [
+            (node.args[0].value, node)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ]
+        reaching += [
+            f"{path}:{node.lineno} {name}"
+            for name, node in names
+            if name.split(".")[0] in ENTRY_SCRIPTS
+        ]
+    assert not reaching, reaching
+
+
+def test_each_sub_package_holds_at_most_15_modules():
+    counts = {
+        str(folder.relative_to(REPO)): sum(
+            path.stem not in {"__init__", "__main__"} for path in folder.glob("*.py")
+        )
+        for folder in sub_packages()
+    }
+    crowded = {folder: count for folder, count in counts.items() if count > MAX_MODULES}
+    assert not crowded, crowded
+
+
+def test_each_sub_package_says_what_it_owns_in_its_init_docstring():
+    silent = [
+        str(folder.relative_to(REPO))
+        for folder in sub_packages()
+        if not (folder / "__init__.py").is_file()
+        or not (ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or "").strip()
+    ]
+    assert not silent, silent
+
+
+def test_no_module_name_repeats_its_folders():
+    # serve/serve_app.py and serve/serve.py repeat it; sampling/sampler.py names a thing
+    repeating = [
+        str(path.relative_to(REPO))
+        for folder in sub_packages()
+        for path in folder.glob("*.py")
+        if path.stem == folder.name
+        or (
+            "_" in path.stem.strip("_")
+            and path.stem.split("_")[0] in FOLDER_WORDS.get(folder.name, {folder.name})
+        )
+    ]
+    assert not repeating, repeating
+
+
+def readme_tree() -> list[str]:
+    """The lines of README.md's file tree: the first fenced block after the Files (or Layout)
+    heading that starts at "."."""
+    text = (REPO / "README.md").read_text()
+    heading = re.search(r"^#+ (Files|Layout)\b.*$", text, flags=re.M)
+    assert heading, "README.md has no Files or Layout heading"
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text[heading.end() :], flags=re.S | re.M)
+    trees = [block.splitlines() for block in blocks if block.startswith(".\n")]
+    assert trees, "README.md's Files section has no tree starting at ."
+    return trees[0]
+
+
+def test_the_readme_tree_is_at_most_60_lines_and_names_each_folder_and_leaf():
+    tree = readme_tree()
+    assert len(tree) <= README_TREE_LINES, f"README.md's tree is {len(tree)} lines"
+    text = "\n".join(tree)
+    folders = {folder.name for folder in sub_packages()}
+    missing = [f"{name}/" for name in sorted(folders) if f" {name}/" not in text]
+    missing += [f"{leaf}.py" for leaf in sorted(ROOT_LEAVES - {"__init__"}) if leaf not in text]
+    assert not missing, f"README.md's tree does not name {missing}"

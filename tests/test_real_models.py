@@ -18,8 +18,9 @@ from picollama.convert import hf as hf_format
 from picollama.convert import main as convert
 from picollama.convert import to_gguf as gguf_export
 from picollama.run_files import load_model, load_run
-from picollama.sampling.decode import Sampling, generate
+from picollama.sampling.decode import generate
 from picollama.sampling.prompts import TextStream, encode_prompt
+from picollama.sampling.sampler import Sampling
 
 TEXTS = [
     "Héllo wörld, ça va? Ñandú über naïve café",
@@ -477,8 +478,9 @@ import sys, torch
 from pathlib import Path
 from picollama.convert import main as convert
 from picollama.cli.command import run_command
-from picollama.sampling.decode import Sampling, generate
+from picollama.sampling.decode import generate
 from picollama.sampling.prompts import encode_prompt
+from picollama.sampling.sampler import Sampling
 from picollama.run_files import load_run
 gguf, run = sys.argv[1:]
 print("status", run_command(convert.main, ["from-gguf", "--gguf", gguf, "--out", run]), flush=True)

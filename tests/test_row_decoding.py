@@ -1,11 +1,12 @@
-"""row_decoding.generate_rows: a batch where each row samples, stops and reports on its own."""
+"""decode.decode_rows, the one static loop: each row of a batch samples, stops and reports alone."""
 
 import pytest
 import torch
 
 from model import ModelArgs, Transformer
-from picollama.sampling.decode import Sampling, generate
-from picollama.sampling.rows import Row, generate_rows
+from picollama.sampling.decode import decode_rows, generate
+from picollama.sampling.rows import Row
+from picollama.sampling.sampler import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def decode(model, rows, **kwargs) -> tuple[list[list[int]], dict, list]:
         handed.append((row, token))
         return False
 
-    outputs = generate_rows(model, rows, on_token, reasons.__setitem__, **kwargs)
+    outputs = decode_rows(model, rows, on_token, reasons.__setitem__, **kwargs)
     return outputs, reasons, handed
 
 
@@ -57,7 +58,7 @@ def test_stop_ids_and_a_true_on_token_end_a_row(model):
         return row == 1 and halted.count(1) == 3
 
     reasons = {}
-    outputs = generate_rows(model, rows, on_token, reasons.__setitem__)
+    outputs = decode_rows(model, rows, on_token, reasons.__setitem__)
     assert outputs[0] == greedy[: greedy.index(stop)] and stop not in outputs[0]
     assert len(outputs[1]) == 3 and halted.count(1) == 3
     assert reasons == {0: "stop", 1: "halted"}

@@ -24,9 +24,10 @@ from picollama.convert import main as convert
 from picollama.run_files import load_run
 from picollama.sampling import memory as memory_budget
 from picollama.sampling.caches import Sinks
-from picollama.sampling.decode import Sampling, TokenRing
+from picollama.sampling.decode import DecodeOptions, TokenRing
 from picollama.sampling.decode import generate as sample_rows
 from picollama.sampling.prompts import TextStream
+from picollama.sampling.sampler import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -246,8 +247,7 @@ def test_sinks_pass_the_memory_check_for_any_length_and_allocate_little(tiny, mo
             [[1, 5, 7]],
             Sampling(new, temperature=1.0, seed=0),
             on_token=appender(streamed),
-            sinks=Sinks(4, 16),
-            keep=False,
+            options=DecodeOptions(sinks=Sinks(4, 16), keep=False),
         )
         peaks[new] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
@@ -255,7 +255,10 @@ def test_sinks_pass_the_memory_check_for_any_length_and_allocate_little(tiny, mo
     assert {ring.ids.shape for ring in made} == {(1, 3 + TokenRing.RING)}
     assert peaks[1000] < 2 * peaks[100] + 65536, peaks  # the sample streamed out, not kept
     kept = sample_rows(
-        model, [[1, 5, 7]], Sampling(1000, temperature=1.0, seed=0), sinks=Sinks(4, 16)
+        model,
+        [[1, 5, 7]],
+        Sampling(1000, temperature=1.0, seed=0),
+        options=DecodeOptions(sinks=Sinks(4, 16)),
     )
     assert kept == [streamed]  # the same tokens, kept where asked
 

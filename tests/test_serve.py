@@ -397,8 +397,8 @@ def test_bad_input_is_a_4xx_in_openais_shape_and_the_next_request_is_served(
 def test_the_engine_batches_the_oldest_first_and_frees_the_places_of_clients_gone():
     import asyncio
 
-    from picollama.sampling.decode import Sampling
     from picollama.sampling.rows import Row
+    from picollama.sampling.sampler import Sampling
     from picollama.serve.engine import Engine, Job, QueueFull
 
     def job(length: int, n: int = 1) -> Job:

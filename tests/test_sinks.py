@@ -11,8 +11,9 @@ from picollama.cli.command import run_command
 from picollama.run_files import save_model
 from picollama.sampling import decode as decoding
 from picollama.sampling.caches import SinkCache, Sinks
-from picollama.sampling.decode import Sampling
+from picollama.sampling.decode import DecodeOptions
 from picollama.sampling.fused_step import DecodeStep
+from picollama.sampling.sampler import Sampling
 
 TINY = dict(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=16
@@ -50,9 +51,12 @@ def fast(model: Transformer, fused: bool):
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_window_longer_than_the_generation_changes_nothing(fused, one_thread):
     model = make_model()
-    plain = decoding.generate(model, PROMPTS, Sampling(20, temperature=0), step=fast(model, fused))
+    step = fast(model, fused)
+    plain = decoding.generate(
+        model, PROMPTS, Sampling(20, temperature=0), options=DecodeOptions(step)
+    )
     sunk = decoding.generate(
-        model, PROMPTS, Sampling(20, temperature=0), step=fast(model, fused), sinks=Sinks(4)
+        model, PROMPTS, Sampling(20, temperature=0), options=DecodeOptions(step, sinks=Sinks(4))
     )
     assert sunk == plain and all(len(row) == 20 for row in sunk)
 
@@ -73,8 +77,7 @@ def test_the_cache_never_grows_past_the_window(fused, one_thread):
         PROMPTS,
         Sampling(200, temperature=1.0, seed=0),
         on_token=watch,
-        step=fast(model, fused),
-        sinks=Sinks(4, window=16),
+        options=DecodeOptions(fast(model, fused), sinks=Sinks(4, window=16)),
     )
     assert [len(row) for row in rows] == [200] * 3
     assert len(seen) == 1 and next(iter(seen))[:2] == ((3, 2, 16, 16),) * 2
@@ -175,10 +178,10 @@ def test_a_batch_with_sinks_equals_one_by_one(one_thread):
     """Rows share cache slots, so evictions happen together; a prompt longer than the window
     (chunked into the cache alone, one token a step in the batch) gives the same text."""
     model = make_model()
-    sinks = Sinks(2, window=8)
-    batch = decoding.generate(model, PROMPTS, Sampling(40, temperature=0), sinks=sinks)
+    sunk = DecodeOptions(sinks=Sinks(2, window=8))
+    batch = decoding.generate(model, PROMPTS, Sampling(40, temperature=0), options=sunk)
     alone = [
-        decoding.generate(model, [p], Sampling(40, temperature=0), sinks=sinks)[0] for p in PROMPTS
+        decoding.generate(model, [p], Sampling(40, temperature=0), options=sunk)[0] for p in PROMPTS
     ]
     assert batch == alone
 
@@ -189,7 +192,9 @@ def test_the_flags_are_checked():
     with pytest.raises(ValueError, match="--window must be larger than --sink-tokens"):
         Sinks(4, window=4)
     with pytest.raises(ValueError, match="fills the model's context of 32"):
-        decoding.generate(make_model(), PROMPTS, Sampling(4), sinks=Sinks(32))
+        decoding.generate(
+            make_model(), PROMPTS, Sampling(4), options=DecodeOptions(sinks=Sinks(32))
+        )
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from model import ModelArgs, Transformer
-from picollama.sampling.decode import Sampling
+from picollama.sampling.decode import decode_rows
 from picollama.sampling.decode_ops import decode_ops
 from picollama.sampling.fused_step import DecodeStep
-from picollama.sampling.rows import Row, generate_rows
+from picollama.sampling.rows import Row
+from picollama.sampling.sampler import Sampling
 from picollama.sampling.slots import SHORTEST_CACHE, Slots
 
 
@@ -22,7 +23,7 @@ def model(one_thread):
 def alone(model, row: Row) -> tuple[list[int], str]:
     """The row's tokens and end reason, decoded by itself with the model's forward."""
     reasons = {}
-    tokens = generate_rows(model, [row], lambda r, t: False, reasons.__setitem__)[0]
+    tokens = decode_rows(model, [row], lambda r, t: False, reasons.__setitem__)[0]
     return tokens, reasons[0]
 
 
@@ -59,7 +60,7 @@ def test_rows_joining_and_leaving_between_steps_decode_as_they_do_alone(model):
         for i in joins.get(step, []):
             slots.join(ROWS[i], records[i].on_token, records[i].on_done)
         if slots.slots:
-            slots.step_all()
+            slots.advance()
     assert not slots.slots
     assert [(r.tokens, r.reason) for r in records] == [alone(model, row) for row in ROWS]
 
@@ -72,7 +73,7 @@ def test_a_stop_id_and_a_halting_client_end_a_row_and_free_its_slot(model):
     slots.join(Row([1, 2], Sampling(20, 0.0), stop), stopped.on_token, stopped.on_done)
     slots.join(Row([1, 3], Sampling(20, 0.0)), halted.on_token, halted.on_done)
     while slots.slots:
-        slots.step_all()
+        slots.advance()
     before = greedy[: greedy.index(greedy[5])]  # up to its first stop id, not handed over
     assert (stopped.tokens, stopped.reason) == (before, "stop")
     assert (len(halted.tokens), halted.reason) == (3, "halted")
@@ -102,6 +103,6 @@ def test_the_compiled_step_decodes_rows_as_eager(model):
         for row, record in zip(rows, records):
             slots.join(row, record.on_token, record.on_done)
         while slots.slots:
-            slots.step_all()
+            slots.advance()
         got.append([r.tokens for r in records])
     assert got[0] == got[1] == [alone(model, row)[0] for row in rows]

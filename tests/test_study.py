@@ -18,7 +18,7 @@ from model import ModelArgs, Transformer
 from picollama.cli import UserError
 from picollama.cli.command import run_command
 from picollama.cli.flags import ArgumentParser
-from picollama.components.length import ROPE_SCALINGS
+from picollama.components.registry import ROPE_SCALINGS
 from picollama.config.training import parse_cli
 from picollama.lab import retrieval_track, study
 from picollama.run_files import save_model

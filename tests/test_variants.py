@@ -18,7 +18,7 @@ from model import (
     sdpa_attention,
 )
 from picollama.cli.command import run_command
-from picollama.components.variants import MLP, SWITCHES, ALiBi, Sinusoidal
+from picollama.components.variants import MLP, ALiBi, Sinusoidal, switches
 from picollama.config.model_args import checked_model_args
 from picollama.convert import hf as hf_format
 from picollama.convert import main as convert
@@ -482,7 +482,7 @@ def test_a_non_rope_model_needs_no_even_head_size():
 @pytest.mark.parametrize("name", [n for n in VARIANTS if n != "llama"])
 def test_hf_export_refuses_what_llama_cannot_express(name):
     model = make_model(**VARIANTS[name])
-    key = next(k for k in SWITCHES if k in VARIANTS[name])
+    key = next(k for k in switches() if k in VARIANTS[name])
     with pytest.raises(ValueError, match=f"no model.{key} = "):
         hf_format.hf_config(model.args)
     with pytest.raises(ValueError, match=f"no model.{key} = "):
@@ -496,7 +496,7 @@ def test_every_exporter_refuses_every_non_llama_switch_in_one_line(name, command
     out = tmp_path / ("hf" if command == "to-hf" else "m.gguf")
     assert run_command(convert.main, [command, "--run", str(run), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    key = next(k for k in SWITCHES if k in VARIANTS[name])
+    key = next(k for k in switches() if k in VARIANTS[name])
     assert err.startswith("error: ") and f"has no model.{key} = " in err and err.count("\n") == 1
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 

@@ -1,5 +1,5 @@
-"""What every command shares: its flags, its one `error:` line and exit status, its signals, and
-where it may write. Nothing here knows about models.
+"""What every command shares: flags, one `error:` line with an exit status, signals, and where
+it may write. Nothing here knows about models.
 
 UserError lives here because every layer raises it. run_command (command.py) prints it as one line
 and exits with status 2.

@@ -1,4 +1,5 @@
-"""Running a command: its one `error:` line and exit status, Ctrl-C and SIGTERM, held signals."""
+"""How a command ends: one `error:` line and an exit status, also on Ctrl-C and SIGTERM. Work
+that must finish can hold signals."""
 
 import os
 import signal
@@ -32,17 +33,18 @@ class Interrupted(KeyboardInterrupt):
 
 
 def run_command(main, argv=None) -> int:
-    """main(argv)'s exit status; user mistakes, OS errors and exhausted memory become one `error:`
-    line and status 2; Ctrl-C (130) and SIGTERM (143) at any moment become one `error:` line too,
-    even where Python would swallow the KeyboardInterrupt (in a __del__ or a callback). Only rank 0
-    of a torchrun job prints."""
+    """Run main(argv) and return its exit status.
+
+    User mistakes, OS errors and lack of memory print one `error:` line and give status 2. So do
+    Ctrl-C (130) and SIGTERM (143), even in a __del__ or a callback, where Python swallows the
+    KeyboardInterrupt. Only rank 0 of a torchrun job prints."""
     received = []
     with interrupt_handlers(received):
         try:
             status = main(sys.argv[1:] if argv is None else list(argv)) or 0
             if not received:
                 return status
-            # a signal whose KeyboardInterrupt was swallowed: the work may be incomplete
+            # A signal came but its KeyboardInterrupt was swallowed. The work may be incomplete.
             message = "interrupted"
         except KeyboardInterrupt as e:
             message, status = str(e) or "interrupted", 128 + signal.SIGINT
@@ -54,16 +56,16 @@ def run_command(main, argv=None) -> int:
             message, status = one_line(e), 2
     if received:
         status = 128 + received[0]
-    if os.environ.get("RANK", "0") == "0":  # text from argv may hold lone surrogates: escaped
+    if os.environ.get("RANK", "0") == "0":  # Escape lone surrogates from argv.
         print(f"error: {message}".encode(errors="backslashreplace").decode(), file=sys.stderr)
     return status
 
 
 @contextmanager
 def interrupt_handlers(received: list):
-    """SIGINT and SIGTERM raise KeyboardInterrupt and are recorded in `received`; a
-    KeyboardInterrupt that Python reports as "Exception ignored" is not printed (the caller sees it
-    in `received`). Main thread only."""
+    """Make SIGINT and SIGTERM raise KeyboardInterrupt and record them in `received`. Python's
+    "Exception ignored" print of one is dropped, since the caller sees it in `received`. Main
+    thread only."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -89,9 +91,10 @@ def interrupt_handlers(received: list):
 
 @contextmanager
 def held_signals(escape: bool = True):
-    """SIGINT and SIGTERM wait until the block ends (work that must finish, or leave nothing), then
-    arrive as if sent then; with `escape`, a second one while waiting arrives at once. Yields the
-    signals received while holding. Main thread only (elsewhere the block runs as it is)."""
+    """Hold SIGINT and SIGTERM until the block ends, then deliver them.
+
+    This guards work that must finish or leave nothing. With `escape`, a second signal arrives at
+    once. Yields the signals held. Main thread only. Elsewhere the block runs unguarded."""
     received = []
     if threading.current_thread() is not threading.main_thread():
         yield received
@@ -100,7 +103,7 @@ def held_signals(escape: bool = True):
 
     def hold(signum, frame):
         received.append(signum)
-        if escape and len(received) == 2:  # asked twice: stop now (the caller cleans up)
+        if escape and len(received) == 2:  # Asked twice, so stop now. The caller cleans up.
             restore()
             signal.raise_signal(signum)
 
@@ -114,5 +117,5 @@ def held_signals(escape: bool = True):
         yield received
     finally:
         restore()
-        if received and not (escape and len(received) > 1):  # else delivered already
-            signal.raise_signal(received[0])  # its own handler: a KeyboardInterrupt, or the default
+        if received and not (escape and len(received) > 1):  # Else it was delivered already.
+            signal.raise_signal(received[0])  # Now a KeyboardInterrupt, or the default action.

@@ -1,4 +1,4 @@
-"""What every command's flags share: the shared flags and their types, value checks."""
+"""The flags that commands share, each defined once, with their types and value checks."""
 
 import argparse
 import math
@@ -11,34 +11,34 @@ from picollama.cli import UserError
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are UserErrors, so that run_command prints them as one `error:`
-    line, and whose flags come from the vocabulary below, shared by every command."""
+    """argparse whose usage errors are UserErrors, so run_command prints one `error:` line.
+    The shared flags come from the vocabulary below."""
 
     def error(self, message):
         raise UserError(f"{message} (see --help)")
 
     def add_argument(self, *args, **kwargs):
-        """argparse's add_argument; a flag that sets one value is refused when given twice with
-        different values (argparse kept the last: `--run A --run B` read B)."""
+        """argparse's add_argument, but a one-value flag given twice with two values is refused.
+        Plain argparse keeps the last, so `--run A --run B` would quietly read B."""
         action = super().add_argument(*args, **kwargs)
         if action.option_strings and not isinstance(action, REPEATABLE):
             action.__class__ = given_once(type(action))
         return action
 
     def parse_known_args(self, args=None, namespace=None):
-        self.given = {}  # dest: (flag, value), what this command line set
+        self.given = {}  # dest -> (flag, value) this command line set.
         namespace, rest = super().parse_known_args(args, namespace)
         missing = [
             flag
             for dest, flag in getattr(self, "needed", ())
             if getattr(namespace, dest, None) is None
         ]
-        if missing:  # checked here, not by argparse, so that a flag's old spelling can supply it
+        if missing:  # Checked here, not by argparse, so an old spelling can supply it.
             self.error(f"the following arguments are required: {', '.join(missing)}")
         return namespace, rest
 
 
-# the actions meant to be given several times, or that end the parse
+# Actions meant to be given several times, or that end the parse.
 REPEATABLE = (
     argparse._AppendAction,
     argparse._AppendConstAction,
@@ -49,9 +49,10 @@ REPEATABLE = (
 
 
 def check_once(given: dict, dest: str, value, flag: str):
-    """Record in `given` (dest: (flag, value), what one command line set) that `flag` set `dest` to
-    `value`; UserError if another value was given to it before (by this flag or another spelling of
-    it): one command line, one value per setting."""
+    """Record in `given` that `flag` set `dest` to `value`.
+
+    `given` maps dest to (flag, value) for one command line. Each setting takes one value there.
+    UserError if another value came before, by this flag or another spelling of it."""
     if dest in given and given[dest][1] != value:
         before, earlier = given[dest]
         said = f"{before} was given twice" if before == flag else f"{before} and {flag} were given"
@@ -80,7 +81,7 @@ def given_once(cls: type) -> type:
     return ONCE_CLASSES[cls]
 
 
-# ---- the command-line vocabulary: each shared flag is defined once here (README: One set of flags)
+# ---- The command-line vocabulary. Each shared flag is defined once (README: One set of flags).
 
 
 def positive(kind=int, zero: bool = False):
@@ -97,8 +98,8 @@ def positive(kind=int, zero: bool = False):
 
 
 def comma_list(item=str, choices=None):
-    """An argparse type: a non-empty comma-separated list, each item through `item` (and one of
-    `choices`, if given)."""
+    """An argparse type: a non-empty comma-separated list, each item through `item` and one of
+    `choices` if given."""
 
     def parse(text: str) -> list:
         values = []
@@ -168,8 +169,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 def add_device(
     parser: ArgumentParser, default: str | None = "auto", devices=DEVICES, dtypes=DTYPES
 ):
-    """--device and --dtype, "auto" by default (None: the config's, in train.py); their help offers
-    `devices` and `dtypes`, what the command takes."""
+    """--device and --dtype, "auto" by default (None: the config's, in train.py). Their help
+    offers `devices` and `dtypes`, what the command takes."""
     said = f"default {default}" if default else "default: the config's, else auto"
     parser.add_argument(
         "--device",
@@ -200,7 +201,7 @@ def add_compile(parser: ArgumentParser, what: str, default: bool | None = False)
     )
 
 
-SEEDS = 2**32  # the seeds torch's CPU generator tells apart (it keeps a seed's low 32 bits)
+SEEDS = 2**32  # torch's CPU generator keeps a seed's low 32 bits.
 
 
 def check_seed(seed: int | None) -> int | None:
@@ -221,7 +222,7 @@ class Seed(argparse.Action):
 
 
 def add_seed(parser: ArgumentParser, what: str, default: int | None = 0, unset: str = "random"):
-    """--seed N, in 0..SEEDS-1; `unset` says what no seed means."""
+    """--seed N, in 0..SEEDS-1. `unset` says what no seed means."""
     said = unset if default is None else default
     parser.add_argument(
         "--seed",
@@ -233,7 +234,7 @@ def add_seed(parser: ArgumentParser, what: str, default: int | None = 0, unset: 
 
 
 def utf8_argument(text: str, flag: str) -> str:
-    """A command-line text, refused unless UTF-8: other bytes reach Python as lone surrogates,
+    """A command-line text, refused unless UTF-8. Other bytes reach Python as lone surrogates,
     which no tokenizer can take."""
     try:
         text.encode("utf-8")
@@ -246,8 +247,9 @@ def utf8_argument(text: str, flag: str) -> str:
 
 
 def check_type(name: str, value, annotation):
-    """value, of the type `annotation` (int, float, str, bool, or one of those | None; an int passes
-    as a float); UserError naming `name` otherwise (a bool is not an int, a string not a bool)."""
+    """value, checked to be of the type `annotation`: int, float, str, bool, or one | None. An
+    int passes as a float, but a bool is not an int, nor a string a bool. Else UserError names
+    `name`."""
     options = (
         typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     )

@@ -1,4 +1,5 @@
-"""Paths that a file names (a dataset's shards, an HF index's weights), kept inside its folder."""
+"""Paths one file names, such as a dataset's shards or an HF index's weights. They must stay
+inside that file's folder."""
 
 from pathlib import Path
 
@@ -7,9 +8,10 @@ from picollama.cli.outputs import resolved
 
 
 def inside(name, source: Path, key: str) -> Path:
-    """The file `name` that the file `source` names at `key`, as a path in `source`'s folder;
-    UserError naming the file, the key and the path where it is no relative path there: empty,
-    absolute, climbing out (..), or a symbolic link (it or a folder on the way) leading out."""
+    """The file `name`, named by `source` at `key`, as a path in `source`'s folder.
+
+    UserError names the file, key and path when it is not a relative path there. That is when it
+    is empty, absolute or climbs out (..). So is a symbolic link that leads out, on any level."""
     source = Path(source)
     if not isinstance(name, str) or not name.strip():
         raise UserError(f"{source}: {key} must name a file in {source.parent}, not {name!r}")

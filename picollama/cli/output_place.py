@@ -1,4 +1,5 @@
-"""Where a command may write: never inside its own inputs, nor in or inside another's folder."""
+"""Where a command may write: never over its own inputs, nor in or under another command's
+folder. Checked before any work."""
 
 import glob
 import re
@@ -7,17 +8,17 @@ from pathlib import Path
 from picollama.cli import UserError
 from picollama.cli.outputs import LEFTOVER, check_output_kind, listed, resolved
 
-# What --force may replace, beside an empty directory: a GGUF file (its magic), or a directory
-# holding model.safetensors and config.json and nothing picollama does not write there (a run's
-# train_state/, metrics.jsonl and extrapolation/; an export's tokenizer files; what an interrupted
-# save left): never a user's own files.
+# What --force may replace, so that it never deletes a user's own files. That is an empty
+# directory, or a GGUF file, known by its magic bytes. It is also a directory with
+# model.safetensors and config.json and only other files picollama writes there. Those are a run's
+# train_state/, metrics.jsonl and extrapolation/, an export's tokenizer files, and save leftovers.
 OWN_FILES = (
     r"model\.safetensors|config\.json|tokenizer(\.model|\.json|_config\.json)|metrics\.jsonl"
 )
 OWN_FOLDERS = r"train_state|extrapolation"
 
 TRAINING_RUN, RUN, DATASET = "a training run", "a run", "a dataset"
-# the folders each writer makes, which it may write into again (its own checks say when)
+# The folders each writer makes. It may write into them again, when its own checks allow.
 OWN_KINDS = {
     "train.py": {TRAINING_RUN, RUN},
     "prepare": {DATASET},
@@ -26,13 +27,13 @@ OWN_KINDS = {
     "from-gguf": {RUN},
     "to-gguf": set(),
 }
-# what train.py may find in its train.out_dir: what it writes there and leftovers of a killed write
+# What train.py may find in train.out_dir. That is its own files and leftovers of a killed write.
 RUN_ENTRIES = rf"{OWN_FILES}|{OWN_FOLDERS}|{LEFTOVER}"
 
 
 def folder_kind(folder: Path) -> str | None:
-    """What picollama command made `folder`: TRAINING_RUN (train_state/ or metrics.jsonl), RUN
-    (config.json and model.safetensors: an import or export), DATASET (meta.json); None for none."""
+    """The kind of picollama folder `folder` is, or None: TRAINING_RUN (train_state/ or
+    metrics.jsonl), RUN (config.json and model.safetensors, an import or export), DATASET."""
     if not folder.is_dir():
         return None
     if (folder / "meta.json").is_file():
@@ -45,8 +46,10 @@ def folder_kind(folder: Path) -> str | None:
 
 
 def input_paths(value) -> list[Path]:
-    """The paths an input names (a glob: the files it matches); none for no value, a name such as
-    shakespeare or hf:NAME, or a dataset still to prepare (check_writable compares that one)."""
+    """The existing paths an input names. A glob names the files it matches.
+
+    A name such as shakespeare or hf:NAME names none. Neither does a dataset still to prepare,
+    which check_writable compares instead."""
     text = "" if value is None else str(value)
     if not text:
         return []
@@ -55,12 +58,13 @@ def input_paths(value) -> list[Path]:
 
 
 def check_output_place(out, inputs: dict, command: str, flag: str = "--out"):
-    """The rule of where an output goes: UserError when `out` is, holds or lies inside one of
-    `inputs` ({flag or key: path}), lies inside a folder another command made (a run, a dataset),
-    or is such a folder that `command` does not make (--force replaces only its own: never a
-    training run's checkpoints). train.py's out_dir must also be a run or hold none of a user's
-    files. Called before any work."""
-    check_output_kind(out)  # a link loop, a FIFO or a device: said as such
+    """Check, before any work, where an output goes. `inputs` maps a flag or key to a path.
+
+    UserError when `out` is, holds or lies inside one of `inputs`. The same when it lies inside a
+    folder another command made (a run, a dataset), or is one of a kind `command` does not make.
+    So --force never replaces a training run's checkpoints. train.py's out_dir must also be a run
+    or hold no user files."""
+    check_output_kind(out)  # Names a link loop, a FIFO or a device as such.
     path = resolved(out)
     for key, value in inputs.items():
         given = next((p for p in input_paths(value) if overlap(path, p)), None)

@@ -1,4 +1,5 @@
-"""Writing outputs safely: atomic replacement, checks before writing, free space, locks."""
+"""Writing outputs safely. An output is replaced whole or not at all, and checked before long
+work. A lock keeps one writer per output."""
 
 import errno
 import fcntl
@@ -39,12 +40,13 @@ def replace(src: Path, dst: Path):
 
 @contextmanager
 def atomic_output(path, needed: int | None = None):
-    """Yield a temporary path beside `path`; when the block succeeds it is renamed to `path` (file
-    or directory), otherwise it is removed and `path` keeps what it held. `path` must be absent, a
-    regular file or a directory; `needed` bytes (where the size is known) must be free first. A full
-    disk ends in a UserError naming the path, and so does a file written over a directory or the
-    reverse. A symbolic link is written through: its target is replaced, by a temporary beside it
-    (on its disk; renaming a folder over a link fails)."""
+    """Yield a temporary path beside `path`, renamed to `path` if the block succeeds.
+
+    On failure it is removed and `path` keeps what it held. `path` must be absent, a regular file
+    or a directory. `needed` bytes, where known, must be free first. A full disk, or a file written
+    over a directory or the reverse, ends in a UserError naming the path. A symbolic link is
+    written through. Its target is replaced from a temporary beside it, on the target's disk, since
+    renaming a folder over a link fails."""
     path = Path(path)
     check_output_kind(path)
     target = resolved(path)
@@ -55,7 +57,7 @@ def atomic_output(path, needed: int | None = None):
     remove(tmp)
     try:
         yield tmp
-        if target.exists() and target.is_dir() != tmp.is_dir():  # never one for the other
+        if target.exists() and target.is_dir() != tmp.is_dir():  # No file for a folder, or back.
             raise UserError(
                 f"cannot write {path}: it is {'a directory' if target.is_dir() else 'a file'}"
             )
@@ -69,8 +71,8 @@ def atomic_output(path, needed: int | None = None):
 
 
 def write_failure(path, e: BaseException, needed: int | None = None) -> "UserError | None":
-    """The one-line error for an exception that means the disk is full while writing `path` (an
-    OSError ENOSPC or EDQUOT, or torch's and safetensors' reports of one); None otherwise."""
+    """The one-line error if `e` means the disk filled while writing `path`, else None.
+    Such are an OSError ENOSPC or EDQUOT, and torch's and safetensors' reports of one."""
     text = str(e)
     full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
     full = full or "No space left on device" in text or "Disk quota exceeded" in text
@@ -90,8 +92,9 @@ def space_note(path, needed: int | None) -> str:
 
 
 def byte_size(count: int) -> str:
-    """A size in the unit that shows it: "0 bytes", "940 bytes", "3.1 KB", "12 MB", "1.27 GB" (units
-    of 1000; three digits). A full disk once read "need about 0.00 GB and 0.00 GB are free"."""
+    """A size in the unit that shows it, in units of 1000 with three digits: "0 bytes", "940
+    bytes", "3.1 KB", "12 MB", "1.27 GB". A full disk once read "need about 0.00 GB and 0.00 GB
+    are free"."""
     if count < 1000:
         return f"{count:,} byte{'' if count == 1 else 's'}"
     for unit in ("KB", "MB", "GB", "TB", "PB"):
@@ -121,8 +124,8 @@ FILE_KINDS = {
 
 
 def file_kind(path) -> str | None:
-    """What `path` is when it exists but is neither a regular file nor a directory ("a FIFO", "a
-    character device", "a symbolic link loop", ...; links are followed); None otherwise."""
+    """What `path` is when it exists but is neither a regular file nor a directory, else None.
+    Links are followed. Examples are "a FIFO", "a character device", "a symbolic link loop"."""
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
@@ -131,10 +134,10 @@ def file_kind(path) -> str | None:
 
 
 def check_output_kind(path):
-    """UserError unless path is absent, a regular file or a directory (a symbolic link is followed:
-    to one of those it is fine; into a loop, a device, a FIFO or a socket it is refused, and nothing
-    is replaced). Absent includes a dangling link (atomic_output writes its target) and a folder
-    that is not one (check_writable says)."""
+    """UserError unless path is absent, a regular file or a directory. Symbolic links are followed.
+    A link into a loop, a device, a FIFO or a socket is refused, and nothing is replaced. Absent
+    includes a dangling link, whose target atomic_output writes. It also includes a path under a
+    file, which check_writable reports."""
     kind = file_kind(path)
     if kind == "a symbolic link loop":
         raise UserError(f"cannot write {path}: a symbolic link loop; choose another output")
@@ -146,10 +149,11 @@ def check_output_kind(path):
 
 
 def check_writable(path, inputs=(), directory: bool = False):
-    """UserError unless `path` (a directory if `directory`, else a file) can be created or replaced:
-    it is absent, a regular file or a directory (check_output_kind), its folder can be made and
-    written to, and it is not, does not contain, and does not lie inside any of `inputs`. Called
-    before long work starts, so that it never ends in a failed write."""
+    """UserError unless `path` can be created or replaced, as a directory if `directory`.
+
+    It must be absent, a regular file or a directory (check_output_kind). Its folder must be
+    makeable and writable. It must not be, hold or lie inside any of `inputs`. Called before long
+    work starts, so that it never ends in a failed write."""
     check_output_kind(path)
     path = resolved(path)
     for given in inputs:
@@ -158,12 +162,12 @@ def check_writable(path, inputs=(), directory: bool = False):
             raise UserError(f"the output {path} overlaps the input {given}; choose another output")
     if path.exists() and path.is_dir() != directory:
         raise UserError(f"cannot write {path}: it is {'a file' if directory else 'a directory'}")
-    # test there: creating folders would leave them behind
+    # Test the nearest existing folder. Creating folders would leave them behind.
     existing = next(p for p in path.parents if p.exists())
     if not existing.is_dir():
         raise UserError(f"cannot write {path}: {existing} is a file, not a directory")
-    # and in the directory itself where it exists: a run resumed there writes into it (a read-only
-    # one trained, then failed at the save), and replacing it renames it
+    # Test the directory itself too, where it exists. A resumed run writes into it, and replacing
+    # it renames it. A read-only one once trained, then failed at the save.
     for folder in (existing, path) if directory and path.is_dir() else (existing,):
         try:
             with tempfile.NamedTemporaryFile(dir=folder, prefix=".picollama-check-"):
@@ -172,13 +176,13 @@ def check_writable(path, inputs=(), directory: bool = False):
             raise UserError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-# what an interrupted atomic_output or replace leaves in a folder (.NAME.tmp-PID, .NAME.old-PID),
-# and a killed writer's lock file (.NAME.lock)
+# Leftovers of an interrupted atomic_output or replace (.NAME.tmp-PID, .NAME.old-PID). Also a
+# killed writer's lock file (.NAME.lock).
 LEFTOVER = r"\..+\.(tmp|old)-\d+|\..+\.lock"
 
 
 def pid_gone(pid: int) -> bool:
-    """Whether no process has the id `pid` (one of another user's is there: not gone)."""
+    """Whether no process has the id `pid`. Another user's process counts as there."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -189,8 +193,8 @@ def pid_gone(pid: int) -> bool:
 
 
 def remove_leftovers(target: Path):
-    """Remove what atomic_output and replace left of `target` when killed (.NAME.tmp-PID and
-    .NAME.old-PID of a process that is gone): a SIGKILL leaves no temporary behind for good."""
+    """Remove what a killed atomic_output or replace left of `target`, so no temporary stays for
+    good. Those are .NAME.tmp-PID and .NAME.old-PID of a process that is gone."""
     pattern = re.compile(rf"\.{re.escape(target.name)}\.(tmp|old)-(\d+)")
     try:
         entries = list(target.parent.glob(f".{glob.escape(target.name)}.*-*"))
@@ -203,11 +207,11 @@ def remove_leftovers(target: Path):
 
 
 def check_replaceable(folder: Path, files: str, folders: str = "", marks=(), what: str = ""):
-    """UserError unless `folder` is absent, empty or what picollama wrote: it holds the files
-    `marks` and nothing else but files whose names match the regular expression `files`, folders
-    whose names match `folders`, and leftovers of an interrupted write. So that replacing it never
-    deletes a user's files; `what` says, in the message, what may be replaced (links count as
-    files: only the link is removed). A file `folder` is the caller's to judge."""
+    """UserError unless `folder` is absent, empty or written by picollama. So replacing it never
+    deletes a user's files. It must hold the files `marks`. Other entries may only be files
+    matching the regular expression `files`, folders matching `folders`, and leftovers of a write.
+    Links count as files, and only the link is removed. `what` says in the message what may be
+    replaced. A file at `folder` is the caller's to judge."""
     entries = sorted(folder.iterdir()) if folder.is_dir() else []
     foreign = []
     for entry in entries:
@@ -224,8 +228,8 @@ def check_replaceable(folder: Path, files: str, folders: str = "", marks=(), wha
     )
 
 
-WAIT_SAID = 2.0  # seconds a wait for a lock (exclusive's `wait`) goes on before it is said
-RESULT_BYTES = 1 << 26  # a result file picollama writes is smaller: a larger file is not one
+WAIT_SAID = 2.0  # Seconds of waiting for a lock before saying so.
+RESULT_BYTES = 1 << 26  # Results picollama writes are smaller.
 
 
 def json_object(path: Path) -> dict | None:
@@ -240,13 +244,14 @@ def json_object(path: Path) -> dict | None:
 
 
 def check_own_result(path, writer: str, writer_of, force: bool = False, flag: str = "--out"):
-    """The ownership rule of a result file (the JSON a command writes): UserError unless `path` is
-    absent, empty, or the result of `writer` (`writer_of(the JSON object)` names the command that
-    wrote one, None for none); with `force`, the result of another picollama command too. Never a
-    file picollama did not write (a README, a user's data), whatever the flags."""
+    """The ownership rule of a result file, the JSON a command writes.
+
+    UserError unless `path` is absent, empty, or a result of `writer`. `writer_of(the JSON object)`
+    names the command that wrote it, or None. With `force`, another picollama command's result may
+    go too. A file picollama did not write, such as a README, never goes."""
     path = Path(path)
     if not path.is_file() or path.stat().st_size == 0:
-        return  # absent, or a folder or a device: check_writable's and check_output_kind's
+        return  # Absent. check_writable and check_output_kind judge a folder or a device.
     found = json_object(path)
     found = writer_of(found) if found is not None else None
     if found == writer or (force and found is not None):
@@ -277,12 +282,12 @@ def resolved(path) -> Path:
 
 @contextmanager
 def exclusive(path, wait: bool = False):
-    """Hold the one-writer lock of `path` (an output: a run, a dataset, a report) for the block: an
-    advisory fcntl.flock on the lock file .NAME.lock beside it, which records the holder's pid and
-    which the OS releases on any exit, even SIGKILL. When another process holds it: a UserError
-    naming its pid, or with `wait` a wait for it (said in one line). A lock file left by a process
-    that is gone is taken over, said in one line. Yields that process's pid (None if there was
-    none). Folders made for the lock file are removed again if left empty."""
+    """Hold the one-writer lock of the output `path`, such as a run or a dataset, for the block.
+
+    The lock is an advisory fcntl.flock on .NAME.lock beside it, which records the holder's pid.
+    The OS frees it on any exit, even SIGKILL. If another process holds it, a UserError names its
+    pid. With `wait` it waits, saying so once. A lock file left by a dead process is taken over,
+    with a note. Yields that process's pid, or None. Folders made for the lock go if left empty."""
     path = resolved(path)
     lock_path = path.parent / f".{path.name}.lock"
     made = [p for p in path.parents if not p.exists()]
@@ -300,7 +305,7 @@ def exclusive(path, wait: bool = False):
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield gone
     finally:
-        lock_path.unlink(missing_ok=True)  # before unlocking: no one locks a file that is going
+        lock_path.unlink(missing_ok=True)  # First, so no one locks a file that is going.
         os.close(fd)
         for folder in made:
             try:
@@ -310,8 +315,8 @@ def exclusive(path, wait: bool = False):
 
 
 def locked(path: Path, lock_path: Path, wait: bool) -> int:
-    """A descriptor of lock_path, flock-ed exclusively (exclusive's lock): UserError naming the
-    holder when another process holds it, unless `wait` (said after WAIT_SAID seconds)."""
+    """A descriptor of lock_path, flock-ed exclusively for `exclusive`. UserError naming the
+    holder if another process holds it, unless `wait`, which is said after WAIT_SAID seconds."""
     waited = time.monotonic()
     while True:
         try:
@@ -334,8 +339,8 @@ def locked(path: Path, lock_path: Path, wait: bool) -> int:
                 waited = None
             time.sleep(0.1)
             continue
-        # the file may have been removed by its last holder between our open and our lock: lock
-        # the new one
+        # Its last holder may have removed the file between our open and our lock. Then lock the
+        # new one.
         try:
             if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
                 return fd

@@ -1,4 +1,5 @@
-"""Small text files the user names (a config, a recipe, a chat template): regular, size-bounded."""
+"""Small text files the user names, such as a config, a recipe or a chat template. Only regular
+files, up to a size limit."""
 
 import os
 import stat
@@ -6,12 +7,13 @@ import stat
 from picollama.cli import UserError
 from picollama.cli.outputs import file_kind
 
-SMALL_TEXT_BYTES = 1_000_000  # a config, a recipe or a chat template is a few KB
+SMALL_TEXT_BYTES = 1_000_000  # A config, a recipe or a chat template is a few KB.
 
 
 def regular_file_size(path, flag: str) -> int:
-    """The size of the file named at `flag`; UserError unless it is a regular file. Nothing else is
-    opened: a device such as /dev/zero is read for ever, and a FIFO blocks its reader."""
+    """The size of the file named at `flag`. UserError unless it is a regular file.
+
+    Nothing else is opened. A device such as /dev/zero reads for ever, and a FIFO blocks."""
     try:
         info = os.stat(path)
     except OSError as e:
@@ -23,12 +25,13 @@ def regular_file_size(path, flag: str) -> int:
 
 
 def read_small_text(path, flag: str, limit: int = SMALL_TEXT_BYTES) -> str:
-    """The UTF-8 text of the small file named at `flag`; UserError naming the flag and the path
-    for anything but a regular file, for more than `limit` bytes (read no further: the file may be
-    growing) and for text that is not UTF-8."""
+    """The UTF-8 text of the small file named at `flag`.
+
+    UserError names the flag and path for anything but a regular file, or text that is not UTF-8.
+    So does a file over `limit` bytes. It is read no further, since it may be growing."""
     size = regular_file_size(path, flag)
     data = b""
-    if size <= limit:  # a file its size already refuses is never read
+    if size <= limit:  # A file already too large is never read.
         try:
             with open(path, "rb") as file:
                 data = file.read(limit + 1)

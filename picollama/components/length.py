@@ -1,13 +1,12 @@
 """The length policy: how far a model runs as it is, and what running past its context takes —
-RoPE scaling stretched to a length, the windows of the two-branch methods."""
+RoPE scaling stretched to a length, the windows of the two-branch methods.
+
+It reads model.py's ROPE_INIT and ROPE_ATTENTIONS when called, not a list of their keys. So a new
+scaling method needs no edit here. registry.py derives the lists (ROPE_SCALINGS, WINDOWED)."""
 
 from dataclasses import replace
 
-from model import ROPE_INIT, ModelArgs
-
-WINDOWED = ("rerope", "self_extend", "rerope_topk")  # attend in two branches (windowed_rope)
-# rope_scaling's choices (model.ROPE_INIT's, once picollama.components.registry registered them)
-ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3", *WINDOWED)
+from model import ROPE_ATTENTIONS, ROPE_INIT, ModelArgs
 
 
 def uses_rope(args: ModelArgs) -> bool:
@@ -21,15 +20,17 @@ def length_dependent(args: ModelArgs) -> bool:
 
 
 def near_window(args: ModelArgs) -> int:
-    """The window w of the scalings in WINDOWED: keys nearer than w keep exact RoPE (by default a
-    quarter of the context; rerope_topk's, which attends few far keys, 3/4)."""
+    """The window w of the two-branch scalings (ROPE_ATTENTIONS). Keys nearer than w keep exact
+    RoPE. By default w is a quarter of the context, or 3/4 for rerope_topk, which attends few
+    far keys."""
     quarters = 3 if args.rope_scaling == "rerope_topk" else 1
     return args.rope_window or quarters * args.original_seq_len // 4
 
 
 def stretched(args: ModelArgs, method: str, length: int, factor: float | None = None) -> ModelArgs:
     """args with RoPE scaling `method` for `length` tokens, stretching original_seq_len by
-    `factor`, else by just enough (1 for "none" and dynamic, which follows the length)."""
+    `factor`, else by just enough (1 for "none" and a length-dependent one, dynamic: it follows
+    the length)."""
     if not uses_rope(args) and method != "none":
         raise ValueError(
             f"rope_scaling applies to position = 'rope' only (or 'prope'), not to position = "
@@ -37,10 +38,11 @@ def stretched(args: ModelArgs, method: str, length: int, factor: float | None = 
         )
     original = args.original_seq_len
     args = replace(args, rope_scaling=method, rope_original_max_seq_len=original)
-    if factor is None and method in WINDOWED:
+    if factor is None and method in ROPE_ATTENTIONS:
         factor = window_factor(args, length)
     elif factor is None:
-        factor = max(1.0, length / original) if method not in ("none", "dynamic") else 1.0
+        follows = method == "none" or length_dependent(args)
+        factor = 1.0 if follows else max(1.0, length / original)
     return replace(args, rope_factor=factor)
 
 

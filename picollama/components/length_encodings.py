@@ -1,5 +1,5 @@
-"""The trained length encodings past YaRN, registered into model.py: p-RoPE, Scalable-Softmax
-(SSMax) and the Forgetting Transformer's attention (FoX)."""
+"""The trained length encodings past YaRN: p-RoPE, Scalable-Softmax (SSMax) and the Forgetting
+Transformer's attention (FoX). registry.py puts them in model.py's tables."""
 
 import math
 from functools import partial
@@ -8,17 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import (
-    ATTENTIONS,
-    INITS,
-    POSITIONS,
-    QUERY_SCALES,
-    Attention,
-    KVCache,
-    ModelArgs,
-    Positions,
-    RoPE,
-)
+from model import Attention, KVCache, ModelArgs, Positions, RoPE
 from picollama.components.windowed_rope import blockwise, grouped_scores, softmax_attention
 
 
@@ -116,10 +106,3 @@ def forget_gate_block(q, first: int, k, v, c, offset: int):
 
 def as_made(p: torch.Tensor):
     """An init that keeps the parameter as its module made it."""
-
-
-# FoX has no positions but its forget gates, which start at σ(0) = 1/2, as its code's
-POSITIONS.update(prope=PRoPE, fox=ForgetPositions)
-ATTENTIONS["fox"] = ForgettingAttention
-QUERY_SCALES["ssmax"] = SSMax
-INITS.update({"wf.bias": nn.init.zeros_, "ssmax.scale": as_made})

@@ -1,12 +1,28 @@
 """RoPE's scalings past the training context as functions of the frequencies (Hugging Face's
-ROPE_INIT_FUNCTIONS): linear, NTK-aware, dynamic NTK, YaRN, Llama 3 — registered into model.py."""
+ROPE_INIT_FUNCTIONS): linear, NTK-aware, dynamic NTK, YaRN, Llama 3. registry.py puts each in
+model.py's ROPE_INIT.
+
+How to add a RoPE scaling method. It touches two files:
+- here: its function fn(args, d, seq_len) -> (inverse frequencies, attention scale). At
+  rope_factor 1 it must give plain RoPE (tests/test_extrapolate.py checks every method). Set
+  fn.length_dependent = True where the frequencies follow the current length, as dynamic's do.
+- picollama/components/registry.py: its line, ROPE_INIT["name"] = rope_scaling.fn, among the
+  others of this file. Messages list the methods in that order.
+Everything else reads ROPE_INIT: the rope_scaling config check, generate.py's --rope-scaling,
+the lab's --methods, stretched() and the messages that list the methods.
+Optional: its export in picollama/convert/hf.py and convert/to_gguf.py (else refused by name),
+and docs/usage.md.
+More files only for more than frequencies. A method with a new ModelArgs key also touches
+model.py, config/model_args.py (CONTEXT_KEYS) and config/values.py (its range). One that attends
+in two branches, like rerope, has its attention in windowed_rope.py, a ROPE_ATTENTIONS line in
+registry.py, and its window in length.py (window_factor)."""
 
 import math
 from dataclasses import replace
 
 import torch
 
-from model import ROPE_INIT, ModelArgs, plain_rope
+from model import ModelArgs, plain_rope
 
 
 def linear(args: ModelArgs, d: int, seq_len: int) -> tuple[torch.Tensor, float]:
@@ -63,6 +79,3 @@ def llama3(args: ModelArgs, d: int, seq_len: int) -> tuple[torch.Tensor, float]:
     scaled = (1 - smooth) * inv_freq / s + smooth * inv_freq
     scaled = torch.where(wavelen > original_len / low, inv_freq / s, scaled)
     return torch.where(wavelen < original_len / high, inv_freq, scaled), 1.0
-
-
-ROPE_INIT.update(linear=linear, ntk=ntk, dynamic=dynamic, yarn=yarn, llama3=llama3)

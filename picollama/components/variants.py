@@ -1,5 +1,6 @@
-"""The alternatives the seed lectures teach, registered into model.py's tables: LayerNorm, ungated
-FFNs, post-norm / sandwich / parallel blocks, ALiBi, sinusoidal, learned and no positions, log-n."""
+"""The alternatives the seed lectures teach: LayerNorm, ungated FFNs, post-norm, sandwich and
+parallel blocks, ALiBi, sinusoidal, learned and no positions, log-n. registry.py puts them in
+model.py's tables."""
 
 import math
 from functools import partial
@@ -9,38 +10,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import (
-    ACTIVATIONS,
-    ATTENTION_WRAPS,
-    BLOCKS,
-    INITS,
-    NORMS,
-    POSITIONS,
-    FeedForward,
+    OUTPUT_GATES,
+    QUERY_SCALES,
+    ROPE_ATTENTIONS,
     ModelArgs,
     Positions,
     TransformerBlock,
     make_norm,
     sdpa_attention,
 )
-from picollama.components.length import WINDOWED
 
-# the ModelArgs keys that leave LLaMA's architecture when away from their defaults
-SWITCHES = (
+# The ModelArgs keys that leave LLaMA's architecture when away from their defaults. The keys of
+# QUERY_SCALES and OUTPUT_GATES are switches too. switches() reads them from their tables.
+ARCHITECTURE_KEYS = (
     "norm norm_placement parallel_block activation qk_norm logit_softcap position rope_fraction"
-    " nope_every logn_attention ssmax attention_gate"
+    " nope_every logn_attention"
 ).split()
 
 
+def switches() -> list[str]:
+    """Every ModelArgs key that leaves LLaMA's architecture when away from its default. It reads
+    the tables, so a new query scale or output gate needs no edit here."""
+    return [*ARCHITECTURE_KEYS, *QUERY_SCALES, *OUTPUT_GATES]
+
+
 def non_llama(args: ModelArgs) -> list[str]:
-    """The SWITCHES away from LLaMA's, and rope_scaling where it attends in two branches: what HF's
-    Llama and llama.cpp cannot run."""
-    away = [key for key in SWITCHES if getattr(args, key) != getattr(ModelArgs, key)]
-    return away + ["rope_scaling"] * (args.rope_scaling in WINDOWED)
-
-
-# LayerNorm: (x − mean) / std · γ + β, with its bias β, which starts at 0
-NORMS["layernorm"] = nn.LayerNorm
-INITS["norm.bias"] = nn.init.zeros_
+    """The switches away from LLaMA's, and rope_scaling where it attends in two branches
+    (ROPE_ATTENTIONS): what HF's Llama and llama.cpp cannot run."""
+    away = [key for key in switches() if getattr(args, key) != getattr(ModelArgs, key)]
+    return away + ["rope_scaling"] * (args.rope_scaling in ROPE_ATTENTIONS)
 
 
 class MLP(nn.Module):
@@ -60,16 +58,8 @@ class MLP(nn.Module):
 
 
 def relu2(x):
+    """Squared ReLU (Nemotron-4's activation)."""
     return F.relu(x).square()
-
-
-ACTIVATIONS.update(
-    geglu=(FeedForward, F.gelu),
-    reglu=(FeedForward, F.relu),
-    gelu=(MLP, F.gelu),
-    relu=(MLP, F.relu),
-    relu2=(MLP, relu2),
-)
 
 
 class PostNormBlock(TransformerBlock):
@@ -125,18 +115,6 @@ class ParallelSandwichBlock(ParallelBlock):
         return x + self.post_attention_norm(self.both(self.attention_norm(x), *where))
 
 
-BLOCKS.update(
-    {
-        ("pre", True): ParallelBlock,
-        ("post", False): PostNormBlock,
-        ("post", True): ParallelPostNormBlock,
-        ("sandwich", False): SandwichBlock,
-        ("sandwich", True): ParallelSandwichBlock,
-    }
-)
-PLACEMENTS = ("pre", "post", "sandwich")  # norm_placement's choices
-
-
 def logn_scale(args: ModelArgs, positions: torch.Tensor) -> torch.Tensor:
     """Log-n attention's query scale at 1-based positions n, max(1, log n / log original_seq_len)
     (broadcast over (B, heads, T, head_dim))."""
@@ -153,9 +131,6 @@ def logn_attention(args: ModelArgs, positions, attend):
     if not args.logn_attention:
         return attend
     return partial(scaled_queries, scale=logn_scale(args, positions), attend=attend)
-
-
-ATTENTION_WRAPS.append(logn_attention)
 
 
 class ALiBi(Positions):
@@ -200,6 +175,3 @@ class LearnedPositions(Positions):
         if last >= len(self.weight):
             raise ValueError(f"position {last} is past the learned positions ({len(self.weight)})")
         return h + F.embedding(positions, self.weight).type_as(h)
-
-
-POSITIONS.update(alibi=ALiBi, nope=Positions, sinusoidal=Sinusoidal, learned=LearnedPositions)

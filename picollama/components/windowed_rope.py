@@ -1,13 +1,14 @@
 """The training-free length methods that attend in two branches (rope_scaling rerope,
-self_extend, rerope_topk), registered into model.py: exact RoPE near, a mapped distance far."""
+self_extend, rerope_topk): exact RoPE near, a mapped distance far. registry.py puts
+windowed_attention in model.py's ROPE_ATTENTIONS for each."""
 
 import math
 from functools import partial
 
 import torch
 
-from model import ROPE_ATTENTIONS, ROPE_INIT, ModelArgs, apply_rotary, plain_rope, rope_frequencies
-from picollama.components.length import WINDOWED, near_window
+from model import ModelArgs, apply_rotary, rope_frequencies
+from picollama.components.length import near_window
 
 ATTENTION_BLOCK = 1 << 22  # the most scores held at once per sequence and head (16 MiB in fp32)
 
@@ -166,7 +167,3 @@ class WindowedRoPE:
 def windowed_attention(args: ModelArgs, positions, key_positions):
     """The attention function of a forward past the context (model.ROPE_ATTENTIONS)."""
     return WindowedRoPE(args, positions, key_positions).attend
-
-
-for method in WINDOWED:  # RoPE's frequencies as they are; the far keys attend apart
-    ROPE_INIT[method], ROPE_ATTENTIONS[method] = plain_rope, windowed_attention

@@ -1,2 +1,2 @@
-"""Training configuration: the TOML file and its --section.key=value flags, each key's range, the
-checks of a whole config, and ModelArgs built from settings or a saved run."""
+"""Training configuration. It reads the TOML file and the --section.key=value flags. It checks
+each key's range and then the whole config. It builds ModelArgs from settings or a saved run."""

@@ -1,4 +1,5 @@
-"""Checks of a whole training config before any work: batch, context, options, retrieval."""
+"""Checks of a whole training config, before any work. values.py checks single keys as they are
+read. These check how keys fit together."""
 
 from pathlib import Path
 
@@ -7,8 +8,7 @@ from picollama.config.training import Config
 
 
 def check_config(cfg: Config, world_size: int) -> None:
-    """Refuse, before any work, configs whose batch or context does not fit (single keys are checked
-    as read)."""
+    """Refuse a config whose batch or context does not fit, and check the rest."""
     t = cfg.train
     m = cfg.model
     if t.batch_size % (t.grad_accum * world_size):
@@ -27,8 +27,8 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 
 def check_retrieval(cfg: Config) -> None:
-    """Refuse a retrieval task the model's vocabulary or the row cannot hold, and a sample it has no
-    tokenizer for."""
+    """Refuse a retrieval task the vocabulary or the row cannot hold. Refuse a sample too, since
+    the task has no tokenizer."""
     d = cfg.data
     needed = 1 + d.retrieval_keys + d.retrieval_values
     if cfg.model.vocab_size < needed:
@@ -55,8 +55,8 @@ def check_retrieval(cfg: Config) -> None:
 
 
 def check_training_options(cfg: Config) -> None:
-    """Refuse random positions the model cannot use, an init_from run that would be overwritten, and
-    a cosine budget without the warmup steps it times."""
+    """Refuse random positions the model cannot use and an init_from run that would be
+    overwritten. Refuse a cosine time budget without the warmup steps it times."""
     t = cfg.train
     m = cfg.model
     check_schedule(cfg)
@@ -83,9 +83,8 @@ def check_training_options(cfg: Config) -> None:
 
 
 def check_schedule(cfg: Config) -> None:
-    """Refuse a schedule that decays upward (optim.min_lr above optim.lr), an
-    optim.final_weight_decay without a wsd decay, and an optim.decay_start that no wsd decay of
-    train.max_steps can begin at."""
+    """Refuse a schedule that decays upward (optim.min_lr above optim.lr), or a final_weight_decay
+    without a wsd decay. Refuse a decay_start no wsd decay of train.max_steps can begin at."""
     o = cfg.optim
     if o.min_lr > o.lr:
         raise UserError(

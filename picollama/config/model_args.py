@@ -7,9 +7,9 @@ from dataclasses import fields
 from model import ACTIVATIONS, NORMS, POSITIONS, ModelArgs
 from picollama.cli import UserError
 from picollama.cli.flags import check_type
-from picollama.components import registry as components  # noqa: F401  (registers the choices checked here)
-from picollama.components.length import ROPE_SCALINGS, uses_rope
-from picollama.components.variants import PLACEMENTS
+from picollama.components.length import uses_rope
+from picollama.components.registry import PLACEMENTS, ROPE_SCALINGS
+from picollama.components.variants import switches
 from picollama.config.values import range_problem
 
 # The model keys every picollama version has written to config.json and meta.json: one that is
@@ -55,6 +55,17 @@ SIZE_LIMITS = dict(
 SIZE_LIMITS |= dict(max_seq_len=1 << 24, ffn_hidden_dim=1 << 20)
 
 
+def model_choices() -> dict[str, tuple]:
+    """The values each ModelArgs key with a fixed set of them may take. The named ones are the
+    keys of model.py's tables, read when called, so a new entry is a choice at once."""
+    choices = {"norm": tuple(NORMS), "norm_placement": PLACEMENTS}
+    choices |= {"activation": tuple(ACTIVATIONS), "position": tuple(POSITIONS)}
+    on_off = [key for key in switches() if isinstance(getattr(ModelArgs, key), bool)]
+    choices |= dict.fromkeys(on_off, (False, True))
+    choices["rope_scaling"] = ROPE_SCALINGS
+    return choices
+
+
 def checked_model_args(**values) -> ModelArgs:
     """ModelArgs(**values), refused (ValueError naming the key) where a size is past any
     published model's or the architecture's switches do not fit together."""
@@ -69,12 +80,7 @@ def checked_model_args(**values) -> ModelArgs:
         raise ValueError(
             f"n_heads ({args.n_heads}) must be divisible by n_kv_heads ({args.n_kv_heads})"
         )
-    choices = {"norm": NORMS, "norm_placement": PLACEMENTS, "activation": ACTIVATIONS}
-    choices["position"] = POSITIONS
-    switches = ("parallel_block", "qk_norm", "logn_attention", "ssmax", "attention_gate")
-    choices |= dict.fromkeys(switches, (False, True))
-    choices["rope_scaling"] = ROPE_SCALINGS
-    for key, allowed in choices.items():
+    for key, allowed in model_choices().items():
         if (value := getattr(args, key)) not in allowed:
             allowed = ", ".join(map(str, allowed))
             raise ValueError(f"{key} must be one of {allowed}, not {value!r}")

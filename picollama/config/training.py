@@ -1,4 +1,5 @@
-"""Training configuration: a TOML config's sections and defaults, and --section.key=value flags."""
+"""Training configuration. Each dataclass below is one TOML section, with its keys and defaults.
+Command-line flags of the form --section.key=value override them."""
 
 import difflib
 import json
@@ -29,31 +30,31 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
 
 @dataclass
 class DataConfig:
-    dir: str = "data/shakespeare"  # a prepared dataset (data/prepare.py), else made from `source`
-    source: str = "shakespeare"  # shakespeare | PATH | hf:NAME, as for data/prepare.py --source
-    vocab_size: int | None = None  # tokenizer size when preparing; None: model.vocab_size
-    tokenizer_type: str = "bpe"  # the tokenizer's algorithm when preparing: bpe | unigram
-    # synthetic copy data (data/loader.py's RandomBatches, Bi-Induct-style): this fraction of
-    # training windows get a random span and copies of it later in the window, for induction heads
-    # to form on; 0: none
+    dir: str = "data/shakespeare"  # A prepared dataset (data/prepare.py). Else made from `source`.
+    source: str = "shakespeare"  # As data/prepare.py --source: shakespeare, PATH or hf:NAME.
+    vocab_size: int | None = None  # Tokenizer size when preparing. None means model.vocab_size.
+    tokenizer_type: str = "bpe"  # The tokenizer's algorithm when preparing: bpe or unigram.
+    # Synthetic copy data, Bi-Induct style (data/loader.py's RandomBatches). This share of training
+    # windows get a random span, copied later in the window. Induction heads form on it. 0 is off.
     copy_fraction: float = 0.0
-    copy_span: int = 8  # tokens in the span
-    copy_repeats: int = 4  # copies of it in the window
-    # whole documents (long ones cut into row-long pieces) best-fit packed into rows, attention kept
-    # inside each, positions restarting at each (data/packing.py); conversations always are
+    copy_span: int = 8  # Tokens in the span.
+    copy_repeats: int = 4  # Copies of it in the window.
+    # Pack whole documents into rows by best fit, cutting long ones to row length. Attention stays
+    # inside each document, and positions restart at each (data/packing.py). Conversations always
+    # are packed.
     pack_documents: bool = False
-    # random: windows drawn uniformly, with replacement; epochs: each pass takes every window once,
-    # shuffled (data/epochs.py)
+    # Random: windows are drawn uniformly, with replacement. Epochs: each pass takes every window
+    # once, shuffled (data/epochs.py).
     sampling: str = "random"
-    # text: the dataset in `dir`; retrieval: the synthetic key-value recall task of
-    # data/retrieval.py, generated from train.seed (no dataset, no tokenizer), validated by its
-    # accuracy on fixed rows
+    # Text trains on the dataset in `dir`. Retrieval is the synthetic key-value recall task of
+    # data/retrieval.py. It is generated from train.seed and needs no dataset or tokenizer. It is
+    # validated by its accuracy on fixed rows.
     task: str = "text"
-    retrieval_keys: int = 64  # the keys' alphabet (token ids 1..keys)
-    # the values' alphabet (the next ids); model.vocab_size must hold 1 + keys + values
+    retrieval_keys: int = 64  # The keys' alphabet, token ids 1 to keys.
+    # The values' alphabet, the next ids. model.vocab_size must hold 1 + keys + values.
     retrieval_values: int = 64
-    retrieval_pairs: int = 8  # key-value pairs per row, each key queried from later in the row
-    # the fraction of training slots after the key block left as filler, not queries
+    retrieval_pairs: int = 8  # Key-value pairs per row. Each key is queried later in the row.
+    # The share of training slots after the key block left as filler, not queries.
     retrieval_filler: float = 0.0
 
     def copy_options(self) -> dict:
@@ -67,79 +68,80 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    out_dir: str = "out/default"  # the run directory
-    max_steps: int = 1000  # the run's length, unless max_minutes sizes it
-    # a wall-clock budget (data preparation, evaluations, checkpoints and the final sample
-    # included) that fixes max_steps from the time spent: with optim.schedule wsd where the decay
-    # starts, from recent step times; with cosine after the first warmup steps. None: max_steps
+    out_dir: str = "out/default"  # The run directory.
+    max_steps: int = 1000  # The run's length, unless max_minutes sizes it.
+    # A wall-clock budget that fixes max_steps from the time spent. It counts data preparation,
+    # evaluations, checkpoints and the final sample. With optim.schedule wsd, recent step times
+    # decide when the decay starts. With cosine, the first warmup steps decide. None: max_steps.
     max_minutes: float | None = None
-    batch_size: int = 16  # sequences per optimizer step, over all ranks and micro-steps
-    grad_accum: int = 1  # micro-steps per optimizer step
+    batch_size: int = 16  # Sequences per optimizer step, over all ranks and micro-steps.
+    grad_accum: int = 1  # Micro-steps per optimizer step.
     seq_len: int = 256
     seed: int = 1337
-    device: str = "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | mps
-    # float32 | bfloat16 | auto: bfloat16 where the device computes it natively (FSDP2 policy)
+    device: str = "auto"  # One of auto, cpu, cuda, mps. Auto is cuda, else mps, else cpu.
+    # One of float32, bfloat16, auto. Auto is bfloat16 where the device computes it natively.
+    # The weights stay float32, and the forward runs in this dtype.
     dtype: str = "auto"
-    compile: bool = False  # torch.compile each block
+    compile: bool = False  # torch.compile each block.
     activation_checkpointing: bool = False
     log_interval: int = 10
-    peak_tflops: float | None = None  # per device, for MFU; None: the GPU table (nothing on CPU)
-    sample_tokens: int = 200  # a sample printed at the end (0: none)
+    peak_tflops: float | None = None  # Per device, for MFU. None looks up the GPU (none on CPU).
+    sample_tokens: int = 200  # Tokens of a sample printed at the end. 0 is none.
     sample_prompt: str = ""
-    init_from: str | None = None  # a run directory whose weights start this run (not its optimizer)
-    # k > 0: each sequence at sorted random positions from [0, k·seq_len); 0: off
+    init_from: str | None = None  # A run directory whose weights, not optimizer, start this run.
+    # With k > 0, each sequence sits at sorted random positions from [0, k·seq_len). 0 is off.
     random_positions: int = 0
-    dropout: float = 0.0  # each residual write zeroed with this probability while training
-    # > 0: evaluate and save an EMA of the weights of this beta, taken over the wsd decay (cosine:
-    # over the run)
+    dropout: float = 0.0  # Each residual write is zeroed with this probability in training.
+    # Above 0, evaluate and save an EMA of the weights with this beta. It runs over the wsd decay,
+    # or over the whole run with cosine.
     weight_average: float = 0.0
 
 
 @dataclass
 class OptimConfig:
     lr: float = 1e-3
-    min_lr: float = 1e-4  # the schedule decays to this at max_steps
+    min_lr: float = 1e-4  # The schedule decays to this at max_steps.
     warmup_steps: int = 100
-    # after the linear warmup, cosine: a cosine decay to min_lr at max_steps; wsd (warmup-stable-
-    # decay): lr held, then a 1-sqrt decay to min_lr from decay_start to max_steps
+    # The shape after the linear warmup. Cosine decays to min_lr at max_steps along a cosine. Wsd
+    # (warmup-stable-decay) holds lr, then decays it as 1-sqrt to min_lr from decay_start on.
     schedule: str = "cosine"
-    # wsd: the decay's share of max_steps, or of a train.max_minutes budget's time (which decides
-    # max_steps and decay_start when that much time is left)
+    # Wsd: the decay's share of max_steps. Under train.max_minutes it is a share of the time. The
+    # budget decides max_steps and decay_start when that much time is left.
     decay_fraction: float = 0.2
-    decay_start: int | None = None  # wsd: the step the decay begins; None: decay_fraction's
-    weight_decay: float = 0.1  # on matrices only
-    # wsd: weight_decay rises on a line over the decay to this at max_steps, keeping up the
-    # shrinking (lr·weight_decay) that the falling lr would end; None: weight_decay throughout
+    decay_start: int | None = None  # Wsd: the step the decay begins. None: from decay_fraction.
+    weight_decay: float = 0.1  # On matrices only.
+    # Wsd: weight_decay rises on a line over the decay, to this at max_steps. The falling lr would
+    # end the shrinking (lr·weight_decay), and this keeps it up. None: weight_decay throughout.
     final_weight_decay: float | None = None
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0  # max global gradient norm; 0: no clipping
-    name: str = "adamw"  # adamw | muon (Muon for the blocks' matrices, AdamW for the rest)
-    muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it as it scales lr
+    grad_clip: float = 1.0  # Max global gradient norm. 0 is no clipping.
+    name: str = "adamw"  # AdamW, or muon (Muon on the blocks' matrices, AdamW on the rest).
+    muon_lr: float = 0.02  # Muon's peak learning rate. The schedule scales it as it scales lr.
     muon_momentum: float = 0.95
-    z_loss: float = 0.0  # adds z_loss·mean(logsumexp(logits)²) to the loss (PaLM); 0: off
+    z_loss: float = 0.0  # Adds z_loss·mean(logsumexp(logits)²) to the loss (PaLM). 0 is off.
 
 
 @dataclass
 class EvalConfig:
-    interval: int = 250  # steps between validation runs (and at the end); 0: only at the end
+    interval: int = 250  # Steps between validation runs, plus one at the end. 0: only at the end.
     batches: int = 20
     batch_size: int = 16
-    interim_batches: int = 0  # read by each evaluation before the last, spread over them; 0: all
+    interim_batches: int = 0  # Batches read by each evaluation but the last, spread out. 0: all.
 
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 500  # steps between checkpoints (and at the end); 0: only at the end
-    keep: int = 2  # train_state/step_* directories kept
+    interval: int = 500  # Steps between checkpoints, plus one at the end. 0: only at the end.
+    keep: int = 2  # How many train_state/step_* directories are kept.
 
 
 @dataclass
 class WandbConfig:
     enabled: bool = False
     project: str = "picollama"
-    run_name: str | None = None  # None: the run directory's name
+    run_name: str | None = None  # None means the run directory's name.
 
 
 @dataclass
@@ -200,8 +202,8 @@ def parse_override(key: str, text: str, annotation):
 
 
 def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
-    """A Config from TOML sections plus (section.key, string) overrides; UserError names any bad key
-    or value."""
+    """A Config from TOML sections plus (section.key, string) overrides. UserError names any bad
+    key or value."""
     sections = section_types()
     values = {name: {} for name in sections}
     for name, table in raw.items():
@@ -226,7 +228,7 @@ def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
             raise UserError(f"{layer} sets both train.max_steps and train.max_minutes; keep one")
     if (
         "train.max_steps" in given
-    ):  # the command line wins: a step count given there turns off the file's budget
+    ):  # The command line wins. Its step count turns off the file's budget.
         values["train"]["max_minutes"] = None
     for dotted, text in overrides:
         name, _, key = dotted.partition(".")
@@ -234,7 +236,7 @@ def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
             raise unknown_key_error(dotted, all_keys)
         values[name][key] = parse_override(dotted, text, field_types(sections[name])[key])
     if (init_from := values["train"].get("init_from")) is not None:
-        # the model keys given with train.init_from or after it: the file's where it names it too
+        # Model keys given with train.init_from or after it. The file's count if it names init_from.
         explicit = {dotted[6:] for dotted in given if dotted.startswith("model.")}
         if "init_from" in raw.get("train", {}):
             explicit |= set(raw.get("model", {}))
@@ -249,10 +251,11 @@ def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
 
 
 def init_from_model(run_dir: str, model: dict, given: set[str]) -> dict:
-    """The model settings of a run started from train.init_from: run_dir's own (its config.json's),
-    with the `given` keys of `model`, which may change CONTEXT_KEYS only (UserError naming another
-    that differs); `model` as it is where run_dir has no config.json to read (a run not trained
-    yet, or no run: train.py's load_model says so)."""
+    """The model settings of a run started from train.init_from.
+
+    They are run_dir's own, from its config.json, with the `given` keys of `model` on top. Those
+    may change only CONTEXT_KEYS, and a UserError names any other that differs. Where run_dir has
+    no config.json, `model` is returned as it is. run_files.load_model reports that later."""
     path = Path(run_dir) / "config.json"
     try:
         saved = json.loads(path.read_text())["model"]
@@ -267,8 +270,8 @@ def init_from_model(run_dir: str, model: dict, given: set[str]) -> dict:
 
 
 def check_init_model(run_dir, source: dict, model: dict):
-    """UserError naming the first key of `model` (model settings) but CONTEXT_KEYS whose value
-    differs from the model of the train.init_from run run_dir, `source`."""
+    """UserError naming the first model key that differs from `source`, the init_from run's
+    model. Only CONTEXT_KEYS may differ."""
     for key in (k for k in source if k in model and k not in CONTEXT_KEYS):
         if model[key] != source[key]:
             raise UserError(
@@ -310,8 +313,8 @@ SHORTHANDS = {
 
 def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, bool]:
     """The Config of `[--config F.toml] [--out DIR --device D --dtype T --compile --seed N]
-    [--section.key=value ...] [--resume]`, and whether to resume. The shorthands are the flags other
-    commands share (cli.py): they set the train keys of SHORTHANDS."""
+    [--section.key=value ...] [--resume]`, and whether to resume. The shorthands are the flags
+    other commands share (cli/flags.py). They set the train keys in SHORTHANDS."""
     parser = ArgumentParser(
         prog="python train.py",
         description=description,
@@ -326,7 +329,7 @@ def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, 
         "--resume", action="store_true", help="continue the latest checkpoint in the run directory"
     )
     add_out(parser, "the run directory written (train.out_dir)")
-    # None: the config's value stands
+    # None keeps the config's value.
     add_device(parser, None, CHOICES["train.device"], CHOICES["train.dtype"])
     add_compile(parser, "each block (train.compile)", default=None)
     add_seed(parser, "the run's seed (train.seed)", default=None, unset="the config's")

@@ -1,12 +1,12 @@
-"""The range of each config key, and the check of a value read for one (its type and range)."""
+"""The allowed range of each config key. A value is checked for type and range as it is read."""
 
 import math
 
 from picollama.cli import UserError
 from picollama.cli.flags import SEEDS, check_type
 
-# The range of each key that has one, checked as the key is read so that the error names it. Every
-# float must also be finite; ModelArgs checks how its fields fit together.
+# Each key is checked as it is read, so the error can name it. Every float must also be finite.
+# ModelArgs checks how its fields fit together.
 POSITIVE = {
     "model.multiple_of",
     "model.ffn_dim_multiplier",
@@ -63,14 +63,14 @@ BELOW_ONE = {
     "optim.decay_fraction",
     "train.dropout",
     "train.weight_average",
-}  # and not negative
-# paths: an empty one would be the current directory (training into it, reading data from it)
+}  # And not negative.
+# An empty path would mean the current directory. Training would write into it.
 PATH_KEYS = {"data.dir", "data.source", "train.out_dir", "train.init_from"}
-TEXT_KEYS = {"train.sample_prompt"}  # text for the tokenizer: UTF-8 only (paths may be any bytes)
+TEXT_KEYS = {"train.sample_prompt"}  # Text for the tokenizer must be UTF-8. Paths may be any bytes.
 CHOICES = {
     "data.task": ("text", "retrieval"),
     "data.sampling": ("random", "epochs"),
-    "data.tokenizer_type": ("bpe", "unigram"),  # data/prepare.py --tokenizer-type's too
+    "data.tokenizer_type": ("bpe", "unigram"),  # Also data/prepare.py --tokenizer-type.
     "train.device": ("auto", "cpu", "cuda", "mps"),
     "train.dtype": ("auto", "float32", "bfloat16"),
     "optim.name": ("adamw", "muon"),
@@ -88,7 +88,7 @@ def range_problem(key: str, value) -> str | None:
         return "positive"
     if key in NOT_NEGATIVE and value < 0:
         return "zero or more"
-    if key == "train.seed" and value >= SEEDS:  # else numpy's "Seed must be between 0 and ..."
+    if key == "train.seed" and value >= SEEDS:  # Else numpy refuses it, less clearly.
         return f"below {SEEDS:,} (torch keeps a seed's low 32 bits)"
     if key in BELOW_ONE and not 0 <= value < 1:
         return "at least 0 and below 1"
@@ -98,9 +98,9 @@ def range_problem(key: str, value) -> str | None:
 
 
 def check_value(key: str, name: str, value, annotation):
-    """value converted to the field's type (int → float is allowed) and checked against its range;
-    UserError naming the key (as `name`: "config key K" in a file, "--K" on the command line)
-    otherwise."""
+    """Convert value to the field's type (int to float is allowed) and check its range.
+
+    A UserError names the key as `name`: "config key K" in a file, "--K" on the command line."""
     value = check_type(name, value, annotation)
     if value is None:
         return None

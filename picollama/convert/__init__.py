@@ -1,2 +1,4 @@
-"""`python -m picollama.convert`: a run to and from Hugging Face's Llama (hf.py) and llama.cpp's
-GGUF (to_gguf.py, from_gguf.py), and the cache of imported files (cache.py)."""
+"""`python -m picollama.convert` moves a run to and from other formats.
+
+Hugging Face's Llama format is in hf.py. The GGUF format of llama.cpp is in to_gguf.py and
+from_gguf.py. The cache of files that --run imported is in cache.py."""

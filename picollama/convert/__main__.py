@@ -1,4 +1,4 @@
-"""`python -m picollama.convert`: the conversion commands (main.py), with their one error line."""
+"""`python -m picollama.convert` runs the commands of main.py. Errors print as one line."""
 
 import sys
 

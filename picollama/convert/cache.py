@@ -1,4 +1,7 @@
-"""The cache of imported .gguf files and Hugging Face folders: entries, stale ones evicted."""
+"""The cache of imported .gguf files and Hugging Face folders.
+
+--run imports such a source once and reuses it. An import whose source changed or went away
+is evicted."""
 
 import hashlib
 import json
@@ -13,7 +16,7 @@ from picollama.convert.hf import import_hf
 from picollama.device import gib
 from picollama.run_files import is_gguf_file, is_hf_directory
 
-TEMPORARY = re.compile(r"\..+\.(tmp|old)-(\d+)")  # what a killed import left (outputs.LEFTOVER)
+TEMPORARY = re.compile(r"\..+\.(tmp|old)-(\d+)")  # Left by a killed import (outputs.LEFTOVER).
 
 
 def folder() -> Path:
@@ -22,8 +25,9 @@ def folder() -> Path:
 
 
 def source_files(source: Path) -> list[Path] | None:
-    """The files an import of `source` reads (a .gguf file; a Hugging Face folder's files), or None
-    where `source` is neither (then --run names a run directory)."""
+    """The files an import of `source` reads: a .gguf file, or a Hugging Face folder's files.
+
+    None where `source` is neither. Then --run names a run directory."""
     if is_gguf_file(source):
         return [source]
     if source.is_dir() and is_hf_directory(source):
@@ -38,10 +42,11 @@ def stamp(files: list[Path]) -> str:
 
 
 def imported_run(source: Path) -> Path:
-    """What --run names, as a run directory: a .gguf file or a Hugging Face directory is imported
-    into the cache once (again when its files change; the stale import is then evicted), said in
-    one line with the cache's size; anything else is passed through. A failed import leaves
-    nothing (the import writes atomically)."""
+    """What --run names, as a run directory.
+
+    A .gguf file or Hugging Face directory is imported into the cache once. It is imported again
+    when its files change, and the stale copy is evicted. One line reports the cache's size.
+    Anything else passes through. The import writes atomically, so a failure leaves nothing."""
     source = Path(source)
     files = source_files(source)
     if files is None:
@@ -51,7 +56,7 @@ def imported_run(source: Path) -> Path:
     imported = not (run / "config.json").is_file()
     if imported:
         (import_gguf if is_gguf_file(source) else import_hf)(source, run)
-    if imported or not record_of(run).is_file():  # after the import: only a whole one is kept
+    if imported or not record_of(run).is_file():  # After the import, so only whole ones count.
         with atomic_output(record_of(run)) as tmp:
             tmp.write_text(json.dumps({"source": str(source.resolve()), "stamp": key}) + "\n")
     freed = evict_stale()
@@ -75,8 +80,9 @@ def record_of(run: Path) -> Path:
 
 
 def state(run: Path) -> tuple[str | None, str]:
-    """(the source of a cached import, whether it is "current", "changed", "gone" or "unknown": an
-    import from before the cache recorded its sources, or an unreadable record)."""
+    """(source, state) of a cached import. The state is "current", "changed", "gone" or "unknown".
+
+    "unknown" is an unreadable record, or an import from before the cache recorded sources."""
     try:
         record = json.loads(record_of(run).read_text())
         source, key = Path(record["source"]), record["stamp"]
@@ -89,7 +95,7 @@ def state(run: Path) -> tuple[str | None, str]:
 
 
 def size(path: Path) -> int:
-    """The bytes of a file, or of every file under a folder (links not followed)."""
+    """The bytes of a file, or of every file under a folder. Links are not followed."""
     if not path.is_dir() or path.is_symlink():
         return path.lstat().st_size if path.exists() or path.is_symlink() else 0
     return sum(f.lstat().st_size for f in path.rglob("*") if not f.is_dir() or f.is_symlink())
@@ -108,7 +114,7 @@ def cache_entries() -> list[dict]:
 
 
 def dead_temporaries() -> list[Path]:
-    """What killed imports left in the cache (a temporary of a process that is gone)."""
+    """Temporaries in the cache whose process is gone: what killed imports left."""
     if not folder().is_dir():
         return []
     found = [(p, TEMPORARY.fullmatch(p.name)) for p in folder().iterdir()]
@@ -116,7 +122,7 @@ def dead_temporaries() -> list[Path]:
 
 
 def evict(runs: list[Path]) -> int:
-    """Remove cached imports (and their records) and what killed imports left; the bytes freed."""
+    """Remove cached imports, their records and killed imports' leftovers. Return bytes freed."""
     freed = 0
     for path in [*runs, *dead_temporaries()]:
         freed += size(path)
@@ -126,14 +132,14 @@ def evict(runs: list[Path]) -> int:
 
 
 def evict_stale() -> int:
-    """Evict the imports whose source changed or is gone, and killed imports' leftovers: the bytes
-    freed."""
+    """Evict imports whose source changed or is gone, and leftovers. Return the bytes freed."""
     return evict([e["run"] for e in cache_entries() if e["state"] in ("changed", "gone")])
 
 
 def cache_command(clear: bool) -> int:
-    """`python -m picollama.convert cache [--clear]`: the cached imports listed with their sizes
-    and sources (stale ones marked), or all removed."""
+    """`python -m picollama.convert cache [--clear]`.
+
+    It lists the cached imports with sizes and sources, marking stale ones. --clear removes all."""
     entries = cache_entries()
     if clear:
         freed = evict([e["run"] for e in entries])

@@ -1,5 +1,7 @@
-"""Import a llama.cpp GGUF file of the llama architecture as a run directory (`python -m
-picollama.convert from-gguf`): weights dequantized tensor by tensor, hyperparameters, tokenizer."""
+"""Import a llama.cpp GGUF file of the llama architecture as a run directory.
+
+This is `python -m picollama.convert from-gguf`. It dequantizes the weights one tensor at a
+time, reads the hyperparameters and rebuilds the tokenizer."""
 
 import json
 import re
@@ -16,7 +18,8 @@ from picollama.cli.outputs import atomic_output
 from picollama.config.model_args import checked_model_args
 from picollama.run_files import model_from_state_dict, save_model
 
-# llama.cpp's tensor name (without .weight) -> ours; per layer, blk.N.<theirs> -> layers.N.<ours>
+# llama.cpp's tensor names (without .weight) mapped to ours.
+# In layer N, blk.N.<theirs> becomes layers.N.<ours>.
 GLOBAL_TENSORS = {"token_embd": "tok_embeddings", "output_norm": "norm", "output": "output"}
 LAYER_TENSORS = {
     "attn_q": "attention.wq",
@@ -29,7 +32,7 @@ LAYER_TENSORS = {
     "attn_norm": "attention_norm",
     "ffn_norm": "ffn_norm",
 }
-# ModelArgs' keys -> the GGUF metadata they are read from (what a refusal names)
+# The GGUF metadata key each ModelArgs field is read from. Refusals name these keys.
 GGUF_KEYS = {
     "dim": "llama.embedding_length",
     "n_layers": "llama.block_count",
@@ -43,7 +46,7 @@ GGUF_KEYS = {
     "rope_factor": "llama.rope.scaling.factor",
     "rope_original_max_seq_len": "llama.rope.scaling.original_context_length",
 }
-# Metadata (after "llama.") that changes the computation in ways picollama does not implement
+# Metadata (after "llama.") for features picollama does not implement. Such files are refused.
 UNSUPPORTED_KEYS = (
     "attention.sliding_window",
     "expert_count",
@@ -52,8 +55,8 @@ UNSUPPORTED_KEYS = (
     "logit_scale",
     "attention.key_length_mla",
 )
-# tokenizer.ggml.pre of byte-level BPE vocabularies -> whether digits split one by one before GPT-2
-# regex, as in llama.cpp's llama-vocab.cpp (transformers maps the pre-tokenizers of other regexes)
+# The tokenizer.ggml.pre values that split with GPT-2's regex. True means digits are split one
+# by one first, as in llama.cpp's llama-vocab.cpp. Transformers handles the other pre-tokenizers.
 GPT2_SPLITS = dict.fromkeys(
     ("gpt-2", "phi-2", "mpt", "olmo", "jais", "gigachat", "a.x-4.0", "mellum"), False
 )
@@ -72,8 +75,10 @@ class Metadata:
         self.reader, self.path = reader, path
 
     def get(self, key: str, kind=None, default=None):
-        """The value of `key` (default where absent), of type `kind` if given (an int passes as a
-        float, a bool never as an int); UserError naming the key otherwise."""
+        """The value of `key`, or `default` where absent.
+
+        When `kind` is given the value must have it, else a UserError names the key. An int
+        passes as a float. A bool never passes as an int."""
         field = self.reader.fields.get(key)
         if field is None:
             return default
@@ -87,8 +92,10 @@ class Metadata:
         return value
 
     def items(self, key: str, kind) -> list | None:
-        """The list `key` holds (None where absent), every item of type `kind` (an int passes as
-        a float, a bool as neither); UserError naming the key and the first item that is not."""
+        """The list `key` holds, or None where absent.
+
+        Every item must be of type `kind`, else a UserError names the key and the first bad item.
+        An int passes as a float. A bool passes as neither."""
         values = self.get(key, list)
         if values is None:
             return None
@@ -108,7 +115,7 @@ class Metadata:
         return value
 
 
-ITEMS = {str: "strings", int: "integers", float: "numbers"}  # what a list of each kind holds
+ITEMS = {str: "strings", int: "integers", float: "numbers"}  # How messages name each list.
 
 
 def shown(value) -> str:
@@ -118,7 +125,7 @@ def shown(value) -> str:
 
 
 def open_gguf(path: Path):
-    """(GGUFReader, Metadata) of a GGUF file, memory-mapped; UserError if unreadable, truncated."""
+    """(GGUFReader, Metadata) of a memory-mapped GGUF file. UserError if unreadable or cut short."""
     try:
         import gguf
     except ImportError:
@@ -139,8 +146,9 @@ def open_gguf(path: Path):
 
 
 def model_args(meta: Metadata, reader) -> ModelArgs:
-    """ModelArgs of a llama GGUF, through the gate every model's values pass (checked): UserError
-    naming the GGUF key and value out of range, or what picollama does not implement."""
+    """The ModelArgs of a llama GGUF, checked like every model's values.
+
+    A UserError names the GGUF key of a value out of range, or a feature picollama lacks."""
     arch = meta.need("general.architecture", str)
     if arch != "llama":
         raise UserError(f"{meta.path}: architecture {arch!r} is not supported (only llama)")
@@ -149,7 +157,7 @@ def model_args(meta: Metadata, reader) -> ModelArgs:
             raise UserError(f"{meta.path}: llama.{key} is not supported")
     n_heads = meta.need("llama.attention.head_count", int)
     n_kv = meta.get("llama.attention.head_count_kv", None, n_heads)
-    if not isinstance(n_kv, int):  # an array: a different number per layer
+    if not isinstance(n_kv, int):  # An array: a different count per layer.
         raise UserError(f"{meta.path}: per-layer llama.attention.head_count_kv is not supported")
     embeddings = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embeddings is None:
@@ -172,7 +180,7 @@ def model_args(meta: Metadata, reader) -> ModelArgs:
             f"{meta.path}: metadata llama.embedding_length {args['dim']} is not the width of "
             f"tensor token_embd.weight, {int(embeddings.shape[0])}"
         )
-    checked(meta, args)  # before anything computes with them (a head count of 0 divides)
+    checked(meta, args)  # Before any arithmetic. A head count of 0 would divide by zero.
     args = checked(meta, args | rope_args(meta, reader, args))
     for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
         if meta.get(f"llama.{key}", int, args.head_dim) != args.head_dim:
@@ -185,8 +193,9 @@ def model_args(meta: Metadata, reader) -> ModelArgs:
 
 
 def checked(meta: Metadata, values: dict) -> ModelArgs:
-    """model_args.checked_model_args(**values), the range and relation checks of config.json,
-    from-hf and the flags; UserError in its words, each ModelArgs key named as the GGUF's."""
+    """Run the range checks that config.json, from-hf and the flags share.
+
+    The UserError keeps their words but names each key as the GGUF does."""
     try:
         return checked_model_args(**values)
     except ValueError as e:
@@ -195,8 +204,10 @@ def checked(meta: Metadata, values: dict) -> ModelArgs:
 
 
 def rope_args(meta: Metadata, reader, args: dict) -> dict:
-    """The RoPE scaling of the metadata (linear, yarn), or the one that gives its rope_freqs tensor
-    (llama3's or linear's per-frequency divisors, as llama.cpp's converter writes them)."""
+    """The file's RoPE scaling, read from the metadata (linear, yarn) or from rope_freqs.
+
+    llama.cpp's converter writes llama3 and linear scaling as that tensor of per-frequency
+    divisors. We find the scaling that gives them."""
     kind = meta.get("llama.rope.scaling.type", str, "none")
     factor = meta.get("llama.rope.scaling.factor", float, 1.0)
     original = meta.get("llama.rope.scaling.original_context_length", int)
@@ -258,15 +269,16 @@ def our_name(name: str, n_layers: int) -> str:
 
 
 def read_weights(reader, path: Path, args: ModelArgs) -> dict:
-    """Our state dict, float32, each tensor dequantized from the memory-mapped file on its own.
-    GGUF's llama wq/wk rows are in Meta's interleaved RoPE order (llama.cpp's converter permutes
-    Hugging Face's rotate-half rows to it), which is ours: nothing to undo (transformers' GGUF
-    loader undoes it because it computes rotate-half)."""
+    """Our float32 state dict, each tensor dequantized on its own from the memory-mapped file.
+
+    GGUF keeps llama wq/wk rows in Meta's interleaved RoPE order. llama.cpp's converter permutes
+    Hugging Face's rotate-half rows into it. That order is ours, so there is nothing to undo.
+    Transformers' GGUF loader undoes it only because it computes rotate-half."""
     import gguf
 
     state = {}
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":  # read by rope_args
+        if tensor.name == "rope_freqs.weight":  # Read by rope_args.
             continue
         name = our_name(tensor.name, args.n_layers)
         kind = gguf.GGMLQuantizationType(tensor.tensor_type)
@@ -276,23 +288,24 @@ def read_weights(reader, path: Path, args: ModelArgs) -> dict:
             raise UserError(
                 f"{path}: tensor type {kind.name} ({tensor.name}) is not supported"
             ) from None
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest first
-        # f32 tensors come back as read-only views of the file: copied, one at a time
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest axis first.
+        # f32 tensors come back as read-only views of the file. Copy them, one at a time.
         values = np.array(values, dtype=np.float32, copy=not values.flags.writeable)
         state[name] = torch.from_numpy(values.reshape(shape))
     return state
 
 
 def import_gguf(path: Path, run_dir: Path):
-    """Write a llama GGUF file as a run directory: weights (float32), config.json, the tokenizer
-    (see write_tokenizer); nothing is written when any part is unsupported."""
+    """Write a llama GGUF file as a run directory of float32 weights, config.json and tokenizer.
+
+    Nothing is written if any part is unsupported."""
     reader, meta = open_gguf(path)
     args = model_args(meta, reader)
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = write_tokenizer(meta, path, Path(folder), args.vocab_size)
         try:
             model = model_from_state_dict(args, read_weights(reader, path, args), "its metadata")
-        except UserError as e:  # a missing tensor or a wrong shape
+        except UserError as e:  # A missing tensor or a wrong shape.
             raise UserError(f"{path}: {e}") from None
         described = {
             key: meta.get(key)
@@ -304,16 +317,18 @@ def import_gguf(path: Path, run_dir: Path):
 
 
 def write_tokenizer(meta: Metadata, path: Path, folder: Path, vocab_size: int) -> Path:
-    """The GGUF's tokenizer written into `folder` (returned): a sentencepiece tokenizer.model for a
-    `llama` vocabulary, a tokenizer.json for a `gpt2` (byte-level BPE) one, and its config
-    (tokenizer_config.json: special tokens, add_bos_token, the chat template)."""
+    """Write the GGUF's tokenizer into `folder` and return its file.
+
+    A `llama` vocabulary becomes a sentencepiece BPE tokenizer.model, a `t5` one a unigram one. A
+    `gpt2` (byte-level BPE) one becomes a tokenizer.json. Beside it, tokenizer_config.json holds
+    the special tokens, add_bos_token and the chat template."""
     model = meta.get("tokenizer.ggml.model", str)
     tokens = meta.items("tokenizer.ggml.tokens", str)
     for key, value in (("model", model), ("tokens", tokens)):
         if value is None:
             raise UserError(f"{path}: metadata tokenizer.ggml.{key} is missing: no tokenizer")
-    if model not in ("llama", "gpt2"):
-        raise UserError(f"{path}: tokenizer {model!r} is not supported (llama and gpt2 are)")
+    if model not in ("llama", "t5", "gpt2"):
+        raise UserError(f"{path}: tokenizer {model!r} is not supported (llama, t5 and gpt2 are)")
     if len(tokens) > vocab_size:
         raise UserError(
             f"{path}: the tokenizer has {len(tokens)} tokens but the model {vocab_size} embeddings"
@@ -325,14 +340,14 @@ def write_tokenizer(meta: Metadata, path: Path, folder: Path, vocab_size: int) -
 
     config = {f"{name}_token": token(key) for name, key in SPECIAL_TOKEN_KEYS}
     config |= {
-        # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise
+        # llama.cpp adds BOS to a sentencepiece vocabulary unless it says otherwise.
         "add_bos_token": meta.get("tokenizer.ggml.add_bos_token", bool, model == "llama"),
         "add_eos_token": meta.get("tokenizer.ggml.add_eos_token", bool, False),
         "chat_template": meta.get("tokenizer.chat_template", str),
         "clean_up_tokenization_spaces": False,
     }
     (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    if model == "llama":
+    if model in ("llama", "t5"):
         file = folder / "tokenizer.model"
         file.write_bytes(sentencepiece_proto(meta, tokens, config))
     else:
@@ -341,14 +356,16 @@ def write_tokenizer(meta: Metadata, path: Path, folder: Path, vocab_size: int) -
     return file
 
 
-# llama.cpp's token types, which are sentencepiece's (gguf.TokenType, ModelProto.SentencePiece.Type)
+# llama.cpp's token types. They equal sentencepiece's (ModelProto.SentencePiece.Type).
 TOKEN_TYPES = {1: "normal", 2: "unknown", 3: "control", 4: "user-defined", 5: "unused", 6: "byte"}
 
 
 def sentencepiece_proto(meta: Metadata, tokens: list[str], config: dict) -> bytes:
-    """A serialized sentencepiece BPE model of a `llama` vocabulary: pieces, scores and types as the
-    file has them (llama.cpp's SPM tokenizer is sentencepiece's BPE), its space prefix, and byte
-    fallback where it has byte tokens."""
+    """A serialized sentencepiece model of a `llama` (BPE) or `t5` (unigram) vocabulary.
+
+    llama.cpp's SPM tokenizer is sentencepiece's BPE and its UGM one sentencepiece's unigram, so
+    pieces, scores and types copy over as they are. So do the space prefix and UGM's normalizer.
+    Byte fallback is on where there are byte tokens."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     scores = meta.items("tokenizer.ggml.scores", float) or [0.0] * len(tokens)
@@ -360,7 +377,7 @@ def sentencepiece_proto(meta: Metadata, tokens: list[str], config: dict) -> byte
                 f"tokenizer.ggml.tokens {len(tokens)}"
             )
     bad = next((i for i, kind in enumerate(types) if kind not in TOKEN_TYPES), None)
-    if bad is not None:  # else protobuf's "invalid enumerator 99", naming nothing
+    if bad is not None:  # Else protobuf says "invalid enumerator 99", naming no key.
         raise UserError(
             f"{meta.path}: metadata tokenizer.ggml.token_type item {bad} is {types[bad]}, not a "
             f"token type (1 to 6: {', '.join(TOKEN_TYPES.values())})"
@@ -369,27 +386,32 @@ def sentencepiece_proto(meta: Metadata, tokens: list[str], config: dict) -> byte
     for piece, score, kind in zip(tokens, scores, types):
         proto.pieces.add(piece=piece, score=float(score), type=int(kind))
     trainer = proto.trainer_spec
-    trainer.model_type = pb.TrainerSpec.BPE
+    spm = meta.get("tokenizer.ggml.model") == "llama"
+    trainer.model_type = pb.TrainerSpec.BPE if spm else pb.TrainerSpec.UNIGRAM
     trainer.vocab_size = len(tokens)
-    trainer.byte_fallback = 6 in types  # gguf.TokenType.BYTE, sentencepiece's BYTE
+    trainer.byte_fallback = 6 in types  # Type 6 is BYTE in both gguf and sentencepiece.
     for key in ("unk", "bos", "eos", "pad"):
         token = config[f"{key}_token"]
         setattr(trainer, f"{key}_piece", token or "")
         setattr(trainer, f"{key}_id", tokens.index(token) if token else -1)
     normalizer = proto.normalizer_spec
     normalizer.name = "identity"
-    normalizer.add_dummy_prefix = meta.get("tokenizer.ggml.add_space_prefix", bool, True)
-    normalizer.remove_extra_whitespaces = False
+    normalizer.add_dummy_prefix = meta.get("tokenizer.ggml.add_space_prefix", bool, spm)
+    # llama.cpp reads these two for UGM only. The character map's bytes come as int8 or uint8.
+    extra = meta.get("tokenizer.ggml.remove_extra_whitespaces", bool, False)
+    normalizer.remove_extra_whitespaces = not spm and extra
+    charsmap = meta.items("tokenizer.ggml.precompiled_charsmap", int) or []
+    normalizer.precompiled_charsmap = b"" if spm else bytes(value % 256 for value in charsmap)
     normalizer.escape_whitespaces = True
     return proto.SerializeToString()
 
 
 def byte_level_tokenizer(meta: Metadata, path: Path):
-    """The `gpt2` vocabulary as a tokenizers.Tokenizer that splits text as llama.cpp does for its
-    tokenizer.ggml.pre. transformers' GGUF tokenizer conversion builds the BPE (the vocabulary
-    respelled in the byte alphabet, merges, control and user-defined tokens kept whole) and most
-    pre-tokenizers' splits; it is maintained against llama.cpp's files, so it is used rather than
-    redone here. The GPT-2-regex family, which it leaves at GPT-2's split, is set here."""
+    """The `gpt2` vocabulary as a tokenizers.Tokenizer that splits text as llama.cpp does.
+
+    Transformers' GGUF conversion builds the BPE and most pre-tokenizer splits. It is kept in
+    step with llama.cpp's files, so we reuse it rather than redo it. It leaves the GPT-2-regex
+    family at GPT-2's plain split, so their digit splits are set here."""
 
     from tokenizers import pre_tokenizers
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer

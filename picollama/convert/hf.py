@@ -1,4 +1,6 @@
-"""Hugging Face Llama format: weights and config both ways, to-hf and from-hf directories."""
+"""Hugging Face's Llama format, both ways: the to-hf export and the from-hf import.
+
+It maps weight names, config keys and RoPE scaling. Only LLaMA's own choices export."""
 
 import json
 import shutil
@@ -26,7 +28,7 @@ from picollama.run_files import (
     save_model,
 )
 
-# picollama name -> Hugging Face name, per layer
+# Our name for each layer weight, and Hugging Face's.
 LAYER_KEYS = {
     "attention.wq": "self_attn.q_proj",
     "attention.wk": "self_attn.k_proj",
@@ -38,7 +40,7 @@ LAYER_KEYS = {
     "attention_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-# ModelArgs key -> the LlamaConfig key it is read from
+# The LlamaConfig key each ModelArgs field is read from.
 HF_KEYS = {
     "dim": "hidden_size",
     "n_layers": "num_hidden_layers",
@@ -66,8 +68,9 @@ def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def check_llama(args: ModelArgs, target: str = "Hugging Face's Llama"):
-    """The one export gate, asked by every exporter: UserError naming the first switch of args away
-    from LLaMA's defaults, which `target` cannot compute."""
+    """The one gate every exporter asks.
+
+    `target` computes only LLaMA's defaults. A UserError names the first switch set otherwise."""
     for key in non_llama(args):
         raise UserError(
             f"{target} has no model.{key} = {getattr(args, key)!r} "
@@ -103,13 +106,13 @@ def hf_config(args: ModelArgs) -> dict:
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     original_len = args.original_seq_len
     max_positions = args.max_seq_len
-    if args.rope_scaling == "ntk":  # static NTK is a change of base: plain RoPE with a larger theta
+    if args.rope_scaling == "ntk":  # Static NTK is plain RoPE with a larger theta.
         rope["rope_theta"] = args.rope_theta * args.rope_factor ** (
             args.head_dim / (args.head_dim - 2)
         )
     elif args.rope_scaling in ("linear", "dynamic"):
         rope.update(rope_type=args.rope_scaling, factor=args.rope_factor)
-        if args.rope_scaling == "dynamic":  # HF scales dynamic NTK from max_position_embeddings
+        if args.rope_scaling == "dynamic":  # HF scales it from max_position_embeddings.
             max_positions = original_len
     elif args.rope_scaling == "yarn":
         rope.update(
@@ -127,7 +130,7 @@ def hf_config(args: ModelArgs) -> dict:
             low_freq_factor=args.rope_low_freq_factor,
             high_freq_factor=args.rope_high_freq_factor,
         )
-    elif args.rope_scaling != "none":  # a method added to model.py that is not mapped here
+    elif args.rope_scaling != "none":  # A new method in model.py, not yet mapped here.
         raise UserError(
             f"RoPE scaling {args.rope_scaling!r} is not exported to Hugging Face's Llama"
         )
@@ -153,7 +156,7 @@ def hf_config(args: ModelArgs) -> dict:
 
 
 def model_args_from_hf(config) -> ModelArgs:
-    """ModelArgs for a LlamaConfig (or its dict); ValueError for what picollama does not run."""
+    """ModelArgs for a LlamaConfig or its dict. ValueError for what picollama does not run."""
     c = config if isinstance(config, dict) else config.to_dict()
     if c.get("model_type", "llama") != "llama" or any(
         a != "LlamaForCausalLM" for a in c.get("architectures") or []
@@ -165,7 +168,7 @@ def model_args_from_hf(config) -> ModelArgs:
         raise ValueError("biases and activations other than SiLU are not implemented")
     value = hf_reader(c, "config.json")
     dim, n_heads = value("hidden_size", int), value("num_attention_heads", int)
-    # n_heads 0 is left to checked_model_args, which refuses it naming the key
+    # n_heads 0 is left to checked_model_args. It refuses it and names the key.
     if n_heads and value("head_dim", int | None, None) not in (None, dim // n_heads):
         raise ValueError(
             f"head_dim {c['head_dim']} != hidden_size/num_attention_heads is not implemented"
@@ -194,7 +197,7 @@ def model_args_from_hf(config) -> ModelArgs:
 
 
 def rope_scaling_from_hf(rope: dict, value) -> dict:
-    """ModelArgs' RoPE scaling keys for a LlamaConfig's rope_parameters (`value`: its hf_reader)."""
+    """ModelArgs' RoPE scaling keys for a LlamaConfig's rope_parameters. `value` is its reader."""
     rope_type = value("rope_type", str, value("type", str, "default"))
     if rope_type == "default":
         return {"rope_scaling": "none"}
@@ -223,8 +226,9 @@ def rope_scaling_from_hf(rope: dict, value) -> dict:
 
 
 def hf_reader(config: dict, where: str):
-    """value(key, type, default): config[key] checked for its type (UserError naming the key);
-    KeyError when a key without a default is missing."""
+    """A reader value(key, type, default) of config[key], with its type checked.
+
+    A wrong type is a UserError naming the key. A missing key without a default is a KeyError."""
     if not isinstance(config, dict):
         raise UserError(f"{where} must be a JSON object, not {type(config).__name__}")
 
@@ -237,7 +241,7 @@ def hf_reader(config: dict, where: str):
 
 
 def from_hf_state_dict(state_dict: dict, config) -> Transformer:
-    """A Transformer holding a Hugging Face Llama state dict (tensors keep their dtype)."""
+    """A Transformer holding a Hugging Face Llama state dict. Tensors keep their dtype."""
     args = model_args_from_hf(config)
     missing = [theirs for _, theirs, _ in weight_names(args) if theirs not in state_dict]
     if missing:
@@ -284,7 +288,7 @@ def export_hf(run_dir: Path, hf_dir: Path):
         "clean_up_tokenization_spaces": False,
         "model_max_length": model.args.max_seq_len,
     }
-    template = run_chat_template_value(run_dir)  # the run's own, as it is (a string or a list)
+    template = run_chat_template_value(run_dir)  # The run's own, a string or a list.
     if template is not None:
         tokenizer_config["chat_template"] = template
     needed = model_bytes(model) + tokenizer_path.stat().st_size + len(tokenizer_json) + 64 * 1024
@@ -299,17 +303,19 @@ def export_hf(run_dir: Path, hf_dir: Path):
 
 
 def run_chat_template_value(run_dir: Path):
-    """The run's tokenizer_config.json "chat_template" as written there (a template, transformers'
-    list of named ones, or None), for an export to carry over."""
-    from picollama.chat_template import read_tokenizer_config  # jinja2, for exports only
+    """The run's "chat_template" from tokenizer_config.json, as written, for an export to copy.
+
+    It is one template, transformers' list of named ones, or None."""
+    from picollama.chat_template import read_tokenizer_config  # Needs jinja2. Exports only.
 
     return read_tokenizer_config(Path(run_dir) / TOKENIZER_CONFIG).get("chat_template")
 
 
 def tokenizer_class(tokenizer, unigram: bool) -> dict:
-    """The tokenizer_config.json keys naming the class that reads the exported tokenizer: a
-    tokenizer.json's (its own config; a unigram sentencepiece model's, written beside it) or
-    transformers' Llama tokenizer, reading tokenizer.model."""
+    """The tokenizer_config.json keys that name the class to read the exported tokenizer.
+
+    A tokenizer.json keeps its own config. A unigram sentencepiece model gets a tokenizer.json
+    written beside it. Any other reads tokenizer.model with transformers' Llama tokenizer."""
     if isinstance(tokenizer, HFTokenizer):
         kind = {**tokenizer.config, "tokenizer_class": "PreTrainedTokenizerFast"}
         return kind | {"add_bos_token": tokenizer.add_bos}
@@ -321,8 +327,9 @@ def tokenizer_class(tokenizer, unigram: bool) -> dict:
 
 
 def has_dummy_prefix(tokenizer) -> bool:
-    """Whether sentencepiece puts a space before the text ("a" → "▁a"); ours do not, while Hugging
-    Face's and llama.cpp's Llama tokenizers add one unless told."""
+    """Whether sentencepiece puts a space before the text ("a" → "▁a").
+
+    Ours do not. Hugging Face's and llama.cpp's Llama tokenizers add one unless told."""
     return tokenizer.encode_as_pieces("a")[0].startswith("\u2581")
 
 
@@ -348,10 +355,10 @@ def read_hf_weights(hf_dir: Path) -> dict:
 
 
 def shard_names(index: Path) -> list[str]:
-    """The shard files an index's weight_map names; UserError naming what is wrong."""
+    """The shard files an index's weight_map names. A UserError names what is wrong."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:  # not JSON or UTF-8; not an object with the key
+    except (ValueError, KeyError, TypeError) as e:  # Bad JSON or UTF-8, or no weight_map key.
         raise UserError(f"{index}: unreadable index ({type(e).__name__}: {e})") from None
     if not isinstance(weight_map, dict):
         raise UserError(f"{index}: weight_map must be an object, not {type(weight_map).__name__}")
@@ -361,7 +368,7 @@ def shard_names(index: Path) -> list[str]:
 
 
 def import_hf(hf_dir: Path, run_dir: Path):
-    """Write a Hugging Face Llama directory (safetensors, sentencepiece tokenizer) as a run."""
+    """Write a Hugging Face Llama directory (safetensors, a tokenizer) as a run directory."""
     check_replaceable(run_dir)
     try:
         config = json.loads((hf_dir / "config.json").read_text())
@@ -376,14 +383,14 @@ def import_hf(hf_dir: Path, run_dir: Path):
             f"{hf_dir}/config.json is not valid JSON (line {e.lineno}, column {e.colno})"
         ) from None
     try:
-        args = model_args_from_hf(config)  # fails early on an architecture we do not implement
-    except UserError as e:  # a value of the wrong type
+        args = model_args_from_hf(config)  # Fail early on an architecture we lack.
+    except UserError as e:  # A value of the wrong type.
         raise UserError(f"{hf_dir}/{e}") from None
     except (KeyError, TypeError, AttributeError) as e:
         raise UserError(
             f"{hf_dir}/config.json is not a Hugging Face Llama config ({type(e).__name__}: {e})"
         ) from None
-    except ValueError as e:  # what picollama does not run, in ModelArgs' words: name the file's key
+    except ValueError as e:  # Said in ModelArgs' words. Add the file's own key name.
         theirs = HF_KEYS.get(str(e).split()[0])
         raise UserError(
             f"{hf_dir}/config.json: {e}" + (f" ({theirs} there)" if theirs else "")
@@ -394,7 +401,7 @@ def import_hf(hf_dir: Path, run_dir: Path):
             f"{hf_dir} has no sentencepiece tokenizer.model or Hugging Face tokenizer.json"
         )
     pieces = read_tokenizer(tokenizer_path).get_piece_size()
-    if pieces > args.vocab_size:  # generate could not decode what the model never embeds
+    if pieces > args.vocab_size:  # The model could not embed the extra pieces.
         raise UserError(
             f"{hf_dir}: {tokenizer_path.name} has {pieces} pieces but config.json vocab_size is "
             f"{args.vocab_size}: not this model's tokenizer; copy the one it was trained with"
@@ -402,7 +409,7 @@ def import_hf(hf_dir: Path, run_dir: Path):
     weights = read_hf_weights(hf_dir)
     try:
         model = from_hf_state_dict(weights, config)
-    except UserError as e:  # weights of the wrong shapes
+    except UserError as e:  # Weights of the wrong shapes.
         raise UserError(f"{hf_dir}: {e}") from None
     with output(run_dir) as tmp:
         save_model(

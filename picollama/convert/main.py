@@ -1,4 +1,4 @@
-"""Hugging Face and llama.cpp GGUF export and import (to-hf, from-hf, to-gguf, from-gguf); cache."""
+"""Export and import runs as Hugging Face Llama or llama.cpp GGUF. The cache lists imports."""
 
 import argparse
 import sys
@@ -8,7 +8,7 @@ from picollama.cli import UserError
 from picollama.cli.flags import ArgumentParser, add_out, add_run, check_once
 from picollama.cli.output_place import check_output_place
 from picollama.cli.outputs import check_writable
-from picollama.convert.cache import cache_command, imported_run  # noqa: F401 (imported_run: --run)
+from picollama.convert.cache import cache_command, imported_run  # noqa: F401 (for --run)
 from picollama.convert.from_gguf import import_gguf
 from picollama.convert.hf import export_hf, import_hf
 from picollama.convert.outputs import check_replaceable
@@ -16,8 +16,9 @@ from picollama.convert.to_gguf import GGUF_TYPES, export_gguf
 
 
 class OldPaths(argparse.Action):
-    """The old positional spelling `COMMAND IN OUT`, kept one more release: IN and OUT fill the
-    flags, with a note naming the new spelling."""
+    """The old positional spelling `COMMAND IN OUT`, kept for one more release.
+
+    IN and OUT fill the flags, and a note names the new spelling."""
 
     def __init__(self, *args, source: str, **kwargs):
         super().__init__(*args, **kwargs)

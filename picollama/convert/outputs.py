@@ -1,4 +1,6 @@
-"""Where convert's commands write: atomically, folders made, over only what picollama wrote."""
+"""How convert's commands write their outputs.
+
+Writes are atomic and make missing folders. They replace only what picollama wrote."""
 
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,9 +12,10 @@ from picollama.cli.outputs import atomic_output, resolved
 
 @contextmanager
 def output(path: Path, needed: int | None = None):
-    """atomic_output at the path `path` resolves to, so that a symbolic link's target is replaced
-    (the temporary beside it, on its disk), its missing folders made first and removed again if
-    the write fails."""
+    """atomic_output at the path `path` resolves to.
+
+    A symbolic link's target is replaced, with the temporary beside it on the same disk. Missing
+    folders are made first and removed again if the write fails."""
     path = resolved(path)
     made = [folder for folder in path.parents if not folder.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -20,7 +23,7 @@ def output(path: Path, needed: int | None = None):
         with atomic_output(path, needed) as tmp:
             yield tmp
     except BaseException:
-        for folder in made:  # the deepest first
+        for folder in made:  # The deepest first.
             try:
                 folder.rmdir()
             except OSError:
@@ -29,8 +32,9 @@ def output(path: Path, needed: int | None = None):
 
 
 def check_replaceable(out: Path):
-    """UserError unless `out` is absent, empty or something picollama wrote (OWN_FILES and
-    OWN_FOLDERS), so that --force never deletes what picollama did not write."""
+    """UserError unless `out` is absent, empty or written by picollama.
+
+    OWN_FILES and OWN_FOLDERS say what picollama writes. So --force never deletes a user's file."""
     if out.is_file():
         with open(out, "rb") as file:
             magic = file.read(4)

@@ -1,4 +1,4 @@
-"""llama.cpp GGUF export (to-gguf): the llama architecture, its RoPE, vocabulary and weights."""
+"""The to-gguf export: a run as one llama.cpp GGUF file, with its RoPE, vocabulary and weights."""
 
 import errno
 import json
@@ -13,10 +13,10 @@ from model import ModelArgs, Transformer, rope_frequencies
 from picollama.cli import UserError
 from picollama.convert.hf import check_llama, has_dummy_prefix, run_chat_template_value
 from picollama.convert.outputs import check_replaceable, output
-from picollama.convert.spm_unigram import refuse_gguf_unigram
+from picollama.convert.spm_unigram import add_gguf_unigram, check_gguf_unigram, is_unigram
 from picollama.run_files import load_model, read_tokenizer
 
-# picollama name -> llama.cpp's GGUF name, per layer (blk.N.…)
+# Our name for each layer weight, and llama.cpp's (under blk.N.).
 GGUF_LAYER_KEYS = {
     "attention.wq": "attn_q",
     "attention.wk": "attn_k",
@@ -32,8 +32,10 @@ GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 def gguf_rope(args: ModelArgs) -> tuple[float, torch.Tensor | None]:
-    """(rope_freq_base, per-dimension frequency divisors or None) reproducing our RoPE in llama.cpp:
-    static NTK is a larger base; linear and llama3 scaling divide each frequency (rope_freqs)."""
+    """(rope_freq_base, frequency divisors or None) that give our RoPE in llama.cpp.
+
+    Static NTK is just a larger base. Linear and llama3 scaling divide each frequency, which
+    llama.cpp reads from the rope_freqs tensor."""
     d = args.head_dim
     if args.rope_scaling == "none":
         return args.rope_theta, None
@@ -61,9 +63,11 @@ def export_gguf(run_dir: Path, out: Path, type_: str):
 
 
 def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str, chat_template=None):
-    """Write a llama.cpp GGUF file: the llama architecture, the sentencepiece vocabulary with scores
-    and token types, the chat template (chat_template, else a tokenizer.json's own), and the
-    weights in f32, f16, bf16 or q8_0 (norms and rope_freqs stay f32)."""
+    """Write a llama.cpp GGUF file of the llama architecture.
+
+    It holds the vocabulary with scores and token types, and the chat template. The template is
+    `chat_template`, else a tokenizer.json's own. Weights are f32, f16, bf16 or q8_0. Norms and
+    rope_freqs stay f32."""
     try:
         import gguf
     except ImportError:
@@ -72,7 +76,7 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str, 
         ) from None
     args = model.args
     check_llama(args, "llama.cpp's llama")
-    refuse_gguf_unigram(tokenizer)
+    check_gguf_unigram(tokenizer)
     freq_base, freq_divisors = gguf_rope(args)
     qtype = gguf.GGMLQuantizationType[type_.upper()]
     file_type = (
@@ -98,7 +102,7 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str, 
         add_gguf_chat_template(writer, tokenizer, chat_template)
         for name, tensor in gguf_tensors(model, freq_divisors).items():
             data = tensor.detach().float().numpy()
-            # llama.cpp's own rules: vectors stay f32, quantized rows need whole blocks (else f16)
+            # llama.cpp's own rules. Vectors stay f32. Quantized rows need whole blocks, else f16.
             kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
             if data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
                 kind = gguf.GGMLQuantizationType.F16
@@ -110,7 +114,7 @@ def gguf_tensors(model: Transformer, freq_divisors: torch.Tensor | None) -> dict
     """The model's weights by their llama.cpp names (without .weight), rope_freqs if given."""
     args, state = model.args, model.state_dict()
     tensors = {"token_embd": state["tok_embeddings.weight"], "output_norm": state["norm.weight"]}
-    if not args.tie_embeddings:  # llama.cpp reuses token_embd when output is absent
+    if not args.tie_embeddings:  # llama.cpp reuses token_embd when output is absent.
         tensors["output"] = state["output.weight"]
     if freq_divisors is not None:
         tensors["rope_freqs"] = freq_divisors
@@ -121,9 +125,10 @@ def gguf_tensors(model: Transformer, freq_divisors: torch.Tensor | None) -> dict
 
 
 def write_gguf_file(writer, tmp: Path, out: Path):
-    """The writer's header, metadata and tensors written to `tmp` (to become `out`). numpy's tofile
-    reports a full disk only as "N requested and M written": raised as the ENOSPC it is, which
-    atomic_output turns into one line naming `out`."""
+    """Write the header, metadata and tensors to `tmp`, which becomes `out`.
+
+    numpy's tofile reports a full disk only as "N requested and M written". We raise it as ENOSPC,
+    which atomic_output turns into one line naming `out`."""
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -138,8 +143,9 @@ def write_gguf_file(writer, tmp: Path, out: Path):
 
 
 def add_gguf_chat_template(writer, tokenizer, chat_template=None):
-    """tokenizer.chat_template (and, from transformers' list, the named ones): chat_template, else
-    a tokenizer.json's own (from its tokenizer_config.json); nothing where there is neither."""
+    """Add tokenizer.chat_template, and any named templates from transformers' list.
+
+    The template is `chat_template`, else a tokenizer.json's own. Nothing is added if neither."""
     if chat_template is None:
         chat_template = getattr(tokenizer, "config", {}).get("chat_template")
     if chat_template:
@@ -147,10 +153,38 @@ def add_gguf_chat_template(writer, tokenizer, chat_template=None):
 
 
 def add_gguf_vocab(writer, tokenizer, vocab_size: int, gguf):
-    """The sentencepiece vocabulary as llama.cpp's "llama" tokenizer: pieces, scores, token types,
-    special ids; rows past the tokenizer (a padded embedding) as unused [PADn] tokens."""
+    """Add the vocabulary with scores, token types and special ids.
+
+    A sentencepiece BPE model becomes llama.cpp's "llama" tokenizer, a unigram one its "t5" one. A
+    byte-level BPE tokenizer.json becomes its "gpt2" one. Embedding rows past the tokenizer are
+    padding, written as unused [PADn] tokens."""
     if isinstance(tokenizer, HFTokenizer):
         return add_gguf_bpe_vocab(writer, tokenizer, vocab_size, gguf)
+    if is_unigram(tokenizer):
+        add_gguf_unigram(writer, tokenizer)
+    else:
+        writer.add_tokenizer_model("llama")
+        writer.add_add_space_prefix(has_dummy_prefix(tokenizer))
+        writer.add_remove_extra_whitespaces(False)
+    writer.add_tokenizer_pre("default")
+    pieces, scores, types = sentencepiece_tokens(tokenizer, vocab_size, gguf)
+    writer.add_token_list(pieces)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    for name, token_id in (
+        ("bos", tokenizer.bos_id()),
+        ("eos", tokenizer.eos_id()),
+        ("unk", tokenizer.unk_id()),
+    ):
+        if token_id >= 0:
+            getattr(writer, f"add_{name}_token_id")(token_id)
+    # Both set, as the "t5" tokenizer's defaults are T5's (EOS added, no BOS).
+    writer.add_add_bos_token(bool(prompt_start(tokenizer)))  # As our prompts start.
+    writer.add_add_eos_token(False)
+
+
+def sentencepiece_tokens(tokenizer, vocab_size: int, gguf) -> tuple[list, list, list]:
+    """(pieces, scores, token types) of a sentencepiece model, padded to vocab_size."""
     pieces, scores, types = [], [], []
     for i in range(vocab_size):
         if i >= tokenizer.get_piece_size():
@@ -170,34 +204,21 @@ def add_gguf_vocab(writer, tokenizer, vocab_size: int, gguf):
             types.append(gguf.TokenType.BYTE)
         else:
             types.append(gguf.TokenType.NORMAL)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(pieces)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_add_space_prefix(has_dummy_prefix(tokenizer))
-    writer.add_remove_extra_whitespaces(False)
-    for name, token_id in (
-        ("bos", tokenizer.bos_id()),
-        ("eos", tokenizer.eos_id()),
-        ("unk", tokenizer.unk_id()),
-    ):
-        if token_id >= 0:
-            getattr(writer, f"add_{name}_token_id")(token_id)
-    writer.add_add_bos_token(bool(prompt_start(tokenizer)))  # as our prompts start
-    writer.add_add_eos_token(False)
+    return pieces, scores, types
 
 
 def add_gguf_bpe_vocab(writer, tokenizer: HFTokenizer, vocab_size: int, gguf):
-    """A byte-level BPE tokenizer.json as llama.cpp's "gpt2" tokenizer: tokens, merges, types, the
-    pre-tokenizer's llama.cpp name, special ids; rows past the tokenizer as unused [PADn] tokens."""
+    """Add a byte-level BPE tokenizer.json as llama.cpp's "gpt2" tokenizer.
+
+    It writes tokens, merges, types, special ids and llama.cpp's name for the pre-tokenizer. Rows
+    past the tokenizer become unused [PADn] tokens."""
     spec = json.loads(tokenizer.backend.to_str())
     if spec["model"]["type"] != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
         raise UserError("to-gguf takes sentencepiece and byte-level BPE tokenizers only")
     pre = gguf_pre_name(spec.get("pre_tokenizer") or {})
     special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
     n = tokenizer.get_piece_size()
-    spelled = tokenizer.backend.id_to_token  # in the byte alphabet, as llama.cpp reads them
+    spelled = tokenizer.backend.id_to_token  # In the byte alphabet, as llama.cpp reads them.
     tokens = [spelled(i) if i < n else f"[PAD{i}]" for i in range(vocab_size)]
     types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(n)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
@@ -214,8 +235,10 @@ def add_gguf_bpe_vocab(writer, tokenizer: HFTokenizer, vocab_size: int, gguf):
 
 
 def gguf_pre_name(pre: dict) -> str:
-    """llama.cpp's tokenizer.ggml.pre for a tokenizer.json pre-tokenizer: GPT-2's split ("gpt-2"),
-    or single digits first ("smollm"); UserError for others."""
+    """llama.cpp's tokenizer.ggml.pre name for a tokenizer.json pre-tokenizer.
+
+    GPT-2's split is "gpt-2". Single digits first, then GPT-2's split, is "smollm". Others are
+    refused."""
     parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     kinds = [p.get("type") for p in parts]
     if parts[-1:] and kinds[-1] == "ByteLevel" and parts[-1].get("use_regex", True):

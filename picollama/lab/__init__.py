@@ -1,3 +1,4 @@
-"""The lab: the length-extrapolation study (perplexity, retrieval, the one-command study) and the
-benchmarks. The core never imports it; `generate.py extrapolate` and `generate.py study` enter
-it."""
+"""The lab holds the length-extrapolation study and the benchmarks.
+
+The study covers perplexity, retrieval and the one-command study. The core never imports the
+lab. Only `generate.py extrapolate` and `generate.py study` enter it."""

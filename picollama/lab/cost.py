@@ -1,4 +1,7 @@
-"""What an extrapolation will cost, known before it starts: refuse one that cannot fit or finish."""
+"""What an extrapolation will cost, known before it starts.
+
+An evaluation that cannot fit in memory, or would run past --max-minutes, is refused up front.
+That beats failing hours in."""
 
 import statistics
 import time
@@ -8,19 +11,20 @@ import torch
 
 from model import Transformer
 from picollama.cli import UserError
-from picollama.components.length import WINDOWED, stretched, uses_rope
+from picollama.components.length import stretched, uses_rope
+from picollama.components.registry import WINDOWED
 from picollama.device import memory_bytes
 from picollama.lab.interruptible import interruptible
 from picollama.training.metrics import flops_per_token
 
-BLOCK_TOKENS = 8192  # the tokens of one forward (rows × length) where rows are shorter
-HEAD_CHUNK = 2048  # the positions whose logits are made at once when scoring a sequence
-# the forward that times a model and method: the first of doubling lengths that takes this long,
-# long enough to time the model rather than Python and the allocator (a forward of 1e10 FLOPs
-# timed instead once swung one evaluation's estimate from 31 min to 20 h, and was 5x short)
+BLOCK_TOKENS = 8192  # Tokens in one forward (rows × length) when rows are short.
+HEAD_CHUNK = 2048  # Positions whose logits are made at once when scoring a sequence.
+# Calibration doubles the length until a forward takes this long. That is long enough to time
+# the model rather than Python and the allocator. Timing a fixed 1e10-FLOP forward instead once
+# swung an estimate from 31 min to 20 h, and it was still 5x short.
 CALIBRATION_SECONDS = 0.25
-CALIBRATION_TOKENS = 512  # the first length timed
-CALIBRATION_TIMES = 3  # times the last length is timed: their median
+CALIBRATION_TOKENS = 512  # The first length timed.
+CALIBRATION_TIMES = 3  # Times the last length is timed. We take the median.
 
 
 @dataclass
@@ -33,13 +37,14 @@ class Forwards:
 
 
 def block_rows(length: int, rows: int) -> int:
-    """How many of `rows` rows `length` tokens long one forward takes: about BLOCK_TOKENS tokens,
-    which bounds the activations."""
+    """How many of `rows` rows of `length` tokens one forward takes.
+
+    About BLOCK_TOKENS tokens, which bounds the activations."""
     return min(rows, max(1, BLOCK_TOKENS // length))
 
 
 def forward_flops(model: Transformer, rows: int, length: int) -> float:
-    """FLOPs of one forward: a third of training's (metrics.flops_per_token)."""
+    """FLOPs of one forward, a third of training's (metrics.flops_per_token)."""
     return rows * length * flops_per_token(model, length) / 3
 
 
@@ -48,13 +53,13 @@ def forward_bytes(model: Transformer, rows: int, length: int) -> tuple[int, int]
     args = model.args
     size = next(model.parameters()).element_size()
     tokens = rows * length
-    # the logits of HEAD_CHUNK positions a row, their float32 copy and the log-softmax
+    # Logits of HEAD_CHUNK positions a row, their float32 copy and the log-softmax.
     logits = rows * min(length, HEAD_CHUNK) * args.vocab_size * (size + 8)
     activations = tokens * (4 * args.dim + 3 * args.hidden_dim) * size
     square = 0
     if args.position == "alibi":
-        # ALiBi's bias is a (heads, L, L) float32 mask (and its temporaries), which sends attention
-        # down the path that holds every row's scores and their softmax: no flash attention
+        # ALiBi's bias is a (heads, L, L) float32 mask, plus temporaries. It rules out flash
+        # attention, so every row's scores and their softmax are held in memory.
         square = length**2 * args.n_heads * (3 * 4 + 2 * rows * size)
     return logits + activations + square, square
 
@@ -70,8 +75,10 @@ def duration(seconds: float) -> str:
 
 
 def check_memory(loaded: list, work: list, data_bytes: int, device, rows_flags: str):
-    """UserError when the weights, the rows (`data_bytes`) and the largest forward of `work` (a
-    list of Forwards per run) need more memory than the device has."""
+    """UserError when the work needs more memory than the device has.
+
+    We add the weights, the rows (`data_bytes`) and the largest forward of `work`. `work` is a
+    list of Forwards per run."""
     weights = sum(p.numel() * p.element_size() for model, _ in loaded for p in model.parameters())
     largest, square, where = 0, 0, None
     for (model, run), forwards in zip(loaded, work):
@@ -103,13 +110,14 @@ def synchronize(device: torch.device):
 
 
 def model_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    """A forward as the retrieval track runs one (interruptible: in a worker thread)."""
+    """A forward as the retrieval track runs one, in a worker thread so Ctrl-C works."""
     return interruptible(model, tokens)
 
 
 def timed(model: Transformer, length: int, device, forward, times: int = 1) -> float:
-    """The median seconds of `times` one-row evaluations of `length` tokens by forward(model,
-    tokens), what the evaluation runs (scoring included)."""
+    """Median seconds of `times` one-row evaluations of `length` tokens.
+
+    Each calls forward(model, tokens), as the evaluation does, scoring included."""
     tokens = torch.zeros(1, length, dtype=torch.long, device=device)
     samples = []
     with torch.inference_mode():
@@ -122,11 +130,12 @@ def timed(model: Transformer, length: int, device, forward, times: int = 1) -> f
 
 
 def calibration(model: Transformer, longest: int, device, forward) -> tuple[int, float, float]:
-    """(length, its seconds, the first's seconds) of one-row forwards of doubling lengths from
-    CALIBRATION_TOKENS (or `longest`, if shorter) up to the first that takes CALIBRATION_SECONDS
-    (one long enough to time the model, not Python and the allocator), or `longest`: its time the
-    median of CALIBRATION_TIMES (the shorter ones warm up). The first, the shortest and coldest,
-    is what any forward costs beside its FLOPs (Python, the allocator), at least."""
+    """(length, its seconds, the first's seconds) of one-row forwards of doubling length.
+
+    Lengths start at CALIBRATION_TOKENS, or `longest` if shorter. They stop at the first that
+    takes CALIBRATION_SECONDS, or at `longest`. That length's time is the median of
+    CALIBRATION_TIMES runs, since the shorter ones warmed up. The first, shortest and coldest
+    forward gives a floor. It is what any forward costs beside its FLOPs (Python, the allocator)."""
     length = min(longest, CALIBRATION_TOKENS)
     first = seconds = timed(model, length, device, forward)
     while length < longest and seconds < CALIBRATION_SECONDS:
@@ -136,17 +145,20 @@ def calibration(model: Transformer, longest: int, device, forward) -> tuple[int,
 
 
 def method_kind(method: str) -> str:
-    """Methods whose forwards cost alike share a kind: each WINDOWED one (two branches, in chunks:
-    7-18x slower a FLOP than one) is its own, the rest are "plain"."""
+    """Methods whose forwards cost alike share a kind.
+
+    Each WINDOWED method is its own kind. It runs two branches in chunks, 7-18x slower a FLOP.
+    The rest are "plain"."""
     return method if method in WINDOWED else "plain"
 
 
 def run_seconds(model: Transformer, methods: list[str], forwards: list, device, forward) -> float:
-    """The seconds `forwards` (of every method in `methods`, equally) take, timed per method kind
-    (calibration, with the model stretched as for the longest length): each the first length's
-    time (the cost beside the FLOPs) plus its FLOPs at the rate of the length timed last, whose
-    time holds that cost too. Where a forward's time is that cost plus its FLOPs at some rate, it
-    errs long, never short: the guard holds."""
+    """The seconds `forwards` take, split equally over the methods in `methods`.
+
+    Each method kind is calibrated, with the model stretched for the longest length. A forward
+    costs the first length's time (the cost beside the FLOPs). Add its FLOPs at the rate of the
+    length timed last, whose time holds that cost too. So the estimate errs long, never short,
+    and the guard holds."""
     longest = max(f.length for f in forwards)
     base, total = model.args, 0.0
     kinds = {method_kind(method): method for method in methods}
@@ -166,11 +178,12 @@ def run_seconds(model: Transformer, methods: list[str], forwards: list, device, 
 def check_cost(
     loaded: list, work: list, data_bytes: int, options, device, rows_flags: str, forward=None
 ):
-    """UserError, before any evaluation, when `work` (a list of Forwards per run of `loaded`) with
-    its rows (`data_bytes`) cannot fit in memory (check_memory), or would take longer than
-    options.max_minutes at the speed each model and method runs forward(model, tokens) at here
-    (default model_logits; run_seconds: the evaluation's forwards, scoring included); `rows_flags`
-    name the flags that set the rows."""
+    """UserError, before any evaluation, when `work` cannot fit or would run too long.
+
+    `work` is a list of Forwards per run of `loaded`, with rows of `data_bytes`. check_memory
+    checks that it fits. run_seconds times forward(model, tokens) for each model and method here,
+    scoring included. The default forward is model_logits. The total must stay within
+    options.max_minutes. `rows_flags` names the flags that set the rows."""
     check_memory(loaded, work, data_bytes, device, rows_flags)
     seconds, flops = 0.0, 0.0
     for (model, run), forwards in zip(loaded, work):

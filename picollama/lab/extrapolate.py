@@ -1,6 +1,8 @@
-"""Length extrapolation (`python generate.py extrapolate`): how perplexity and a copy probe (runs
-trained on text) or retrieval accuracy (runs trained on the retrieval task) hold up past the
-training context, for each RoPE scaling method and each of several runs."""
+"""Length extrapolation, run as `python generate.py extrapolate`.
+
+It measures how models hold up past their training context, for each RoPE scaling method and
+each run. Runs trained on text get perplexity and a copy probe. Runs trained on the retrieval
+task get retrieval accuracy."""
 
 import json
 from pathlib import Path
@@ -15,7 +17,7 @@ from picollama.cli.outputs import (
     check_writable,
     exclusive,
 )
-from picollama.components.length import ROPE_SCALINGS
+from picollama.components.registry import ROPE_SCALINGS
 from picollama.convert.main import imported_run
 from picollama.device import pick_device, pick_dtype
 from picollama.lab.plots import plot_report, pyplot, retrieval_plot
@@ -44,7 +46,7 @@ def add_arguments(parser: cli.ArgumentParser):
     parser.add_argument(
         "--methods",
         type=comma_list(choices=ROPE_SCALINGS),
-        help="RoPE scaling methods, comma-separated (default: every one of model.ROPE_SCALINGS "
+        help="RoPE scaling methods, comma-separated (default: every one of ROPE_SCALINGS "
         "for RoPE runs, none for other position encodings)",
     )
     parser.add_argument(
@@ -77,9 +79,10 @@ def add_arguments(parser: cli.ArgumentParser):
 
 
 def check_own_folder(out_dir: Path):
-    """The ownership rule for --out: a folder that is absent, empty or holds only what an
-    evaluation writes (extrapolation.json, .md and .png, the first an evaluation's report), so
-    that one never replaces, or writes beside, files it did not make."""
+    """The ownership rule for --out, so an evaluation never touches files it did not make.
+
+    The folder must be absent, empty, or hold only what an evaluation writes. That is
+    extrapolation.json, .md and .png, with the JSON an evaluation's report."""
     what = "an evaluation writes extrapolation.json, .md and .png into a folder of its own"
     check_replaceable(out_dir, r"extrapolation\.(json|md|png)", what=what)
     check_own_result(out_dir / "extrapolation.json", "generate.py extrapolate", written_by)
@@ -94,8 +97,9 @@ def written_by(report: dict) -> str | None:
 
 
 def write_report(report: dict, markdown: str, plot, out_dir: Path):
-    """extrapolation.json, .md and .png in out_dir: all three or none (each is renamed into place
-    only once every one has been written)."""
+    """Write extrapolation.json, .md and .png in out_dir, all three or none.
+
+    Each is renamed into place only once every one has been written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with (
         atomic_output(out_dir / "extrapolation.json") as json_path,
@@ -108,9 +112,11 @@ def write_report(report: dict, markdown: str, plot, out_dir: Path):
 
 
 def extrapolation(runs: list[Path], out: Path | None, options: Options, command: list[str]) -> dict:
-    """Evaluate run directories (one task, one tokenizer) past their training context, write
-    extrapolation.json, .md and .png to `out` (default RUN/extrapolation) and print the Markdown;
-    the report, which records `command` as the command line that made it."""
+    """Evaluate run directories past their training context and return the report.
+
+    The runs must share one task and one tokenizer. It writes extrapolation.json, .md and .png to
+    `out` (default RUN/extrapolation) and prints the Markdown. The report records `command` as
+    the command line that made it."""
     names = [str(path) for path in runs]
     if len({Path(path).resolve() for path in runs}) < len(names):
         raise UserError(f"--run names a run twice: {','.join(names)}")
@@ -120,14 +126,14 @@ def extrapolation(runs: list[Path], out: Path | None, options: Options, command:
         )
     if options.probe_span < 2:
         raise UserError(f"--probe-span must be >= 2, not {options.probe_span}")
-    names = [str(imported_run(Path(name))) for name in names]  # a .gguf file, an HF directory
+    names = [str(imported_run(Path(name))) for name in names]  # Imports .gguf and HF folders.
     device = pick_device(options.device)
     loaded = load_runs(names, options.methods, device, pick_dtype(options.dtype, device))
     out_dir = Path(out) if out else Path(names[0]) / "extrapolation"
-    with exclusive(out_dir):  # one evaluation writing a folder at a time
+    with exclusive(out_dir):  # One evaluation writes a folder at a time.
         check_own_folder(out_dir)
         if loaded[0][1]["task"] == "retrieval":
-            check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
+            check_writable(out_dir / "extrapolation.json")  # The folder, and files in it.
             report = retrieval_study(loaded, options, command, device)
             markdown = retrieval_markdown(report)
             write_report(report, markdown, retrieval_plot, out_dir)
@@ -142,8 +148,7 @@ def extrapolation(runs: list[Path], out: Path | None, options: Options, command:
 
 
 def run(args, argv: list[str]) -> int:
-    """The `extrapolate` command, on generate.py's parsed flags; argv: generate.py's, for the
-    report."""
-    pyplot()  # matplotlib is there: a missing one fails now, not after the work
+    """The `extrapolate` command, on generate.py's parsed flags. argv goes into the report."""
+    pyplot()  # Without matplotlib, fail now rather than after the work.
     extrapolation(args.run, args.out, Options.from_args(args), ["python", "generate.py", *argv])
     return 0

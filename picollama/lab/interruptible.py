@@ -1,4 +1,7 @@
-"""Long forwards that Ctrl-C and SIGTERM stop at once: run in a worker thread, the main waits."""
+"""Long forwards that Ctrl-C and SIGTERM stop at once.
+
+The forward runs in a worker thread while the main thread waits. Python only handles signals on
+the main thread between bytecodes, so a long torch call would otherwise block them."""
 
 import atexit
 import os
@@ -9,17 +12,17 @@ from contextlib import ExitStack
 
 import torch
 
-WAIT_SECONDS = 0.1  # how often the waiting main thread wakes: at most this late to a signal
+WAIT_SECONDS = 0.1  # How often the waiting main thread wakes, so how late a signal can be.
 
 
 def interruptible(fn, *args, **kwargs):
-    """fn(*args, **kwargs), in a worker thread while this one waits, so that a Ctrl-C or SIGTERM
-    is answered within WAIT_SECONDS even while one torch operation takes minutes (Python runs
-    signal handlers between bytecodes of the main thread only, never inside an operation).
-    Interrupted, the worker is abandoned; the process then ends (exit_abandoned) once the caller's
-    cleanup and its `error:` line are done. The worker computes under the caller's grad,
-    inference and autocast modes (they are per thread). Outside the main thread: fn called as it
-    is."""
+    """fn(*args, **kwargs) in a worker thread, while this one waits.
+
+    So Ctrl-C or SIGTERM is answered within WAIT_SECONDS, even if one torch operation takes
+    minutes. Python runs signal handlers on the main thread only, between bytecodes. On an
+    interrupt the worker is abandoned. The process ends (exit_abandoned) once the caller's
+    cleanup and `error:` line are done. The worker uses the caller's grad, inference and autocast
+    modes, which torch keeps per thread. Off the main thread, fn is simply called."""
     if threading.current_thread() is not threading.main_thread():
         return fn(*args, **kwargs)
     done, finished = {}, threading.Event()
@@ -29,7 +32,7 @@ def interruptible(fn, *args, **kwargs):
         try:
             with modes():
                 done["value"] = fn(*args, **kwargs)
-        except BaseException as e:  # handed to the caller
+        except BaseException as e:  # Handed to the caller.
             done["error"] = e
         finally:
             finished.set()
@@ -43,7 +46,7 @@ def interruptible(fn, *args, **kwargs):
         handler = previous[signum]
         if callable(handler):
             handler(signum, frame)
-        else:  # the default action (or ignored): as if this handler were not there
+        else:  # The default action, or ignored. Act as if this handler were not there.
             signal.signal(signum, handler)
             signal.raise_signal(signum)
 
@@ -51,7 +54,7 @@ def interruptible(fn, *args, **kwargs):
         signal.signal(s, note)
     try:
         worker.start()
-        # not worker.join: interrupted, Python 3.11's join marks a running thread as ended
+        # Not worker.join. If interrupted, Python 3.11's join marks a running thread as ended.
         while not finished.wait(WAIT_SECONDS):
             pass
     except BaseException:
@@ -67,8 +70,9 @@ def interruptible(fn, *args, **kwargs):
 
 
 def caller_modes():
-    """A function entering, in another thread, this thread's grad, inference and autocast modes
-    (torch keeps them per thread): an ExitStack to leave them by."""
+    """A function that enters this thread's grad, inference and autocast modes in another.
+
+    Torch keeps these modes per thread. The function returns an ExitStack to leave them by."""
     inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
     casts = [
         (d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)
@@ -86,9 +90,9 @@ def caller_modes():
 
 
 def exit_abandoned(finished: threading.Event, status: int):
-    """At exit, while an abandoned worker still computes (`finished` unset): end the process now,
-    with `status`. A normal exit would destroy torch's thread pools under the running operation,
-    and abort."""
+    """At exit, end the process now with `status` if an abandoned worker still computes.
+
+    A normal exit would destroy torch's thread pools under the running operation, and abort."""
     if not finished.is_set():
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,6 +1,8 @@
-"""Key-token perplexity in the manner of LongPPL (Fang et al., ICLR 2025): perplexity on the tokens
-whose loss depends on long context, which tracks long-context ability where plain perplexity, an
-average dominated by tokens that local context predicts, does not."""
+"""Key-token perplexity, in the manner of LongPPL (Fang et al., ICLR 2025).
+
+It is perplexity on the tokens whose loss depends on long context. Plain perplexity averages
+over all tokens, and local context predicts most of them. So it misses long-context ability,
+which key-token perplexity tracks."""
 
 import math
 
@@ -8,8 +10,8 @@ import numpy as np
 
 from picollama.lab.runs import spread
 
-# LongPPL's thresholds (its code's alpha and beta): a key token's loss falls by more than GAIN nats
-# from the short context to the long one, and ends below CONFIDENT nats (log-probability > -2)
+# LongPPL's thresholds, its code's alpha and beta. A key token's loss falls by more than GAIN
+# nats from the short context to the long one. It ends below CONFIDENT nats (log-prob > -2).
 GAIN = 2.0
 CONFIDENT = 2.0
 
@@ -20,10 +22,12 @@ def key_token_mask(short: np.ndarray, long: np.ndarray) -> np.ndarray:
 
 
 def pick_evaluator(losses: dict, short: str, long: str):
-    """The (run, method) of `losses` ({(run, method): {length: token losses or None}}) that finds
-    the most key tokens between the `short` and the `long` length (ties: the lower mean loss at
-    `long`): the model that uses the long context most, as LongPPL picks a strong long-context
-    model to find the key tokens every other model is scored on. None where none scores both."""
+    """The (run, method) that finds the most key tokens between the `short` and `long` lengths.
+
+    `losses` maps (run, method) to {length: token losses or None}. Ties go to the lower mean loss
+    at `long`. This picks the model that uses long context most. LongPPL likewise picks a strong
+    long-context model to find the key tokens that all models are scored on. None if no pair
+    scores both lengths."""
     best, best_rank = None, None
     for pair, by_length in losses.items():
         if by_length.get(short) is None or by_length.get(long) is None:
@@ -36,8 +40,9 @@ def pick_evaluator(losses: dict, short: str, long: str):
 
 
 def key_token_cells(by_length: dict, mask: np.ndarray, short: str) -> dict:
-    """Perplexity on the key tokens (mask) at each length, with its ratio to the `short` length's
-    (None where the length was not scored)."""
+    """Perplexity on the key tokens (mask) at each length, and its ratio to the `short` one's.
+
+    A length that was not scored gets None."""
     cells = {}
     for length, token_losses in by_length.items():
         cells[length] = None
@@ -51,9 +56,10 @@ def key_token_cells(by_length: dict, mask: np.ndarray, short: str) -> dict:
 
 
 def key_tokens(losses: dict, short: int, long: int) -> tuple[dict, dict]:
-    """The key tokens between the `short` and `long` lengths, found by pick_evaluator, and each
-    (run, method) of `losses` scored on them: (what was found, {(run, method): key_token_cells});
-    no cells where no key token was found."""
+    """Find key tokens between the `short` and `long` lengths, and score every pair on them.
+
+    pick_evaluator finds them. Returns (what was found, {(run, method): key_token_cells}). With
+    no key tokens found, there are no cells."""
     short, long = str(short), str(long)
     evaluator = pick_evaluator(losses, short, long)
     found = {"short": int(short), "long": int(long), "gain": GAIN, "confident": CONFIDENT}

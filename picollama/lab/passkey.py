@@ -1,7 +1,9 @@
-"""Passkey retrieval scored by likelihood: a random five-digit key hidden in real text at several
-depths, read back as whether the model gives the key a higher log-likelihood than every one of
-DISTRACTORS other keys. No generation and no instruction following, so that it reads the same on a
-small base model and a real one (the form PI, YaRN and Self-Extend report)."""
+"""Passkey retrieval, scored by likelihood.
+
+A random five-digit key is hidden in real text at several depths. The model passes a row if it
+gives the key a higher log-likelihood than each of DISTRACTORS other keys. There is no generation
+and no instruction following. So it reads the same on a small base model and a real one. This is
+the form PI, YaRN and Self-Extend report."""
 
 import numpy as np
 import torch
@@ -12,14 +14,16 @@ from picollama.lab.interruptible import interruptible
 
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
-DEPTHS = (0.1, 0.5, 0.9)  # where the needle starts, as a fraction of the filler before the question
-DISTRACTORS = 9  # other keys scored beside the true one: chance is 10%
-THRESHOLD = 0.8  # the accuracy an effective passkey length keeps
+DEPTHS = (0.1, 0.5, 0.9)  # Where the needle starts, as a fraction of the filler before it.
+DISTRACTORS = 9  # Other keys scored beside the true one, so chance is 10%.
+THRESHOLD = 0.8  # The accuracy an effective passkey length keeps.
 
 
 def key_tokens(tokenizer, key: int) -> list[int]:
-    """The tokens of " KEY" where it follows QUESTION (the question encoded with the key, less the
-    question's own tokens: a BPE may merge across the boundary)."""
+    """The tokens of " KEY" where it follows QUESTION.
+
+    We encode the question with the key and drop the question's own tokens. Encoding the key
+    alone would be wrong, since a BPE may merge across the boundary."""
     question = tokenizer.encode(QUESTION)
     full = tokenizer.encode(f"{QUESTION} {key}")
     if full[: len(question)] != question or len(full) == len(question):
@@ -28,10 +32,11 @@ def key_tokens(tokenizer, key: int) -> list[int]:
 
 
 def passkey_row(tokenizer, filler: np.ndarray, length: int, depth: float, rng) -> tuple | None:
-    """(row, candidates): at most `length` tokens of real text (filler) with the needle starting at
-    `depth` of it, ending in QUESTION, such that every candidate fits after it within `length`;
-    candidates are the key tokens of the true key (first) and of DISTRACTORS other keys. None
-    where `length` cannot hold the needle and the question."""
+    """(row, candidates) for one passkey row, or None if `length` cannot hold it.
+
+    The row is real text (filler) with the needle at `depth`, ending in QUESTION. Every
+    candidate must fit after it within `length` tokens. The candidates are the key tokens of
+    the true key (first) and of DISTRACTORS other keys."""
     keys = 10_000 + rng.choice(90_000, DISTRACTORS + 1, replace=False)
     candidates = [key_tokens(tokenizer, int(key)) for key in keys]
     needle = tokenizer.encode(NEEDLE.format(key=int(keys[0])))
@@ -46,14 +51,15 @@ def passkey_row(tokenizer, filler: np.ndarray, length: int, depth: float, rng) -
 
 @torch.inference_mode()
 def candidate_scores(model, prefix: torch.Tensor, candidates: list[list[int]]) -> list[float]:
-    """The log-likelihood of each candidate continuation of prefix (1, P): the prefix runs once,
-    into the KV cache, its logits made at the last position only; then each candidate after it
-    (under dynamic NTK, whose frequencies follow the length, a candidate's few tokens are rotated
-    for a sequence a few tokens longer than the cached keys were)."""
+    """The log-likelihood of each candidate continuation of prefix (1, P).
+
+    The prefix runs once into the KV cache, with logits at the last position only. Then each
+    candidate runs after it. Under dynamic NTK the frequencies follow the length. So a
+    candidate's few tokens are rotated for a slightly longer sequence than the cached keys."""
     start = prefix.shape[1]
     model.setup_cache(1, start + max(map(len, candidates)))
     try:
-        features = interruptible(model.features, prefix, start_pos=0)  # minutes at long lengths
+        features = interruptible(model.features, prefix, start_pos=0)  # Minutes when long.
         first = F.log_softmax(model.head(features[:, -1]).float(), -1)
         scores = []
         for tokens in candidates:
@@ -70,8 +76,9 @@ def candidate_scores(model, prefix: torch.Tensor, candidates: list[list[int]]) -
 
 
 def passkey_rows(tokenizer, filler: np.ndarray, lengths: list[int], seed: int) -> dict:
-    """{(length, depth): [(row, candidates)] per filler row}, for the lengths that can hold a
-    passkey row: the same keys for every method and run, seeded."""
+    """{(length, depth): [(row, candidates)] per filler row}, for lengths that fit a row.
+
+    The keys are seeded, so every method and run gets the same ones."""
     rng = np.random.default_rng(seed)
     rows = {}
     for length in lengths:
@@ -83,8 +90,10 @@ def passkey_rows(tokenizer, filler: np.ndarray, lengths: list[int], seed: int) -
 
 
 def passkey_read(model, rows: list, device) -> dict:
-    """Accuracy (the true key scored above every distractor) and the mean margin in nats of the
-    true key over the best distractor, over the rows of one length and depth."""
+    """Accuracy and mean margin over the rows of one length and depth.
+
+    A row is a hit when the true key scores above every distractor. The margin is the true key's
+    lead over the best distractor, in nats."""
     hits, margins = [], []
     for row, candidates in rows:
         scores = candidate_scores(model, torch.from_numpy(row)[None].to(device), candidates)
@@ -94,10 +103,10 @@ def passkey_read(model, rows: list, device) -> dict:
 
 
 def effective_length(by_length: dict, field: str = "accuracy") -> int | None:
-    """The longest tested length up to which every length scored keeps its accuracy (each cell's
-    `field`) >= THRESHOLD (RULER's kind of effective length); None where even the shortest does
-    not. Lengths without a score (too short for a passkey row, or past what the model reaches)
-    are skipped."""
+    """The longest tested length up to which every scored length keeps `field` >= THRESHOLD.
+
+    This is RULER's kind of effective length. None if even the shortest fails. Lengths without a
+    score are skipped. They were too short for a passkey row, or past what the model reaches."""
     effective = None
     for length in sorted(by_length, key=int):
         cell = by_length[length]

@@ -1,4 +1,6 @@
-"""The plots of a length-extrapolation report and of a study's runs side by side (matplotlib)."""
+"""Plots of a length-extrapolation report, and of a study's runs side by side.
+
+They use matplotlib, an optional extra. This module only draws reports. It computes nothing."""
 
 import math
 import re
@@ -7,14 +9,15 @@ from pathlib import Path
 import numpy as np
 
 from picollama.cli import UserError
-from picollama.components.length import ROPE_SCALINGS
+from picollama.components.registry import ROPE_SCALINGS
 from picollama.lab.report import run_title
 
 
 def pyplot():
-    """matplotlib.pyplot on the Agg backend (files, no display), imported when first plotting;
-    UserError naming the extra where matplotlib is not installed (extrapolate and study call this
-    before their work)."""
+    """matplotlib.pyplot on the Agg backend, which writes files and needs no display.
+
+    Without matplotlib, a UserError names the extra to install. Extrapolate and study call this
+    before their work, so they fail fast."""
     try:
         import matplotlib
     except ImportError:
@@ -58,7 +61,7 @@ def text_panels(axes, run: dict, report: dict, title: str):
     ppl_ax, pos_ax, probe_ax = (*axes, None)[:3]
     lengths, span = report["lengths"], report["probe"]["span"]
     edges = np.asarray(report["per_position_edges"])
-    centers = np.sqrt((edges[:-1] + 1) * edges[1:])  # index i predicts the token at position i+1
+    centers = np.sqrt((edges[:-1] + 1) * edges[1:])  # Index i predicts the token at i+1.
     for method in run["methods"]:
         style = method_style(method)
         cells = [(n, run["perplexity"][method][str(n)]) for n in lengths]
@@ -88,7 +91,7 @@ def plot_report(report: dict, path: Path):
     """Small multiples: a row of panels per run (perplexity by length, loss by position, copy
     probe by distance), a line per method, the training context dashed."""
     runs = report["runs"]
-    panels = 3 if report["probe"]["distances"] else 2  # no probe panel with --probes 0
+    panels = 3 if report["probe"]["distances"] else 2  # No probe panel with --probes 0.
     size = (14 * panels / 3, 3.4 * len(runs) + 0.8)
     fig, grid = pyplot().subplots(len(runs), panels, figsize=size, squeeze=False)
     for axes, run in zip(grid, runs):
@@ -103,8 +106,9 @@ def plot_report(report: dict, path: Path):
 
 
 def seed_line(ax, points: list[list[tuple]], **style):
-    """A line through the mean of each x's values across seeds (points: [(x, y)] a seed), in a band
-    from their min to their max where there are several seeds."""
+    """A line through the mean of each x's values across seeds. points holds [(x, y)] per seed.
+
+    With several seeds, a band runs from their min to their max."""
     ys = {}
     for seed in points:
         for x, y in seed:
@@ -119,11 +123,13 @@ def seed_line(ax, points: list[list[tuple]], **style):
 
 
 def seed_lines(ax, runs: list[dict], key: str, field: str, xs: list[int], scale: float):
-    """seed_line of each method: its cells' `field` under run[key][method] at xs, against x /
-    scale, over a run's seeds (runs); methods whose lines would coincide (every point within
-    0.5%, closer than a figure shows) as one line labelled with each name (`ntk = dynamic`: dynamic
-    NTK is NTK at each forward's own length)."""
-    lines = []  # [(points, methods)]
+    """A seed_line for each method, over a run's seeds (runs).
+
+    Each plots its cells' `field` under run[key][method] at xs, against x / scale. Methods whose
+    lines would coincide share one line labelled with each name. Coinciding means every point is
+    within 0.5%, closer than a figure shows. An example is `ntk = dynamic`, since dynamic NTK is
+    NTK at each forward's own length."""
+    lines = []  # [(points, methods)].
     for method in runs[0]["methods"]:
         points = []
         for run in runs:
@@ -175,7 +181,7 @@ def save_figure(fig, axes, path: Path, note: str = ""):
             handles.setdefault(label, handle)
     if note:
         fig.suptitle(note, fontsize="medium")
-    height = fig.get_figheight()  # inches: the legend takes 0.5 below the panels, the note 0.35
+    height = fig.get_figheight()  # In inches. The legend takes 0.5 below, the note 0.35.
     fig.tight_layout(rect=(0, 0.5 / height, 1, 1 - (0.35 / height if note else 0)))
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles))
     fig.savefig(path, format="png", dpi=80)
@@ -283,17 +289,19 @@ def seed_sets(report: dict) -> dict[str, list[dict]]:
 def side_by_side_plot(
     text_reports: list[dict], retrieval_reports: list[dict], path: Path, columns: int = 3
 ):
-    """Small multiples, one pair of panels per run name (text studies' run and retrieval studies'
-    run of the same name, e.g. `rope`; of each kind, the last report naming it): perplexity
-    ratio by length beside retrieval accuracy by length, a line per method (the mean of a run's
-    seeds, in their min–max band), the training context dashed."""
+    """Small multiples, one pair of panels per run name, such as `rope`.
+
+    The left panel is the text study's perplexity ratio by length. The right is the retrieval
+    study's accuracy by length. Of each kind, the last report naming the run is drawn. Each
+    method gets a line through the mean of the run's seeds, in their min–max band. The training
+    context is dashed."""
     import matplotlib.ticker
 
     text, retrieval = {}, {}
     for kind, reports in ((text, text_reports), (retrieval, retrieval_reports)):
         for report in reports:
             for name, runs in seed_sets(report).items():
-                kind[name] = (runs, report["lengths"], report.get("task"))  # at its first place
+                kind[name] = (runs, report["lengths"], report.get("task"))  # At its first place.
     names = list(retrieval) + [name for name in text if name not in retrieval]
     rows = math.ceil(len(names) / columns)
     size = (3.0 * 2 * columns, 2.9 * rows)

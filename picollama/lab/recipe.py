@@ -1,4 +1,6 @@
-"""The retrieval study's recipe (configs/study/): its runs and their settings, read and checked."""
+"""The retrieval study's recipe, from configs/study/.
+
+A recipe lists the runs and their settings. This module reads and checks it. It trains nothing."""
 
 import re
 import tomllib
@@ -29,7 +31,7 @@ def is_tables(value) -> bool:
     return isinstance(value, list) and len(value) > 0 and all(map(is_table, value))
 
 
-# Every key of a recipe: what it must be, and the check
+# Every key of a recipe, what it must be, and the check.
 KEYS = {
     "config": ("a config file", is_text),
     "multiples": ("a list of positive integers", is_counts),
@@ -42,7 +44,7 @@ KEYS = {
 } | dict.fromkeys(
     ("rows", "steps", "stretch", "seeds", "passkeys"), ("a positive integer", is_count)
 )
-# The keys of each table of a recipe, the required ones first
+# The keys of each table of a recipe, the required ones first.
 RECIPE_KEYS = "config multiples rows runs steps settings quick seeds passkeys"
 TABLES = {
     "recipe": tuple(RECIPE_KEYS.split()),
@@ -51,7 +53,7 @@ TABLES = {
     "run quick": ("steps", "settings"),
 }
 REQUIRED = {"recipe": 4, "quick": 0, "run": 2, "run quick": 0}
-# The config keys the study sets itself, and from what
+# The config keys the study sets itself, and where each comes from.
 OWN_KEYS = {
     "train.out_dir": "the study (OUT/NAME)",
     "train.init_from": "from",
@@ -59,14 +61,15 @@ OWN_KEYS = {
     "train.device": "--device",
     "train.dtype": "--dtype",
 }
-FINE_TUNE_KEYS = ("train.seq_len", "model.max_seq_len")  # a fine-tune's, from `from` and `stretch`
+FINE_TUNE_KEYS = ("train.seq_len", "model.max_seq_len")  # Set by `from` and `stretch`.
 
 
 @dataclass
 class Level:
-    """Steps and settings ({"section.key": value}) of the study, of a run, or of either's --quick;
-    the study's also the lengths compared (× the context), the rows at each and (a text recipe)
-    the passkey rows at each length and depth."""
+    """Steps and settings ({"section.key": value}) of the study, of a run, or of either's --quick.
+
+    The study's level also gives the lengths compared (× the context) and the rows at each. A
+    text recipe adds the passkey rows at each length and depth."""
 
     steps: int | None = None
     settings: dict = field(default_factory=dict)
@@ -85,10 +88,10 @@ class Run:
     what: str
     own: Level
     quick: Level
-    source: str | None = None  # `from`: a fine-tune of that run's weights, once it is trained
-    stretch: int = 1  # at this multiple of that run's context
-    seed: int = 0  # added to the config's train.seed; 0: the recipe's run as written
-    base: str = ""  # the recipe's name of the run (its name but for the seed's suffix)
+    source: str | None = None  # `from`. Fine-tune that run's weights once it is trained.
+    stretch: int = 1  # At this multiple of that run's context.
+    seed: int = 0  # Added to the config's train.seed. 0 is the recipe's run as written.
+    base: str = ""  # The recipe's name of the run, without the seed's suffix.
 
     def __post_init__(self):
         self.base = self.base or self.name
@@ -97,23 +100,25 @@ class Run:
 @dataclass
 class Recipe:
     path: Path
-    config: str  # the config file every run trains, in the repository
+    config: str  # The config file every run trains, in the repository.
     full: Level
     quick: Level
     runs: list[Run]
-    seeds: int = 1  # training runs of each recipe run, train.seed + 0, 1, ...
+    seeds: int = 1  # Training runs of each recipe run, at train.seed + 0, 1, ...
 
 
 def seed_name(name: str, seed: int) -> str:
-    """The folder of a run trained with seed offset `seed`: the run's own name at 0 (a one-seed
-    study is the study as before), NAME-seedK otherwise."""
+    """The folder of a run trained with seed offset `seed`. NAME-seedK, or NAME at 0.
+
+    So a one-seed study keeps the folders it always had."""
     return name if seed == 0 else f"{name}-seed{seed}"
 
 
 def seeded_runs(runs: list[Run], seeds: int) -> list[Run]:
-    """Each run trained with seed offsets 0 .. seeds-1 (a fine-tune from the same seed's run),
-    grouped by seed so that the first seed's runs train first; UserError where a seeded name is
-    one of the recipe's own."""
+    """Each run at seed offsets 0 .. seeds-1, grouped by seed so the first seed trains first.
+
+    A fine-tune starts from the same seed's run. UserError if a seeded name clashes with one of
+    the recipe's own."""
     names = {run.name for run in runs}
     seeded = []
     for seed in range(seeds):

@@ -1,9 +1,12 @@
-"""Markdown tables of a length-extrapolation report: perplexity, probes, passkeys or retrieval."""
+"""Markdown tables of a length-extrapolation report.
+
+They show perplexity, probes, passkeys or retrieval. This module only formats a finished report.
+It runs no model."""
 
 import math
 from pathlib import Path
 
-BINS_PER_OCTAVE, MIN_BIN = 3, 8  # of the loss-by-position curve
+BINS_PER_OCTAVE, MIN_BIN = 3, 8  # For the loss-by-position curve.
 METHODS_TEXT = (
     "RoPE runs: static methods use factor n / the context RoPE was trained at, `dynamic` factor 1; "
     "other position encodings are scored as they are (`none`)"
@@ -11,7 +14,7 @@ METHODS_TEXT = (
 
 
 def short_number(x: float) -> str:
-    """3 significant digits; `>10^k` for blow-ups of 1000 and more."""
+    """3 significant digits, or `>10^k` for blow-ups of 1000 and more."""
     if not math.isfinite(x):
         return "inf"
     return f">10^{int(math.log10(x))}" if x >= 1000 else f"{x:.3g}"
@@ -50,8 +53,9 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def run_rows(runs: list[dict]):
-    """(first header columns, [(run, method)], label(run, method)): one row per run and method,
-    with the run column only when there are several runs."""
+    """(first header columns, [(run, method)], label(run, method)), a row per run and method.
+
+    The run column appears only when there are several runs."""
     several = len(runs) > 1
 
     def label(run, method):
@@ -185,9 +189,10 @@ def markdown_report(report: dict) -> str:
 
 
 def accuracy_effective(report: dict) -> tuple[str, str] | None:
-    """(column, run key) of the effective context by an accuracy threshold (RULER's kind) that a
-    report holds: retrieval accuracy, or passkey accuracy where passkeys were scored; None
-    otherwise (an older report, or --passkeys 0)."""
+    """(column, run key) of the report's effective context by an accuracy threshold.
+
+    This is RULER's kind. It uses retrieval accuracy, or passkey accuracy where passkeys were
+    scored. None for an older report, or with --passkeys 0."""
     if report.get("kind") == "retrieval":
         if "threshold" not in report:
             return None
@@ -198,9 +203,10 @@ def accuracy_effective(report: dict) -> tuple[str, str] | None:
 
 
 def effective_table(report: dict, with_basis: bool) -> list[str]:
-    """Effective context both ways, a row per run and method: the report's own rule (perplexity
-    band, or share of the in-context retrieval accuracy) and, where the report has one, an
-    accuracy threshold (accuracy_effective)."""
+    """Effective context both ways, a row per run and method.
+
+    First by the report's own rule: a perplexity band, or a share of the in-context retrieval
+    accuracy. Then by an accuracy threshold (accuracy_effective), where the report has one."""
     first, keys, label = run_rows(report["runs"])
     threshold = accuracy_effective(report)
     rows = []

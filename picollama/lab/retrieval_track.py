@@ -1,4 +1,6 @@
-"""`generate.py extrapolate` on retrieval-task runs: accuracy by length and key-query distance."""
+"""`generate.py extrapolate` on runs trained on the retrieval task.
+
+It scores accuracy by length and by key-query distance. Text runs go to text_track.py."""
 
 import math
 import time
@@ -16,13 +18,14 @@ from picollama.lab.cost import Forwards, check_cost, model_logits
 from picollama.lab.passkey import THRESHOLD, effective_length
 from picollama.lab.runs import Options, fits, spread
 
-RETRIEVAL_MULTIPLES = (1, 2, 4, 8, 16)  # the default lengths of a retrieval report
-KEEPS = 0.5  # retrieval's effective context keeps at least this fraction of the in-context accuracy
+RETRIEVAL_MULTIPLES = (1, 2, 4, 8, 16)  # Default lengths of a retrieval report, × the context.
+KEEPS = 0.5  # The effective context keeps at least this share of in-context accuracy.
 
 
 def retrieval_task(config: dict) -> RetrievalTask:
-    """The retrieval task a run was trained on, from its config.json's data section (config.py's
-    defaults for the keys it leaves out)."""
+    """The retrieval task a run was trained on, from its config.json's data section.
+
+    Keys it leaves out take config.py's defaults."""
     data = config.get("data") or {}
     defaults = DataConfig()
     return RetrievalTask(
@@ -33,9 +36,10 @@ def retrieval_task(config: dict) -> RetrievalTask:
 
 
 def retrieval_distances(context: int, longest: int, pairs: int) -> list[int]:
-    """Key-to-query distances, read in rows of the longest length: a quarter and half of the
-    training context, and for each doubling of it up to the longest length the farthest that fits
-    (even, at least 2·pairs)."""
+    """Key-to-query distances, read in rows of the longest length.
+
+    They are a quarter and a half of the training context. Then, for each doubling up to the
+    longest length, the farthest that fits (even, at least 2·pairs)."""
     lengths = [context * 2**k for k in range(int(math.log2(longest / context)) + 1)] + [longest]
     wanted = {context // 4, context // 2} | {n - 2 * pairs for n in lengths}
     return sorted({d - d % 2 for d in wanted if 2 * pairs <= d - d % 2 <= longest - 2 * pairs})
@@ -55,9 +59,10 @@ def retrieval_scores(model: Transformer, batches, device) -> np.ndarray:
 
 
 def retrieval_effective(accuracy: dict, train_len: int) -> dict:
-    """The longest tested length up to which every tested length keeps >= KEEPS of the in-context
-    accuracy (at the training length); n/a (a learned table's end) stops it. None where the run
-    retrieves under KEEPS in context."""
+    """The longest length up to which every tested length keeps >= KEEPS of in-context accuracy.
+
+    In-context means at the training length. An n/a cell (a learned table's end) stops it. None
+    if the run retrieves under KEEPS even in context."""
     reference = accuracy[str(train_len)]["mean"]
     if reference < KEEPS:
         return {"tokens": None, "in_context": reference}
@@ -71,8 +76,10 @@ def retrieval_effective(accuracy: dict, train_len: int) -> dict:
 
 
 def retrieval_cells(model, method: str, rows: dict, row_length: int | None, device, bar) -> dict:
-    """Accuracy under `method` for each key of rows ({length or distance: batches}), in rows
-    `row_length` long (None: the key is the length); None where the model cannot reach it."""
+    """Accuracy under `method` for each key of rows ({length or distance: batches}).
+
+    Rows are `row_length` long, or the key's length for None. None where the model cannot reach
+    it."""
     cells = {}
     for key, batches in rows.items():
         length = row_length or key
@@ -85,9 +92,10 @@ def retrieval_cells(model, method: str, rows: dict, row_length: int | None, devi
 
 
 def evaluate_retrieval(model: Transformer, run: dict, rows: dict, device, bar) -> dict:
-    """Retrieval accuracy of one run by length and by key-query distance, for each of its methods,
-    on the shared evaluation rows ({"length": {n: batches}, "distance": {d: batches}}, the latter
-    in rows of the longest length)."""
+    """Retrieval accuracy of one run by length and by key-query distance, for each method.
+
+    All runs share the evaluation rows, {"length": {n: batches}, "distance": {d: batches}}. The
+    distance rows have the longest length."""
     longest = max(rows["length"])
     result = {"accuracy": {}, "by_distance": {}, "effective_context": {}, "accuracy_effective": {}}
     for method in run["methods"]:
@@ -96,7 +104,7 @@ def evaluate_retrieval(model: Transformer, run: dict, rows: dict, device, bar) -
         result["accuracy"][method] = accuracy
         result["by_distance"][method] = by_distance
         result["effective_context"][method] = retrieval_effective(accuracy, run["train_context"])
-        # RULER's kind: the accuracy itself held at THRESHOLD, not a share of the in-context one
+        # RULER's kind holds the accuracy itself at THRESHOLD, not a share of in-context.
         result["accuracy_effective"][method] = effective_length(accuracy, "mean")
     return result
 
@@ -104,8 +112,10 @@ def evaluate_retrieval(model: Transformer, run: dict, rows: dict, device, bar) -
 def retrieval_rows(
     task: RetrievalTask, lengths: list, distances: list, count: int, size: int, seed
 ):
-    """The rows every run and method is scored on, `count` batches of `size`: {"length": {n:
-    batches}, "distance": {d: batches in rows of the longest length}} (retrieval_distances)."""
+    """The rows every run and method is scored on, `count` batches of `size`.
+
+    Returns {"length": {n: batches}, "distance": {d: batches}}. Distance rows have the longest
+    length (see retrieval_distances)."""
     longest = max(lengths)
     return {
         "length": {n: task.fixed_batches(count, size, n, seed=seed + 1) for n in lengths},
@@ -116,8 +126,9 @@ def retrieval_rows(
 
 
 def retrieval_plan(loaded: list, options: Options) -> tuple[RetrievalTask, list[int]]:
-    """The retrieval task the runs were trained on and the lengths they are scored at; UserError
-    for runs of different tasks, or a length too short for a row."""
+    """The retrieval task the runs were trained on, and the lengths they are scored at.
+
+    UserError for runs of different tasks, or a length too short for a row."""
     tasks = {(t.keys, t.values, t.pairs) for t in (retrieval_task(r["config"]) for _, r in loaded)}
     if len(tasks) > 1:
         raise UserError(
@@ -136,8 +147,9 @@ def retrieval_plan(loaded: list, options: Options) -> tuple[RetrievalTask, list[
 
 
 def retrieval_work(model, run: dict, lengths: list, distances: list, count: int, size: int):
-    """The Forwards that evaluate_retrieval makes for one run: for each of its methods, `count`
-    batches of `size` rows at each length and each distance that the model can reach."""
+    """The Forwards that evaluate_retrieval makes for one run.
+
+    For each method, `count` batches of `size` rows at each length and distance it can reach."""
     longest = max(lengths)
     reads = [(n, 1) for n in lengths] + [(longest, len(distances))]
     count *= len(run["methods"])
@@ -145,15 +157,17 @@ def retrieval_work(model, run: dict, lengths: list, distances: list, count: int,
 
 
 def retrieval_study(loaded: list, options: Options, command: list[str], device) -> dict:
-    """The retrieval report of runs trained on one retrieval task: the same seeded rows for every
-    run and method; UserError, before any evaluation, for one too large (cost.check_cost)."""
+    """The retrieval report of runs trained on one retrieval task.
+
+    Every run and method gets the same seeded rows. An evaluation too large is refused before it
+    starts (cost.check_cost)."""
     task, lengths = retrieval_plan(loaded, options)
     count = max(1, options.retrieval_rows // 64)
     size = min(64, options.retrieval_rows)
     context = min(run["train_context"] for _, run in loaded)
     distances = retrieval_distances(context, max(lengths), task.pairs)
     work = [retrieval_work(model, run, lengths, distances, count, size) for model, run in loaded]
-    ids = 16 * count * size * (sum(lengths) + len(distances) * max(lengths))  # x and y, int64
+    ids = 16 * count * size * (sum(lengths) + len(distances) * max(lengths))  # x, y in int64.
     check_cost(loaded, work, ids, options, device, "--retrieval-rows")
     rows = retrieval_rows(task, lengths, distances, count, size, options.seed)
     start = time.perf_counter()

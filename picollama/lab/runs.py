@@ -10,26 +10,28 @@ import numpy as np
 from data.tokenizer import tokenizer_file, tokenizer_sha256
 from model import ModelArgs, Transformer
 from picollama.cli import UserError
-from picollama.components.length import ROPE_SCALINGS, position_limit, stretched
+from picollama.components.length import position_limit, stretched
+from picollama.components.registry import ROPE_SCALINGS
 from picollama.run_files import load_model, load_run
 
 
 @dataclass
 class Options:
-    """What `python generate.py extrapolate` measures and how: its flags (add_arguments), with
-    their defaults."""
+    """What `python generate.py extrapolate` measures and how.
 
-    lengths: list[int] | None = None  # None: TEXT_MULTIPLES or RETRIEVAL_MULTIPLES × the context
-    methods: list[str] | None = None  # None: every scaling each run can run with
+    These are its flags (add_arguments) with their defaults."""
+
+    lengths: list[int] | None = None  # None: the task's default multiples × the context.
+    methods: list[str] | None = None  # None: every scaling each run can use.
     protocol: str = "fixed-target"
     num_windows: int = 8
     probes: int = 16
     probe_span: int = 16
-    passkeys: int = 0  # passkey rows per length and depth; 0: none
-    data: str | None = None  # None: the first run's data.dir
+    passkeys: int = 0  # Passkey rows per length and depth. 0 means none.
+    data: str | None = None  # None: the first run's data.dir.
     seed: int = 0
     retrieval_rows: int = 256
-    max_minutes: int = 60  # the longest evaluation started, as estimated (cost.py)
+    max_minutes: int = 60  # The longest evaluation started, as estimated (cost.py).
     device: str = "auto"
     dtype: str = "auto"
 
@@ -38,8 +40,9 @@ class Options:
         return cls(**{option.name: getattr(args, option.name) for option in fields(cls)})
 
     def command(self, runs: list[Path], out: Path | None) -> list[str]:
-        """The `python generate.py extrapolate` command line of these options (for a report to
-        record; flags at their defaults left out)."""
+        """The `python generate.py extrapolate` command line of these options.
+
+        A report records it. Flags at their defaults are left out."""
         command = ["python", "generate.py", "extrapolate", "--run", ",".join(map(str, runs))]
         command += ["--out", str(out)] if out is not None else []
         for option in fields(self):
@@ -51,14 +54,15 @@ class Options:
 
 
 def fits(model: Transformer, length: int) -> bool:
-    """Whether the model can score `length` tokens at all (the model's length policy)."""
+    """Whether the model can score `length` tokens at all, by its length policy."""
     limit = position_limit(model.args)
     return limit is None or length <= limit
 
 
 def scalings(args: ModelArgs) -> list[str]:
-    """The methods of model.ROPE_SCALINGS a model runs with: those its ModelArgs accept (every one
-    for RoPE; "none" alone for positions with nothing to scale)."""
+    """The methods of ROPE_SCALINGS that a model's ModelArgs accept.
+
+    RoPE takes every one. Positions with nothing to scale take "none" alone."""
     usable = []
     for method in ROPE_SCALINGS:
         try:
@@ -81,8 +85,9 @@ def spread(values) -> dict:
 
 
 def trained_task(name: str) -> str:
-    """data.task in a run directory's config.json ("text" where it names none or cannot be read:
-    loading says why)."""
+    """data.task in a run directory's config.json.
+
+    It is "text" if it names none or cannot be read. Loading will then say why."""
     try:
         config = json.loads((Path(name) / "config.json").read_text())
         return (config.get("data") or {}).get("task", "text")
@@ -91,8 +96,9 @@ def trained_task(name: str) -> str:
 
 
 def describe(name: str, model: Transformer, config: dict, methods: list[str] | None) -> dict:
-    """A run's entry in the report, before its numbers; UserError where `methods` names a RoPE
-    scaling the model cannot run with (scalings)."""
+    """A run's entry in the report, before its numbers.
+
+    UserError if `methods` names a RoPE scaling the model cannot use (see scalings)."""
     position = model.args.position
     usable = scalings(model.args)
     refused = [m for m in methods or () if m not in usable]
@@ -109,9 +115,9 @@ def describe(name: str, model: Transformer, config: dict, methods: list[str] | N
         "train_context": int(
             (config.get("train") or {}).get("seq_len") or model.args.original_seq_len
         ),
-        "original_context": model.args.original_seq_len,  # what RoPE scaling stretches from
+        "original_context": model.args.original_seq_len,  # What RoPE scaling stretches.
         "methods": methods or usable,
-        "model": model.args.to_dict(),  # before the evaluation switches RoPE
+        "model": model.args.to_dict(),  # Before the evaluation switches RoPE.
         "config": config,
     }
 
@@ -119,8 +125,10 @@ def describe(name: str, model: Transformer, config: dict, methods: list[str] | N
 def load_runs(
     names: list[str], methods: list[str] | None, device, dtype
 ) -> list[tuple[Transformer, dict]]:
-    """(model, run description) for each run directory, all of one task and sharing one tokenizer;
-    UserError otherwise, or where a RoPE scaling method is named for a model without RoPE."""
+    """(model, run description) for each run directory.
+
+    The runs must share one task and one tokenizer. A RoPE scaling method named for a model
+    without RoPE is refused too."""
     tasks = {}
     for name in names:
         tasks.setdefault(trained_task(name), name)
@@ -132,7 +140,7 @@ def load_runs(
     runs = []
     tokenizers = {}
     for name in names:
-        if "retrieval" in tasks:  # the retrieval task has no tokenizer
+        if "retrieval" in tasks:  # The retrieval task has no tokenizer.
             model, config = load_model(name, device)
             model = model.to(dtype).eval()
         else:

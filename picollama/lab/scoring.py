@@ -1,4 +1,6 @@
-"""A model's per-token losses and top-1 hits on rows of tokens: whole, sliding or in blocks."""
+"""A model's per-token losses and top-1 hits on rows of tokens.
+
+Rows are scored whole, through sliding windows, or in blocks of rows."""
 
 import numpy as np
 import torch
@@ -10,10 +12,12 @@ from picollama.lab.interruptible import interruptible
 
 
 def losses_and_hits(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy in float32 (B, T-1) and top-1 hits (B, T-1) of each of tokens[:, 1:] given
-    everything before it. The logits are made HEAD_CHUNK positions at a time: at 32k tokens and
-    a 49k vocabulary they would be 6 GB in float32 at once. In a worker thread (interruptible):
-    minutes at long lengths, and a signal is answered at once."""
+    """Float32 cross-entropy and top-1 hits, both (B, T-1), of each of tokens[:, 1:].
+
+    Each token is scored given everything before it. The logits are made HEAD_CHUNK positions at
+    a time. At 32k tokens and a 49k vocabulary they would be 6 GB in float32 at once. Long
+    lengths take minutes, so this runs in a worker thread (interruptible). A signal is then
+    answered at once."""
     return interruptible(scored, model, tokens)
 
 
@@ -38,15 +42,16 @@ def token_losses(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
 def sliding_losses(
     model: Transformer, tokens: torch.Tensor, context: int, stride: int | None = None
 ) -> torch.Tensor:
-    """token_losses over (1, T) tokens seen through windows of `context` tokens moving by `stride`
-    (default context/2): each token after the first window is scored with at least
-    context - stride before it; stride context - 1 cuts the tokens into windows that share
-    only their ends (train.py's validation)."""
+    """token_losses over (1, T) tokens, seen through windows of `context` tokens.
+
+    The windows move by `stride`, by default context/2. Each token after the first window has at
+    least context - stride tokens before it. A stride of context - 1 cuts windows that share only
+    their ends, as train.py's validation does."""
     length = tokens.shape[1]
     stride = stride or max(context // 2, 1)
     pieces = []
     start = 0
-    scored = 1  # scored: the next target position
+    scored = 1  # The next target position.
     while scored < length:
         end = min(start + context, length)
         pieces.append(token_losses(model, tokens[:, start:end])[:, scored - start - 1 :])

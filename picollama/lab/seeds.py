@@ -1,4 +1,7 @@
-"""A study's runs across seeds: each cell's mean and min-max range, and the orderings called."""
+"""A study's runs across seeds.
+
+Each cell gets its mean and min-max range. An ordering is called only where ranges do not
+overlap."""
 
 import numpy as np
 
@@ -28,10 +31,11 @@ def separated(a: dict, b: dict) -> bool:
 
 
 def tiers(cells: dict, higher: bool) -> list[list]:
-    """The keys of cells ({key: seed_cell}) in tiers, best first: ranges that overlap, directly or
-    through others, share a tier, so that every member of a tier is separated from (better than)
-    every member of the tiers after it, and no order is called within one."""
-    merged = []  # [low, high, keys], by low
+    """The keys of cells ({key: seed_cell}) in tiers, best first.
+
+    Ranges that overlap, directly or through others, share a tier. So every member of a tier is
+    better than every member of the tiers after it. No order is called within a tier."""
+    merged = []  # [low, high, keys], by low.
     for key in sorted(cells, key=lambda k: (cells[k]["min"], cells[k]["max"])):
         cell = cells[key]
         if merged and cell["min"] <= merged[-1][1]:
@@ -44,9 +48,11 @@ def tiers(cells: dict, higher: bool) -> list[list]:
 
 
 def seeds_summary(report: dict, groups: dict[str, list[str]]) -> dict:
-    """The study's cells across seeds: for each recipe run (groups: {name: its seeds' folder
-    names}) and method, mean, min and max over the seeds at each length (None where a seed has no
-    value), and at each length the (run, method) pairs in tiers (tiers)."""
+    """The study's cells across seeds.
+
+    `groups` maps each recipe run's name to its seeds' folders. For each run and method, we give
+    the mean, min and max over seeds at each length. A cell is None where a seed has no value.
+    At each length the (run, method) pairs are also put in tiers."""
     key, field, higher = seed_metric(report)
     by_name = {run_title(run): run for run in report["runs"]}
     cells = {}

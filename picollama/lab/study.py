@@ -1,6 +1,9 @@
-"""The retrieval study (`python generate.py study`): the runs of a recipe (configs/study/),
-every position encoding trained on the synthetic retrieval task (or, configs/study/text.toml, on
-text), compared past their context, with one seed or several."""
+"""The retrieval study, run as `python generate.py study`.
+
+It trains the runs of a recipe in configs/study/, one per position encoding. They train on the
+synthetic retrieval task, or on text with configs/study/text.toml. Then it compares them past
+their context, with one seed or several. Training runs in train.py processes. The comparison is
+extrapolate.py's."""
 
 import json
 import os
@@ -33,17 +36,18 @@ from picollama.lab.seeds import seeds_markdown, seeds_summary
 from picollama.lab.trainings import Trainings
 from picollama.training.dataset import check_dataset
 
-RECIPE = Path("configs/study/retrieval.toml")  # in the repository
+RECIPE = Path("configs/study/retrieval.toml")  # In the repository.
 
 
 # ---------------------------------------------------------------- train.py's commands
 
 
 def run_keys(recipe: Recipe, run: Run, args, configs: dict[str, Config], out: Path) -> dict:
-    """The config keys one run trains with: the study's, the run's, --quick's, the run's own
-    --quick, --steps (but for a fine-tune), then a fine-tune's start (in `out`) and context (from
-    `from`'s config, in configs), and past the first seed its seed (the first seed's + the run's
-    offset)."""
+    """The config keys one run trains with, each layer overriding the last.
+
+    First come the study's keys, the run's, --quick's and the run's own --quick. Then --steps,
+    except for a fine-tune. A fine-tune then gets its start (in `out`) and its context (from
+    `from`'s config). Past the first seed, a run gets the first seed's value plus its offset."""
     keys = recipe.full.config_keys() | run.own.config_keys()
     if args.quick:
         keys |= recipe.quick.config_keys() | run.quick.config_keys()
@@ -66,15 +70,15 @@ def flag(key: str, value) -> str:
 
 
 def seeds(recipe: Recipe, args) -> int:
-    """How many seeds each run trains with: --seeds, else the recipe's (1 where it names none)."""
+    """How many seeds each run trains with: --seeds, else the recipe's, else 1."""
     return args.seeds or recipe.seeds
 
 
 def plan(recipe: Recipe, args) -> tuple[dict[str, list[str]], dict[str, Config]]:
-    """train.py's arguments for each run of the recipe and each seed (recipe.seeded_runs), and
-    the config each trains, checked as train.py checks them: a run it would refuse fails here,
-    before any training. Their paths are absolute: train.py runs in the repository, not in the
-    caller's folder."""
+    """train.py's arguments and config for each run and seed of the recipe (seeded_runs).
+
+    Configs are checked as train.py checks them, so a bad run fails here, before any training.
+    Paths are absolute, because train.py runs in the repository, not the caller's folder."""
     commands, configs = {}, {}
     out, config = resolved(args.out), str(REPO_ROOT / recipe.config)
     for run in seeded_runs(recipe.runs, seeds(recipe, args)):
@@ -95,18 +99,19 @@ def plan(recipe: Recipe, args) -> tuple[dict[str, list[str]], dict[str, Config]]
 
 
 def train_run(name: str, command: list[str], out: Path, trainings: Trainings) -> dict:
-    """Train one run with `python train.py COMMAND` on one thread (its output in OUT/logs/NAME.log):
-    wall and CPU seconds, and its last validation accuracy (metrics.jsonl); UserError naming the
-    log's last line when training fails."""
-    # A process of its own, not train.train() here: runs train side by side, and training holds
-    # process-wide state (torch.distributed's default group, the global RNGs it seeds, torch's
-    # thread count, stdout for its log); and its CPU seconds are the child's own.
+    """Train one run with `python train.py COMMAND` on one thread.
+
+    Its output goes to OUT/logs/NAME.log. Returns wall and CPU seconds and the last validation
+    accuracy (metrics.jsonl). If training fails, a UserError quotes the log's last line."""
+    # A process of its own, not train.train() here. Runs train side by side, and training holds
+    # process-wide state. That is torch.distributed's default group, the global RNGs it seeds,
+    # torch's thread count and stdout for its log. Its CPU seconds are then the child's own.
     log = out / "logs" / f"{name}.log"
     start = time.perf_counter()
-    # one thread a run, runs side by side: tiny models gain nothing from a second thread, and lose
-    # much to a busy one
+    # One thread a run, with runs side by side. Tiny models gain nothing from a second thread,
+    # and lose much to a busy one.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log, "x") as stream:  # never another study's log (run refuses a used --out)
+    with open(log, "x") as stream:  # Never another study's log. Run refuses a used --out.
         process = trainings.start(
             [sys.executable, "train.py", *command],
             cwd=REPO_ROOT,
@@ -134,11 +139,12 @@ def train_run(name: str, command: list[str], out: Path, trainings: Trainings) ->
 
 
 def prepare_datasets(configs: dict[str, Config]):
-    """Each text dataset the runs train on, prepared here once if missing, before they train side
-    by side: each run would start preparing it, and all but the first fail on its lock."""
+    """Prepare each missing text dataset once, before the runs train side by side.
+
+    Otherwise each run would start preparing it, and all but the first would fail on its lock."""
     missing = {}
     for cfg in configs.values():
-        data_dir = resolved(REPO_ROOT / cfg.data.dir)  # train.py runs in the repository
+        data_dir = resolved(REPO_ROOT / cfg.data.dir)  # train.py runs in the repository.
         if cfg.data.task == "text" and not (data_dir / "meta.json").is_file():
             missing.setdefault(data_dir, cfg)
     for data_dir, cfg in missing.items():
@@ -150,19 +156,20 @@ def prepare_datasets(configs: dict[str, Config]):
 
 
 def train_all(runs: list[Run], commands: dict[str, list[str]], out: Path, jobs: int) -> dict:
-    """Train the runs, `jobs` at a time (a fine-tune once the run it starts from is done): {name:
-    train_run's numbers}. Ctrl-C, SIGTERM or a failed run ends it within seconds: no queued run
-    starts, and the running ones are stopped (Trainings)."""
+    """Train the runs, `jobs` at a time. Returns {name: train_run's numbers}.
+
+    A fine-tune waits until the run it starts from is done. Ctrl-C, SIGTERM or a failed run ends
+    it within seconds. No queued run starts, and the running ones are stopped (Trainings)."""
     futures = {}
     trainings = Trainings()
 
     def one(run: Run) -> dict:
         try:
             if run.source is not None:
-                futures[run.source].result()  # submitted earlier, so running or done: no deadlock
+                futures[run.source].result()  # Submitted earlier, so it cannot deadlock.
             return train_run(run.name, commands[run.name], out, trainings)
         except BaseException:
-            trainings.stop()  # here, not only in the main thread: this thread takes no next run
+            trainings.stop()  # Here too, so this thread takes no next run.
             raise
 
     with ThreadPoolExecutor(jobs) as pool, tqdm(total=len(runs), desc="study", unit="run") as bar:
@@ -170,19 +177,20 @@ def train_all(runs: list[Run], commands: dict[str, list[str]], out: Path, jobs: 
             for run in runs:
                 futures[run.name] = pool.submit(one, run)
             for future in as_completed(futures.values()):
-                future.result()  # the first failure ends the study
+                future.result()  # The first failure ends the study.
                 bar.update()
         except BaseException:
             trainings.stop()
-            pool.shutdown(cancel_futures=True)  # waits for the stopped runs' threads only
+            pool.shutdown(cancel_futures=True)  # Waits only for the stopped runs' threads.
             raise
     return {name: future.result() for name, future in futures.items()}
 
 
 @contextmanager
 def one_thread():
-    """torch on one thread, as in training: a tiny model gains little from two, and loses much to a
-    busy CPU."""
+    """Run torch on one thread, as in training.
+
+    A tiny model gains little from two threads, and loses much to a busy CPU."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -203,7 +211,7 @@ def compare(recipe: Recipe, runs: list[Run], configs: dict[str, Config], args, o
         device=args.device,
         dtype=args.dtype,
     )
-    if configs[runs[0].name].data.task != "retrieval":  # a text recipe: its rows are windows
+    if configs[runs[0].name].data.task != "retrieval":  # A text recipe's rows are windows.
         options.num_windows = rows
         options.passkeys = chosen.passkeys or recipe.full.passkeys or 0
     names = [out / run.name for run in runs]
@@ -213,8 +221,9 @@ def compare(recipe: Recipe, runs: list[Run], configs: dict[str, Config], args, o
 
 
 def summary(recipe: Recipe, runs: list[Run], trained: dict, report: dict, seconds: float) -> str:
-    """The study's Markdown: what each run is and cost, then the comparison (with several seeds,
-    first the mean and spread across them)."""
+    """The study's Markdown: what each run is and cost, then the comparison.
+
+    With several seeds, the mean and spread across them come first."""
     rows = []
     for run in runs:
         numbers = trained[run.name]
@@ -254,8 +263,9 @@ def seed_groups(runs: list[Run]) -> dict[str, list[str]]:
 
 
 def add_arguments(parser: cli.ArgumentParser):
-    """The flags of `python generate.py study` (generate.py builds the parser; main() here builds
-    its own)."""
+    """The flags of `python generate.py study`.
+
+    generate.py builds the parser. main() here builds its own."""
     parser.description = (
         "The retrieval study: the runs of a recipe (every position encoding, in "
         f"{RECIPE}) trained on the synthetic retrieval task and compared past their context."
@@ -302,18 +312,19 @@ def add_arguments(parser: cli.ArgumentParser):
         default=2,
         help="runs trained side by side, one thread each (default 2)",
     )
-    cli.add_device(parser, "auto", CHOICES["train.device"], CHOICES["train.dtype"])  # train.py's
+    cli.add_device(parser, "auto", CHOICES["train.device"], CHOICES["train.dtype"])  # As train.py.
 
 
 def read_beside(path: Path) -> dict:
-    """One of --beside's reports, checked as side_by_side_plot reads it; UserError, before any
-    training, for anything but a text study's extrapolation.json."""
+    """One of --beside's reports, checked as side_by_side_plot reads it.
+
+    Anything but a text study's extrapolation.json is refused before any training."""
     what = f"--beside {path} must be a text study's extrapolation.json (generate.py extrapolate)"
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise UserError(f"cannot read --beside {path}: {e.strerror or e}") from None
-    except ValueError:  # JSON's errors and UnicodeDecodeError
+    except ValueError:  # JSON's errors and UnicodeDecodeError.
         raise UserError(f"{what}, not JSON") from None
     problem = text_report_problem(report)
     if problem is not None:
@@ -322,9 +333,10 @@ def read_beside(path: Path) -> dict:
 
 
 def check_unused(out: Path):
-    """UserError unless `out` is absent or an empty folder: a study writes its files (study.json,
-    logs/, compare/, a folder per run) into a folder of its own, and replaces no other study's
-    files, nor anything else."""
+    """UserError unless `out` is absent or an empty folder.
+
+    A study writes study.json, logs/, compare/ and a folder per run into a folder of its own. So
+    it never replaces another study's files, or anything else."""
     held = sorted(path.name for path in out.iterdir()) if out.is_dir() else []
     if held:
         shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
@@ -335,7 +347,7 @@ def check_unused(out: Path):
 
 
 def write_summary(out: Path, numbers: dict, markdown: str, beside: list | None, report: dict):
-    """study.json, study.md and (with --beside) study.png in out."""
+    """Write study.json, study.md and, with --beside, study.png in out."""
     with atomic_output(out / "study.json") as json_path, atomic_output(out / "study.md") as md_path:
         json_path.write_text(json.dumps(numbers) + "\n")
         md_path.write_text(markdown)
@@ -346,7 +358,7 @@ def write_summary(out: Path, numbers: dict, markdown: str, beside: list | None, 
 
 def run(args) -> int:
     """The `study` command, on parsed flags (add_arguments)."""
-    pyplot()  # matplotlib is there: a missing one fails now, not after the training
+    pyplot()  # Without matplotlib, fail now rather than after the training.
     recipe = load_recipe(args.recipe)
     args.out = args.out or Path("out") / f"{args.recipe.stem}-study"
     runs = seeded_runs(chosen_runs(recipe, args.runs), seeds(recipe, args))
@@ -354,7 +366,7 @@ def run(args) -> int:
     commands, configs = plan(recipe, args)
     beside = [read_beside(Path(path)) for path in args.beside] if args.beside else None
     check_writable(out / "study.json")
-    with exclusive(out):  # one study at a time in a folder
+    with exclusive(out):  # One study at a time in a folder.
         check_unused(out)
         (out / "logs").mkdir(parents=True)
         started = time.perf_counter()
@@ -364,7 +376,7 @@ def run(args) -> int:
         seconds = time.perf_counter() - started
         numbers = {"quick": args.quick, "seconds": round(seconds, 1), "runs": trained}
         groups = seed_groups(runs)
-        if groups:  # with one seed, study.json as before
+        if groups:  # With one seed, study.json stays as it was.
             numbers["seeds"] = seeds_summary(report, groups)
         markdown = summary(recipe, runs, trained, report, seconds)
         write_summary(out, numbers, markdown, beside, report)
@@ -377,7 +389,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """The `study` command on its own argv (what follows `python generate.py study`)."""
+    """The `study` command on its own argv, what follows `python generate.py study`."""
     parser = cli.ArgumentParser(prog="python generate.py study")
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -1,4 +1,7 @@
-"""`generate.py extrapolate` on text runs: perplexity, copy probe and loss by position by length."""
+"""`generate.py extrapolate` on runs trained on text.
+
+At each length it scores perplexity, a copy probe, loss by position and, if asked, passkeys.
+Runs trained on the retrieval task go to retrieval_track.py."""
 
 import math
 import time
@@ -15,7 +18,8 @@ from model import ModelArgs, Transformer, rope_frequencies
 from picollama import REPO_ROOT
 from picollama.cli import UserError
 from picollama.cli.outputs import check_writable
-from picollama.components.length import WINDOWED, length_dependent, stretched, uses_rope
+from picollama.components.length import length_dependent, stretched, uses_rope
+from picollama.components.registry import WINDOWED
 from picollama.lab.cost import Forwards, block_rows, check_cost
 from picollama.lab.longppl import key_tokens
 from picollama.lab.passkey import (
@@ -31,23 +35,24 @@ from picollama.lab.runs import Options, fits, spread
 from picollama.lab.scoring import losses_and_hits, row_blocks, sliding_losses, token_losses
 from picollama.run_files import read_tokenizer
 
-TEXT_MULTIPLES = (1, 2, 4, 8)  # the default lengths of a text report, × the training context
+TEXT_MULTIPLES = (1, 2, 4, 8)  # Default lengths of a text report, × the training context.
 
 
 # ---------------------------------------------------------------- the copy probe
 
 
 def probe_distances(train_len: int, lengths: list[int], span: int) -> list[int]:
-    """Span-to-repeat distances: train_len/4, train_len/2, and for each tested length n the
-    farthest that fits n tokens, n - span (so that the probe reads at every length); never below
-    span (no overlap)."""
+    """Span-to-repeat distances: train_len/4, train_len/2, and n - span for each tested length n.
+
+    n - span is the farthest that fits n tokens, so the probe reads at every length. No distance
+    is below span, so the copies never overlap."""
     wanted = {train_len // 4, train_len // 2} | {n - span for n in lengths}
     return sorted(d for d in wanted if d >= span)
 
 
 def probe_spans(meta: dict, count: int, span: int, seed: int) -> np.ndarray:
-    """(count, span) random token ids, uniform over the non-special vocabulary: no language prior
-    predicts them."""
+    """(count, span) random token ids, uniform over the non-special vocabulary.
+    No language prior predicts them, so only copying can."""
     vocabulary = copy_vocabulary(meta)
     return vocabulary[np.random.default_rng(seed).integers(0, len(vocabulary), size=(count, span))]
 
@@ -65,8 +70,8 @@ def probe_sequences(text: np.ndarray, spans: np.ndarray, distance: int) -> np.nd
 def probe_scores(
     model: Transformer, sequences: np.ndarray, distance: int, device
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of probe_sequences: top-1 accuracy on the repeat after its first token, and the loss
-    drop in nats from the first occurrence to the repeat (over the same span-1 tokens of each)."""
+    """Per row of probe_sequences: top-1 accuracy on the repeat, and the loss drop in nats.
+    Both use the span's last span-1 tokens. The drop is from the first copy to the repeat."""
     span = sequences.shape[1] - distance
     accuracy = []
     drop = []
@@ -78,10 +83,11 @@ def probe_scores(
 
 
 def position_bins(longest: int) -> np.ndarray:
-    """Edges of the loss-by-position bins over a window's longest-1 predictions (index i has i+1
-    tokens of context): BINS_PER_OCTAVE per doubling of the position, and at least MIN_BIN
-    positions wide, so that every point averages several tokens and later ones, where the curve
-    changes slowly, many."""
+    """Edges of the loss-by-position bins over a window's longest-1 predictions.
+
+    Index i has i+1 tokens of context. There are BINS_PER_OCTAVE bins per doubling, each at least
+    MIN_BIN wide. So every point averages several tokens. Later points, where the curve changes
+    slowly, average many."""
     edges = [0]
     while edges[-1] < longest - 1:
         grown = round((edges[-1] + 1) * 2 ** (1 / BINS_PER_OCTAVE)) - 1
@@ -90,10 +96,11 @@ def position_bins(longest: int) -> np.ndarray:
 
 
 def effective_context(perplexity: dict, probe: dict, train_len: int, span: int) -> dict:
-    """The longest tested length up to which every tested length keeps perplexity within 5% of its
-    training-length value and the probe (at the farthest distance that fits the length) within 10
-    points of its accuracy at the training length; perplexity alone where the probe reads under
-    20% there."""
+    """The longest length up to which every tested length stays near the training length.
+
+    Perplexity must stay within 5% of its value there. The probe, at the farthest distance that
+    fits, must stay within 10 points of its accuracy there. If the probe reads under 20% at the
+    training length, perplexity alone decides."""
     in_context = probe.get(str(train_len - span))
     accuracy = in_context["accuracy"]["mean"] if in_context else None
     use_probe = accuracy is not None and accuracy >= 0.2
@@ -120,8 +127,9 @@ def effective_context(perplexity: dict, probe: dict, train_len: int, span: int) 
 
 @dataclass
 class TextRows:
-    """What every run of a text report is scored on: validation windows (`text`) at each length,
-    probe rows (`probe_text` with `spans`) at each distance, and the loss-by-position bins."""
+    """What every run of a text report is scored on.
+    That is validation windows (`text`) at each length, probe rows (`probe_text` with `spans`) at
+    each distance, and the loss-by-position bins."""
 
     text: np.ndarray
     probe_text: np.ndarray
@@ -131,15 +139,15 @@ class TextRows:
     protocol: str
     score_tokens: int
     edges: np.ndarray
-    passkeys: dict = field(default_factory=dict)  # passkey.passkey_rows; empty: not scored
+    passkeys: dict = field(default_factory=dict)  # passkey.passkey_rows, empty if unscored.
 
 
 def forward_key(args: ModelArgs, length: int) -> tuple:
-    """What a forward of `length` tokens computes with: the model's args but the name of its RoPE
-    scaling, and the exact frequencies and attention scale that scaling gives at this length
-    (every static scaling at factor 1 gives RoPE's own); the whole args for model.WINDOWED methods,
-    which move the positions attention sees rather than the frequencies: their forwards are their
-    own."""
+    """A key for what a forward of `length` tokens computes, so equal forwards run once.
+    It holds the model's args without the RoPE scaling's name, plus the exact frequencies and
+    attention scale that scaling gives at this length. Every static scaling at factor 1 gives
+    plain RoPE. WINDOWED methods move the positions attention sees, not the frequencies.
+    So their key is the whole args, and their forwards are their own."""
     if args.rope_scaling in WINDOWED:
         return length, repr(args), None
     frequencies = None
@@ -147,16 +155,17 @@ def forward_key(args: ModelArgs, length: int) -> tuple:
         inv_freq, scale = rope_frequencies(args, length)
         frequencies = (inv_freq.numpy().tobytes(), scale)
         if length_dependent(args) and length > args.original_seq_len:
-            # dynamic NTK follows each forward's own end (length - 1 tokens scored, fewer in a
-            # probe), not `length`: its frequencies here say nothing, so it shares no forward
+            # Dynamic NTK follows each forward's own end, not `length`. So its frequencies here
+            # say nothing, and it shares no forward.
             frequencies = ("dynamic", length)
     return length, repr(replace(args, rope_scaling="none", rope_factor=1.0)), frequencies
 
 
 def window_losses(model, rows: TextRows, length: int, device, bar) -> tuple[list, list, np.ndarray]:
-    """Each window's mean loss on its scored tokens with `length` tokens of context, (at the
-    longest length, where the whole window is one forward) its mean loss in each position bin,
-    and the loss of each scored token (windows, scored tokens) for the key tokens (longppl.py)."""
+    """Losses of the windows with `length` tokens of context, in three forms.
+    First, each window's mean loss on its scored tokens. Second, at the longest length, its mean
+    loss in each position bin. Third, the loss of each scored token (windows, scored tokens), for
+    the key tokens of longppl.py."""
     fixed = rows.protocol == "fixed-target"
     means, per_position, scored = [], [], []
     for tokens in row_blocks(rows.text[:, -length:] if fixed else rows.text, length, device):
@@ -175,10 +184,10 @@ def window_losses(model, rows: TextRows, length: int, device, bar) -> tuple[list
 
 
 def length_losses(model, method: str, rows: TextRows, device, bar, memo: dict) -> tuple:
-    """The loss and perplexity at each length under `method` (None where the model cannot reach
-    it), each window's mean loss in each position bin at the longest length, and the loss of
-    each scored token at each length (None where not reached). `memo` keeps the scores by
-    forward_key: methods that compute the same forward at a length are run once."""
+    """Loss and perplexity at each length under `method`, with window_losses' other two forms.
+
+    A length the model cannot reach gets None. `memo` keeps the scores by forward_key. So
+    methods that compute the same forward at a length run it once."""
     per_length, scored = {}, {}
     per_position = []
     for length in rows.lengths:
@@ -200,8 +209,8 @@ def length_losses(model, method: str, rows: TextRows, device, bar, memo: dict) -
 
 
 def probe_reads(model, method: str, rows: TextRows, device, bar, memo: dict) -> dict:
-    """The copy probe's accuracy and loss drop at each distance under `method` (None where the
-    model cannot reach it); `memo` as in length_losses."""
+    """The copy probe's accuracy and loss drop at each distance under `method`.
+    None where the model cannot reach it. `memo` is as in length_losses."""
     span = rows.spans.shape[1]
     per_distance = {}
     for distance in rows.distances:
@@ -219,8 +228,8 @@ def probe_reads(model, method: str, rows: TextRows, device, bar, memo: dict) -> 
 
 
 def passkey_reads(model, method: str, rows: TextRows, device, bar, memo: dict) -> dict:
-    """Passkey accuracy and margin at each length under `method`, over every depth and by depth
-    (None where the model cannot reach the length); `memo` as in length_losses."""
+    """Passkey accuracy and margin at each length under `method`, overall and by depth.
+    None where the model cannot reach the length. `memo` is as in length_losses."""
     per_length = {}
     for length in rows.lengths:
         per_length[str(length)] = None
@@ -244,8 +253,9 @@ def passkey_reads(model, method: str, rows: TextRows, device, bar, memo: dict) -
 
 
 def evaluate_run(model, run: dict, rows: TextRows, device, bar, scored: dict) -> dict:
-    """The perplexity, probe, loss-by-position and effective-context numbers of one run, for each
-    of its methods (and in `scored`, {method: {length: token losses}}, for the key tokens).
+    """Perplexity, probe, loss-by-position and effective context of one run, for each method.
+
+    Token losses go into `scored` as {method: {length: token losses}}, for the key tokens.
     Lengths a learned-position model cannot reach are None ("n/a")."""
     context = run["train_context"]
     result = {"perplexity": {}, "probe": {}, "per_position": {}, "effective_context": {}}
@@ -303,12 +313,12 @@ def check_same_tokenizer(checkpoint: Path, data_dir: Path):
 
 
 def text_work(model, run: dict, lengths: list, distances: list, options: Options) -> list:
-    """The Forwards that evaluate_run makes for one run: for each of its methods, the windows at
-    each length and the probes at each distance that the model can reach."""
+    """The Forwards that evaluate_run makes for one run.
+    For each method, the windows at each length and probes at each distance that it can reach."""
     longest = max(lengths)
-    reads = []  # (length, rows, forwards of each block of rows)
+    reads = []  # (length, rows, forwards of each block of rows).
     for length in lengths:
-        slides = 1  # sliding: windows of `length` moving by length/2 over the longest length
+        slides = 1  # Sliding windows of `length` move by length/2 over the longest length.
         if options.protocol == "sliding":
             slides += math.ceil((longest - length) / max(length // 2, 1))
         reads.append((length, options.num_windows, slides))
@@ -324,8 +334,9 @@ def text_work(model, run: dict, lengths: list, distances: list, options: Options
 
 
 def tokens_by_flag(lengths: list, distances: list, options: Options) -> dict:
-    """The token ids (int64, held in memory) each flag that sets rows makes: --num-windows'
-    windows, --probes' spans, --passkeys' filler and its rows at every length and depth."""
+    """The token ids (int64, in memory) made by each flag that sets rows.
+    --num-windows makes windows and --probes spans. --passkeys makes filler and rows at every
+    length and depth."""
     longest = max(lengths)
     return {
         "--num-windows": longest * options.num_windows,
@@ -335,9 +346,10 @@ def tokens_by_flag(lengths: list, distances: list, options: Options) -> dict:
 
 
 def text_rows(loaded: list, options: Options, out_dir: Path, device) -> tuple[TextRows, Path]:
-    """The windows and probe rows every run and method is scored on, and the dataset they come
-    from; UserError, before any evaluation, for lengths, data or an output that cannot serve, and
-    for an evaluation too large (cost.check_cost)."""
+    """The windows and probe rows every run and method is scored on, and their dataset.
+
+    Bad lengths, data or output are refused before any evaluation. So is an evaluation too large
+    (cost.check_cost)."""
     runs = [run for _, run in loaded]
     contexts = [run["train_context"] for run in runs]
     lengths = options.lengths or [min(contexts) * k for k in TEXT_MULTIPLES]
@@ -347,19 +359,19 @@ def text_rows(loaded: list, options: Options, out_dir: Path, device) -> tuple[Te
         raise UserError(f"--lengths must all exceed {score_tokens} (the scored tokens)")
     data_dir = find_data_dir(runs[0]["config"], options.data)
     check_same_tokenizer(Path(runs[0]["name"]), data_dir)
-    check_writable(out_dir / "extrapolation.json")  # the folder, and writing inside it
+    check_writable(out_dir / "extrapolation.json")  # The folder, and files in it.
     longest, seed = max(lengths), options.seed
     distances = probe_distances(min(contexts), lengths, options.probe_span)
-    if options.probes and not distances:  # dropped, the report said "no copy probe (--probes 0)"
+    if options.probes and not distances:  # Else the probe is dropped, as if --probes 0.
         raise UserError(
             f"--probe-span {options.probe_span} does not fit: a probe holds its span twice "
             f"within the longest length, {longest} tokens, so at most {longest // 2}"
         )
     distances = distances if options.probes else []
-    document_windows(data_dir, "val", longest, 1)  # UserError if no document is that long
+    document_windows(data_dir, "val", longest, 1)  # UserError if no document is that long.
     work = [text_work(model, run, lengths, distances, options) for model, run in loaded]
     tokens = tokens_by_flag(lengths, distances, options)
-    flag = max(tokens, key=tokens.get)  # what a refusal names: the flag behind most of the work
+    flag = max(tokens, key=tokens.get)  # A refusal names the flag behind most of the work.
     check_cost(loaded, work, 8 * sum(tokens.values()), options, device, flag, losses_and_hits)
     text = document_windows(data_dir, "val", longest, options.num_windows, seed=seed)
     probe_text = document_windows(data_dir, "val", longest, options.probes, seed=seed + 1)
@@ -371,7 +383,7 @@ def text_rows(loaded: list, options: Options, out_dir: Path, device) -> tuple[Te
     spans = probe_spans(load_meta(data_dir), options.probes, options.probe_span, seed)
     protocol, edges = options.protocol, position_bins(longest)
     rows = TextRows(text, probe_text, spans, lengths, distances, protocol, score_tokens, edges)
-    if options.passkeys:  # real text around the keys, the first run's tokenizer (they share it)
+    if options.passkeys:  # Real text around the keys. All runs share the first's tokenizer.
         filler = document_windows(data_dir, "val", longest, options.passkeys, seed=seed + 2)
         tokenizer = read_tokenizer(tokenizer_file(Path(runs[0]["name"])))
         rows.passkeys = passkey_rows(tokenizer, filler, lengths, seed)
@@ -379,8 +391,9 @@ def text_rows(loaded: list, options: Options, out_dir: Path, device) -> tuple[Te
 
 
 def add_key_tokens(loaded: list, scored: dict, short: int, long: int) -> dict:
-    """The key tokens (longppl.key_tokens) between the `short` length (the training context) and
-    the `long` one, and each run's perplexity on them by method and length (its "key_token")."""
+    """Find the key tokens (longppl.key_tokens) between the `short` and `long` lengths.
+    `short` is the training context. Each run's perplexity on them by method and length goes in
+    its "key_token"."""
     found, cells = key_tokens(scored, short, long)
     if found["evaluator"] is not None:
         index, method = found["evaluator"]
@@ -391,14 +404,14 @@ def add_key_tokens(loaded: list, scored: dict, short: int, long: int) -> dict:
 
 
 def text_study(loaded: list, options: Options, command: list[str], device, out_dir: Path) -> dict:
-    """The perplexity, copy-probe and loss-by-position report of runs trained on text, on the same
-    windows."""
+    """The perplexity, copy-probe and loss-by-position report of runs trained on text.
+    All runs are scored on the same windows."""
     rows, data_dir = text_rows(loaded, options, out_dir, device)
     start = time.perf_counter()
     reads = len(rows.lengths) * len(rows.text) + len(rows.distances) * len(rows.spans)
     reads += sum(map(len, rows.passkeys.values()))
     work = sum(len(run["methods"]) * reads for _, run in loaded)
-    scored = {}  # {(run, method): {length: token losses}}
+    scored = {}  # {(run, method): {length: token losses}}.
     with torch.inference_mode(), tqdm(total=work, desc="extrapolation", unit="sequence") as bar:
         for index, (model, run) in enumerate(loaded):
             by_method = {}

@@ -1,4 +1,6 @@
-"""The study's train.py processes as a group: once stopped, none starts and none runs on."""
+"""The study's train.py processes, handled as a group.
+
+Once the group is stopped, no process starts and none runs on."""
 
 import os
 import signal
@@ -9,10 +11,12 @@ from picollama.cli import UserError
 
 
 class Trainings:
-    """The training processes of a queue. After stop() (Ctrl-C, SIGTERM or a failed run) start()
-    refuses, so a queued run never begins, and the running ones are sent SIGTERM (train.py's own
-    interrupt: it says where --resume continues): the study ends in seconds, not after every queued
-    run trained (82 s after a Ctrl-C)."""
+    """The training processes of a queue.
+
+    stop() comes on Ctrl-C, SIGTERM or a failed run. After it, start() refuses, so a queued run
+    never begins. Running ones get SIGTERM, train.py's own interrupt, which says where --resume
+    continues. So the study ends in seconds. Before, it ran on until every queued run had
+    trained (82 s after a Ctrl-C)."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -20,8 +24,8 @@ class Trainings:
         self.stopped = False
 
     def start(self, command: list[str], **kwargs) -> subprocess.Popen:
-        """subprocess.Popen(command, **kwargs), tracked until ended; UserError once stopped."""
-        with self.lock:  # one lock with stop(): a process starts before it, or not at all
+        """subprocess.Popen(command, **kwargs), tracked until it ends. UserError once stopped."""
+        with self.lock:  # Shared with stop(), so a process starts before it or not at all.
             if self.stopped:
                 raise UserError("interrupted: no further training starts")
             process = subprocess.Popen(command, **kwargs)
@@ -34,10 +38,10 @@ class Trainings:
             self.running.discard(process)
 
     def stop(self):
-        """No training starts from now on; SIGTERM to each running one."""
+        """No training starts from now on. Each running one gets SIGTERM."""
         with self.lock:
             self.stopped = True
-            for process in self.running:  # os.kill: Popen.terminate() would reap it (poll)
+            for process in self.running:  # Not Popen.terminate(), which would reap it (poll).
                 try:
                     os.kill(process.pid, signal.SIGTERM)
                 except ProcessLookupError:

@@ -1,4 +1,17 @@
-"""The KV caches besides model.KVCache: int8 keys and values; attention sinks' bounded cache."""
+"""The KV caches besides model.KVCache: int8 keys and values, and attention sinks' bounded
+cache.
+
+How to add a KV-cache type (a --kv-cache choice):
+- One stored as a torch dtype, say float16: its line in KV_CACHES below. That is all. The flags
+  of generate.py and the server (add_kv_cache_flag), chat and setup_cache read the table.
+- One stored with more than keys and values (int8 keeps scales): its class here, like
+  Int8KVCache, its line in KV_CACHES, and its dtype's line in CACHE_CLASSES. Then
+  picollama/sampling/fused_step.py must write and read it: cache_tensors, cached_attention.
+  --sink-tokens refuses it by itself (check_sink_cache).
+decode_ops.cpp reads only float32, bfloat16 and int8 caches. The fused step attends to any other
+with SDPA, so the C++ kernel is optional. So are tests/test_generate.py's kv-cache cases and
+docs/performance.md.
+"""
 
 from dataclasses import dataclass
 
@@ -6,6 +19,7 @@ import torch
 
 from model import KVCache, Transformer, apply_rotary, rope_frequencies
 from picollama.cli import UserError
+from picollama.cli.flags import ArgumentParser
 from picollama.components.length import length_dependent, uses_rope
 
 
@@ -135,24 +149,52 @@ class SinkCache:
         return logits
 
     def steps(self, tokens: torch.Tensor, first_pos: int, decode=None):
-        """decode_steps through this cache (set up by the caller, `window` long): each token goes
-        to the next free slot, at that slot's position."""
+        """decode.decode_steps through this cache, which the caller set up `window` long.
+
+        Each token goes to the next free slot, at that slot's position. `decode` is the one-token
+        forward: a DecodeStep, or the model.
+        """
         decode = self.model if decode is None else decode
         yield first_pos, self.prefill(tokens, first_pos)
         for pos in range(first_pos + 1, tokens.shape[1]):
             self.make_room()
-            # decoding.decode_one_token's step, its token at the next free slot, not at pos - 1
+            # decode.decode_one_token, but the token goes to the next free slot, not pos - 1
             logits = decode(tokens[:, pos - 1 : pos], start_pos=self.fill)[:, -1]
             self.fill += 1
             yield pos, logits
 
 
-KV_CACHES = {"same": None, "bfloat16": torch.bfloat16, "int8": torch.int8}  # --kv-cache's dtypes
+# --kv-cache's choices: a name -> the dtype its keys and values are stored in. None means the
+# activations' dtype. A smaller one means less to read a step at long lengths.
+KV_CACHES = {"same": None, "bfloat16": torch.bfloat16, "int8": torch.int8}
+# The dtypes stored with more than keys and values, and the class that stores each. Any other
+# dtype is stored by model.KVCache.
+CACHE_CLASSES = {torch.int8: Int8KVCache}
+
+
+def add_kv_cache_flag(parser: ArgumentParser):
+    """--kv-cache, its choices and help read from KV_CACHES, so a new entry needs no edit here."""
+    names = [name for name in KV_CACHES if KV_CACHES[name] is not None]
+    parser.add_argument(
+        "--kv-cache",
+        choices=tuple(KV_CACHES),
+        default="same",
+        help=f"the KV cache's dtype, for LLaMA models: same (as the activations, default), "
+        f"{', '.join(names)}. A smaller one reads less a step at long lengths.",
+    )
+
+
+def check_sink_cache(kv_cache: str):
+    """UserError for a --kv-cache whose cached keys --sink-tokens cannot move. SinkCache turns
+    keys and values only, not the extra tensors of a CACHE_CLASSES class."""
+    if KV_CACHES[kv_cache] in CACHE_CLASSES:
+        raise UserError(
+            f"--sink-tokens moves cached keys, which an {kv_cache} --kv-cache cannot turn"
+        )
 
 
 def setup_cache(model, max_batch_size: int, max_seq_len: int, dtype=None):
-    """model.setup_cache with the cache class `dtype` calls for: int8 an Int8KVCache (a quarter of
-    fp32's bytes), else model.KVCache of that dtype (None: the activations')."""
-    if dtype == torch.int8:
-        return model.setup_cache(max_batch_size, max_seq_len, dtype=dtype, cache=Int8KVCache)
-    return model.setup_cache(max_batch_size, max_seq_len, dtype=dtype)
+    """model.setup_cache with the class CACHE_CLASSES gives `dtype`, else model.KVCache of that
+    dtype (None: the activations')."""
+    cache = CACHE_CLASSES.get(dtype, KVCache)
+    return model.setup_cache(max_batch_size, max_seq_len, dtype=dtype, cache=cache)

@@ -12,10 +12,11 @@ from picollama.cli import UserError
 from picollama.cli.flags import ArgumentParser, utf8_argument
 from picollama.device import check_compiler, memory_bytes, pick_device
 from picollama.sampling.caches import KV_CACHES
-from picollama.sampling.decode import Sampling, generate
+from picollama.sampling.decode import DecodeOptions, generate
 from picollama.sampling.load import fast_step, load_to_sample
 from picollama.sampling.memory import check_memory, free_bytes
 from picollama.sampling.prompts import TextStream
+from picollama.sampling.sampler import Sampling
 
 COMMANDS = {
     "/clear": "forget the conversation (a --system message stays)",
@@ -189,14 +190,8 @@ class Chat:
         threads = getattr(self.step, "threads", None)  # the prefill's too
         try:
             with answering(self.ctrl_c), thread_count(threads):
-                generate(
-                    self.model,
-                    [ids],
-                    sampling,
-                    on_token=taken,
-                    step=self.step,
-                    vocab_limit=self.vocab_limit,
-                )
+                options = DecodeOptions(self.step, self.vocab_limit)
+                generate(self.model, [ids], sampling, on_token=taken, options=options)
         except (Stop, CtrlCPressed):  # CtrlCPressed: a second Ctrl-C, which stops it at once
             pass
         reply = taken.finish()

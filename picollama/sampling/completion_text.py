@@ -1,4 +1,7 @@
-"""A completion's text as tokens arrive: decoded incrementally, stop strings cut and held back."""
+"""A completion's text as its tokens arrive.
+
+Tokens are decoded incrementally. Text that may begin a stop string is held back, and a stop
+string is cut off. This module only turns tokens into text. It never samples."""
 
 import re
 from dataclasses import dataclass
@@ -6,14 +9,16 @@ from dataclasses import dataclass
 from data.tokenizer import HFTokenizer
 from picollama.sampling.rows import Token
 
-# prompt tokens decoded before the first new one: a reply's leading space survives decoding
+# Prompt tokens decoded before the first new one, so a reply's leading space survives.
 CONTEXT_TOKENS = 4
 BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def token_text(tokenizer, i: int) -> str:
-    """The text of token i on its own, its leading space kept (a sentencepiece piece's ▁ as a
-    space, a byte piece <0x0A> as that byte: U+FFFD where it is part of a character)."""
+    """The text of token i on its own, with its leading space kept.
+
+    A sentencepiece ▁ becomes a space. A byte piece like <0x0A> becomes that byte, or U+FFFD
+    where it is part of a character."""
     if isinstance(tokenizer, HFTokenizer):
         return tokenizer.id_to_piece(i)
     piece = tokenizer.id_to_piece(i)
@@ -24,15 +29,17 @@ def token_text(tokenizer, i: int) -> str:
 
 
 class Detokenizer:
-    """New text as each token comes (the vLLM/TGI way): the ids from a prefix offset decoded twice,
-    without and with what is new, the difference sent; a character whose bytes are still coming
-    (a trailing U+FFFD) waits for them. `context`: the prompt's ids, whose last few are decoded
-    first, so that a space a tokenizer drops at the start of a text is kept."""
+    """New text as each token comes, the vLLM/TGI way.
+
+    The ids from a prefix offset are decoded twice, without and with what is new. The
+    difference is sent. A character whose bytes are still coming (a trailing U+FFFD) waits.
+    `context` is the prompt's ids. Its last few are decoded first, which keeps a space a
+    tokenizer drops at the start of a text."""
 
     def __init__(self, tokenizer, context: list[int]):
         self.tokenizer = tokenizer
         self.ids = list(context[-CONTEXT_TOKENS:])
-        self.prefix = 0  # ids[prefix:read] decode to text already sent
+        self.prefix = 0  # ids[prefix:read] decode to text already sent.
         self.read = len(self.ids)
 
     def add(self, token: int) -> str:
@@ -48,19 +55,21 @@ class Detokenizer:
         return text[len(sent) :]
 
     def flush(self) -> str:
-        """What is held at the end (an incomplete character, as U+FFFD)."""
+        """What is held at the end. An incomplete character comes out as U+FFFD."""
         return self.new_text(final=True)
 
 
 @dataclass
 class Entry:
-    """One token in a choice's logprobs: the text it added (the entries' texts join into the
-    choice's text), its log-probability and the most likely alternatives [(text, logprob)]."""
+    """One token in a choice's logprobs.
+
+    It holds the text it added, its log-probability and the likeliest alternatives
+    [(text, logprob)]. The entries' texts join into the choice's text."""
 
     text: str
     logprob: float
     top: list[tuple[str, float]]
-    start: int  # where its text starts in the choice's text
+    start: int  # Where its text starts in the choice's text.
 
     @property
     def end(self) -> int:
@@ -68,21 +77,23 @@ class Entry:
 
 
 class ChoiceText:
-    """One choice's text: tokens in, (text safe to send, its logprob entries) out. Text that could
-    be the start of a stop string is held back until it cannot; a stop string ends the choice
-    (self.stopped), cut off with everything after it. strip: drop the reply's leading whitespace
-    (a chat reply, whose first token carries the space after "Assistant:")."""
+    """One choice's text. Tokens go in, and (text safe to send, its logprob entries) come out.
+
+    Text that could start a stop string is held back until it cannot. A stop string ends the
+    choice (self.stopped) and is cut off with everything after it. With `strip`, the reply's
+    leading whitespace is dropped. A chat reply's first token carries the space after
+    "Assistant:"."""
 
     def __init__(self, tokenizer, context: list[int], stops=(), strip: bool = False):
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer, context)
         self.stops = [s for s in stops if s]
         self.strip = strip
-        self.text = ""  # everything decoded (and kept) so far
-        self.sent = 0  # characters of it sent
-        self.entries: list[Entry] = []  # logprob entries not yet sent
+        self.text = ""  # Everything decoded and kept so far.
+        self.sent = 0  # Characters of it sent.
+        self.entries: list[Entry] = []  # Logprob entries not yet sent.
         self.stopped = False
-        self.tokens = 0  # tokens added
+        self.tokens = 0  # Tokens added.
 
     def add(self, token: Token) -> tuple[str, list[Entry]]:
         self.tokens += 1
@@ -93,7 +104,7 @@ class ChoiceText:
         return self.release()
 
     def finish(self) -> tuple[str, list[Entry]]:
-        """The rest, at the end of the choice: held text is sent, as no stop string followed."""
+        """The rest, at the end of the choice. Held text is sent, as no stop string followed."""
         if not self.stopped:
             tail = self.accept(self.detokenizer.flush())
             if self.entries and tail:
@@ -114,7 +125,7 @@ class ChoiceText:
             if found:
                 end, self.stopped = min(found), True
                 self.text = self.text[:end]
-                # a token that ran into the stop string keeps what came before it
+                # A token that ran into the stop string keeps what came before it.
                 self.entries = [e for e in self.entries if e.start < end]
                 for entry in self.entries:
                     entry.text = entry.text[: end - entry.start]
@@ -124,8 +135,8 @@ class ChoiceText:
         while ready < len(self.entries) and self.entries[ready].end <= end:
             ready += 1
         if ready == len(self.entries) and ready and not self.entries[-1].text and not final:
-            # the newest token's text may still come (bytes of a character held by the
-            # detokenizer): its entry waits, so that finish() can give it the U+FFFD
+            # The newest token's text may still come, as the detokenizer holds a character's
+            # bytes. Its entry waits, so that finish() can give it the U+FFFD.
             ready -= 1
         entries, self.entries = self.entries[:ready], self.entries[ready:]
         text, self.sent = self.text[self.sent : end], max(self.sent, end)
@@ -133,7 +144,7 @@ class ChoiceText:
 
 
 def held_back(text: str, stops: list[str]) -> int:
-    """How many characters at the end of text could begin a stop string (so must wait)."""
+    """How many characters at the end of text could begin a stop string, and so must wait."""
     longest = 0
     for stop in stops:
         for n in range(min(len(stop) - 1, len(text)), longest, -1):

@@ -1,92 +1,76 @@
-"""Batched, KV-cached decoding: prefill -> decode_one_token -> decode_n_tokens -> generate."""
+"""The one static decode loop: decode_rows, for generate.py's batches and the server's.
 
-import math
-from dataclasses import dataclass
+A batch of Rows starts at the shortest prompt's end and moves one position a step. A row still
+inside its prompt feeds its own prompt token, so rows of any lengths share one batch. Every row
+chooses with the one Sampler (sampler.py) and takes its token by the one hand-over (rows.py).
+generate() is a thin wrapper: a Row a prompt, then decode_rows.
+
+Continuous batching (slots.Slots) has its own step source, since each row sits at its own
+position. It uses the same Sampler and the same hand-over, and the serve engine drives it.
+
+Names: a `decode` is the callable that runs one token through the model. A `step` is the fused
+DecodeStep (fused_step.py), or None for the model's own forward. decode_steps and SinkCache.steps
+are step sources: they yield the logits of one position at a time. `hand_over` gives chosen
+tokens to their rows, and nothing else. The loop knows nothing about HTTP or text.
+"""
+
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
 from model import Transformer
-from picollama.cli import UserError
-from picollama.cli.flags import check_seed
-from picollama.components.length import (
-    ROPE_SCALINGS,
-    length_dependent,
-    length_problem,
-    needs_scaling,
-)
+from picollama.cli.flags import SEEDS
+from picollama.components.length import length_dependent, length_problem, needs_scaling
+from picollama.components.registry import ROPE_SCALINGS
 from picollama.sampling.caches import SinkCache, Sinks, setup_cache
+from picollama.sampling.rows import Row, RowState, hand_over
+from picollama.sampling.sampler import Sampler, Sampling
 
 SCALING_METHODS = "|".join(m for m in ROPE_SCALINGS if m != "none")  # for messages
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """How generate() chooses new tokens, checked on creation (its messages name the flags)."""
+class DecodeOptions:
+    """How a batch decodes, whatever its rows ask.
 
-    max_new_tokens: int = 200
-    temperature: float = 0.8  # 0: greedy
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None  # None: torch's global generator
+    step: the fused DecodeStep, or None for the model's forward. vocab_limit: choose only ids
+    below it, since a tokenizer with fewer pieces cannot spell the others. sinks: a KV cache of
+    bounded size (Sinks). keep=False: tokens go to on_token alone and none are kept, so with sinks
+    nothing grows with max_new_tokens.
+    """
 
-    def __post_init__(self):
-        if self.max_new_tokens < 0:
-            raise UserError(f"--max-new-tokens must be >= 0, not {self.max_new_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise UserError(f"--temperature must be a finite number >= 0, not {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise UserError(f"--top-k must be >= 1, not {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1], not {self.top_p}")
-        check_seed(self.seed)
-
-
-def sample(
-    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator=None
-):
-    """One token id per row of logits (B, vocab), on their device: greedy at temperature 0, else
-    top-k/top-p sampling; greedy too where a tiny temperature overflows logits / temperature."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    greedy = logits.argmax(-1)
-    logits = logits.float() / temperature
-    # inf, or NaN (a temperature that is 0 in float32), which softmax cannot take: the limit of a
-    # temperature going to 0 is greedy. No branch: the check stays on the device.
-    overflow = ~logits.amax(-1).isfinite()
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # the smallest prefix whose mass reaches top_p: drop a token once the mass before it does
-        drop = probs.cumsum(-1) - probs >= top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.where(overflow[:, None], 1.0, logits.softmax(-1))
-    chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return torch.where(overflow, greedy, chosen)
+    step: object = None
+    vocab_limit: int | None = None
+    sinks: Sinks | None = None
+    keep: bool = True
 
 
 def prefill(model: Transformer, tokens: torch.Tensor, pos: int) -> torch.Tensor:
-    """Logits (B, vocab) predicting tokens[:, pos], running tokens[:, :pos] into the KV cache: the
-    head on the last position alone (on every position it was a fifth of SmolLM2's prefill)."""
+    """Logits (B, vocab) predicting tokens[:, pos], with tokens[:, :pos] run into the KV cache.
+
+    The head runs on the last position alone. On every position it was a fifth of SmolLM2's
+    prefill.
+    """
     return model.head(model.features(tokens[:, :pos], start_pos=0)[:, -1])
 
 
 def decode_one_token(decode, tokens: torch.Tensor, pos: int):
-    """Logits (B, vocab) predicting tokens[:, pos] from the one token before it (the KV cache holds
-    the others)."""
+    """Logits (B, vocab) predicting tokens[:, pos] from the one token before it.
+
+    The KV cache holds the others.
+    """
     return decode(tokens[:, pos - 1 : pos], start_pos=pos - 1)[:, -1]
 
 
 def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decode=None):
     """Yield (pos, logits (B, vocab) predicting tokens[:, pos]) for pos = first_pos .. T-1.
 
-    The caller writes tokens[:, pos] before asking for the next step. The first step prefills
-    tokens[:, :first_pos] into the KV cache (set up by the caller), later ones feed one token
-    through `decode` (default: the model). Dynamic NTK past its original context changes every
-    position's rotation at each new length, so there the whole prefix is re-run: the logits are
-    exactly those of model(tokens[:, :pos]) at every step.
+    The caller writes tokens[:, pos] before it asks for the next step. The first step prefills
+    tokens[:, :first_pos] into the KV cache, which the caller set up. Later ones feed one token
+    through `decode` (default: the model). Dynamic NTK past its original context turns every
+    position at each new length. So there the whole prefix runs again, and the logits are exactly
+    those of model(tokens[:, :pos]) at every step.
     """
     decode = model if decode is None else decode
     recompute_after = (
@@ -104,53 +88,13 @@ def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decod
         yield pos, logits
 
 
-def hand_over(chosen, emit, finished, on_token) -> bool:
-    """Call on_token(row, token) for the rows that emit; whether every row is finished.
-
-    One device-to-host copy carries everything the host needs: the tokens, which rows emit, and
-    whether all are done. Separate .item() calls would each stall the GPU.
-    """
-    rows = len(chosen)
-    host = torch.cat([chosen, emit.long(), finished.long()[None]]).tolist()
-    if on_token is not None:
-        for row, token in enumerate(host[:rows]):
-            if host[rows + row]:
-                on_token(row, token)
-    return bool(host[-1])
-
-
-def decode_n_tokens(steps, tokens, lengths, sampling: Sampling, eos_id, on_token, vocab_limit):
-    """Write each row's new tokens into `tokens` (B, prompt + new), the prompts already there, from
-    `steps` (decode_steps or SinkCache.steps over tokens from the shortest prompt's end)."""
-    device = tokens.device
-    prompt_len = torch.tensor(lengths, device=device)
-    end = prompt_len + sampling.max_new_tokens  # each row's own stop position (exclusive)
-    done = torch.zeros(len(lengths), dtype=torch.bool, device=device)
-    generator = (
-        torch.Generator(device).manual_seed(sampling.seed) if sampling.seed is not None else None
-    )
-    for pos, logits in steps:
-        if vocab_limit is not None:
-            logits[:, vocab_limit:] = float("-inf")
-        chosen = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)
-        # Every row samples at every position, but a row still inside its prompt keeps its prompt
-        # token there: that is what lets prompts of different lengths share one batch.
-        new = (pos >= prompt_len) & (pos < end) & ~done
-        tokens[:, pos] = torch.where(new, chosen, tokens[:, pos])
-        emit = new
-        if eos_id is not None:
-            done |= new & (chosen == eos_id)
-            emit = new & (chosen != eos_id)
-        if on_token is None and eos_id is None:
-            continue  # nothing to look at on the host, so no sync: the GPU runs ahead
-        if hand_over(chosen, emit, (done | (pos + 1 >= end)).all(), on_token):
-            break
-
-
 def check_length(args, total: int, window: int | None = None):
-    """ValueError when the model cannot run `total` tokens, or with attention sinks the positions
-    of its `window`-token cache where fewer (config.length_problem). ALiBi, NoPE and sinusoidal
-    positions run past their context (sinusoidal ones untrained there: a warning)."""
+    """ValueError when the model cannot run `total` tokens.
+
+    With attention sinks only the `window` positions of its cache count, where fewer. ALiBi, NoPE
+    and sinusoidal positions run past their context. Sinusoidal ones are untrained there, which
+    generate.py warns about.
+    """
     length = total if window is None else min(total, window)
     problem = length_problem(args, length)
     if problem:
@@ -166,10 +110,13 @@ def check_length(args, total: int, window: int | None = None):
 
 
 class TokenRing:
-    """The (B, longest prompt + new) token ids that sampling with attention sinks reads, held as the
-    prompts and the newest RING positions only: the steps read a prompt or the token just chosen,
-    so memory stays bounded by the window and the prompts whatever the length. Indexed as the
-    tensor it stands for: tokens[:, pos], tokens[:, a:b] within the prompts or one position."""
+    """The (B, longest prompt + new) token ids that sampling with attention sinks reads.
+
+    It holds the prompts and the newest RING positions only. The steps read a prompt or the token
+    just chosen, so memory stays bounded by the window and the prompts at any length. It is
+    indexed as the tensor it stands for: tokens[:, pos], or tokens[:, a:b] within the prompts or
+    one position.
+    """
 
     RING = 2  # the position being chosen and the one before it
 
@@ -199,9 +146,11 @@ class TokenRing:
 def prompt_tokens(
     model: Transformer, prompts: list[list[int]], new: int, window: int | None = None
 ) -> torch.Tensor | TokenRing:
-    """(B, longest prompt + new) token ids on the model's device, each prompt at its row's start;
-    window: the KV cache's length with attention sinks (what check_length checks), with which
-    the ids are a TokenRing, as bounded."""
+    """(B, longest prompt + new) token ids on the model's device, each prompt at its row's start.
+
+    window: the KV cache's length with attention sinks, which check_length checks. With it the
+    ids are a TokenRing, so they stay bounded too.
+    """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
     if any(not 0 <= t < model.args.vocab_size for p in prompts for t in p):
@@ -216,63 +165,153 @@ def prompt_tokens(
     return tokens if window is None else TokenRing(tokens, longest + new)
 
 
+class Batch:
+    """decode_rows' rows as they go: where each starts and ends, and which have ended.
+
+    on_token(row, Token) hears each row's tokens (rows.hand_over). on_done(row, reason) hears
+    once why each row ended.
+    """
+
+    def __init__(self, rows: list[Row], on_token, on_done, keep: bool):
+        self.on_done = on_done
+        self.states = [
+            RowState(row, None if on_token is None else partial(on_token, r), [] if keep else None)
+            for r, row in enumerate(rows)
+        ]
+        self.lengths = [len(row.prompt) for row in rows]
+        self.ends = [n + row.sampling.max_new_tokens for n, row in zip(self.lengths, rows)]
+        self.done = [False] * len(rows)
+        for r, (length, end) in enumerate(zip(self.lengths, self.ends)):
+            if end == length:  # max_new_tokens 0
+                self.finish(r, "length")
+
+    def choosing(self, pos: int) -> list[bool]:
+        """Which rows choose the token at pos: those past their prompt and not done."""
+        return [
+            not done and length <= pos < end
+            for done, length, end in zip(self.done, self.lengths, self.ends)
+        ]
+
+    def take(self, logits: torch.Tensor, chosen: torch.Tensor, choosing: list[bool]):
+        """The choosing rows take their tokens. The rows that end are finished."""
+        ended = hand_over(self.states, logits, chosen, choosing)
+        for r, reason in ended.items():
+            self.finish(r, reason)
+
+    def read(self, tokens: torch.Tensor):
+        """Each row's new tokens, read from the ids at the end: nobody watched them go by."""
+        for r, state in enumerate(self.states):
+            if state.tokens is not None:
+                state.tokens = tokens[r, self.lengths[r] : self.ends[r]].tolist()
+
+    def finish(self, row: int, reason: str):
+        self.done[row] = True
+        if self.on_done is not None:
+            self.on_done(row, reason)
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        return [state.tokens or [] for state in self.states]
+
+
+def watched(rows: list[Row], on_token, on_done, ring_kept: bool) -> bool:
+    """Whether the host must see each token as it comes.
+
+    It must for a listener, a stop id, logprobs, or tokens kept from a TokenRing (ring_kept),
+    which forgets them. Otherwise there is nothing to look at. Then nothing waits for the host,
+    and a GPU runs ahead.
+    """
+    listened = on_token is not None or on_done is not None
+    asked = any(row.stop_ids or row.logprobs is not None for row in rows)
+    return listened or asked or ring_kept
+
+
+def steps_of(model: Transformer, tokens, first_pos: int, step, cache: SinkCache | None):
+    """The (pos, logits) steps over tokens: decode_steps, or the sink cache's steps.
+
+    It sets up the KV cache they fill. The caller resets it.
+    """
+    kv_dtype = getattr(step, "kv_dtype", None)
+    if cache is None:
+        setup_cache(model, *tokens.shape, kv_dtype)
+        return decode_steps(model, tokens, first_pos, step)
+    setup_cache(model, tokens.shape[0], cache.window, kv_dtype)
+    return cache.steps(tokens, first_pos, step)
+
+
 @torch.inference_mode()
+def decode_rows(
+    model: Transformer, rows: list[Row], on_token=None, on_done=None, options=DecodeOptions()
+) -> list[list[int]]:
+    """Each row's new tokens, decoded in one batch. A stop id ends a row and is not included.
+
+    on_token(row, Token) hears each token as it is chosen. A true return ends that row (a stop
+    string found, a client gone). on_done(row, reason) hears once why each row ended: "stop" (a
+    stop id), "length" (its max_new_tokens) or "halted" (on_token said so). The batch ends when
+    every row has. With options.keep False the rows returned are empty.
+    """
+    batch = Batch(rows, on_token, on_done, options.keep)
+    cache = None if options.sinks is None else SinkCache(model, options.sinks)
+    window = None if cache is None else cache.window
+    width = max(batch.ends, default=0) - max(batch.lengths, default=0)  # past the longest prompt
+    tokens = prompt_tokens(model, [row.prompt for row in rows], width, window)
+    if all(batch.done):
+        return batch.outputs
+    seen = watched(rows, on_token, on_done, options.keep and cache is not None)
+    sampler = Sampler([row.sampling for row in rows], tokens.device)
+    starts = torch.tensor(batch.lengths, device=tokens.device)
+    ends = torch.tensor(batch.ends, device=tokens.device)
+    try:
+        for pos, logits in steps_of(model, tokens, min(batch.lengths), options.step, cache):
+            if options.vocab_limit is not None:
+                logits[:, options.vocab_limit :] = float("-inf")
+            choosing = batch.choosing(pos)
+            chosen = sampler(logits, choosing)
+            # A row still in its prompt keeps its prompt token. Worked out on the device: no wait.
+            inside = (starts <= pos) & (pos < ends)
+            tokens[:, pos] = torch.where(inside, chosen, tokens[:, pos])
+            if seen:
+                batch.take(logits, chosen, choosing)
+                if all(batch.done):
+                    break
+    finally:
+        model.reset_cache()
+    if not seen:
+        batch.read(tokens)
+    return batch.outputs
+
+
+def row_sampling(sampling: Sampling, row: int) -> Sampling:
+    """Row `row`'s Sampling in a batch: seeded seed + row, as the server seeds a request's rows.
+
+    Each row then draws from its own generator, so it samples as it would alone.
+    """
+    if sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + row) % SEEDS)
+
+
 def generate(
     model: Transformer,
     prompts: list[list[int]],
-    sampling: Sampling = Sampling(),
+    sampling: Sampling,
     eos_id: int | None = None,
     on_token=None,
-    step=None,
-    vocab_limit: int | None = None,
-    sinks: Sinks | None = None,
-    keep: bool = True,
+    options: DecodeOptions = DecodeOptions(),
 ) -> list[list[int]]:
-    """New tokens for each prompt (at most sampling.max_new_tokens; stops after EOS, not included).
+    """New tokens for each prompt: decode_rows over a Row a prompt.
 
-    Prompts of different lengths share one batch: all rows advance one position per step from the
-    shortest prompt's end, a row feeding its own prompt token while still inside its prompt, so
-    greedy output per row is the same as alone. on_token(row, token_id) is called as each new token
-    is chosen (for streaming). step computes the one-token decode steps (a decode_step.DecodeStep of
-    the model; default: the model itself). vocab_limit: choose only ids below it (a tokenizer with
-    fewer pieces than the model has embeddings cannot decode the others). sinks: a KV cache of
-    bounded size (Sinks), else one for every token; with it the token ids are bounded too
-    (TokenRing). keep=False: the new tokens go to on_token only and the rows returned are empty,
-    so that with sinks nothing grows with max_new_tokens.
+    Each row gets at most sampling.max_new_tokens and stops at EOS, which is not included. Row r
+    is seeded seed + r (row_sampling). on_token(row, token_id) hears each new token, for
+    streaming. It may raise to stop, but its return value ends nothing.
     """
-    new = sampling.max_new_tokens
-    cache = None if sinks is None else SinkCache(model, sinks)
-    tokens = prompt_tokens(model, prompts, new, None if cache is None else cache.window)
-    if new == 0:
-        return [[] for _ in prompts]
-    lengths = [len(p) for p in prompts]
-    if cache is None:
-        setup_cache(model, *tokens.shape, getattr(step, "kv_dtype", None))
-        steps = decode_steps(model, tokens, min(lengths), step)
-    else:
-        setup_cache(model, len(prompts), cache.window, getattr(step, "kv_dtype", None))
-        steps = cache.steps(tokens, min(lengths), step)
-    kept = [[] for _ in prompts] if keep and cache is not None else None
-    try:
-        told = on_token if kept is None else kept_and_told(kept, on_token)
-        decode_n_tokens(steps, tokens, lengths, sampling, eos_id, told, vocab_limit)
-    finally:
-        model.reset_cache()
-    if not keep:
-        return [[] for _ in prompts]
-    if kept is not None:
-        return kept
-    rows = [tokens[row, length : length + new].tolist() for row, length in enumerate(lengths)]
-    return [row[: row.index(eos_id)] if eos_id in row else row for row in rows]
+    stops = frozenset() if eos_id is None else frozenset({eos_id})
+    rows = [Row(prompt, row_sampling(sampling, r), stops) for r, prompt in enumerate(prompts)]
+    told = None if on_token is None else partial(told_ids, on_token)
+    return decode_rows(model, rows, told, options=options)
 
 
-def kept_and_told(kept: list[list[int]], on_token):
-    """An on_token that appends each row's new token to kept[row], then calls on_token (if any):
-    with sinks the rows returned are gathered as they come (the TokenRing forgets them)."""
-
-    def told(row: int, token: int):
-        kept[row].append(token)
-        if on_token is not None:
-            on_token(row, token)
-
-    return told
+def told_ids(on_token, row: int, token) -> bool:
+    """decode_rows' on_token for generate's: the token's id alone, and the row goes on."""
+    on_token(row, token.id)
+    return False

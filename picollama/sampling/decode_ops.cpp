@@ -1,13 +1,17 @@
-// The compiled CPU decode step's own ops (picollama/sampling/fused_step.py; built by decode_ops.py).
-// decode_attention(q, k_cache, v_cache, length, k_scale, v_scale) -> (B, H, D) float32: one query
-// a row over the first `length` cached positions of float32, bfloat16 or int8 caches (int8: one
-// scale a token and head). Written by hand: SDPA, Inductor's reductions, MKL's batched matmuls and
-// FlexAttention all took 2-20x longer at batch 1 (docs/performance.md). Each KV head serves its
-// whole query group; scores 16 keys at a time (AVX-512), fp32 accumulation, values a block at a
-// time; long caches are split in chunks over the threads and merged by their maxima
-// (flash-decoding).
-// The headers are ATen's and torch/library.h, not torch/extension.h (all of torch, pybind11):
-// the build takes ~11 s instead of ~29 s on 2 cores.
+// The compiled CPU decode step's own ops, for picollama/sampling/fused_step.py.
+// decode_ops.py builds them.
+//
+// decode_attention(q, k_cache, v_cache, length, k_scale, v_scale) -> (B, H, D) float32.
+// Each row's one query attends over the first `length` cached positions. Caches are float32,
+// bfloat16 or int8. An int8 cache has one scale per token and head.
+// It is written by hand. SDPA, Inductor's reductions, MKL's batched matmuls and FlexAttention
+// all took 2-20x longer at batch 1 (docs/performance.md).
+// Each KV head serves its whole query group. Scores take 16 keys at a time (AVX-512) and add up
+// in fp32. Values are read a block at a time. Long caches are split into chunks over the
+// threads, then merged by their maxima (flash-decoding).
+//
+// We include ATen's headers and torch/library.h, not torch/extension.h with all of torch and
+// pybind11. So the build takes ~11 s instead of ~29 s on 2 cores.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
@@ -25,8 +29,8 @@
 
 namespace {
 
-// One vector register of floats: 16 with AVX-512, else 8 (AVX2; GCC lowers wider generic vectors
-// on AVX2 through memory: 10x slower)
+// One vector register of floats: 16 with AVX-512, else 8. On AVX2, GCC lowers wider generic
+// vectors through memory, which is 10x slower.
 #ifdef __AVX512F__
 constexpr int W = 16;
 #else
@@ -36,8 +40,8 @@ typedef float vf __attribute__((vector_size(4 * W)));
 typedef uint16_t vh __attribute__((vector_size(2 * W)));
 typedef uint32_t vu __attribute__((vector_size(4 * W)));
 typedef int32_t vi __attribute__((vector_size(4 * W)));
-constexpr int MAX_GROUP = 8;  // query heads a KV head (GQA's group) at most
-constexpr int BLOCK = 64;      // value rows a block: 4-16 KB at head_dim 64, kept in L1
+constexpr int MAX_GROUP = 8;  // Most query heads per KV head (GQA's group).
+constexpr int BLOCK = 64;      // Value rows per block. 4-16 KB at head_dim 64 stays in L1.
 
 inline vf load(const float* p) {
   vf r;
@@ -45,8 +49,8 @@ inline vf load(const float* p) {
   return r;
 }
 
-inline vf load(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
-#ifdef __AVX512F__  // what GCC 12 makes of the generic code splits the widening in halves
+inline vf load(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift.
+#ifdef __AVX512F__  // GCC 12 splits the generic widening in halves, so use intrinsics.
   __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return reinterpret_cast<vf>(_mm512_slli_epi32(w, 16));
 #else
@@ -82,8 +86,8 @@ inline float hsum(vf a) {
 }
 
 #ifdef __AVX512F__
-// The 16 sums of a[0..15]'s lanes, in order: four rounds of shuffles and adds (45 operations for
-// 16 dot products, where 16 horizontal sums take ~7 each)
+// The 16 sums of a[0..15]'s lanes, in order, by four rounds of shuffles and adds. That is 45
+// operations for 16 dot products. Sixteen horizontal sums would take ~7 each.
 inline __m512 sums16(const __m512* a) {
   __m512 pairs[8], quads[4], halves[2];
   for (int i = 0; i < 8; i++) {  // per 128-bit lane: a[2i] at 0 and 2, a[2i+1] at 1 and 3
@@ -105,7 +109,7 @@ inline __m512 sums16(const __m512* a) {
 }
 #endif
 
-inline vf vexp(vf x) {  // e^x for x <= 0 (scores minus their maximum), rel. error ~1e-7
+inline vf vexp(vf x) {  // e^x for x <= 0 (scores minus their maximum). Rel. error ~1e-7.
   x = x < -87.0f ? -87.0f : x;
   vf n = x * 1.44269504f + 12582912.0f - 12582912.0f;  // round(x / ln 2)
   vf r = x - n * 0.693145752f - n * 1.42860677e-6f;
@@ -116,16 +120,17 @@ inline vf vexp(vf x) {  // e^x for x <= 0 (scores minus their maximum), rel. err
   p = 0.5f + r * p;
   p = 1.0f + r * p;
   p = 1.0f + r * p;
-  vi pb;  // p · 2^n: n added to the exponent bits
+  vi pb;  // p · 2^n, by adding n to the exponent bits.
   std::memcpy(&pb, &p, sizeof p);
   pb += __builtin_convertvector(n, vi) << 23;
   std::memcpy(&p, &pb, sizeof p);
   return p;
 }
 
-// One chunk [t0, t1) of one KV head for its G <= MAX_GROUP queries q (G, C·W, pre-scaled fp32):
-// the chunk's softmax maxima m (G), sums l (G) and unnormalized outputs acc (G, C·W). Each key and
-// value row is read once, for every query of the group. ks, vs: int8 rows' scales, else null.
+// One chunk [t0, t1) of one KV head, for its G <= MAX_GROUP queries q (G, C·W, pre-scaled fp32).
+// It gives the chunk's softmax maxima m (G), sums l (G) and unnormalized outputs acc (G, C·W).
+// Each key and value row is read once, for every query of the group. ks and vs are int8 rows'
+// scales, else null.
 template <int C, typename T>
 void chunk(const float* q, const T* k, const T* v, const float* ks, const float* vs, int64_t t0,
            int64_t t1, int G, float* m, float* l, float* acc, float* s) {
@@ -180,7 +185,7 @@ void chunk(const float* q, const T* k, const T* v, const float* ks, const float*
     for (; t < n; t++) l[g] += sg[t] = std::exp(sg[t] - top[g]);
     m[g] = top[g];
   }
-  // values a block of BLOCK rows at a time (in L1), each query's sums in registers
+  // Values go BLOCK rows at a time, kept in L1. Each query's sums stay in registers.
   for (int g = 0; g < G; g++) std::memset(acc + g * D, 0, D * sizeof(float));
   for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {
     const int64_t b1 = std::min(n, b0 + BLOCK);
@@ -205,7 +210,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int G = H / KV;
   const float scale = 1.0f / std::sqrt(float(D));
   at::Tensor qs = q.to(at::kFloat).mul(scale).contiguous();
-  // chunks of at least 256 tokens, enough of them for every thread
+  // Chunks of at least 256 tokens, and enough of them for every thread.
   const int64_t heads = B * KV;
   const int64_t want = (2 * at::get_num_threads() + heads - 1) / heads;
   if (lengths) length = *std::max_element(lengths, lengths + B);
@@ -254,7 +259,7 @@ template <typename T>
 at::Tensor dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t n,
                     const int64_t* lengths, const float* ks = nullptr,
                     const float* vs = nullptr) {
-  constexpr int U = 16 / W;  // vectors a 16 floats
+  constexpr int U = 16 / W;  // Vectors per 16 floats.
   switch (q.size(2) / 16) {
     case 1: return attend<U, T>(q, k, v, n, ks, vs, lengths);
     case 2: return attend<2 * U, T>(q, k, v, n, ks, vs, lengths);
@@ -268,9 +273,10 @@ at::Tensor dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   }
 }
 
-// q (B, H, D); k, v (B' >= B, KV, capacity, D) contiguous, float32, bfloat16 or int8 with
-// float32 scales k_scale, v_scale (B', KV, capacity); attends to the first `length` positions, or
-// row b to its first lengths[b] (lengths: int64 (B,), each 1..capacity; length then unused).
+// q is (B, H, D). k and v are contiguous (B' >= B, KV, capacity, D). They are float32, bfloat16,
+// or int8 with float32 scales k_scale, v_scale (B', KV, capacity). Rows attend to the first
+// `length` positions. Given lengths (int64 (B,), each 1..capacity), row b attends to its first
+// lengths[b] instead.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             int64_t length, const std::optional<at::Tensor>& k_scale,
                             const std::optional<at::Tensor>& v_scale,
@@ -284,7 +290,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(length >= 1 && length <= k.size(2) && q.size(0) <= k.size(0),
               "decode_attention: length within the cache");
   const int64_t* rows = nullptr;
-  at::Tensor own;  // lengths, contiguous int64, checked
+  at::Tensor own;  // The lengths as checked, contiguous int64.
   if (lengths) {
     own = lengths->to(at::kLong).contiguous();
     TORCH_CHECK(own.dim() == 1 && own.size(0) == q.size(0), "decode_attention: a length a row");
@@ -306,9 +312,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return dispatch<float>(q, k, v, length, rows);
 }
 
-// PyTorch's int4 kernel under a name of ours (inference.Int4Linear): AOTInductor calls it as it
-// is, where its own lowering of the aten op makes the group size a tensor constant, which a step
-// reading the model's weights (user-managed constants) is not given
+// PyTorch's int4 kernel under our own name (inference.Int4Linear), so AOTInductor calls it as is.
+// Its lowering of the aten op would make the group size a tensor constant. A step that reads the
+// model's weights as user-managed constants is not given that constant.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group,
                        const at::Tensor& scales_zeros) {
   return at::_weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros);

@@ -1,5 +1,7 @@
-"""The Python side of decode_ops.cpp: its build into torch.ops.picollama (decode_attention,
-int4_linear), and this CPU's vector ISA class (cpu_isa), which keys what is built for it."""
+"""The Python side of decode_ops.cpp.
+
+It builds the C++ into torch.ops.picollama (decode_attention, int4_linear). It also names this
+CPU's vector ISA class (cpu_isa). Builds are cached per ISA class."""
 
 import functools
 import hashlib
@@ -24,9 +26,10 @@ ISA_FLAGS = (
 
 @functools.cache
 def decode_ops():
-    """torch.ops.picollama (decode_ops.cpp: decode_attention, int4_linear), built at the first call
-    (~11 s) into the project's cache for this CPU and torch, or None where it cannot be built (no
-    C++ compiler), with a warning: the compiled step then attends with SDPA."""
+    """torch.ops.picollama with decode_ops.cpp's decode_attention and int4_linear.
+
+    The first call builds it (~11 s) into the project's cache, for this CPU and torch. Without a
+    C++ compiler it warns and returns None. The compiled step then attends with SDPA."""
     from torch.utils.cpp_extension import load
 
     path = Path(__file__).parent / "decode_ops.cpp"
@@ -36,16 +39,16 @@ def decode_ops():
     folder.mkdir(parents=True, exist_ok=True)
     try:
         with build_lock(folder):
-            load(  # not load_inline, which puts torch/extension.h first
+            load(  # Not load_inline, which puts torch/extension.h first.
                 "picollama_decode_ops",
                 sources=[str(path)],
                 is_python_module=False,
                 build_directory=str(folder),
-                # -fopenmp: at::parallel_for is inlined here, and without it runs on one thread
+                # ATen's parallel_for is inlined here. Without -fopenmp it runs on one thread.
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
             )
-    except Exception as e:  # a missing or failing compiler: SDPA still works
+    except Exception as e:  # No compiler, or a failing one. SDPA still works.
         warnings.warn(f"decode_ops.cpp not built ({e}); attending with SDPA", stacklevel=2)
         return None
     torch.library.register_fake("picollama::decode_attention")(_attention_shape)
@@ -55,11 +58,12 @@ def decode_ops():
 
 @contextmanager
 def build_lock(folder: Path):
-    """One build in `folder` at a time, by a lock the OS releases when its holder dies
-    (outputs.exclusive: a second build waits, saying for whom). torch's own lock, the file `lock`
-    it creates there and removes when done, stays behind when its build is killed, and every later
-    build would wait for it forever: under ours, no build is running, so one found is removed
-    (said in one line, with exclusive's line naming the killed holder where it knows one)."""
+    """One build in `folder` at a time, by a lock the OS releases when its holder dies.
+
+    This is outputs.exclusive. A second build waits and says for whom. Torch also locks, with a
+    file `lock` it removes when done. A killed build leaves that file, and every later build
+    would wait forever. Under our lock no other build runs, so a stale file is removed. One line
+    says so, unless exclusive already named the killed holder."""
     with exclusive(folder, wait=True) as gone:
         baton = folder / "lock"
         if baton.exists():
@@ -83,5 +87,5 @@ def isa_class(flags: set[str]) -> str:
 
 
 def cpu_isa() -> str:
-    """This machine's isa_class ("other" where /proc/cpuinfo has no flags line)."""
+    """This machine's isa_class. It is "other" where /proc/cpuinfo has no flags line."""
     return isa_class(cpu_flags())

@@ -1,5 +1,7 @@
-"""The lean one-token decode step built from a trained Transformer at load time (`DecodeStep`:
-fused projections, a real-valued RoPE table, compiled ahead of time by AOTInductor on request)."""
+"""The lean one-token decode step, built from a trained Transformer at load time.
+
+DecodeStep fuses the projections and uses a real-valued RoPE table. On request, AOTInductor
+compiles it ahead of time. It only computes logits. Callers set up the caches and pick tokens."""
 
 import hashlib
 import os
@@ -19,42 +21,49 @@ from picollama.sampling.caches import Int8KVCache, quantize_rows
 from picollama.sampling.decode_ops import cpu_isa, decode_ops
 from picollama.sampling.quantize import Concatenated, Int4Linear, Int8Linear, Int8RowDot
 
-# Inductor options for the compiled decode step (DecodeStep.compile_step): the weights stay out of
-# the package (the step reads the model's own); realize_acc_reads_threshold=1 stores point-wise
-# results that read more than one buffer instead of inlining them into their readers: 2.3-2.4
-# against 2.5-2.7 ms a step on 2 AVX2 cores (measured with torch.compile). Where the compiled step
-# is slower than eager, pick_step keeps eager.
+# Inductor options for the compiled decode step (DecodeStep.compile_step). The weights stay out
+# of the package, since the step reads the model's own. Setting realize_acc_reads_threshold=1
+# stores point-wise results that read more than one buffer, rather than inline them in readers.
+# That took 2.3-2.4 ms a step, against 2.5-2.7 ms, on 2 AVX2 cores (measured with torch.compile).
+# Where the compiled step is slower than eager, pick_step keeps eager.
 COMPILE_OPTIONS = {"aot_inductor.package_constants_in_so": False, "realize_acc_reads_threshold": 1}
+# The KV-cache dtypes decode_ops.cpp reads. A cache of another dtype attends with SDPA, so a new
+# --kv-cache dtype (caches.py's KV_CACHES) needs no C++.
+OPS_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
 class RowDot(nn.Module):
-    """A bias-free linear layer for compiled CPU decode steps: each output is a reduction over its
-    contiguous weight row (out, in), so Inductor writes the loop itself, vectorized and split over
-    the threads, where F.linear calls MKL's sgemv, which stays on one core (a step's matrix-vector
-    products: 1.0-1.2 ms on 2 AVX2 cores, against 2.2-3.3 ms through MKL). Eager it would
-    materialize x·w: it is for compiled steps only."""
+    """A bias-free linear layer for compiled CPU decode steps.
+
+    Each output is a reduction over its contiguous weight row (out, in). So Inductor writes the
+    loop itself, vectorized and split over the threads. F.linear would call MKL's sgemv, which
+    stays on one core. A step's matrix-vector products took 1.0-1.2 ms on 2 AVX2 cores, against
+    2.2-3.3 ms through MKL. Run eagerly it would materialize x·w, so it is for compiled steps."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > 1:  # a batch: a matrix product (fixed when the step is compiled)
+        if x.shape[0] > 1:  # A batch is a matrix product. Compiling fixes the branch.
             return F.linear(x, self.weight)
         return (x.unsqueeze(-2) * self.weight).sum(-1)
 
 
 def stored_transposed(weight: torch.Tensor) -> torch.Tensor:
-    """A dense weight (out, in) as a view of an (in, out) contiguous copy where it lives on the CPU:
-    at batch 1, MKL then streams W^T's rows for x @ W^T, 1.3-1.5x faster than reading W's rows (the
-    matrix-vector products of a decode step: 2.2 against 3.3 ms on one AVX2 core)."""
+    """A dense CPU weight (out, in) as a view of an (in, out) contiguous copy.
+
+    At batch 1, MKL then streams W^T's rows for x @ W^T. That is 1.3-1.5x faster than reading W's
+    rows. A decode step's matrix-vector products took 2.2 against 3.3 ms on one AVX2 core."""
     cpu_dense = weight.device.type == "cpu" and weight.is_floating_point()
     return weight.t().contiguous().t() if cpu_dense and not weight.t().is_contiguous() else weight
 
 
 def dense(weight: torch.Tensor, rows: bool) -> nn.Module:
-    """A bias-free linear layer on weight (out, in): a RowDot where `rows` (a compiled step) and on
-    the CPU, else an nn.Linear on the weight stored_transposed."""
+    """A bias-free linear layer on weight (out, in).
+
+    On the CPU with `rows` (a compiled step) it is a RowDot. Otherwise it is an nn.Linear on the
+    weight stored_transposed."""
     if rows and weight.device.type == "cpu":
         return RowDot(weight)
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -63,10 +72,12 @@ def dense(weight: torch.Tensor, rows: bool) -> nn.Module:
 
 
 def projection(layers: list[nn.Module], rows: bool) -> tuple[nn.Module, list]:
-    """One layer computing the outputs of `layers` (which read the same input) concatenated, on its
-    own copy of their weights in the layout its product reads fastest: int8 as it is, dense weights
-    as dense(rows) lays them out. And [(layer, name, view)]: each layer's tensors as views of that
-    copy, for DecodeStep.share_weights. Int4 layers are kept as they are (Concatenated)."""
+    """One layer computing the concatenated outputs of `layers`, which read the same input.
+
+    It holds its own copy of their weights, laid out as its product reads fastest. Int8 weights
+    keep their layout, and dense ones take dense(rows)'s. Int4 layers stay as they are
+    (Concatenated). Also returns [(layer, name, view)] for DecodeStep.share_weights. These are
+    each layer's tensors as views of the copy."""
     if isinstance(layers[0], Int4Linear):
         return Concatenated(layers), []
     int8 = isinstance(layers[0], Int8Linear)
@@ -89,9 +100,10 @@ def projection(layers: list[nn.Module], rows: bool) -> tuple[nn.Module, list]:
 
 
 class FusedBlock(nn.Module):
-    """A TransformerBlock for one token per row, wq/wk/wv one matrix and w1/w3 one (projection): the
-    block's own norms, RoPE (model.apply_rotary), attention function and FFN activation, on the
-    fused weights."""
+    """A TransformerBlock for one token per row, on fused weights.
+
+    wq/wk/wv become one matrix and w1/w3 another (see projection). The block keeps its own norms,
+    RoPE (model.apply_rotary), attention function and FFN activation."""
 
     def __init__(self, block, rows: bool):
         super().__init__()
@@ -109,14 +121,15 @@ class FusedBlock(nn.Module):
         self.act = block.feed_forward.act
         cpu = block.attention_norm.weight.device.type == "cpu"
         fits = self.head_dim % 16 == 0 and self.head_dim <= 128 and self.heads // self.kv_heads <= 8
-        # a compiled CPU step attends with decode_ops.cpp where it builds
+        # A compiled CPU step attends with decode_ops.cpp, where that builds.
         ops = decode_ops() if rows and cpu and fits else None
         self.attend = ops.decode_attention if ops is not None else None
 
     def forward(self, x, pos, rotation, k_cache, v_cache, k_scale=None, v_scale=None):
-        """x (B, dim) at position pos (an int, every row's; or a (B,) tensor, each row's own),
-        turned by RoPE's rotation of pos ((pairs, 2), or (B, pairs, 2)); k_scale, v_scale: an
-        Int8KVCache's (its keys and values int8), else None."""
+        """x (B, dim) at position pos, turned by RoPE's rotation of pos.
+
+        The position is an int for every row, or a (B,) tensor of each row's own. The rotation is
+        (pairs, 2) or (B, pairs, 2). With an Int8KVCache, k_scale and v_scale are its scales."""
         batch = x.shape[0]
         heads = self.heads
         kv_heads = self.kv_heads
@@ -129,34 +142,35 @@ class FusedBlock(nn.Module):
         return x + self.w2(self.act(gate) * up)
 
     def cached_attention(self, q, k, v, pos, k_cache, v_cache, k_scale, v_scale):
-        """Write each row's k, v (B, kv heads, head_dim) into the caches at its position and
-        attend its queries q to its keys up to there."""
+        """Write each row's k, v (B, kv heads, head_dim) into the caches at its position.
+
+        Then attend its queries q to its keys up to there."""
         batch = q.shape[0]
-        shared = not isinstance(pos, torch.Tensor)  # an int (a SymInt when exported)
-        if shared:  # a slice, not [pos]: one compiled graph for every pos
+        shared = not isinstance(pos, torch.Tensor)  # An int, or a SymInt when exported.
+        if shared:  # A slice, not [pos], so one compiled graph serves every pos.
             at = (slice(0, batch), slice(None), slice(pos, pos + 1))
             k, v = k.unsqueeze(2), v.unsqueeze(2)
         else:
             at = (torch.arange(batch, device=pos.device), slice(None), pos)
-        if k_scale is None:
-            k_cache[at], v_cache[at] = k, v
+        if k_scale is None:  # Cast: a row's index_put takes only the cache's own dtype.
+            k_cache[at], v_cache[at] = k.to(k_cache.dtype), v.to(v_cache.dtype)
         else:
             k_cache[at], k_scale[at] = quantize_rows(k)
             v_cache[at], v_scale[at] = quantize_rows(v)
         lengths = None if shared else pos + 1
-        if self.attend is not None:
-            length = pos + 1 if shared else 1  # (unused with lengths)
+        if self.attend is not None and k_cache.dtype in OPS_CACHE_DTYPES:
+            length = pos + 1 if shared else 1  # Unused when lengths is given.
             return self.attend(q, k_cache, v_cache, length, k_scale, v_scale, lengths)
-        end = pos + 1 if shared else None  # rows of their own lengths: every position, masked
+        end = pos + 1 if shared else None  # Rows of their own lengths read every position, masked.
         keys, values = k_cache[:batch, :, :end], v_cache[:batch, :, :end]
         if k_scale is not None:
             keys = keys * k_scale[:batch, :, :end, None]
             values = values * v_scale[:batch, :, :end, None]
-        keys, values = keys.to(q.dtype), values.to(q.dtype)  # another cache dtype (kv_dtype)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # The cache may differ (kv_dtype).
         mask = None
         if lengths is not None:
             mask = torch.arange(keys.shape[2], device=q.device) < lengths[:, None, None, None]
-        # sdpa_attention reads nothing of its module (None)
+        # sdpa_attention does not read its module argument, so None will do.
         return sdpa_attention(q.unsqueeze(2), keys, values, None, mask)
 
 
@@ -169,16 +183,19 @@ def cache_tensors(cache: KVCache) -> tuple:
 
 
 class DecodeStep(nn.Module):
-    """`model(tokens, start_pos=pos)` for one token per row, tokens (B, 1), built for speed at batch
-    1: wq/wk/wv and w1/w3 fused, RoPE from the model's table, reading and writing the model's KV
-    cache (set up by the caller). Logits (B, 1, vocab), equal to the model's within float rounding.
-    Built for model.args as they are (RoPE scaling included). The model's linear layers are pointed
-    at the step's weights, so no weight is stored twice. threads: torch's thread count while it runs
-    (None: as set; a compiled step keeps the count it was compiled with). compiled: the step
-    compiled ahead of time into one C++ library at its first call with each batch size, its
-    matrix-vector products RowDots on the CPU (see compile_step), attending with
-    decode_ops.cpp. kv_dtype: the KV cache's dtype for generate() (bf16 halves what a long
-    cache reads a step, int8 quarters it; None: the activations')."""
+    """`model(tokens, start_pos=pos)` for one token per row, built for speed at batch 1.
+
+    Tokens are (B, 1). It fuses wq/wk/wv and w1/w3 and takes RoPE from the model's table. It reads
+    and writes the model's KV cache, which the caller sets up. Its logits (B, 1, vocab) equal the
+    model's within float rounding. It follows model.args as they are, RoPE scaling included. The
+    model's linear layers point at the step's weights, so no weight is stored twice.
+
+    threads: torch's thread count while it runs. None keeps the count as set. A compiled step
+    keeps the count it was compiled with.
+    compiled: compile the step into one C++ library at its first call with each batch size.
+    On the CPU its products are then RowDots, and it attends with decode_ops.cpp.
+    kv_dtype: the KV cache's dtype for generate(). None means the activations'. bf16 halves
+    what a long cache reads a step, and int8 quarters it."""
 
     def __init__(
         self,
@@ -189,8 +206,8 @@ class DecodeStep(nn.Module):
     ):
         super().__init__()
         self.threads = threads
-        self.kv_dtype = kv_dtype  # the KV cache generate() sets up for it (None: activations')
-        # ("shared" or "rows" positions, batch, cache batch) -> its step compiled (compile_step)
+        self.kv_dtype = kv_dtype  # For the cache generate() sets up. None: the activations'.
+        # Maps ("shared" or "rows", batch, cache batch) to the step compiled for it.
         self.compiled = {} if compiled else None
         if length_dependent(model.args):
             raise ValueError(
@@ -204,14 +221,14 @@ class DecodeStep(nn.Module):
             )
         self.attentions = [
             block.attention for block in model.layers
-        ]  # generation sets their caches
+        ]  # Generation sets their caches.
         self.tok_embeddings = model.tok_embeddings
         self.pos_embeddings = model.pos_embeddings
         self.norm = model.norm
         self.layers = nn.ModuleList(FusedBlock(block, compiled) for block in model.layers)
         self.shared = [view for layer in self.layers for view in layer.shared]
         tied = getattr(model.output, "weight", None) is model.tok_embeddings.weight
-        if tied:  # kept shared, as laid out
+        if tied:  # Kept shared, in its own layout.
             self.output = dense(model.output.weight, rows=True) if compiled else model.output
         else:
             self.output, views = projection([model.output], compiled)
@@ -221,12 +238,13 @@ class DecodeStep(nn.Module):
         self.tables(model.args.max_seq_len)
 
     def tables(self, length: int):
-        """RoPE's rotations (the model's table) and the positions as 0-d tensors (for a compiled
-        step), for `length` positions."""
+        """RoPE's rotations from the model's table, and positions as 0-d tensors, for `length`.
+
+        A compiled step takes its position as a tensor."""
         device = self.tok_embeddings.weight.device
         table = self.pos_embeddings.rotations(self.args, length, device)
-        self.rotations = torch.view_as_real(table)  # real: what a compiled step takes
-        # an inference tensor would be a new kind of input to a compiled step
+        self.rotations = torch.view_as_real(table)  # Real-valued, as a compiled step takes it.
+        # An inference tensor would be a new kind of input to a compiled step.
         with torch.inference_mode(False):
             self.positions = torch.arange(length, device=device)
 
@@ -251,9 +269,10 @@ class DecodeStep(nn.Module):
         return self.run_compiled(_PositionAsTensor, [ids, position, rotation], caches)[:, None]
 
     def rows(self, ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple]):
-        """Logits (B, vocab) of ids (B,), each row at its own position (B,) within the model's
-        context, reading and writing `caches` (each layer's cache_tensors, batch >= B): the step
-        of continuous batching, where rows join and leave between steps."""
+        """Logits (B, vocab) of ids (B,), each row at its own position (B,) in the context.
+
+        This is the step of continuous batching, where rows join and leave between steps. It
+        reads and writes `caches`, each layer's cache_tensors with batch >= B."""
         rotation = self.rotations[positions]
         if self.compiled is None:
             with self.own_threads():
@@ -262,7 +281,7 @@ class DecodeStep(nn.Module):
 
     @contextmanager
     def own_threads(self):
-        """torch's thread count set to self.threads while the step runs (~0.3 µs a change)."""
+        """Set torch's thread count to self.threads while the step runs. A change costs ~0.3 µs."""
         threads = torch.get_num_threads()
         if self.threads is not None:
             torch.set_num_threads(self.threads)
@@ -272,8 +291,7 @@ class DecodeStep(nn.Module):
             torch.set_num_threads(threads)
 
     def run_compiled(self, wrapper, inputs: list, caches: list[tuple]) -> torch.Tensor:
-        """The step compiled (compile_step) for this wrapper, batch and cache batch, on inputs and
-        the caches' tensors."""
+        """Run the step compiled for this wrapper, batch and cache batch (see compile_step)."""
         kind = (wrapper.positions, inputs[0].shape[0], caches[0][0].shape[0])
         if kind not in self.compiled:
             self.compiled[kind] = self.compile_step(wrapper, inputs, caches)
@@ -287,18 +305,20 @@ class DecodeStep(nn.Module):
         return self.output(self.norm(x))
 
     def compile_step(self, wrapper, inputs: list, caches: list[tuple]):
-        """self.step in `wrapper` (_PositionAsTensor or _RowPositions) compiled ahead of time by
-        AOTInductor (torch.export, then one C++ library) for these inputs' batch and the caches'
-        batch, every cache length and position: called from C++ with no guards to check, where a
-        torch.compile'd step spent ~0.3 ms a call in dynamo's frame on 2 AVX2 cores. The library
-        reads the weights where they are (user-managed constants, not a copy). It takes [*inputs,
-        then each layer's cache tensors] and returns [logits]."""
+        """Compile self.step in `wrapper` ahead of time with AOTInductor.
+
+        The wrapper is _PositionAsTensor or _RowPositions. torch.export traces it and Inductor
+        builds one C++ library. It fits these inputs' batch and cache batch, at every cache length
+        and position. C++ calls it with no guards to check. A torch.compile'd step spent ~0.3 ms a
+        call in dynamo's frame on 2 AVX2 cores. The library reads the weights in place, as
+        user-managed constants. It takes [*inputs, then each layer's cache tensors] and returns
+        [logits]."""
         length = torch.export.Dim("cache_length", min=2, max=1 << 24)
         dims = [tuple({2: length} for _ in cache) for cache in caches]
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-            # torch's own use of its pytree API
+            # Torch warns about its own use of its pytree API.
             warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
-            # copies to trace with: export cannot write into inference tensors through an index
+            # Trace with copies. Export cannot write into inference tensors through an index.
             examples = [t.clone() for t in wrapper.example(self, inputs)]
             caches = [tuple(t.clone() for t in cache) for cache in caches]
             program = torch.export.export(
@@ -312,17 +332,19 @@ class DecodeStep(nn.Module):
         constants = program.state_dict | program.constants
         weights = {name: constants[name] for name in runner.get_constant_fqns()}
         runner.load_constants(weights, check_full_update=True, user_managed=True)
-        # The library's own entry on flat inputs: calling the runner re-parses its input spec
-        # from JSON and flattens the arguments, ~0.08 ms a call on an AVX2 core (a tenth of an
-        # int8 step).
+        # Use the library's own entry on flat inputs. Calling the runner re-parses its input spec
+        # from JSON and flattens the arguments. That costs ~0.08 ms a call on an AVX2 core, a
+        # tenth of an int8 step.
         return runner.loader.boxed_run
 
 
 def compiled_package(program: torch.export.ExportedProgram, device: torch.device) -> Path:
-    """The AOTInductor package of `program` (weights left out), compiled once (~20-30 s on 2 cores)
-    and kept in Inductor's cache folder, keyed by the program's printed graph (shapes and
-    operations, not weight values), the device, this CPU's ISA class, the thread count (Inductor
-    writes no parallel loops for one), torch's version and the options."""
+    """The AOTInductor package of `program`, without weights, compiled once and cached.
+
+    Compiling takes ~20-30 s on 2 cores. The package lives in Inductor's cache folder. Its key is
+    the printed graph (shapes and operations, not weight values), the device and the CPU's ISA
+    class. Torch's version, the options and the thread count are in it too. Inductor writes no
+    parallel loops for one thread."""
     key = f"{program}|{device}|{cpu_isa()}|{torch.get_num_threads()}|{torch.__version__}"
     key += f"|{COMPILE_OPTIONS}"
     name = f"{hashlib.sha256(key.encode()).hexdigest()}.pt2"
@@ -330,7 +352,7 @@ def compiled_package(program: torch.export.ExportedProgram, device: torch.device
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_output(path) as tmp, open(tmp, "wb") as out:
-            options = dict(COMPILE_OPTIONS)  # a copy: it adds its own
+            options = dict(COMPILE_OPTIONS)  # A copy, since Inductor adds its own.
             torch._inductor.aoti_compile_and_package(
                 program, package_path=out, inductor_configs=options
             )
@@ -338,7 +360,7 @@ def compiled_package(program: torch.export.ExportedProgram, device: torch.device
 
 
 class _PositionAsTensor(nn.Module):
-    """A DecodeStep's step with the position as a 0-d tensor: what torch.export can keep dynamic."""
+    """A DecodeStep's step with the position as a 0-d tensor, which torch.export keeps dynamic."""
 
     positions = "shared"
 
@@ -360,7 +382,7 @@ class _PositionAsTensor(nn.Module):
 
 
 class _RowPositions(_PositionAsTensor):
-    """A DecodeStep's step with a position a row (B,), for DecodeStep.rows."""
+    """A DecodeStep's step with one position per row (B,), for DecodeStep.rows."""
 
     positions = "rows"
 

@@ -1,5 +1,7 @@
-"""A run loaded to sample from, as generate.py and the server both load it: the model quantized
-and cast as the flags say, and its fastest one-token step on this machine."""
+"""Load a run to sample from. generate.py and the server both load it here.
+
+The model is quantized and cast as the flags say. It gets its fastest one-token step on this
+machine."""
 
 import sys
 
@@ -16,8 +18,8 @@ from picollama.sampling.timing import compiled_unless_slower, tune_threads
 
 
 def load_to_sample(args, device: torch.device) -> tuple[Transformer, object, torch.dtype]:
-    """The run's model (quantized and cast as the flags say), its tokenizer and activation dtype."""
-    from picollama.convert.main import imported_run  # a .gguf file or a Hugging Face directory
+    """The run's model, quantized and cast as the flags say, its tokenizer and activation dtype."""
+    from picollama.convert.main import imported_run  # Imports a .gguf file or Hugging Face folder.
 
     dtype = pick_dtype(args.dtype, device)
     model, _, tokenizer = load_run(imported_run(args.run), device, torch.float32)
@@ -27,10 +29,11 @@ def load_to_sample(args, device: torch.device) -> tuple[Transformer, object, tor
 def fast_step(
     model: Transformer, compile: bool, batch: int, kv_dtype=None, threads: int | None = None
 ) -> DecodeStep | None:
-    """The fused one-token step for `batch` rows on its fastest thread count (timed; or on
-    `threads`, untimed), compiled unless that measures slower, on a KV cache of kv_dtype (None: the
-    activations'), or None where the model itself decodes: dynamic NTK re-runs the prefix as it
-    grows, and the fused step is LLaMA's."""
+    """The fused one-token step for `batch` rows, or None where the model decodes itself.
+
+    The thread count is timed, unless `threads` gives it. The step is compiled unless that times
+    slower. Its KV cache holds kv_dtype, or the activations' dtype for None. Dynamic NTK re-runs
+    the prefix as it grows, and the fused step is LLaMA's only. Such models get None."""
     if non_llama(model.args) or length_dependent(model.args):
         return None
     step = DecodeStep(model, threads, kv_dtype=kv_dtype)

@@ -1,20 +1,22 @@
-"""What a sampling batch needs in memory: its KV cache and logits, refused before they are made."""
+"""What a sampling batch needs in memory, mostly its KV cache and logits.
+
+A batch that cannot fit is refused with a UserError before anything is allocated."""
 
 from model import Transformer
 from picollama.cli import UserError
 from picollama.device import gib
 from picollama.sampling.decode import TokenRing
 
-# what each new token of a row costs beside its key, value and id: the sample returned holds it as
-# a Python int (a 32-byte object and the list's 8-byte pointer) and as decoded text
+# What each new token of a row costs beyond its key, value and id. The returned sample holds it
+# as a Python int, a 32-byte object plus the list's 8-byte pointer. It also holds decoded text.
 SAMPLE_BYTES = 48
 
 
 def bytes_per_token(model: Transformer) -> int:
-    """What each token of a batch holds while it is sampled: its keys and values in every layer,
-    and its id."""
+    """The bytes each token of a batch holds while sampled: keys and values in every layer, and
+    its id."""
     args = model.args
-    size = model.tok_embeddings.weight.element_size()  # the activations' (and the cache's) dtype
+    size = model.tok_embeddings.weight.element_size()  # The activations' dtype, as the cache's.
     return 2 * args.n_layers * args.n_kv_heads * args.head_dim * size + 8
 
 
@@ -27,8 +29,9 @@ def free_bytes(model: Transformer, memory: int | None) -> int | None:
 
 
 def prompt_file_limit(model: Transformer, tokenizer, free: int | None) -> int | None:
-    """The most bytes of prompts whose tokens' KV cache could fit in `free` bytes, each token
-    spelling at most the tokenizer's longest piece."""
+    """The most bytes of prompts whose tokens' KV cache could fit in `free` bytes.
+
+    Each token spells at most the tokenizer's longest piece."""
     if free is None:
         return None
     pieces = range(tokenizer.get_piece_size())
@@ -46,14 +49,17 @@ def check_memory(
     longest: int | None = None,
     kept: bool = True,
 ):
-    """UserError, before anything is allocated, when `rows` rows of prompts (shortest, longest +
-    new tokens) = `lengths` cannot fit in `free` bytes: at least their KV cache (with attention
-    sinks, of `window` tokens at most), every token's id (with sinks, the `longest` prompt's and
-    TokenRing's few: decoding.generate's buffer), where `kept` each row's new tokens as the sample
-    returned (SAMPLE_BYTES; a streamed row keeps none), the first step's logits over the shortest
-    prompt (alive while the second step's are made), and where `sampled` (a temperature above 0)
-    the float32 logits and probabilities of a step. Every buffer that grows with a flag is
-    counted: with sinks and one streamed row, nothing grows with --max-new-tokens."""
+    """UserError, before anything is allocated, when a batch cannot fit in `free` bytes.
+
+    There are `rows` rows. `lengths` is (shortest prompt, longest prompt + new tokens). We count
+    at least these:
+    - the KV cache, of at most `window` tokens with attention sinks.
+    - each token's id. With sinks, only the `longest` prompt's and TokenRing's few.
+    - each row's new tokens in the returned sample, where `kept` (SAMPLE_BYTES).
+    - the first step's logits over the shortest prompt, alive while the second step's are made.
+    - a step's float32 logits and probabilities, where `sampled` (a temperature above 0).
+    Every buffer that grows with a flag is counted. With sinks and one streamed row, nothing
+    grows with --max-new-tokens."""
     if free is None:
         return
     shortest, total = lengths

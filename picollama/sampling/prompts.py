@@ -1,4 +1,7 @@
-"""Prompts in, text out: --prompt or --prompt-file read and encoded; samples streamed or printed."""
+"""Prompts in, text out.
+
+This module reads and encodes --prompt or --prompt-file. One sample streams as it comes.
+Several are printed at the end."""
 
 import sys
 
@@ -6,22 +9,24 @@ from data.tokenizer import prompt_start
 from picollama.cli import UserError
 from picollama.cli.flags import utf8_argument
 from picollama.cli.user_files import regular_file_size
-from picollama.sampling.decode import Sampling, generate
+from picollama.sampling.decode import DecodeOptions, generate
+from picollama.sampling.sampler import Sampling
 
 
 class TextStream:
-    """Print a row's text as its tokens arrive: decode the sequence, print the new suffix, and
-    hold back an incomplete UTF-8 character (a trailing U+FFFD) until its next bytes come. Only
-    the last ids are kept once their text is printed (forget), so that a long stream costs the
-    same memory and time per token however long it runs."""
+    """Print a row's text as its tokens arrive.
 
-    KEPT = 64  # ids kept as the context of the next ones' text; forget runs at 4 × as many
+    It decodes the sequence and prints the new suffix. An incomplete UTF-8 character (a trailing
+    U+FFFD) waits for its next bytes. Once their text is printed, only the last ids are kept
+    (forget). So a long stream costs the same memory and time per token however long it runs."""
+
+    KEPT = 64  # Ids kept as context for the next ones' text. Forget runs at 4 × as many.
 
     def __init__(self, tokenizer, prompt: list[int], out=None):
         self.tokenizer = tokenizer
         self.ids = list(prompt)
-        self.printed = 0  # characters of the decoded text (of self.ids) written so far
-        self.added = 0  # tokens added: the row's new tokens
+        self.printed = 0  # Characters of self.ids' decoded text written so far.
+        self.added = 0  # The row's new tokens, counted.
         self.out = out or sys.stdout
         self.flush_new(final=False)
 
@@ -45,8 +50,10 @@ class TextStream:
             self.forget(full)
 
     def forget(self, full: str):
-        """Keep the last KEPT ids alone, all of whose text (`full`) is printed, where their own
-        text is its end (not where they begin inside a character: then at a later token)."""
+        """Keep only the last KEPT ids, once all their text (`full`) is printed.
+
+        Only where their own text ends `full`. If they begin inside a character, a later token
+        tries again."""
         kept = self.ids[-self.KEPT :]
         tail = self.tokenizer.decode(kept)
         if full.endswith(tail):
@@ -54,7 +61,7 @@ class TextStream:
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    """BOS (where the tokenizer adds one) and the text's ids; an empty prompt is BOS, if any."""
+    """BOS where the tokenizer adds one, then the text's ids. An empty prompt is just BOS."""
     ids = prompt_start(tokenizer) + tokenizer.encode(text)
     return ids or ([tokenizer.bos_id()] if tokenizer.bos_id() >= 0 else [])
 
@@ -68,21 +75,23 @@ def check_prompt_flags(args):
 
 
 def prompt_file_size(path) -> int:
-    """The size of --prompt-file; UserError unless it is a regular file (user_files)."""
+    """The size of --prompt-file. UserError unless it is a regular file (see user_files)."""
     return regular_file_size(path, "--prompt-file")
 
 
 def read_prompts(args, max_bytes: int | None) -> list[str]:
-    """[--prompt], or --prompt-file's non-blank lines; UserError for text that is not UTF-8, and for
-    a file over max_bytes (None: no limit), refused before it is read."""
+    """[--prompt], or --prompt-file's non-blank lines.
+
+    UserError for text that is not UTF-8. A file over max_bytes is refused before it is read.
+    None means no limit."""
     if args.prompt_file is None:
         return [utf8_argument(args.prompt or "", "--prompt")]
     path = args.prompt_file
     size = prompt_file_size(path)
     data = b""
-    if max_bytes is None or size <= max_bytes:  # a file its size already refuses is never read
+    if max_bytes is None or size <= max_bytes:  # Skip a file its size already refuses.
         try:
-            with open(path, "rb") as file:  # no further than the limit: the file may be growing
+            with open(path, "rb") as file:  # Stop at the limit. The file may be growing.
                 data = file.read(-1 if max_bytes is None else max_bytes + 1)
         except OSError as e:
             raise UserError(f"--prompt-file {path}: {e.strerror or e}") from None
@@ -107,22 +116,17 @@ def read_prompts(args, max_bytes: int | None) -> list[str]:
 def print_samples(
     model, tokenizer, prompts: list[list[int]], sampling: Sampling, step, sinks=None
 ) -> list[int]:
-    """Generate and print: one row streams its text as it comes (nothing kept: with sinks its
-    memory is bounded), several are printed at the end. Returns each row's new tokens' count."""
+    """Generate and print. Return each row's count of new tokens.
+
+    One row streams its text as it comes and keeps nothing, so with sinks its memory is bounded.
+    Several rows are printed at the end."""
     stream = TextStream(tokenizer, prompts[0]) if len(prompts) == 1 else None
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
     pieces = tokenizer.get_piece_size()
-    outputs = generate(
-        model,
-        prompts,
-        sampling,
-        eos,
-        on_token=stream.on_token if stream else None,
-        step=step,
-        vocab_limit=pieces if pieces < model.args.vocab_size else None,
-        sinks=sinks,
-        keep=stream is None,
-    )
+    vocab_limit = pieces if pieces < model.args.vocab_size else None
+    options = DecodeOptions(step, vocab_limit, sinks, keep=stream is None)
+    on_token = None if stream is None else stream.on_token
+    outputs = generate(model, prompts, sampling, eos, on_token, options)
     if stream:
         stream.flush_new(final=True)
         print()

@@ -1,5 +1,7 @@
-"""Weight-only quantization for inference, applied at load time: int8 and int4 linear layers
-(Int8Linear, Int4Linear) and `quantize`, which puts them in a trained Transformer."""
+"""Weight-only int8 and int4 quantization, applied to a trained Transformer at load time.
+
+Int8Linear and Int4Linear replace its linear layers, and `quantize` swaps them in. Only weights
+are quantized. Activations keep a float dtype."""
 
 import torch
 import torch.nn.functional as F
@@ -20,27 +22,28 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
-        # the CPU kernel's
+        # The CPU kernel takes bf16 scales.
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        # the kernel's dtype, whatever .to(dtype) cast it to
+        # Keep the kernel's dtype, whatever .to(dtype) cast it to.
         self.scale_bf16 = self.scale_bf16.to(torch.bfloat16)
         return self
 
     @classmethod
     def quantized(cls, weight: torch.Tensor) -> "Int8Linear":
-        """weight (out, in) rounded to int8 per row (float32 scales: .to(dtype) casts them)."""
+        """weight (out, in) rounded to int8 per row. Its float32 scales follow .to(dtype)."""
         return cls(*quantize_rows(weight.detach()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # PyTorch's int8 kernel (gpt-fast's on CPU) reads a quarter of fp32's bytes. With bf16
-        # inputs it is fast on every CPU, AVX2 too (bf16 → fp32 is a shift): the matrix-vector
-        # products of a decode step took 0.87 ms against 2.2-3.3 ms in fp32 on one AVX2 core; with
-        # fp32 inputs it is 4-6x slower than F.linear. So CPU inputs go in as bf16 (coarser than
-        # fp32, finer than llama.cpp's q8_0, which rounds them to 8 bits). It returns garbage unless
-        # in_features is a multiple of 16 (torch 2.13): those, and other devices, dequantize.
+        # inputs it is fast on every CPU, AVX2 too, since bf16 → fp32 is a shift. A decode step's
+        # matrix-vector products took 0.87 ms, against 2.2-3.3 ms in fp32, on one AVX2 core.
+        # With fp32 inputs it is 4-6x slower than F.linear. So CPU inputs go in as bf16. That is
+        # coarser than fp32 but finer than llama.cpp's q8_0, which rounds them to 8 bits.
+        # The kernel returns garbage unless in_features is a multiple of 16 (torch 2.13).
+        # Other shapes, and other devices, dequantize instead.
         if x.device.type == "cpu" and self.weight.shape[1] % 16 == 0:
             rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
             out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale_bf16)
@@ -49,23 +52,26 @@ class Int8Linear(nn.Module):
 
 
 class Int8RowDot(Int8Linear):
-    """An Int8Linear for compiled CPU decode steps (see RowDot): Inductor writes one loop that reads
-    each int8 weight row, widens it to fp32 and reduces it, where _weight_int8pack_mm is an extern
-    call on bf16 inputs. The matrix-vector products of SmolLM2-135M: 5.7 ms against 9.2 ms on one
-    Zen 5 core (llama.cpp's whole q8_0 step: 5.5 ms)."""
+    """An Int8Linear for compiled CPU decode steps (see RowDot).
+
+    Inductor writes one loop that reads each int8 weight row, widens it to fp32 and reduces it.
+    _weight_int8pack_mm would be an extern call on bf16 inputs. SmolLM2-135M's matrix-vector
+    products took 5.7 ms against 9.2 ms on one Zen 5 core. llama.cpp's whole q8_0 step took
+    5.5 ms."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > 1:  # a batch: PyTorch's kernel (fixed when the step is compiled)
+        if x.shape[0] > 1:  # A batch uses PyTorch's kernel. Compiling fixes the branch.
             return super().forward(x)
         products = x.float().unsqueeze(-2) * self.weight.float()
         return (products.sum(-1) * self.scale).to(x.dtype)
 
 
 class Int4Linear(nn.Module):
-    """A bias-free CPU linear layer whose weight is 4-bit: groups of 32 inputs with a scale and a
-    minimum each (llama.cpp's Q4_1), packed for PyTorch's CPU kernel (_weight_int4pack_mm_for_cpu,
-    bf16 inputs and outputs). Its packing interleaves rows, so layers are not fused (Concatenated).
-    """
+    """A bias-free CPU linear layer with a 4-bit weight.
+
+    Each group of 32 inputs has a scale and a minimum, like llama.cpp's Q4_1. The weight is
+    packed for PyTorch's CPU kernel, _weight_int4pack_mm_for_cpu, with bf16 inputs and outputs.
+    The packing interleaves rows, so layers are not fused (see Concatenated)."""
 
     GROUP = 32
 
@@ -76,18 +82,19 @@ class Int4Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self.scales_zeros = self.scales_zeros.to(torch.bfloat16)  # the kernel's, whatever .to()
+        self.scales_zeros = self.scales_zeros.to(torch.bfloat16)  # Kept bf16 for the kernel.
         return self
 
     @classmethod
     def fits(cls, linear: nn.Linear) -> bool:
-        """Whether the kernel takes the layer's shape: inputs a multiple of 32, outputs of 16."""
+        """Whether the kernel takes the layer's shape. Inputs need a multiple of 32, outputs 16."""
         return linear.in_features % cls.GROUP == 0 and linear.out_features % 16 == 0
 
     @classmethod
     def quantized(cls, weight: torch.Tensor) -> "Int4Linear":
-        """weight (out, in), in a multiple of GROUP, rounded to 16 levels between each group's
-        minimum and maximum."""
+        """weight (out, in) rounded to 16 levels between each group's minimum and maximum.
+
+        `in` must be a multiple of GROUP."""
         out, inputs = weight.shape
         groups = weight.detach().float().view(out, inputs // cls.GROUP, cls.GROUP)
         low, high = groups.amin(-1), groups.amax(-1)
@@ -96,13 +103,13 @@ class Int4Linear(nn.Module):
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             levels.to(torch.int32).view(out, inputs), 1
         )
-        # the kernel reads a weight as (level - 8)·scale + zero
+        # The kernel reads a weight as (level - 8)·scale + zero.
         scales_zeros = torch.stack((scale, low + 8 * scale), -1).transpose(0, 1)
         return cls(packed, scales_zeros.contiguous().to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        # exported for a compiled step: the kernel under our own op's name (decode_ops.cpp)
+        # When exported for a compiled step, call the kernel by our own op's name (decode_ops.cpp).
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         if torch.compiler.is_exporting() and decode_ops() is not None:
             mm = torch.ops.picollama.int4_linear
@@ -111,7 +118,8 @@ class Int4Linear(nn.Module):
 
 
 class Concatenated(nn.Module):
-    """Layers reading one input, their outputs concatenated: Int4Linears, which cannot be joined."""
+    """Layers that read one input, with their outputs concatenated. For Int4Linears, which cannot
+    be joined."""
 
     def __init__(self, layers: list[nn.Module]):
         super().__init__()
@@ -122,21 +130,23 @@ class Concatenated(nn.Module):
 
 
 def int8_dtype(device: torch.device, compiled: bool = False) -> torch.dtype:
-    """The activation dtype for int8 weights: bf16 where the hardware has it, else float32 (norms
-    and attention in emulated bf16 are slow; Int8Linear feeds its kernel bf16 on any CPU). A
-    compiled CPU step (Int8RowDot) runs fastest on float32: SmolLM2-135M 5.3 against 6.5 ms a step
-    on one Zen 5 core."""
+    """The activation dtype for int8 weights: bf16 where the hardware has it, else float32.
+
+    Norms and attention in emulated bf16 are slow. Int8Linear feeds its kernel bf16 on any CPU
+    anyway. A compiled CPU step (Int8RowDot) runs fastest on float32. SmolLM2-135M took 5.3
+    against 6.5 ms a step on one Zen 5 core."""
     if compiled and device.type == "cpu":
         return torch.float32
     return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
 
 
 def quantize(model: Transformer, mode: str) -> Transformer:
-    """The model for inference with its weights as `mode` says, changed in place: "none" leaves them
-    as they are, "int8" replaces every linear layer (not the embedding or the norms) by an
-    Int8Linear, "int4" (CPU only) by an Int4Linear where its shape fits the kernel (the output layer
-    by an Int8Linear). Quantize before casting the model to its activation dtype
-    (.to(torch.bfloat16)): the weights are rounded from the given ones."""
+    """The model for inference, its weights quantized in place as `mode` says.
+
+    "none" leaves them as they are. "int8" makes every linear layer an Int8Linear. The embedding
+    and the norms stay as they are. "int4" (CPU only) makes an Int4Linear wherever the shape fits
+    the kernel, and the output layer an Int8Linear. Quantize before casting the model to its
+    activation dtype, since the weights are rounded from the ones given."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {mode!r}")
     if mode == "int4" and model.tok_embeddings.weight.device.type != "cpu":
@@ -145,7 +155,7 @@ def quantize(model: Transformer, mode: str) -> Transformer:
         for name, child in module.named_children():
             if not isinstance(child, nn.Linear):
                 continue
-            # int4 keeps the output layer in int8, as llama.cpp's Q4 files keep it in 8 bits or more
+            # With int4 the output layer stays int8. llama.cpp's Q4 files keep it at 8 bits or more.
             if mode == "int8" or (mode == "int4" and child is model.output):
                 setattr(module, name, Int8Linear.quantized(child.weight))
             elif mode == "int4" and Int4Linear.fits(child):

@@ -1,31 +1,41 @@
-"""Continuous batching: rows in the slots of one KV cache, each at its own position, joining (their
-prompt prefilled alone) and leaving between decode steps, as llama.cpp's server slots do."""
+"""Continuous batching: rows in the slots of one KV cache, each at its own position.
 
-from dataclasses import dataclass, field
+Rows join between steps, their prompt prefilled alone, and leave as they end. So do llama.cpp's
+server slots. This is the one place that feeds each row at its own position. The choice and the
+hand-over are the static loop's: the one Sampler (sampler.py) and rows.hand_over. The serve
+engine drives it (Engine.run_continuous). It knows nothing about HTTP or text.
+"""
+
+from dataclasses import dataclass
 
 import torch
 
 from picollama.sampling.caches import setup_cache
 from picollama.sampling.decode import prefill
 from picollama.sampling.fused_step import DecodeStep, cache_tensors
-from picollama.sampling.rows import Row, RowSampler, Token, token_logprobs
+from picollama.sampling.rows import Row, RowState, hand_over
+from picollama.sampling.sampler import Sampler
 
 SHORTEST_CACHE = 256  # positions the cache holds at least: it grows by doubling from there
 
 
-@dataclass
-class Slot:
-    """A row being decoded: its Row, its callbacks (on_token(Token) -> whether it is over;
-    on_done(reason)), its generator, its new tokens, the positions its cache holds, the token it
-    feeds next."""
+@dataclass(eq=False)  # a row is itself: two alike are still two
+class Slot(RowState):
+    """A row being decoded: its RowState, and what continuous batching adds to it.
 
-    row: Row
-    on_token: object
-    on_done: object
-    generator: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)
+    on_done(reason) hears why it ended. Its generator lasts across steps. position counts the
+    positions its cache holds. last is the token it feeds next.
+    """
+
+    on_done: object = None
+    generator: torch.Generator | None = None
     position: int = 0
     last: int = 0
+
+    def take(self, token: int, logprob: float | None = None, top=()) -> str | None:
+        """RowState.take, and the token is the one fed next."""
+        self.last = token
+        return super().take(token, logprob, top)
 
     @property
     def end(self) -> int:
@@ -34,11 +44,14 @@ class Slot:
 
 
 class Slots:
-    """The rows decoding now, in slots 0..n-1 of one KV cache (model's layers, kv_dtype, batch the
-    power of two at or above n, length a power of two holding the longest row): join() prefills a
-    row and chooses its first token, step_all() chooses the next token of every row, a row that ends
-    leaves and the last row moves into its slot. The cache is resized (copied) as rows come, go
-    and grow; the step is compiled for each batch size."""
+    """The rows decoding now, in slots 0..n-1 of one KV cache.
+
+    The cache has the model's layers and the step's kv_dtype. Its batch is the power of two at or
+    above n. Its length is a power of two that holds the longest row. join() prefills a row and
+    chooses its first token. advance() chooses the next token of every row. A row that ends
+    leaves, and the rows after it move down. The cache is copied to a new size as rows come, go
+    and grow. The step is compiled for each batch size.
+    """
 
     def __init__(self, model, step: DecodeStep, vocab_limit: int | None = None):
         self.model, self.step, self.vocab_limit = model, step, vocab_limit
@@ -51,10 +64,10 @@ class Slots:
 
     @torch.inference_mode()
     def join(self, row: Row, on_token, on_done):
-        """Prefill the row's prompt alone into a new slot and hand over its first token."""
+        """Prefill the row's prompt alone into a new slot, and choose its first token."""
         seed = row.sampling.seed
         generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
-        slot = Slot(row, on_token, on_done, generator, position=len(row.prompt))
+        slot = Slot(row, on_token, on_done=on_done, generator=generator, position=len(row.prompt))
         if row.sampling.max_new_tokens == 0:
             return on_done("length")
         self.fit(len(self.slots) + 1, slot.position + 1, slot.end)
@@ -69,11 +82,11 @@ class Slots:
         finally:
             self.model.reset_cache()
         self.slots.append(slot)
-        self.hand_over(logits)
+        self.choose(logits)
 
     @torch.inference_mode()
-    def step_all(self):
-        """One token for every row: each fed at its own position."""
+    def advance(self):
+        """One token for every row, each fed at its own position."""
         count = len(self.slots)
         self.fit(count, 1)
         padding = len(self.caches[0][0]) - count  # rows of the cache's batch with no slot
@@ -83,50 +96,33 @@ class Slots:
         logits = self.step.rows(ids, positions, self.caches)[:count]
         for slot in self.slots:
             slot.position += 1
-        self.hand_over(logits)
+        self.choose(logits)
 
     @property
     def device(self) -> torch.device:
         return self.model.tok_embeddings.weight.device
 
-    def hand_over(self, logits: torch.Tensor):
-        """Choose a token for each of the last len(logits) rows from its logits, hand it over; the
-        rows that end leave."""
+    def choose(self, logits: torch.Tensor):
+        """Choose a token for each of the last len(logits) rows, and hand it over.
+
+        The rows that end leave. The Sampler is made anew each time, since the rows change. Each
+        slot keeps its own generator, so its draws go on where they left off.
+        """
         slots = self.slots[len(self.slots) - len(logits) :]
         if self.vocab_limit is not None:
             logits[:, self.vocab_limit :] = float("-inf")
         samplings = [slot.row.sampling for slot in slots]
-        sampler = RowSampler(samplings, logits.device, [slot.generator for slot in slots])
-        chosen = sampler(logits, [True] * len(slots))
-        top = max(slot.row.logprobs or 0 for slot in slots)
-        wanted = any(slot.row.logprobs is not None for slot in slots)
-        picked, tops = token_logprobs(logits, chosen, top) if wanted else (None, None)
-        ended = {}
-        for i, (slot, token) in enumerate(zip(slots, chosen.tolist())):
-            reason = self.give(slot, i, token, picked, tops)
-            if reason is not None:
-                ended[id(slot)] = reason
+        sampler = Sampler(samplings, logits.device, [slot.generator for slot in slots])
+        every = [True] * len(slots)
+        ended = hand_over(slots, logits, sampler(logits, every), every)
         if ended:
-            self.leave(ended)
-
-    def give(self, slot: Slot, i: int, token: int, picked, tops) -> str | None:
-        """Hand token to the slot's row (row i of the logits): why the row ends ("stop": a stop
-        id, not handed over; "halted": on_token said so; "length"), or None."""
-        row = slot.row
-        if token in row.stop_ids:
-            return "stop"
-        slot.tokens.append(token)
-        slot.last = token
-        given = Token(token)
-        if row.logprobs is not None:
-            given = Token(token, picked[i], tuple(tops[i][: row.logprobs]))
-        if slot.on_token(given):
-            return "halted"
-        return "length" if len(slot.tokens) >= row.sampling.max_new_tokens else None
+            self.leave({id(slots[i]): reason for i, reason in ended.items()})
 
     def leave(self, ended: dict[int, str]):
-        """The rows ended (id(slot) -> why) leave; the others move down into slots 0..n-1 (each
-        into a slot below its own, so none is overwritten before it is read)."""
+        """The rows ended (id(slot) -> why) leave, and the others move down into slots 0..n-1.
+
+        Each moves into a slot below its own, so none is overwritten before it is read.
+        """
         kept = [slot for slot in self.slots if id(slot) not in ended]
         for new, slot in enumerate(kept):
             old = self.slots.index(slot)
@@ -140,11 +136,13 @@ class Slots:
             slot.on_done(ended[id(slot)])
 
     def fit(self, count: int, length: int, end: int = 0):
-        """A cache for `count` rows (its batch the power of two at or above, padded_batch), `length`
-        positions and every row's next: the one there where it is that batch and long enough, else
-        a new one (the rows there copied over), its length a power of two but no longer than the
-        longest row can grow (`end`, a joining row's, or a row's there): what the memory check
-        counted."""
+        """A cache for `count` rows, `length` positions and every row's next position.
+
+        Its batch is padded_batch(count). The cache there is kept if it is that batch and long
+        enough. Else a new one takes over, the rows copied into it. Its length is a power of two,
+        but no longer than the longest row can grow (`end`, or a row's there). That is what the
+        memory check counted.
+        """
         batch = padded_batch(count)
         length = max([length] + [slot.position + 1 for slot in self.slots])
         if self.caches and len(self.caches[0][0]) == batch and self.caches[0][0].shape[2] >= length:
@@ -162,5 +160,5 @@ class Slots:
 
 
 def padded_batch(rows: int) -> int:
-    """The batch of the cache (and the step) for `rows` rows: the power of two at or above."""
+    """The batch of the cache and the step for `rows` rows: the power of two at or above."""
     return 1 << (rows - 1).bit_length()

@@ -1,5 +1,7 @@
-"""Timing decode steps against each other to choose one for this machine: the compiled step or
-the eager one (compiled_unless_slower), one thread or torch's count (tune_threads)."""
+"""Time decode steps against each other to choose the fastest on this machine.
+
+It picks the compiled step or the eager one (compiled_unless_slower). It picks one thread or
+torch's count (tune_threads). Speed depends on the machine, so we measure rather than guess."""
 
 import copy
 import statistics
@@ -12,9 +14,9 @@ from picollama.sampling.caches import setup_cache
 from picollama.sampling.decode_ops import cpu_isa
 from picollama.sampling.fused_step import DecodeStep
 
-# What step_seconds may spend timing, beyond its warm-up: blocks of 16 calls for small models (a
-# batch-1 step of 8M parameters takes ~2 ms), of 2 for a 135M one (15-30 ms a step: 5 rounds of
-# 16 took 4.4 s before generate.py printed its first token, against 0.4 s for 20 tokens).
+# What step_seconds may spend timing, beyond its warm-up. Small models get blocks of 16 calls,
+# since a batch-1 step of 8M parameters takes ~2 ms. A 135M model gets blocks of 2, at 15-30 ms a
+# step. With 5 rounds of 16 it waited 4.4 s before its first token, then took 0.4 s for 20.
 TIMING_SECONDS = 0.5
 
 
@@ -27,13 +29,13 @@ def step_seconds(
     repeats: int = 5,
     budget: float = TIMING_SECONDS,
 ) -> dict:
-    """Median seconds of one decode step of `batch` rows through each of `steps` ({name: step of
-    model}), timed interleaved after a warm-up call (where a compiled step compiles), on a cache of
-    model's set up here and reset after: up to `repeats` rounds, the first of one call of each step,
-    the others of up to `calls` calls, as many as the first says fit in `budget` seconds; no new
-    round once the rounds took `budget` (on a busy CPU one step can take 20x longer on two threads
-    than on one: one round then decides)."""
-    # the steps timed together share one cache
+    """Median seconds of one decode step of `batch` rows, for each of `steps` ({name: step}).
+
+    The steps are timed interleaved, after one warm-up call each, in which a compiled step
+    compiles. They share a cache set up here and reset after. There are up to `repeats` rounds.
+    The first makes one call of each step. The others make up to `calls` calls, as many as the
+    first says fit in `budget` seconds. No round starts once the rounds took `budget`. On a busy
+    CPU a step can take 20x longer on two threads than on one, and then one round decides."""
     kv_dtype = getattr(next(iter(steps.values())), "kv_dtype", None)
     setup_cache(model, batch, calls + 1, kv_dtype)
     device = model.tok_embeddings.weight.device
@@ -59,7 +61,7 @@ def step_seconds(
 
 
 def per_call_seconds(step, token: torch.Tensor, calls: int) -> float:
-    """Seconds per call of `calls` decode steps at positions 0..calls-1, the device synchronized."""
+    """Seconds per call of `calls` decode steps at positions 0..calls-1, the device synced."""
     start = time.perf_counter()
     for pos in range(calls):
         step(token, start_pos=pos)
@@ -69,9 +71,10 @@ def per_call_seconds(step, token: torch.Tensor, calls: int) -> float:
 
 
 def pick_step(model: Transformer, eager: DecodeStep, compiled: DecodeStep, batch: int = 1) -> tuple:
-    """(step, note): the compiled step, or the eager one where a short interleaved timing at `batch`
-    rows (step_seconds) finds the compiled one slower on this machine, with a one-line note saying
-    so (else None)."""
+    """(step, note): the compiled step, unless a short timing finds it slower here.
+
+    step_seconds times both at `batch` rows. If the compiled step is slower, return the eager one
+    with a one-line note. Otherwise the note is None."""
     seconds = step_seconds(model, {"eager": eager, "compiled": compiled}, batch)
     if seconds["compiled"] <= seconds["eager"]:
         return compiled, None
@@ -85,9 +88,10 @@ def pick_step(model: Transformer, eager: DecodeStep, compiled: DecodeStep, batch
 def compiled_unless_slower(
     model: Transformer, step: DecodeStep, batch: int = 1
 ) -> tuple[DecodeStep, str | None]:
-    """pick_step between `step` (eager) and a compiled step of the model on the same threads, at the
-    batch size it will decode (which it is compiled for). The model's layers then share the chosen
-    step's weights: the other's copy goes with it."""
+    """pick_step between `step` (eager) and a compiled step on the same threads.
+
+    They are timed at the batch size that will decode, which the compiled one is built for. The
+    model's layers then share the chosen step's weights, and the other's copy is freed."""
     compiled = DecodeStep(model, step.threads, compiled=True, kv_dtype=step.kv_dtype)
     chosen, note = pick_step(model, step, compiled, batch)
     chosen.share_weights()
@@ -95,9 +99,10 @@ def compiled_unless_slower(
 
 
 def tune_threads(model: Transformer, step: DecodeStep, batch: int = 1) -> str | None:
-    """Set step.threads to 1 where a short interleaved timing at `batch` rows finds one thread
-    faster than torch's count (a batch-1 step is ~100 small kernels: on a busy 2-core CPU every
-    parallel region waits for a descheduled thread); a one-line note when it does, else None."""
+    """Set step.threads to 1 where a short timing at `batch` rows finds one thread faster.
+
+    A batch-1 step is ~100 small kernels. On a busy 2-core CPU every parallel region waits for a
+    descheduled thread. Returns a one-line note when it switches, else None."""
     threads = torch.get_num_threads()
     if threads == 1 or model.tok_embeddings.weight.device.type != "cpu":
         return None

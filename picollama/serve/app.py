@@ -1,4 +1,7 @@
-"""The server's FastAPI app: OpenAI's endpoints, the bearer key, error shapes, streamed answers."""
+"""The server's FastAPI app, which speaks OpenAI's HTTP API.
+
+It owns the endpoints, the bearer key, the error shapes and streaming. It never runs the model.
+It queues jobs for the engine and relays what comes back."""
 
 import asyncio
 import hmac
@@ -15,14 +18,15 @@ from picollama.serve.engine import Finished, Job, QueueFull
 from picollama.serve.protocol import ApiError, Ask, chat_request, completion_request, read_json
 from picollama.serve.rows import ServedModel
 
-MAX_BODY = 8 << 20  # bytes in a request body; a larger one is refused before it is read
+MAX_BODY = 8 << 20  # Bytes in a request body. A larger one is refused before it is read.
 PAGE = Path(__file__).parent / "web" / "chat.html"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
-    """The app serving `served`: the chat page at /, /health, and OpenAI's /v1 endpoints (behind
-    `Authorization: Bearer api_key` where a key is given)."""
+    """The app serving `served`: the chat page at /, /health, and OpenAI's /v1 endpoints.
+
+    Given a key, /v1 needs `Authorization: Bearer api_key`."""
     app = FastAPI(title="picollama", docs_url=None, redoc_url=None, openapi_url=None)
     add_errors(app)
     if api_key:
@@ -61,14 +65,15 @@ def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
 
 
 def served_as(served, name: str | None):
-    """404 in OpenAI's shape unless `name` is the served model's (a request may leave it out)."""
+    """404 in OpenAI's shape unless `name` is the served model's. A request may leave it out."""
     if name is not None and name != served.name:
         raise ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found")
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, closing the engine as soon as it is told to stop, so that the answers
-    under way end (503) rather than hold the shutdown up."""
+    """uvicorn's server, closing the engine as soon as it is told to stop.
+
+    Answers under way then end with a 503 rather than hold up the shutdown."""
 
     def __init__(self, config: uvicorn.Config, engine):
         super().__init__(config)
@@ -80,7 +85,7 @@ class Server(uvicorn.Server):
 
 
 class BearerKey:
-    """ASGI middleware: /v1/* needs `Authorization: Bearer KEY` (401 in OpenAI's shape)."""
+    """ASGI middleware. /v1/* needs `Authorization: Bearer KEY`, else a 401 in OpenAI's shape."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
@@ -124,7 +129,7 @@ def error_response(e: ApiError) -> JSONResponse:
 
 
 async def body_of(request: Request) -> bytes:
-    """The request's body; 413 past MAX_BODY bytes (said or sent)."""
+    """The request's body. 413 if it is over MAX_BODY bytes, whether declared or sent."""
     too_large = ApiError(413, f"the request body is over {MAX_BODY:,} bytes", code="too_large")
     said = request.headers.get("content-length", "")
     if said.isdigit() and int(said) > MAX_BODY:
@@ -139,8 +144,8 @@ async def body_of(request: Request) -> bytes:
 
 
 async def answer(served: ServedModel, request: Request, ask: Ask) -> Response:
-    """Queue the request's rows and answer: streamed as server-sent events, or whole."""
-    # encoding a long prompt takes a while: off the event loop
+    """Queue the request's rows and answer, streamed as server-sent events or whole."""
+    # Encoding a long prompt takes a while, so it runs off the event loop.
     rows, texts, prompt_tokens = await anyio.to_thread.run_sync(served.rows, ask)
     job = Job(rows, texts)
     try:
@@ -153,7 +158,7 @@ async def answer(served: ServedModel, request: Request, ask: Ask) -> Response:
     if ask.stream:
         return EventStream(job, events(job, head, prompt_tokens))
     gathered = await gather(job, request)
-    if gathered is None:  # the client left
+    if gathered is None:  # The client left.
         return Response(status_code=499)
     if gathered.failed is not None:
         raise failure(gathered.failed)
@@ -167,7 +172,7 @@ def failure(failed: shapes.Failed) -> ApiError:
 
 
 async def gather(job: Job, request: Request) -> shapes.Gathered | None:
-    """The job's choices once all are over; None (the job cancelled) if the client leaves."""
+    """The job's choices once all are over. None if the client leaves, and the job is cancelled."""
     gathered = shapes.Gathered(len(job.rows))
 
     async def collect():
@@ -181,19 +186,20 @@ async def gather(job: Job, request: Request) -> shapes.Gathered | None:
     finally:
         collecting.cancel()
         leaving.cancel()
-        job.cancel()  # nothing to end where it is over
+        job.cancel()  # Harmless if it is already over.
     return gathered if gathered.over else None
 
 
 async def disconnected(request: Request):
-    """Returns when the client closes the connection (the body already read)."""
+    """Return when the client closes the connection. The body must already be read."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
 class EventStream(StreamingResponse):
-    """A stream of server-sent events that cancels its job however it ends: finished, the
-    client gone (starlette cancels the stream), or never started."""
+    """A stream of server-sent events that cancels its job however it ends.
+
+    It may finish, lose its client (starlette cancels the stream) or never start."""
 
     def __init__(self, job: Job, content):
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -207,8 +213,10 @@ class EventStream(StreamingResponse):
 
 
 async def events(job: Job, head: shapes.Head, prompt_tokens: int):
-    """The job's events as OpenAI's chunks: the role first (chat), text, each choice's
-    finish_reason, the usage where asked, then [DONE]; a failure as an error event."""
+    """The job's events as OpenAI's chunks.
+
+    Chat sends the role first. Then come text and each choice's finish_reason, the usage where
+    asked, and [DONE]. A failure is sent as an error event."""
     if head.kind == "chat":
         for index in range(len(job.rows)):
             yield shapes.chunk(head, index, role=True)

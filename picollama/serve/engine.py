@@ -9,8 +9,9 @@ from functools import partial
 
 from picollama.cli.command import one_line
 from picollama.sampling.completion_text import ChoiceText, Entry
+from picollama.sampling.decode import DecodeOptions, decode_rows
 from picollama.sampling.fused_step import DecodeStep
-from picollama.sampling.rows import Row, Token, generate_rows
+from picollama.sampling.rows import Row, Token
 from picollama.sampling.slots import Slots, padded_batch
 
 
@@ -102,7 +103,7 @@ class Engine:
     with its own forward), batching is static: when the engine is free it takes those waiting,
     oldest first, whose rows fit together (fits_with: max_batch rows, memory, prompts within
     max_spread tokens), waiting up to `window` seconds after the first for more, and decodes them
-    in one batch (row_decoding.generate_rows); a request that comes meanwhile waits for the next.
+    in one batch (decode.decode_rows); a request that comes meanwhile waits for the next.
     `stats` says what it has done."""
 
     def __init__(
@@ -166,7 +167,7 @@ class Engine:
             batch = self.take()
             if batch is None:
                 return
-            self.decode(batch)
+            self.run_batch(batch)
             with self.condition:
                 self.running = []
 
@@ -181,7 +182,7 @@ class Engine:
             for job in joining:
                 self.join(slots, job)
             if slots.slots:
-                self.step_rows(slots)
+                self.advance(slots)
 
     def admit(self, slots: Slots) -> list[Job] | None:
         """The jobs waiting that join now (oldest first, while their rows fit beside the rows
@@ -214,10 +215,10 @@ class Engine:
                 job.fail(one_line(e))
         self.note_rows(len(slots.slots))
 
-    def step_rows(self, slots: Slots):
-        """A token for every row; a failure fails every job decoding."""
+    def advance(self, slots: Slots):
+        """A token for every row. A failure fails every job decoding."""
         try:
-            slots.step_all()
+            slots.advance()
         except Exception as e:
             with self.condition:
                 for job in self.running:
@@ -273,8 +274,8 @@ class Engine:
         spread = max(lengths) - min(lengths)
         return len(rows) <= self.max_batch and spread <= self.max_spread and self.fits(rows)
 
-    def decode(self, batch: list[Job]):
-        """Decode a batch, each row's tokens to its job; a failure fails its jobs only."""
+    def run_batch(self, batch: list[Job]):
+        """Decode a static batch, each row's tokens to its job. A failure fails its jobs only."""
         owners = [(job, i) for job in batch for i in range(len(job.rows))]
         rows = [row for job in batch for row in job.rows]
         stats = self.stats
@@ -295,7 +296,8 @@ class Engine:
                 job.on_done(choice, reason)
 
         try:
-            generate_rows(self.model, rows, on_token, on_done, self.step, self.vocab_limit)
+            options = DecodeOptions(self.step, self.vocab_limit)
+            decode_rows(self.model, rows, on_token, on_done, options)
         except Exception as e:  # e.g. out of memory: those requests fail, the server goes on
             for job in batch:
                 job.fail(one_line(e))

@@ -1,4 +1,7 @@
-"""`python -m picollama.serve --run RUN`: an OpenAI-compatible server, with a chat page at /."""
+"""`python -m picollama.serve --run RUN` starts an OpenAI-compatible server.
+
+This module owns the flags, loading and the listening socket. The app answers requests and the
+engine decodes."""
 
 import os
 import queue
@@ -9,7 +12,7 @@ from pathlib import Path
 
 from picollama.cli import UserError
 from picollama.cli.flags import ArgumentParser, add_compile, add_device, add_run, positive
-from picollama.sampling.caches import KV_CACHES
+from picollama.sampling.caches import KV_CACHES, add_kv_cache_flag
 from picollama.sampling.quantize import QUANTIZATIONS
 
 API_KEY_VARIABLE = "PICOLLAMA_API_KEY"
@@ -52,17 +55,12 @@ def parser() -> ArgumentParser:
     parser.add_argument(
         "--quantize", choices=QUANTIZATIONS, default="none", help="weights: int8 or int4 (CPU)"
     )
-    parser.add_argument(
-        "--kv-cache",
-        choices=tuple(KV_CACHES),
-        default="same",
-        help="the KV cache's dtype: same (as the activations), bfloat16 or int8",
-    )
+    add_kv_cache_flag(parser)
     return parser
 
 
 def add_batching_flags(parser: ArgumentParser):
-    """How the engine batches: rows, the queue, the window, the prompts' spread."""
+    """The flags for how the engine batches: rows, queue, window and prompt spread."""
     parser.add_argument(
         "--max-batch", type=positive(), default=8, help="rows decoded together (default 8)"
     )
@@ -91,8 +89,10 @@ def add_batching_flags(parser: ArgumentParser):
 
 
 def load(args):
-    """The ServedModel, its Engine set up (not started): the run loaded as generate.py loads it,
-    its chat template, and the fast decode step (compiled for each batch size the engine makes)."""
+    """The ServedModel with its Engine set up but not started.
+
+    The run loads as generate.py loads it, with its chat template. The fast decode step is
+    compiled for each batch size the engine makes."""
     import torch
 
     from picollama.chat_template import compiled, load_chat_template
@@ -111,7 +111,7 @@ def load(args):
         check_compiler()
     run = imported_run(args.run)
     template = load_chat_template(run, args.chat_template)
-    compiled(template)  # a template that does not compile: an error now, not at each request
+    compiled(template)  # A broken template fails now, not at each request.
     model, tokenizer, _ = load_to_sample(args, device)
     source = Path(args.run)
     name = args.model_name or (source.stem if is_gguf_file(source) else source.name)
@@ -134,10 +134,11 @@ def load(args):
 
 
 def warm_up(served, step, max_batch: int):
-    """Compile the decode step for each batch size of the engine's slots, now rather than at the
-    first request of each (once a machine: the libraries are cached)."""
-    from picollama.sampling.decode import Sampling
+    """Compile the decode step for each batch size now, not at each size's first request.
+
+    This costs time once a machine, since the compiled libraries are cached."""
     from picollama.sampling.rows import Row
+    from picollama.sampling.sampler import Sampling
     from picollama.sampling.slots import Slots
     from picollama.serve.engine import bucket_sizes
 
@@ -148,20 +149,22 @@ def warm_up(served, step, max_batch: int):
         slots = Slots(served.model, step)
         for _ in range(size):
             slots.join(row, lambda token: False, lambda reason: None)
-        slots.step_all()
+        slots.advance()
 
 
 def load_on_engine_thread(args):
-    """load(args) on a new thread that then runs the engine (Engine.run), so that one thread makes
-    every OpenMP call: libgomp cuts its workers' spin-wait to almost nothing once its pools hold
-    more threads than there are cores, which a second thread's pool does on 2 cores (a decode step
-    15 ms on the thread that loaded, 34 ms on another: SmolLM2 int8, compiled, 2 Xeon cores)."""
+    """Run load(args) on a new thread, which then runs the engine (Engine.run).
+
+    So one thread makes every OpenMP call. Once libgomp's pools hold more threads than cores, it
+    cuts its workers' spin-wait to almost nothing. A second thread's pool does that on 2 cores.
+    A decode step took 15 ms on the loading thread and 34 ms on another. That was SmolLM2 int8,
+    compiled, on 2 Xeon cores."""
     loaded = queue.Queue()
 
     def engine_thread():
         try:
             served = load(args)
-        except BaseException as e:  # a UserError, for the main thread to say
+        except BaseException as e:  # A UserError, for the main thread to report.
             loaded.put(e)
             return
         loaded.put(served)
@@ -175,7 +178,7 @@ def load_on_engine_thread(args):
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port and listening (port 0: a free one)."""
+    """A socket bound to host:port and listening. Port 0 picks a free one."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -196,7 +199,7 @@ def main(argv: list[str]) -> int:
         from picollama.serve.app import Server, create_app
     except ImportError as e:
         raise UserError(f"serving needs {e.name}: pip install -e '.[serve]'") from None
-    sock = listening_socket(args.host, args.port)  # a port in use: an error before loading
+    sock = listening_socket(args.host, args.port)  # A busy port fails before the slow load.
     served = load_on_engine_thread(args)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host

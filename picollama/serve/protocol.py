@@ -1,4 +1,7 @@
-"""OpenAI's request bodies read and checked, and its error shape; every refusal one ApiError."""
+"""Read and check OpenAI's request bodies, and shape its errors.
+
+This module only checks request bodies. It never touches the model. Every refusal is one
+ApiError."""
 
 import json
 import math
@@ -7,8 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-# What a field that this server does not implement may be sent as, meaning nothing (clients often
-# send the default); any other value is refused naming the field.
+# Values that mean "off" for fields this server does not implement. Clients often send these
+# defaults, so they pass. Any other value is refused, naming the field.
 NEUTRAL = {
     "frequency_penalty": (0, 0.0),
     "presence_penalty": (0, 0.0),
@@ -22,7 +25,7 @@ NEUTRAL = {
     "suffix": ("",),
     "best_of": (1,),
 }
-# Fields refused whatever their value (but null): what this server cannot do.
+# Fields this server cannot do. Any value but null is refused.
 UNSUPPORTED = {
     "functions",
     "function_call",
@@ -32,7 +35,7 @@ UNSUPPORTED = {
     "verbosity",
     "web_search_options",
 }
-# Fields read and not acted on: they change nothing in what a model answers.
+# Fields accepted and ignored. They change nothing in what a model answers.
 IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 SHARED = {
     "model",
@@ -50,12 +53,12 @@ CHAT_FIELDS = SHARED | {"messages", "max_completion_tokens", "logprobs", "top_lo
 COMPLETION_FIELDS = SHARED | {"prompt", "logprobs"}
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 4
-MAX_TOP_LOGPROBS = {"chat": 20, "text": 5}  # OpenAI's limits: top_logprobs, and logprobs
+MAX_TOP_LOGPROBS = {"chat": 20, "text": 5}  # OpenAI's limits on top_logprobs and logprobs.
 SEEDS = 2**32
 
 
 class ApiError(Exception):
-    """A refused request: its HTTP status and OpenAI's error body; headers to send with it."""
+    """A refused request, with its HTTP status, OpenAI's error body and any headers to send."""
 
     def __init__(self, status: int, message: str, param=None, code=None, headers=None):
         super().__init__(message)
@@ -76,7 +79,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
 
 
 class Strict(BaseModel):
-    """JSON types as they are: no "1" for 1, no true for 1, no NaN."""
+    """JSON types taken as they are. No "1" or true for 1, and no NaN."""
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -110,28 +113,29 @@ class CompletionBody(Shared):
 
 @dataclass
 class Ask:
-    """What a checked request asks for: a conversation (chat) or prompts (text), and how to answer:
-    n choices a prompt, each with its own seed (seed + choice) where one is given."""
+    """What a checked request asks for: a conversation (chat) or prompts (text).
+
+    It also says how to answer. Each prompt gets n choices. Given a seed, choice i uses seed + i."""
 
     kind: Literal["chat", "text"]
     model: str | None
-    messages: list[dict] = field(default_factory=list)  # chat: as the template reads them
-    prompts: list = field(default_factory=list)  # text: strings or lists of token ids
+    messages: list[dict] = field(default_factory=list)  # Chat, as the template reads them.
+    prompts: list = field(default_factory=list)  # Text, as strings or lists of token ids.
     n: int = 1
-    max_tokens: int | None = None  # None: chat, the rest of the context; text, 16
-    max_tokens_param: str = "max_tokens"  # the field that gave it
+    max_tokens: int | None = None  # If None, chat runs to the context's end and text stops at 16.
+    max_tokens_param: str = "max_tokens"  # The field that gave it.
     temperature: float = 1.0
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # None: none; k: the chosen token's and k alternatives
+    logprobs: int | None = None  # None for none. Else the chosen token's and k others.
     stream: bool = False
     include_usage: bool = False
 
 
 def read_json(raw: bytes) -> dict:
-    """A request body as a JSON object; ApiError for other bytes, text or JSON."""
+    """A request body as a JSON object. ApiError for anything else."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -172,14 +176,14 @@ def given(body: dict, known: set[str]) -> dict:
 
 
 def neutral(name: str, value) -> bool:
-    """Whether value is one of NEUTRAL's for the field (true is not 1 here)."""
+    """Whether value is one of NEUTRAL's for the field. Here true is not 1."""
     return any(
         value == v and isinstance(value, bool) == isinstance(v, bool) for v in NEUTRAL.get(name, ())
     )
 
 
 def validated(model: type[Strict], body: dict) -> Strict:
-    """The body as `model`; ApiError naming the first field of the wrong type."""
+    """The body as `model`. ApiError names the first field of the wrong type."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -192,8 +196,9 @@ def validated(model: type[Strict], body: dict) -> Strict:
 
 
 def chat_request(body: dict, max_n: int) -> Ask:
-    """A chat completion request checked (OpenAI's fields, or ApiError naming the bad one); a
-    field that is null is a field not given."""
+    """A chat completion request, checked against OpenAI's fields.
+
+    ApiError names the bad field. A null field counts as not given."""
     body = given(body, CHAT_FIELDS)
     checked = validated(ChatBody, body)
     if checked.max_tokens is not None and checked.max_completion_tokens is not None:
@@ -234,10 +239,10 @@ def shared(checked: Shared, body: dict, kind: str, max_n: int) -> Ask:
     temperature = 1.0 if checked.temperature is None else checked.temperature
     top_p = checked.top_p
     if top_p is not None and in_range(top_p, "top_p", 0, 1) == 0:
-        temperature, top_p = 0.0, None  # the smallest set holding probability 0: the top token
+        temperature, top_p = 0.0, None  # A top_p of 0 keeps only the top token, so greedy.
     top_k = checked.top_k
     if top_k is not None and in_range(top_k, "top_k", -1, None) <= 0:
-        top_k = None  # -1 (vLLM's) or 0 (llama.cpp's): no top-k
+        top_k = None  # vLLM's -1 and llama.cpp's 0 both mean no top-k.
     return Ask(
         kind,
         checked.model,
@@ -265,7 +270,7 @@ def positive(value: int | None, name: str) -> int | None:
 
 
 def stops(value) -> list[str]:
-    """stop: a string or a list of at most 4, none empty."""
+    """The stop field. It is a string, or a list of at most 4 non-empty ones."""
     if value is None:
         return []
     items = [value] if isinstance(value, str) else value
@@ -277,7 +282,7 @@ def stops(value) -> list[str]:
 
 
 def messages(raw: list) -> list[dict]:
-    """The conversation as a chat template reads it: role, text content, name, reasoning."""
+    """The conversation as a chat template reads it: role, text, name and reasoning."""
     if not raw:
         raise bad("'messages' must hold at least one message", "messages")
     return [message(m, f"messages[{i}]") for i, m in enumerate(raw)]
@@ -321,7 +326,7 @@ def content(value, role: str, where: str) -> str:
 
 
 def prompts(value) -> list:
-    """A completion's prompt: a string, a list of strings, a list of token ids or of such lists."""
+    """A completion's prompt. It is a string, a list of strings, or token ids or lists of them."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value:

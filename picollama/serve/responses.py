@@ -1,4 +1,7 @@
-"""OpenAI's response shapes: chat completions and completions, whole or as server-sent chunks."""
+"""OpenAI's response shapes for chat completions and completions.
+
+Answers go out whole or as server-sent chunks. This module only shapes JSON. It never runs
+the model."""
 
 import json
 import time
@@ -8,14 +11,16 @@ from dataclasses import dataclass, field
 from picollama.sampling.completion_text import Entry
 from picollama.serve.engine import Delta, Failed, Finished
 
-LOWEST_LOGPROB = -9999.0  # what OpenAI reports for a token the model rules out (JSON has no -inf)
+LOWEST_LOGPROB = -9999.0  # OpenAI's value for a ruled-out token. JSON has no -inf.
 DONE = "data: [DONE]\n\n"
 
 
 @dataclass
 class Head:
-    """What every chunk of one response shares: its id, kind ("chat" or "text"), creation time,
-    model, and whether logprobs and a usage chunk were asked for."""
+    """What every chunk of one response shares.
+
+    That is its id, kind ("chat" or "text"), creation time and model. It also records whether
+    logprobs and a usage chunk were asked for."""
 
     kind: str
     model: str
@@ -54,7 +59,7 @@ class Choice:
 
 
 class Gathered:
-    """A request's events folded into its choices (for a whole, unstreamed answer)."""
+    """A request's events folded into its choices, for a whole, unstreamed answer."""
 
     def __init__(self, n: int):
         self.choices = [Choice() for _ in range(n)]
@@ -101,7 +106,7 @@ def chat_logprobs(entries: list[Entry]) -> dict:
 
 
 def text_logprobs(entries: list[Entry]) -> dict:
-    """A completion choice's logprobs, the legacy shape: parallel lists."""
+    """A completion choice's logprobs in the legacy shape of parallel lists."""
     return {
         "tokens": [e.text for e in entries],
         "token_logprobs": [logprob(e.logprob) for e in entries],
@@ -132,7 +137,7 @@ def sse(body: dict) -> str:
 
 
 def chunk(head: Head, index: int, text=None, entries=None, reason=None, role=False) -> str:
-    """One choice's chunk: new text (with its logprobs), the role (chat's first), or the end."""
+    """One choice's chunk. It carries new text with its logprobs, the chat role, or the end."""
     logprobs = None
     if head.logprobs and entries:
         logprobs = (chat_logprobs if head.kind == "chat" else text_logprobs)(entries)
@@ -146,5 +151,5 @@ def chunk(head: Head, index: int, text=None, entries=None, reason=None, role=Fal
 
 
 def usage_chunk(head: Head, prompt_tokens: int, completion_tokens: int) -> str:
-    """The last chunk where stream_options.include_usage asks: no choices, the usage."""
+    """The last chunk, sent if stream_options.include_usage asks. It holds only the usage."""
     return sse(head.top([], usage(prompt_tokens, completion_tokens), streamed=True))

@@ -6,10 +6,10 @@ from functools import cached_property
 from picollama.chat_template import ChatTemplateError, encode_chat, render_chat, stop_ids
 from picollama.cli import UserError
 from picollama.sampling.completion_text import ChoiceText
-from picollama.sampling.decode import Sampling
 from picollama.sampling.memory import check_memory
 from picollama.sampling.prompts import encode_prompt
 from picollama.sampling.rows import Row
+from picollama.sampling.sampler import Sampling
 from picollama.serve.protocol import SEEDS, Ask, bad
 
 DEFAULT_TEXT_TOKENS = 16  # OpenAI's default max_tokens for a (legacy) completion

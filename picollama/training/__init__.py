@@ -1,3 +1,3 @@
-"""What train.py leans on: data and batches, the optimizers and schedules, the time budget,
-parallelism, checkpoints and resume, metrics. Only train.py and the lab's training benchmarks
-use it."""
+"""The parts train.py leans on: data and batches, optimizers and schedules, the time budget.
+Also parallelism, checkpoints and resume, and metrics. Only train.py and the lab's training
+benchmarks use them."""

@@ -1,4 +1,4 @@
-"""A run sized in minutes: train.max_minutes becomes a step count, decided from the time spent."""
+"""A run sized in minutes. train.max_minutes becomes a step count, decided from the time spent."""
 
 import math
 import statistics
@@ -15,17 +15,16 @@ from picollama.cli.flags import check_type
 from picollama.config.training import Config
 from picollama.training.resume import read_meta, recorded_max_steps, unusable
 
-PROBE_STEPS = 10  # a cosine budget decides after the first steps (within the warmup)
-# Later steps ran slower than the probe's: 13% on average over a 5-minute run on a 2-core EPYC VM
-# (its first 20 steps were its fastest). A cosine budget raises its step time by this margin.
+PROBE_STEPS = 10  # A cosine budget decides after these steps, within the warmup.
+# Later steps ran 13% slower than the probe's, on average over a 5-minute run on a 2-core EPYC VM.
+# Its first 20 steps were its fastest. A cosine budget raises its step time by this margin.
 DRIFT_MARGIN = 1.08
-# The step time is the mean of the steps that ended in this last fraction of the budget (and of at
-# least the last MIN_TIMED): recent enough to follow a change of load, long enough to average the
-# bursts of a shared machine (2 cores, other processes coming and going: steps of 0.25 s and 6 s
-# within one minute).
+# The step time is the mean over steps that ended in this last share of the budget, and at least
+# MIN_TIMED steps. That is recent enough to follow a change of load. It is long enough to average
+# out a shared machine's bursts. On 2 busy cores, steps took 0.25 s and 6 s within one minute.
 WINDOW = 0.1
 MIN_TIMED = 5
-UNDECIDED = sys.maxsize  # train.max_steps of a budgeted run until it decides its length
+UNDECIDED = sys.maxsize  # A budgeted run's train.max_steps until it decides.
 
 
 def steps_in_budget(
@@ -36,10 +35,10 @@ def steps_in_budget(
     save_s: float,
     cfg: Config,
 ) -> int:
-    """The run's length when `done` steps are behind it and `seconds_left` remain of
-    train.max_minutes: each further step costs step_s, every eval.interval steps an evaluation
-    (eval_s: one before the last, the last) and every checkpoint.interval a save (save_s), and the
-    last step the last evaluation and a save. Never fewer than `done`."""
+    """The run's length when `done` steps are behind it and `seconds_left` remain of the budget.
+    Each further step costs step_s. Every eval.interval steps adds an evaluation, and every
+    checkpoint.interval a save. eval_s is (one before the last, the last). The last step adds the
+    last evaluation and a save. Never fewer than `done`."""
     interim_s, last_s = eval_s
     per_step = step_s
     for interval, seconds in ((cfg.eval.interval, interim_s), (cfg.checkpoint.interval, save_s)):
@@ -63,9 +62,9 @@ def recorded(checkpoint: Path, key: str, kind):
 
 
 def run_length(cfg: Config, start: Path | None, started: float) -> tuple[int, int | None, "Budget"]:
-    """train.max_steps and optim.decay_start for this run, and its Budget, which goes on from the
-    time that checkpoint `start` records if any. A train.max_minutes run takes the length recorded
-    there, or is unbounded (UNDECIDED) until its budget decides; any other run: the cfg's."""
+    """train.max_steps and optim.decay_start for this run, and its Budget. The Budget goes on from
+    the time that checkpoint `start` records, if any. A train.max_minutes run takes the length
+    recorded there, else is UNDECIDED until its budget decides. Any other run takes the cfg's."""
     spent = 0.0 if start is None else recorded(start, "train.spent_s", float) or 0.0
     if not cfg.train.max_minutes:
         return cfg.train.max_steps, cfg.optim.decay_start, Budget(cfg, started, spent)
@@ -76,23 +75,24 @@ def run_length(cfg: Config, start: Path | None, started: float) -> tuple[int, in
 
 
 class Budget:
-    """The run's wall time over all its processes (each checkpoint records it) and, until a
-    train.max_minutes run has decided its length, that decision. It changes no learning rate that
-    is already behind the run: a cosine run decides after its first PROBE_STEPS warmup steps, whose
-    learning rate does not depend on max_steps; a wsd run holds lr until the last
-    optim.decay_fraction of the budget's time, then decides the steps that fit in it (from recent
-    step times, evaluations and saves), decaying from there. Either way it becomes the run given
-    that length from the start."""
+    """The run's wall time over all its processes, which each checkpoint records. A
+    train.max_minutes run also decides its length here.
+
+    The decision never changes a learning rate already behind the run. A cosine run decides after
+    its first PROBE_STEPS warmup steps, whose learning rate does not depend on max_steps. A wsd run
+    holds lr until the last optim.decay_fraction of the budget's time. Then it decides how many
+    steps fit, from recent step, evaluation and save times, and decays from there. Either way, the
+    run is the one given that length from the start."""
 
     def __init__(self, cfg: Config, started: float, spent: float = 0.0, decided: bool = True):
         self.cfg = cfg
-        self.started = started - spent  # when the run began, on this process's clock
+        self.started = started - spent  # When the run began, on this process's clock.
         self.decided = decided
-        self.mark = started  # when the last step, evaluation or save ended
-        self.laps = 0  # steps this process has done
+        self.mark = started  # When the last step, evaluation or save ended.
+        self.laps = 0  # Steps this process has done.
         self.recent = deque()  # (end, seconds) of recent steps
-        # a validation batch's cost in steps (load slows both alike), the batches this rank reads in
-        # an evaluation before the last and in the last, and the last save's seconds
+        # A validation batch's cost in steps, since load slows both alike. The batches this rank
+        # reads in an evaluation before the last, and in the last. The last save's seconds.
         self.batch_steps = None
         self.reads = (cfg.eval.batches, cfg.eval.batches)
         self.save_s = None
@@ -111,8 +111,8 @@ class Budget:
 
     @contextmanager
     def timed(self, kind: str, final: bool = True):
-        """Time an evaluation (`final`: the last, reading every batch; else one before it) or a save
-        (`kind`), which no step's time includes."""
+        """Time an evaluation or a save, by `kind`, since no step's time includes them. `final`
+        marks the last evaluation, which reads every batch."""
         begin = time.perf_counter()
         yield
         self.mark = time.perf_counter()
@@ -122,12 +122,12 @@ class Budget:
             self.batch_steps = (self.mark - begin) / self.reads[final] / self.step_s()
 
     def step_done(self, step: int) -> bool:
-        """Note that the run has done `step` steps; True if it is to decide its length now."""
+        """Note that the run has done `step` steps. True if it is to decide its length now."""
         if self.decided:
             return False
         now = time.perf_counter()
         self.laps += 1
-        if self.laps > 2:  # a process's first two steps warm caches up (and compile)
+        if self.laps > 2:  # A process's first two steps warm caches and compile.
             self.recent.append((now, now - self.mark))
             window = WINDOW * 60 * self.cfg.train.max_minutes
             while len(self.recent) > MIN_TIMED and self.recent[0][0] < now - window:
@@ -138,11 +138,11 @@ class Budget:
         return bool(self.recent) and step >= first
 
     def time_evaluation(self, model, batches: list, dist):
-        """Estimate an evaluation's cost from the median validation batch (the first may compile),
-        until the run has timed one of its own. At least one step is timed."""
+        """Estimate an evaluation's cost from the median validation batch, since the first may
+        compile. It holds until the run times one of its own. At least one step is timed."""
         times = []
         with torch.no_grad():
-            for x, y, *_ in batches:  # packed rows carry positions too, which the probe leaves out
+            for x, y, *_ in batches:  # Packed rows carry positions too. The probe skips them.
                 begin = time.perf_counter()
                 model(x.to(dist.device), y.to(dist.device)).item()
                 times.append(time.perf_counter() - begin)
@@ -150,32 +150,32 @@ class Budget:
         self.mark = time.perf_counter()
 
     def estimate(self, step: int, model, dist) -> tuple[int, float, float, tuple[float, float]]:
-        """The run's length if its recent step time holds (the same on every rank), the seconds
-        left before the sample, that step time and an evaluation's seconds (one before the last,
-        the last)."""
+        """The run's length if its recent step time holds, the same on every rank. Also the
+        seconds left before the sample, that step time, and an evaluation's seconds (one before
+        the last, the last)."""
         t = self.cfg.train
         step_s = self.step_s()
-        if self.cfg.optim.schedule == "cosine":  # decided once, early: a margin for the rest
+        if self.cfg.optim.schedule == "cosine":  # Decided once, early. Leave a margin.
             step_s *= DRIFT_MARGIN
         save_s = self.save_s
-        if save_s is None:  # ~4 copies of the fp32 weights (model, two AdamW moments, the export)
+        if save_s is None:  # ~4 fp32 copies: model, two AdamW moments, export.
             save_s = 0.5 + 16 * sum(p.numel() for p in model.parameters()) / 2e8
         interim_s, last_s = (self.batch_steps * reads * step_s for reads in self.reads)
         values = [step_s, interim_s, last_s, save_s, self.spent()]
-        if dist.world_size > 1:  # every rank decides alike from the means over ranks
+        if dist.world_size > 1:  # Means over ranks, so every rank decides alike.
             summed = dist.all_reduce_sum(
                 torch.tensor(values, dtype=torch.float64, device=dist.device)
             )
             values = (summed / dist.world_size).tolist()
         step_s, interim_s, last_s, save_s, spent = values
-        sample_s = 3.0 + 0.01 * t.sample_tokens if t.sample_tokens else 0.0  # generate.py's
+        sample_s = 3.0 + 0.01 * t.sample_tokens if t.sample_tokens else 0.0  # generate.py's time.
         left = t.max_minutes * 60 - spent - sample_s
         steps = steps_in_budget(left, step, step_s, (interim_s, last_s), save_s, self.cfg)
         return steps, left, step_s, (interim_s, last_s)
 
     def decide(self, step: int, model, dist) -> tuple[int, int | None, str] | None:
-        """The run's max_steps and decay_start (wsd's, else None) and a line saying how they were
-        chosen, if it decides at `step`."""
+        """The run's max_steps, decay_start (None unless wsd) and a line saying how they were
+        chosen. None unless it decides at `step`."""
         steps, left, step_s, (interim_s, last_s) = self.estimate(step, model, dist)
         self.mark = time.perf_counter()
         t, o = self.cfg.train, self.cfg.optim
@@ -183,7 +183,7 @@ class Budget:
         if wsd and left > o.decay_fraction * t.max_minutes * 60:
             return None
         self.decided = True
-        # wsd: at least one step of decay, even past the budget
+        # Wsd takes at least one step of decay, even past the budget.
         max_steps, decay_start = (max(steps, step + 1), step) if wsd else (steps, None)
         decaying = f", decaying from step {step}" if wsd else ""
         keys = "train.max_steps" + (" and optim.decay_start" if wsd else "")

@@ -1,5 +1,5 @@
-"""Before a run trains: the memory check's lower bound, train.init_from's weights checked, the
-settings that packed documents refuse, and where train.out_dir may be."""
+"""Checks that run before training starts, so a bad run fails at once. They cover memory, the
+weights of train.init_from, settings that packed documents refuse, and train.out_dir."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -18,11 +18,10 @@ from picollama.run_files import load_model
 
 
 def init_from_weights(cfg: Config) -> tuple[dict | None, ModelArgs]:
-    """The weights of the run directory train.init_from (None without one), whose model must equal
-    model.* (which config.py took from it) but for the context keys and share data.dir's
-    tokenizer, and the model this run trains: model.*, where a run that stretches the source's
-    context gets rope_original_max_seq_len = that context, so that RoPE scaling and extrapolate
-    stretch from it."""
+    """The weights of the run directory train.init_from, or None, and the model this run trains.
+    The source's model must equal model.*, which the config took from it, but for the context
+    keys. It must share data.dir's tokenizer. A run that stretches the source's context gets
+    rope_original_max_seq_len set to that context, so RoPE scaling and extrapolate start there."""
     source_dir = cfg.train.init_from
     if source_dir is None:
         return None, cfg.model
@@ -39,11 +38,11 @@ def init_from_weights(cfg: Config) -> tuple[dict | None, ModelArgs]:
 
 
 def check_init_tokenizer(source_dir, data_dir):
-    """UserError unless the dataset data_dir holds the tokenizer of the run source_dir: its token
-    ids are the words the weights learned (a dataset train.py would prepare has a new one)."""
+    """UserError unless the dataset data_dir holds the tokenizer of the run source_dir. Its token
+    ids are the words the weights learned. A dataset train.py prepares itself gets a new one."""
     theirs, ours = tokenizer_file(source_dir), tokenizer_file(data_dir)
     if theirs is None:
-        return  # load_model says what the run lacks
+        return  # load_model says what the run lacks.
     again = f"make it (again) with --tokenizer {source_dir}"
     if ours is None:
         raise UserError(
@@ -66,8 +65,8 @@ def packs_documents(cfg: Config) -> bool:
 
 
 def check_packing(cfg: Config):
-    """UserError, before any work, for a setting by which packed documents would see each other or
-    take other positions than their own (conversations datasets are always packed)."""
+    """UserError, before any work, for a setting that lets packed documents see each other, or
+    gives them positions not their own. Conversation datasets are always packed."""
     if not packs_documents(cfg):
         return
     m, t, d = cfg.model, cfg.train, cfg.data
@@ -88,16 +87,17 @@ def check_packing(cfg: Config):
 
 
 def check_memory(cfg: Config, world_size: int):
-    """UserError, before any work, for a model or batch that cannot fit in the device's memory, by
-    a lower bound: 12 bytes a parameter (fp32 weights, gradients and one optimizer moment; sharded
-    over the ranks) and, per token of a rank's micro-step, the logits and their gradient in fp32
-    and, in training, each block's input (all that activation checkpointing keeps)."""
+    """UserError, before any work, for a model or batch that cannot fit in the device's memory.
+    It uses a lower bound. Each parameter takes 12 bytes, sharded over the ranks, for fp32
+    weights, gradients and one optimizer moment. Each token of a rank's micro-step takes its fp32
+    logits and their gradient. Training adds each block's input, all that activation
+    checkpointing keeps."""
     device = pick_device(cfg.train.device)
     memory = memory_bytes(device)
     if memory is None:
         return
     m, t, e = cfg.model, cfg.train, cfg.eval
-    with torch.device("meta"):  # sizes only, no memory
+    with torch.device("meta"):  # Sizes only, no memory.
         params = Transformer(m).num_params()
     state = 12 * params // world_size
     logits = 8 * m.vocab_size
@@ -129,8 +129,8 @@ def check_memory(cfg: Config, world_size: int):
 
 
 def check_out_dir(cfg: Config):
-    """UserError, before any work, unless train.out_dir can be written and lies in none of the
-    run's inputs (data.dir, data.source, train.init_from) nor in another command's folder."""
+    """UserError, before any work, unless train.out_dir can be written. It must not lie in the
+    run's inputs (data.dir, data.source, train.init_from) or in another command's folder."""
     d, t = cfg.data, cfg.train
     inputs = {"data.dir": d.dir, "data.source": d.source, "train.init_from": t.init_from}
     check_output_place(t.out_dir, inputs, "train.py", flag="train.out_dir")

@@ -1,4 +1,5 @@
-"""A training run's data: the dataset checked or prepared, its batches and positions, validation."""
+"""A training run's data. It checks or prepares the dataset, makes the batches and positions, and
+validates."""
 
 import math
 from collections.abc import Callable
@@ -22,8 +23,8 @@ from picollama.components.length import length_problem
 from picollama.config.training import Config, DataConfig
 from picollama.device import Dist
 
-KINDS = ("text", "conversations")  # the datasets train.py reads (meta.json's "kind")
-ALL = slice(None)  # every row of a batch
+KINDS = ("text", "conversations")  # Dataset kinds train.py reads (meta.json's "kind").
+ALL = slice(None)  # Every row of a batch.
 VALIDATION_FORMATS = {
     "val_ppl": "perplexity {:.2f}",
     "val_bpb": "{:.4f} bits/byte",
@@ -32,11 +33,11 @@ VALIDATION_FORMATS = {
 
 
 def check_dataset(cfg: Config):
-    """UserError, before any work, unless data.dir is a prepared dataset (a folder with meta.json)
-    or a missing (absent or empty) folder that train.py prepares from data.source: the default
-    source's own folder for data.tokenizer_type (data/shakespeare, data/shakespeare-unigram; from
-    the current directory or the repository), or any folder for a data.source given (so that a
-    mistyped --data.dir is never filled with Shakespeare)."""
+    """UserError, before any work, unless data.dir is ready or may be prepared.
+    Ready means a folder with meta.json. A missing or empty folder is prepared from data.source.
+    With the default source, only its own folder may be (data/shakespeare, data/shakespeare-unigram,
+    from here or the repository). So a mistyped --data.dir is never filled with Shakespeare. With a
+    data.source given, any folder may be."""
     d = cfg.data
     data_dir = Path(d.dir)
     if d.task != "text" or (data_dir / "meta.json").is_file():
@@ -65,8 +66,8 @@ def check_dataset(cfg: Config):
 
 
 def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
-    """data.dir (prepared from data.source if missing, as check_dataset allows) and its meta.json,
-    checked against cfg."""
+    """data.dir and its meta.json, checked against cfg. A missing data.dir is prepared from
+    data.source, as check_dataset allows."""
     data_dir = Path(cfg.data.dir)
     if not (data_dir / "meta.json").is_file() and dist.main:
         print(f"{data_dir} is not prepared yet: preparing it from {cfg.data.source}")
@@ -93,9 +94,9 @@ def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
             f"{data_dir} ({meta['vocab_size']}); set --model.vocab_size={meta['vocab_size']}"
         )
     for split in SPLITS:
-        open_tokens(data_dir, split)  # checks the shard against meta.json
+        open_tokens(data_dir, split)  # Checks the shard against meta.json.
         tokens = meta["splits"][split]["tokens"]
-        if kind == "text" and tokens < cfg.train.seq_len + 1:  # conversations: rows are padded
+        if kind == "text" and tokens < cfg.train.seq_len + 1:  # Conversation rows are padded.
             raise UserError(
                 f"the {split} split of {data_dir} has {tokens} tokens, too few for train.seq_len "
                 f"{cfg.train.seq_len}; lower train.seq_len or use more text"
@@ -109,7 +110,7 @@ def check_sample_fits(cfg: Config, data_dir: Path):
     if not t.sample_tokens:
         return
     tokenizer = open_tokenizer(tokenizer_file(data_dir) or data_dir / "tokenizer.model")
-    prompt = 1 + len(tokenizer.encode(t.sample_prompt))  # BOS and the prompt, as generate.py does
+    prompt = 1 + len(tokenizer.encode(t.sample_prompt))  # BOS and the prompt, as generate.py has.
     problem = length_problem(cfg.model, prompt + t.sample_tokens)
     if problem:
         raise UserError(
@@ -119,15 +120,15 @@ def check_sample_fits(cfg: Config, data_dir: Path):
 
 
 def mean_loss(model, batches: list, dist: Dist, grad: bool = False) -> float:
-    """The mean loss over every target (y not -100) of the batches, (x, y) or packed rows' (x, y,
-    positions), the batches shared out over the ranks; with `grad`, in grad mode (see
+    """The mean loss over every target (y not -100) of the batches, shared out over the ranks.
+    A batch is (x, y), or (x, y, positions) for packed rows. `grad` runs it in grad mode (see
     data_source)."""
     per_rank = math.ceil(len(batches) / dist.world_size)
     totals = torch.zeros(2, dtype=torch.float64, device=dist.device)
     with torch.enable_grad() if grad else torch.no_grad():
         for i in range(per_rank):
             index = i * dist.world_size + dist.rank
-            # ranks without a batch still join FSDP's collectives
+            # Ranks without a batch still join FSDP's collectives.
             batch = padded(batches[min(index, len(batches) - 1)], len(batches[0][0]))
             x, y, inputs = model_inputs(batch, ALL, dist.device)
             loss = model(x, y, **inputs)
@@ -139,9 +140,8 @@ def mean_loss(model, batches: list, dist: Dist, grad: bool = False) -> float:
 
 
 def padded(batch: tuple, rows: int) -> tuple:
-    """The batch, (x, y) or with positions, grown to `rows` rows by copies of its first whose
-    targets are all ignored: a compiled model meets the first batches' shape again, not a new one
-    to compile for a short last batch."""
+    """The batch grown to `rows` rows by copies of its first row, with all targets ignored. So a
+    short last batch has the shape the compiled model has seen, with nothing new to compile."""
     short = rows - len(batch[0])
     if short <= 0:
         return batch
@@ -151,8 +151,8 @@ def padded(batch: tuple, rows: int) -> tuple:
 
 
 def evaluate(model, batches: list, meta: dict, dist: Dist, grad: bool = False) -> dict:
-    """Validation loss, perplexity and bits/byte over the batches, over ranks (bits/byte by the
-    split's bytes per token); `grad`: mean_loss's."""
+    """Validation loss, perplexity and bits/byte over the batches, over ranks. Bits/byte uses the
+    split's bytes per token. `grad` is as for mean_loss."""
     loss = mean_loss(model, batches, dist, grad)
     bits_per_byte = loss / math.log(2) / meta["bytes_per_token"]
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700)), "val_bpb": bits_per_byte}
@@ -165,8 +165,8 @@ def held_out_metrics(model, batches: list, dist: Dist) -> dict:
 
 
 def spread(batches: list, count: int) -> list:
-    """`count` of the batches, evenly spaced from the first; all of them where count is 0 or more
-    than there are."""
+    """`count` of the batches, evenly spaced from the first. All of them where count is 0 or
+    more than there are."""
     if not 0 < count < len(batches):
         return batches
     return [batches[i * len(batches) // count] for i in range(count)]
@@ -174,11 +174,11 @@ def spread(batches: list, count: int) -> list:
 
 @dataclass
 class DataSource:
-    loader: object  # next_batch(), state_dict(), load_state_dict()
-    validate: Callable[..., dict]  # (model, batches) -> {"val_loss": ..., ...}
-    val_batches: list  # the first eval.batches validation batches: (x, y), or packed rows'
-    tokenizer: Path | None  # the tokenizer saved with the model (None: the task has none)
-    line: str  # what the data is
+    loader: object  # Has next_batch(), state_dict(), load_state_dict().
+    validate: Callable[..., dict]  # Maps (model, batches) to metrics such as val_loss.
+    val_batches: list  # The first eval.batches validation batches, (x, y) or packed rows.
+    tokenizer: Path | None  # The tokenizer saved with the model. None if the task has none.
+    line: str  # What the data is, in one line.
 
 
 def data_source(cfg: Config, dist: Dist) -> DataSource:
@@ -208,9 +208,9 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
             data_dir, "train", t.batch_size, t.seq_len, seed=t.seed, **d.copy_options()
         )
     batches = list(eval_batches(data_dir, "val", e.batch_size, t.seq_len, e.batches))
-    # Compiled blocks meeting no_grad compile a second graph (4.6 s of a 5-minute run's first
-    # evaluation on a 2-core Zen 4); batches the shape of a training micro-batch go through the
-    # training graph instead, in grad mode. One process only: FSDP2 expects a backward after that.
+    # Compiled blocks compile a second graph for no_grad. That cost 4.6 s of a 5-minute run's
+    # first evaluation on a 2-core Zen 4. So batches the shape of a training micro-batch run in
+    # grad mode, through the training graph. One process only, since FSDP2 then expects a backward.
     grad = t.compile and dist.world_size == 1 and e.batch_size * t.grad_accum == t.batch_size
     validate = partial(evaluate, meta=meta, dist=dist, grad=grad)
     packed = ", documents packed" if d.pack_documents else ""
@@ -219,8 +219,8 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
 
 
 def conversations_source(cfg: Config, data_dir: Path, tokenizer: Path, dist: Dist) -> DataSource:
-    """A conversations dataset's training conversations packed into rows (PackedBatches), and its
-    validation: the loss on the assistant tokens of the held-out conversations, packed alike."""
+    """A conversations dataset's training conversations, packed into rows (PackedBatches). Its
+    validation is the loss on the assistant tokens of the held-out conversations, packed alike."""
     t, e = cfg.train, cfg.eval
     train, val = (Documents(data_dir, split, t.seq_len + 1, conversations=True) for split in SPLITS)
     loader = PackedBatches(train, t.batch_size, t.seq_len, seed=t.seed)
@@ -228,7 +228,7 @@ def conversations_source(cfg: Config, data_dir: Path, tokenizer: Path, dist: Dis
     validate = partial(held_out_metrics, dist=dist)
     line = f"data {data_dir} ({train.documents:,} conversations, {val.documents:,} held out"
     if train.cut or val.cut:
-        # said once: a row holds a conversation's first seq_len + 1 tokens, never a later part
+        # Said once. A row holds a conversation's first seq_len + 1 tokens, never a later part.
         line += (
             f"; {train.cut + val.cut:,} longer than a row of train.seq_len + 1 = {t.seq_len + 1} "
             f"tokens cut to it, {train.dropped + val.dropped:,} of them left out for want of an "
@@ -238,15 +238,15 @@ def conversations_source(cfg: Config, data_dir: Path, tokenizer: Path, dist: Dis
 
 
 def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:
-    """Randomized positions (Ruoss et al. 2023), (batch, seq_len) int64: each row a sorted random
-    subset of seq_len distinct positions from [0, k·seq_len), drawn from torch's global generator
-    (seeded, and checkpointed)."""
+    """Randomized positions (Ruoss et al. 2023), (batch, seq_len) int64. Each row is a sorted
+    random subset of seq_len distinct positions from [0, k·seq_len). torch's global generator
+    draws them, seeded and checkpointed."""
     return torch.rand(batch, k * seq_len).topk(seq_len, dim=1).indices.sort(dim=1).values
 
 
 def model_inputs(batch: tuple, rows: slice, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(x, y, inputs): the rows of a batch, (x, y) or packed rows' (x, y, positions), on the
-    device, and the model's other arguments for them: the positions and their document mask."""
+    """(x, y, inputs) for the rows of a batch, on the device. A batch is (x, y), or (x, y,
+    positions) for packed rows. inputs are then the positions and their document mask."""
     x, y = (part[rows].to(device) for part in batch[:2])
     if len(batch) == 2:
         return x, y, {}
@@ -255,15 +255,15 @@ def model_inputs(batch: tuple, rows: slice, device) -> tuple[torch.Tensor, torch
 
 
 def next_rows(loader, cfg: Config, rows: slice, device: torch.device):
-    """(x, y, inputs, targets): this rank's rows of the next global batch on the device, the
-    model's other arguments for them (model_inputs; random positions where train.random_positions
-    is on), and how many targets (y not -100) the whole global batch holds."""
+    """(x, y, inputs, targets) for this rank's rows of the next global batch, on the device.
+    inputs are model_inputs', or random positions where train.random_positions is on. targets
+    counts the targets (y not -100) in the whole global batch."""
     t = cfg.train
     batch = loader.next_batch()
-    targets = int((batch[1] != -100).sum())  # on the CPU: no device sync
+    targets = int((batch[1] != -100).sum())  # Counted on the CPU, so no device sync.
     x, y, inputs = model_inputs(batch, rows, device)
     if t.random_positions:
-        # drawn for the global batch, as the data is: the same on any number of ranks
+        # Drawn for the global batch, as the data is. So they match on any number of ranks.
         positions = random_positions(t.batch_size, t.seq_len, t.random_positions)
         inputs = {"positions": positions[rows].to(device)}
     return x, y, inputs, targets

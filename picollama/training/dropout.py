@@ -1,5 +1,6 @@
-"""Dropout for the data-limited regime, outside the model's forward: a forward hook on what writes
-to the residual stream (the embedding, each attention's wo, each FFN's w2), nanoGPT's places."""
+"""Dropout for when data is scarce, kept out of the model's forward. A forward hook drops what
+writes to the residual stream: the embedding, each attention's wo and each FFN's w2. Those are
+the places nanoGPT drops."""
 
 from functools import partial
 

@@ -1,11 +1,11 @@
-"""Run train.py with glibc's malloc asking for transparent huge pages, where the kernel gives them
-only to memory that asks (THP "madvise", Debian's and Ubuntu's default)."""
+"""Run train.py with glibc's malloc asking for transparent huge pages. Some kernels give them only
+to memory that asks. That is THP "madvise" mode, the default on Debian and Ubuntu."""
 
 import os
 import sys
 from pathlib import Path
 
-TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGEPAGE) on what malloc maps
+TUNABLE = "glibc.malloc.hugetlb=1"  # glibc 2.35+ then asks huge pages for what malloc maps.
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -19,8 +19,8 @@ def glibc_version() -> tuple[int, ...]:
 
 
 def wants_tunable() -> bool:
-    """Whether this process would gain from TUNABLE: Linux with glibc >= 2.35, THP in madvise
-    mode, and no hugetlb tunable already set (by us, or by a user who chose otherwise)."""
+    """Whether this process would gain from TUNABLE: Linux, glibc >= 2.35, THP in madvise mode.
+    No hugetlb tunable may be set already, by us or by a user who chose otherwise."""
     if not sys.platform.startswith("linux") or "hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
@@ -31,10 +31,10 @@ def wants_tunable() -> bool:
 
 
 def malloc_huge_pages():
-    """Start this command again with TUNABLE (glibc reads tunables only when a process starts),
-    before torch's import makes that cost anything. A training step's activations, a few hundred
-    MB that every step reads and writes, then sit on 2 MB pages: 1-2.4% more tokens/s for the
-    default model on a 2-core Zen 4, the same values (docs/findings.md)."""
+    """Start this command again with TUNABLE, since glibc reads tunables only at process start.
+    It runs before torch's import, while a restart costs little. A step's activations, a few
+    hundred MB read and written every step, then sit on 2 MB pages. The default model on a 2-core
+    Zen 4 gained 1-2.4% tokens/s, with the same values (docs/findings.md)."""
     if not wants_tunable():
         return
     tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), TUNABLE]))
@@ -42,4 +42,4 @@ def malloc_huge_pages():
     try:
         os.execv(sys.executable, sys.orig_argv)
     except OSError:
-        pass  # cannot start again: train as it is
+        pass  # Cannot start again, so train as it is.

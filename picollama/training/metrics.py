@@ -1,4 +1,5 @@
-"""What a training run reports: tokens/s, MFU, peak memory, metrics.jsonl, wandb, progress bar."""
+"""What a training run reports: tokens/s, MFU and peak memory. They go to metrics.jsonl, wandb
+and a progress bar."""
 
 import json
 import math
@@ -24,8 +25,8 @@ NO_WANDB_KEY = (
 
 
 def check_wandb(cfg: Config):
-    """UserError, before any work, when wandb.enabled cannot log: wandb is not installed, or no API
-    key is configured and WANDB_MODE does not keep the logs offline (wandb.init's traceback)."""
+    """UserError, before any work, when wandb.enabled cannot log. Else wandb.init fails later with
+    a traceback. Either wandb is missing, or no API key is set and WANDB_MODE is not offline."""
     if not cfg.wandb.enabled:
         return
     try:
@@ -36,7 +37,7 @@ def check_wandb(cfg: Config):
         ) from None
     if os.environ.get("WANDB_MODE") in WANDB_LOCAL or os.environ.get("WANDB_API_KEY"):
         return
-    if not wandb.login(prompt=False, verify=False):  # ~/.netrc's key, where `wandb login` put it
+    if not wandb.login(prompt=False, verify=False):  # The key `wandb login` put in ~/.netrc.
         raise UserError(NO_WANDB_KEY)
 
 
@@ -70,12 +71,12 @@ class Throughput:
         """Begin a new measurement at `now`: no steps counted, no training time."""
         self.steps = 0
         self.seconds = 0.0
-        self.since = now  # when the clock last started
+        self.since = now  # When the clock last started.
 
     @contextmanager
     def paused(self):
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the steps' queued GPU work is training time
+            torch.cuda.synchronize(self.device)  # The steps' queued GPU work is training time.
         self.seconds += time.perf_counter() - self.since
         yield
         self.since = time.perf_counter()
@@ -90,7 +91,7 @@ class Throughput:
 
 
 def logged_step(line: str) -> float:
-    """The step of a metrics.jsonl line; inf for a line cut short by a crash."""
+    """The step of a metrics.jsonl line. Inf for a line cut short by a crash."""
     try:
         return json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
@@ -98,7 +99,7 @@ def logged_step(line: str) -> float:
 
 
 class RunLog:
-    """What rank 0 reports: metrics.jsonl (resuming drops steps redone), wandb, a progress bar."""
+    """What rank 0 reports: metrics.jsonl, wandb, a progress bar. A resume drops redone steps."""
 
     def __init__(self, cfg: Config, run_dir: Path, step: int, total: int | None, main: bool):
         """total: the run's steps, None while a train.max_minutes probe has not sized it yet."""
@@ -123,15 +124,15 @@ class RunLog:
                     name=cfg.wandb.run_name or run_dir.name,
                     config=cfg.to_dict(),
                 )
-            except wandb.errors.Error as e:  # a key check_wandb found that the server refuses
+            except wandb.errors.Error as e:  # The server refuses the key check_wandb found.
                 raise UserError(f"wandb.enabled: wandb cannot log this run: {e}") from None
 
     def record(self, entry: dict):
-        """Append entry to metrics.jsonl (and wandb) with elapsed_s: wall seconds since training
-        began, evaluations and checkpoints included (the time axis of a validation curve)."""
+        """Append entry to metrics.jsonl and wandb, with elapsed_s. That is wall seconds since
+        training began, evaluations and checkpoints included. It is a validation curve's x axis."""
         entry = {**entry, "elapsed_s": round(time.perf_counter() - self.start, 3)}
         if self.main:
-            # JSON has no NaN or infinity: those are written as null
+            # JSON has no NaN or infinity, so those are written as null.
             finite = {
                 k: None if isinstance(v, float) and not math.isfinite(v) else v
                 for k, v in entry.items()

@@ -1,4 +1,5 @@
-"""The optimizers (AdamW, or Muon for the blocks' matrices beside it) and the lr schedules."""
+"""The optimizers and the learning-rate schedules. AdamW trains everything, unless Muon takes the
+blocks' matrices."""
 
 import math
 
@@ -8,7 +9,7 @@ from picollama.config.training import Config
 
 
 class Optimizers(list):
-    """Several optimizers stepped as one; train_state's DCP state dicts take such a list as is."""
+    """Several optimizers stepped as one. train_state's DCP state dicts take such a list as is."""
 
     @property
     def param_groups(self) -> list[dict]:
@@ -28,15 +29,15 @@ class Optimizers(list):
 
 
 def build_muon(model, cfg: Config) -> torch.optim.Muon | None:
-    """With optim.name muon, Muon for the blocks' 2-D matrices (modded-nanogpt's split), its
-    learning rate scaled by the schedule as AdamW's is (the group's lr_scale); None otherwise. Under
-    FSDP2 the matrices are DTensors sharded by rows, and Newton–Schulz runs on them as DTensor ops,
-    which gather what each product needs."""
+    """With optim.name muon, Muon for the blocks' 2-D matrices, as modded-nanogpt splits them.
+    Else None. The schedule scales its learning rate as it scales AdamW's, by the group's lr_scale.
+    Under FSDP2 the matrices are DTensors sharded by rows. Newton–Schulz runs on them as DTensor
+    ops, which gather what each product needs."""
     o = cfg.optim
     if o.name != "muon":
         return None
     from picollama.training.muon import (
-        BatchedMuon,  # torch.optim.Muon is torch 2.9's: AdamW runs without
+        BatchedMuon,  # torch.optim.Muon needs torch 2.9. AdamW runs without.
     )
 
     matrices = [p for p in model.layers.parameters() if p.requires_grad and p.ndim == 2]
@@ -48,7 +49,7 @@ def build_muon(model, cfg: Config) -> torch.optim.Muon | None:
 
 
 def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Optimizer | Optimizers:
-    """AdamW with weight decay on matrices only, fused where the device supports it; with optim.name
+    """AdamW with weight decay on matrices only, fused where the device supports it. With optim.name
     muon, Muon takes the blocks' matrices and AdamW the rest (embeddings, output head, norms)."""
     muon = build_muon(model, cfg)
     taken = {id(p) for p in muon.param_groups[0]["params"]} if muon else set()
@@ -64,8 +65,8 @@ def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Opt
 
 
 def decay_start(cfg: Config) -> int:
-    """The step at which optim.schedule wsd's decay begins: optim.decay_start, or the last
-    optim.decay_fraction of train.max_steps (after the warmup)."""
+    """The step where wsd's decay begins: optim.decay_start, or the last optim.decay_fraction of
+    train.max_steps, after the warmup."""
     o = cfg.optim
     if o.decay_start is not None:
         return o.decay_start
@@ -73,8 +74,8 @@ def decay_start(cfg: Config) -> int:
 
 
 def weight_decay_at(step: int, cfg: Config) -> float:
-    """optim.weight_decay, or over a wsd decay (optim.final_weight_decay) the line from it to
-    final_weight_decay, by the decay's progress as lr_at counts it."""
+    """optim.weight_decay, or over a wsd decay its value on a line to optim.final_weight_decay.
+    The decay's progress is counted as lr_at counts it."""
     o = cfg.optim
     if o.final_weight_decay is None or step < (start := decay_start(cfg)):
         return o.weight_decay
@@ -83,16 +84,16 @@ def weight_decay_at(step: int, cfg: Config) -> float:
 
 
 def set_weight_decay(optimizer, weight_decay: float):
-    """weight_decay on each group of matrices (the only ones build_optimizer decays)."""
+    """Set weight_decay on each group of matrices, the only ones build_optimizer decays."""
     for group in optimizer.param_groups:
         if any(p.ndim >= 2 for p in group["params"]):
             group["weight_decay"] = weight_decay
 
 
 def lr_at(step: int, cfg: Config) -> float:
-    """Linear warmup over warmup_steps, then (optim.schedule) a cosine decay to min_lr at max_steps
-    (from step 0), or wsd: lr until decay_start, then 1 - sqrt of the decay's progress, reaching
-    min_lr at the last step."""
+    """Linear warmup over warmup_steps, then the schedule. Cosine decays to min_lr at max_steps
+    (from step 0). Wsd holds lr until decay_start, then falls as 1 - sqrt of the decay's
+    progress, to min_lr at the last step."""
     o = cfg.optim
     total = cfg.train.max_steps
     if step < o.warmup_steps:

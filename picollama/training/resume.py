@@ -1,4 +1,5 @@
-"""Resuming a run: its checkpoints, which one to continue, and what a resume must keep."""
+"""Resuming a run: its checkpoints, which one to continue, and refusing a resume that would not
+continue the same run."""
 
 import json
 import re
@@ -34,9 +35,9 @@ def unusable(path: Path, problem: str) -> UserError:
     return UserError(f"cannot resume from {path}: {problem}; {hint}")
 
 
-# What a resume must keep to continue exactly (the model, data and tokenizer are checked on their
-# own): the data stream and the optimizer, whose state the checkpoint holds; a checkpoint records
-# them in meta.json's "settings". The schedule (max_steps, learning rates) may change.
+# What a resume must keep to continue exactly: the data stream and the optimizer. The checkpoint
+# holds their state and records these keys in meta.json's "settings". The model, data and
+# tokenizer are checked on their own. The schedule (max_steps, learning rates) may change.
 EXACT_KEYS = (
     "optim.name",
     "train.batch_size",
@@ -52,9 +53,9 @@ EXACT_KEYS = (
     "data.retrieval_pairs",
     "data.retrieval_filler",
 )
-# what to do with a run that cannot be continued
+# What to do with a run that cannot be continued.
 NEW_RUN = "start a new run from its weights: --train.init_from={run_dir} and another train.out_dir"
-# what makes a directory a run, with or without train_state/
+# What makes a directory a run, with or without train_state/.
 RUN_FILES = ("model.safetensors", "config.json")
 
 
@@ -65,9 +66,9 @@ def setting(config: dict, key: str):
 
 
 def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = None) -> Path | None:
-    """The checkpoint to continue from, after checking it holds a model of `args`, that `config`
-    (the run's settings as save_checkpoint gets them) keeps its EXACT_KEYS and has steps left to do;
-    None for a fresh run, which is refused in a directory that holds a run."""
+    """The checkpoint to continue from, or None for a fresh run. It must hold a model of `args`.
+    `config`, the run's settings as save_checkpoint gets them, must keep its EXACT_KEYS and leave
+    steps to do. A fresh run is refused in a directory that holds a run."""
     run_dir = Path(run_dir)
     found = checkpoints(run_dir)
     held = [name for name in RUN_FILES if (run_dir / name).exists()]
@@ -76,7 +77,7 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
             f"{run_dir} already holds a run ({found[-1].name}); pass --resume to continue it, "
             "or choose another train.out_dir"
         )
-    if not found and held:  # said alike with --resume or without: neither can go on here
+    if not found and held:  # Said alike with --resume or without. Neither can go on here.
         raise without_checkpoint(run_dir, held)
     if not resume:
         return None
@@ -87,9 +88,9 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
         )
     latest = found[-1]
     meta = read_meta(latest)
-    if config is not None:  # first: another source means another model too, said as the cause
+    if config is not None:  # First, as another source means another model too.
         check_init_from(latest, meta.get("settings") or {}, setting(config, "train.init_from"))
-    saved = saved_model_args(meta["model"]).to_dict()  # keys added since read as their defaults
+    saved = saved_model_args(meta["model"]).to_dict()  # Keys added since read as defaults.
     differences = [
         f"model.{k} {saved.get(k)!r} → {v!r}"
         for k, v in args.to_dict().items()
@@ -115,7 +116,7 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
             f"checkpoint's values, or {NEW_RUN.format(run_dir=run_dir)}"
         )
     max_steps = setting(config, "train.max_steps")
-    if setting(config, "train.max_minutes"):  # the length its budget chose
+    if setting(config, "train.max_minutes"):  # The length its budget chose.
         max_steps = recorded_max_steps(latest)
     if max_steps is not None and meta["step"] >= max_steps:
         raise UserError(
@@ -126,9 +127,9 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
 
 
 def check_init_from(latest: Path, recorded: dict, given: str | None):
-    """UserError unless `given`, a resume's train.init_from, is the run's own: as the checkpoint's
-    settings record it, or (checkpoints saved before they did) the run's config.json. Else its
-    config.json would record a source the run was not trained from."""
+    """UserError unless `given`, a resume's train.init_from, is the run's own. The checkpoint's
+    settings record it, or for older checkpoints the run's config.json. Else config.json would
+    record a source the run was not trained from."""
     if "train.init_from" in recorded:
         started = recorded["train.init_from"]
     else:
@@ -151,7 +152,7 @@ def check_init_from(latest: Path, recorded: dict, given: str | None):
 def without_checkpoint(run_dir: Path, held: list[str]) -> UserError:
     """The error for a run directory holding RUN_FILES (`held`) but no checkpoint to resume."""
     if "model.safetensors" not in held:
-        # never "delete it": a folder holding only a config.json may be the user's own
+        # Never say "delete it". A folder holding only a config.json may be the user's own.
         return UserError(
             f"train.out_dir {run_dir} holds {', '.join(held)} but no model.safetensors and no "
             "checkpoint (train_state/): nothing to resume or start from; choose another "
@@ -193,8 +194,8 @@ def recorded_max_steps(checkpoint: Path) -> int:
 
 
 def check_tokenizer(checkpoint: Path, tokenizer: Path):
-    """UserError unless `tokenizer` (the dataset's) is the one the checkpoint was trained with, as
-    its meta.json records, or as the run's tokenizer.model says for checkpoints that record none."""
+    """UserError unless `tokenizer`, the dataset's, is the one the checkpoint was trained with.
+    meta.json records it. For checkpoints that record none, the run's tokenizer.model says."""
     meta = read_meta(checkpoint)
     run_tokenizer = tokenizer_file(checkpoint.parent.parent)
     expected = meta.get("tokenizer_sha256")
@@ -213,7 +214,7 @@ def check_tokenizer(checkpoint: Path, tokenizer: Path):
 
 
 def recorded_data_dir(run_dir: Path) -> str | None:
-    """The data.dir a run's config.json records (None: none, or not readable)."""
+    """The data.dir a run's config.json records. None if none, or not readable."""
     try:
         recorded = json.loads((run_dir / "config.json").read_text())["data"]["dir"]
     except (OSError, ValueError, KeyError, TypeError):

@@ -1,4 +1,5 @@
-"""train_state/step_N, what --resume reads: DCP model and optimizer shards, loader and RNG."""
+"""Checkpoints in train_state/step_N, which --resume reads: DCP model and optimizer shards, and
+each rank's loader and RNG state. A save is whole or absent."""
 
 import json
 import os
@@ -28,12 +29,12 @@ from picollama.run_files import model_bytes, model_files, model_from_state_dict,
 from picollama.training.resume import EXACT_KEYS, NEW_RUN, checkpoints, setting, unusable
 from picollama.training.weight_average import averaged
 
-# Called by every rank; `dist` is train.py's Dist (rank, world_size, main, device, barrier).
+# Every rank calls these. `dist` is train.py's Dist (rank, world_size, main, device, barrier).
 
 
 @contextmanager
 def single_process_quiet():
-    """Silence DCP's warning that it runs without a process group: a single process has none."""
+    """Silence DCP's warning that it runs without a process group. A single process has none."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
@@ -74,24 +75,24 @@ def save_checkpoint(
     keep: int,
     average=None,
 ):
-    """train_state/step_N (DCP model and optimizer shards, and the WeightAverage `average`'s if it
-    has begun; each rank's loader and RNG state, meta.json), written into a temporary directory,
-    and the run directory's model export (save_model with `config` and `tokenizer`) written beside
-    it; both are renamed into place only once all is written, so that a failed save (a full disk:
-    checked first, and reported as one line) removes its temporary files and leaves the previous
-    checkpoint and model, consistent with each other.
-    SIGINT and SIGTERM wait for the save to end (a second one stops it, removing what it wrote).
-    The last `keep` checkpoints are kept."""
+    """Save train_state/step_N and the model export together, or neither.
+
+    step_N holds DCP shards of the model, the optimizer and, once begun, the WeightAverage
+    `average`. It also holds each rank's loader and RNG state, and meta.json. The export is
+    save_model's, with `config` and `tokenizer`. Both get temporary names, renamed only when all
+    is written. So a failed save, such as a full disk (checked first), leaves the previous
+    checkpoint and model, consistent. SIGINT and SIGTERM wait for the save to end. A second signal
+    stops it, removing what it wrote. The last `keep` checkpoints are kept."""
     check_finite(model, optimizer, dist, f"at step {step}", run_dir)
     state_dir = Path(run_dir) / "train_state"
     final = state_dir / f"step_{step:06d}"
-    # one name on every rank, all writing into it (not atomic_output's)
+    # One name on every rank, all writing into it, so not atomic_output's.
     tmp = state_dir / f".{final.name}.tmp"
     needed = dist.world_size * local_state_bytes(model, optimizer) + model_bytes(model)
     with held_signals() as received:
         try:
             if dist.main:
-                remove_temporaries(state_dir)  # left by a crash
+                remove_temporaries(state_dir)  # Left by a crash.
                 check_free_space(run_dir, needed, f"checkpoint {final} and the model export")
                 tmp.mkdir(parents=True)
             dist.barrier()
@@ -99,7 +100,7 @@ def save_checkpoint(
                 tmp, final, step, model, optimizer, loader, dist, config, tokenizer, average
             )
             if dist.main:
-                for old in checkpoints(run_dir)[:-keep]:  # hidden first: never half a checkpoint
+                for old in checkpoints(run_dir)[:-keep]:  # Hidden first: never half a checkpoint.
                     hidden = old.with_name(f".{old.name}.tmp")
                     os.replace(old, hidden)
                     remove(hidden)
@@ -107,11 +108,11 @@ def save_checkpoint(
             if dist.main:
                 remove_temporaries(state_dir)
             cause = cause_of(e)
-            # a second signal; or DCP or torch.save wrapping a Ctrl-C (torch.save's "unexpected
-            # pos" would otherwise read as a full disk)
+            # A second signal, or DCP or torch.save wrapping a Ctrl-C. Else torch.save's
+            # "unexpected pos" would read as a full disk.
             if received or isinstance(cause, KeyboardInterrupt) and cause is not e:
                 raise KeyboardInterrupt from None
-            if isinstance(cause, UserError):  # already one line (another rank's failure among them)
+            if isinstance(cause, UserError):  # Already one line, such as another rank's failure.
                 raise cause from None
             failure = write_failure(final, cause, needed)
             if failure is not None:
@@ -138,9 +139,8 @@ def write_checkpoint(
     tokenizer,
     average,
 ):
-    """save_checkpoint's writes: every rank's part of the checkpoint into `tmp`, then rank 0's
-    model export (the WeightAverage `average`, once begun), renamed into place together with `tmp`
-    renamed to `final`."""
+    """save_checkpoint's writes. Every rank writes its part into `tmp`. Then rank 0's model export
+    (the WeightAverage `average`, once begun) is renamed into place, with `tmp` to `final`."""
 
     def write():
         write_train_state(tmp, step, model, optimizer, loader, dist, config, tokenizer, average)
@@ -150,12 +150,12 @@ def write_checkpoint(
             exported = model_from_state_dict(model.args, {k: v.float() for k, v in full.items()})
             with model_files(exported, final.parent.parent, config, tokenizer):
                 replace(tmp, final)
-            if tokenizer is not None:  # its dataset's chat template (copied), else the default
+            if tokenizer is not None:  # Its dataset's chat template (copied), else the default.
                 write_default_template(final.parent.parent)
 
     together(dist, write, final)
-    # the export is the average where there is one (the train state, the weights); applied until it
-    # is written, as the full state dict may share the parameters' storage
+    # The export is the average where there is one. The train state keeps the weights. The
+    # average stays applied until written, as the full state dict may share their storage.
     with averaged(average):
         full = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -169,10 +169,10 @@ def cause_of(e: BaseException) -> BaseException:
 
 
 def together(dist, work, final: Path):
-    """work() on this rank, then the ranks agree: if it failed on any, every rank raises (the
-    failing rank its own exception, the others a UserError naming that rank and its one-line
-    reason), so that no rank waits in a collective for one that gave up (a disk full on rank 1
-    only), and rank 0, the one that prints, says why."""
+    """Run work() on this rank, then the ranks agree. If it failed on any, every rank raises: the
+    failing rank its own exception, the others a UserError naming that rank and its reason. So no
+    rank waits in a collective for one that gave up, as with a full disk on rank 1 only. And rank
+    0, which prints, says why."""
     try:
         work()
         failure = None
@@ -196,15 +196,15 @@ def together(dist, work, final: Path):
 def write_train_state(
     tmp: Path, step: int, model, optimizer, loader, dist, config: dict, tokenizer, average=None
 ):
-    """This rank's part of a checkpoint in `tmp`: DCP shards, rank{R}.json; and rank 0's meta.json,
-    which records the model, the tokenizer and the settings a resume must keep (EXACT_KEYS)."""
+    """Write this rank's part of a checkpoint in `tmp`: DCP shards and rank{R}.json. Rank 0 also
+    writes meta.json. It records the model, the tokenizer and the settings a resume must keep."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     if average is not None and average.average is not None:
         state["average"] = average.state_dict()
-    # One process saves without DCP's collectives: after a save with them, training ran ~25% slower
-    # ever after, the cores idle in OpenMP barrier waits (most likely gloo's threads start a second
-    # OpenMP team, and libgomp, seeing more threads than cores, stops spinning).
+    # One process saves without DCP's collectives. After a save with them, training ran ~25%
+    # slower ever after. The cores sat idle in OpenMP barrier waits. Most likely gloo's threads
+    # start a second OpenMP team. libgomp then sees more threads than cores and stops spinning.
     with single_process_quiet():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=dist.world_size == 1)
     extra = {"step": step, "loader": loader.state_dict(), "rng": rng_state(dist.device)}
@@ -212,8 +212,8 @@ def write_train_state(
     (tmp / f"rank{dist.rank}.json").write_text(json.dumps(extra))
     if dist.main:
         meta = {"step": step, "world_size": dist.world_size, "model": model.args.to_dict()}
-        # what a resume must keep, the run's length (which a train.max_minutes budget decides) and
-        # the wall seconds it has spent (which the budget goes on from until it has decided)
+        # What a resume must keep, and the run's length, which a train.max_minutes budget decides.
+        # Also the wall seconds spent, which the budget goes on from until it decides.
         recorded = (*EXACT_KEYS, "train.init_from", "train.max_steps", "optim.decay_start")
         recorded += ("train.spent_s",)
         meta["settings"] = {key: setting(config, key) for key in recorded}
@@ -235,8 +235,8 @@ def local_state_bytes(model, optimizer) -> int:
 
 
 def check_finite(model, optimizer, dist, when: str, run_dir):
-    """Stop (on every rank) when this rank's shard of the weights or of the optimizer state holds a
-    NaN or an infinity, anywhere: such a state is never saved."""
+    """Stop every rank when any shard of the weights or optimizer state holds a NaN or infinity.
+    Such a state is never saved."""
     local = [
         (name, p.to_local() if hasattr(p, "to_local") else p)
         for name, p in model.named_parameters()
@@ -265,8 +265,8 @@ def stopped(problem: str, run_dir) -> UserError:
 
 
 def load_checkpoint(path: Path, model, optimizer, loader, dist, average=None) -> int:
-    """Restore a checkpoint save_checkpoint wrote (by any number of ranks), and the WeightAverage
-    `average`'s state where it holds one; returns its step."""
+    """Restore a checkpoint save_checkpoint wrote, with any number of ranks, and return its step.
+    The WeightAverage `average`'s state comes back too, where it holds one."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     try:
@@ -283,10 +283,10 @@ def load_checkpoint(path: Path, model, optimizer, loader, dist, average=None) ->
             average.load_state_dict(state["average"])
         loader.load_state_dict(extra["loader"])
         set_rng_state(extra["rng"], dist.device)
-    except (Exception, CheckpointException) as e:  # DCP and torch raise many kinds: one line
+    except (Exception, CheckpointException) as e:  # DCP and torch raise many kinds. Say one line.
         e = cause_of(e)
         message = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
-        if any(words in str(e) for words in MISMATCHES):  # readable, but saved by another setup
+        if any(words in str(e) for words in MISMATCHES):  # Readable, but saved by another setup.
             raise UserError(
                 f"cannot resume from {path}: it holds the state of another optimizer or model "
                 f"({message}), e.g. saved with another optim.name; resume with the settings it was "
@@ -296,8 +296,8 @@ def load_checkpoint(path: Path, model, optimizer, loader, dist, average=None) ->
     return int(extra["step"])
 
 
-# How DCP and torch.optim say that a readable checkpoint holds other state than the run's (not that
-# it is corrupt): every checkpoint of the run would say the same.
+# How DCP and torch.optim say a readable checkpoint holds other state than the run's. It is not
+# corrupt, so every checkpoint of the run would say the same.
 MISMATCHES = (
     "Missing key in checkpoint state_dict",
     "Size mismatch between saved",

@@ -1,5 +1,5 @@
-"""The model train.py builds and one optimizer step on it: the loss, micro-batches, clipping.
-Here, not in train.py, so that the lab's CPU step benchmark times the same step."""
+"""The model train.py builds, and one optimizer step on it with loss, micro-batches and clipping.
+It lives here, not in train.py, so the lab's CPU step benchmark times the same step."""
 
 import functools
 import random
@@ -20,12 +20,11 @@ from picollama.training.parallel import parallelize
 def build_model(
     cfg: Config, dist: Dist, init: dict | None = None
 ) -> tuple[Transformer, torch.optim.Optimizer, str]:
-    """The parallelized model (the same initial weights on any device and world size, or `init`'s),
-    its optimizer, and a line saying how many parameters it has, how many rank 0 stores, and the
-    precision."""
+    """The parallelized model, its optimizer, and a line of its parameters (all, and on rank 0)
+    and precision. The initial weights are `init`'s, or the same on any device and world size."""
     if dist.device.type == "cuda":
         torch.set_float32_matmul_precision("high")
-    # initialised on the CPU generator first: the same weights anywhere
+    # Initialised on the CPU generator first, so the weights match anywhere.
     model = Transformer(cfg.model).to(dist.device)
     if init is not None:
         model.load_state_dict(init)
@@ -52,8 +51,8 @@ def seed_everything(seed: int):
 
 
 def logit_terms(logits, y, z_loss: float) -> dict[str, torch.Tensor]:
-    """The mean cross-entropy of y's targets (-100 ignored) in fp32 ("loss"), and with z_loss > 0
-    z_loss·mean(logsumexp(logits)²) ("z_loss"; PaLM's: it keeps the softmax normaliser near 1)."""
+    """The mean cross-entropy of y's targets in fp32 as "loss", ignoring -100. With z_loss > 0,
+    also z_loss·mean(logsumexp(logits)²) as "z_loss". PaLM's keeps the softmax normaliser near 1."""
     logits = logits.float()
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
     if not z_loss:
@@ -63,17 +62,17 @@ def logit_terms(logits, y, z_loss: float) -> dict[str, torch.Tensor]:
 
 @functools.cache
 def compiled_logit_terms():
-    """logit_terms compiled, made when first asked for (the compiler takes seconds to import). With
-    train.compile the loss is compiled with the blocks: the (tokens, vocab) logits' fp32 copy,
-    softmax and their gradient were a quarter of a CPU step with compiled blocks (the default's)."""
+    """logit_terms compiled, made when first asked for, since the compiler takes seconds to import.
+    With train.compile the loss is compiled along with the blocks. The (tokens, vocab) logits' fp32
+    copy, softmax and gradient were a quarter of the default's CPU step with compiled blocks."""
     return torch.compile(logit_terms)
 
 
 def loss_terms(
     model, x, y, inputs: dict | None, z_loss: float, compiled: bool = False
 ) -> dict[str, torch.Tensor]:
-    """One micro-batch's loss terms (logit_terms; compiled: its compiled version); `inputs`: the
-    model's other arguments (positions, a mask)."""
+    """One micro-batch's loss terms, by logit_terms or its compiled version. `inputs`: the model's
+    other arguments (positions, a mask)."""
     terms = compiled_logit_terms() if compiled else logit_terms
     return terms(model(x, **(inputs or {})), y, z_loss)
 
@@ -88,15 +87,14 @@ def micro_batches(x, y, inputs: dict, accum: int) -> list[tuple]:
 def train_step(
     model, optimizer, x, y, lr: float, cfg: Config, dist: Dist, inputs=None, targets=None
 ):
-    """One optimizer step on this rank's rows (x, y, and the model's other `inputs`: positions, a
-    mask) of the global batch, in train.grad_accum micro-steps. The loss is the mean over the
-    `targets` targets (y not -100) of the whole global batch (None: this y's), not a mean of
-    micro-batch means: each micro-batch weighs by its targets.
+    """One optimizer step on this rank's rows of the global batch, in train.grad_accum micro-steps.
+    `inputs` holds the model's other arguments, such as positions and a mask. The loss is the mean
+    over the `targets` targets (y not -100) of the whole global batch, or of this y with None. It
+    is not a mean of micro-batch means, since each micro-batch weighs by its targets.
 
-    Returns (losses, grad_norm, applied): each loss term (loss_terms) as it entered the gradient,
-    whose mean over the ranks is the step's (the cross-entropy's: that mean), and the global
-    gradient norm, all left on the device, and whether the update was applied: it is not when a
-    loss or the gradient norm is NaN or infinite."""
+    Returns (losses, grad_norm, applied). losses holds each loss term as it entered the gradient.
+    Its mean over the ranks is the step's. grad_norm is the global gradient norm. Both stay on the
+    device. applied is False when a loss or the gradient norm is NaN or infinite."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     accum = cfg.train.grad_accum
@@ -104,12 +102,13 @@ def train_step(
     losses = {}
     for micro, (xm, ym, im) in enumerate(micro_batches(x, y, inputs or {}, accum)):
         if hasattr(model, "set_requires_gradient_sync"):
-            # FSDP2's: reduce gradients on the last micro-step only
+            # FSDP2 reduces gradients on the last micro-step only.
             model.set_requires_gradient_sync(micro == accum - 1)
         terms = loss_terms(model, xm, ym, im, cfg.optim.z_loss, cfg.train.compile)
-        # this micro-batch's mean times its share of the global batch's targets (exactly 1 for a
-        # whole batch in one process), times the ranks, whose gradients FSDP2 averages; a
-        # micro-batch without targets would be NaN: packed rows hold one each, windows many
+        # This micro-batch's mean, times its share of the global batch's targets, times the ranks.
+        # That is exactly 1 for a whole batch in one process. The ranks factor undoes FSDP2's
+        # average over ranks. A micro-batch without targets would be NaN. Packed rows hold at
+        # least one each, windows many.
         share = (ym != -100).sum() * dist.world_size / targets
         weights = {name: share if name == "loss" else 1 / accum for name in terms}
         sum(term * weights[name] for name, term in terms.items()).backward()
@@ -119,9 +118,9 @@ def train_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
-    # The one host sync of every step (free on CPU, a short stall on GPU). The gradient norm is
-    # global already; the loss is this rank's, so it joins through a sum over ranks: all ranks skip
-    # the update together.
+    # The one host sync of every step, free on CPU and a short stall on GPU. The gradient norm is
+    # global already. The loss is this rank's, so it joins through a sum over ranks. So all ranks
+    # skip the update together.
     applied = bool(torch.isfinite(dist.all_reduce_sum(sum(losses.values()).clone()) + grad_norm))
     if applied:
         optimizer.step()

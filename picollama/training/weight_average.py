@@ -1,5 +1,5 @@
-"""An exponential moving average of the weights over the decay phase of training, evaluated and
-saved in place of the last weights (Polyak averaging; the slowrun record's EMA)."""
+"""An exponential moving average of the weights over the decay phase of training. It is evaluated
+and saved in place of the last weights. This is Polyak averaging, as in the slowrun record's EMA."""
 
 from contextlib import contextmanager, nullcontext
 
@@ -8,7 +8,7 @@ import torch
 
 class WeightAverage:
     """avg ← beta·avg + (1-beta)·weights after each step from `start` on (wsd: the decay's first
-    step), in fp32 beside the weights (DTensors under FSDP2, each rank its shards)."""
+    step). It is fp32 beside the weights, each rank's DTensor shards under FSDP2."""
 
     def __init__(self, model: torch.nn.Module, beta: float):
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]

@@ -1,2 +1,4 @@
-"""Benchmarks against Hugging Face's Llama and llama.cpp: `python -m picollama.lab.bench.NAME`, and
-what they share (common, decode_report, llama_cpp_runner)."""
+"""Benchmarks against Hugging Face's Llama and llama.cpp.
+
+Run one as `python -m picollama.lab.bench.NAME`. The modules common, decode_report and
+llamacpp hold what several benchmarks share."""

@@ -1,4 +1,6 @@
-"""Shared by the benchmarks: flags, configs, our model and the same HF Llama, timing, JSON."""
+"""What the benchmarks share: flags, configs, our model and the same HF Llama, timing, JSON.
+
+By default, results go to docs/results/NAME.json."""
 
 import contextlib
 import functools
@@ -27,9 +29,9 @@ from picollama.convert.hf import hf_config, to_hf_state_dict
 from picollama.device import cpu_has_bf16, peak_flops, pick_device, pick_dtype
 
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
-# model_args("smoke"): --smoke's model
+# --smoke's model, as model_args("smoke") gives it.
 SMOKE = dict(dim=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=128)
-HOLDERS = []  # the lock holders (ExitStack) of the one_writer mains running, the latest last
+HOLDERS = []  # Lock holders (ExitStack) of the running one_writer mains, the latest last.
 
 
 def parser(description: str, script: str, models: bool = True) -> ArgumentParser:
@@ -63,7 +65,7 @@ def add_configs(p: ArgumentParser, default: str):
         default=default,
         help=f"comma-separated: small, base, configs/NAME.toml names (default {default})",
     )
-    p.set_defaults(smoke_model=True)  # --smoke measures its own model: parse refuses a --config
+    p.set_defaults(smoke_model=True)  # --smoke measures its own model. Parse refuses --config.
 
 
 def check_smoke_config(p: ArgumentParser, args):
@@ -86,7 +88,7 @@ def parse(p: ArgumentParser, argv: list[str]):
         args.temporary_out = args.smoke
     check_writable(args.out)
     check_own_result(args.out, f"picollama.lab.bench.{args.benchmark}", benchmark_of, args.force)
-    # a memory benchmark's child measures for its parent, which holds the lock
+    # A memory benchmark's child measures for its parent, which holds the lock.
     if HOLDERS and not getattr(args, "child", None):
         HOLDERS[-1].enter_context(exclusive(args.out))
     return args
@@ -176,7 +178,7 @@ def build_hf(ours: Transformer):
     hf.load_state_dict(state, strict=False, assign=True)
     if ours.args.tie_embeddings:
         hf.tie_weights()
-    with torch.device(weight.device):  # its RoPE buffers were built on meta
+    with torch.device(weight.device):  # Its RoPE buffers were built on meta.
         hf.model.rotary_emb = type(hf.model.rotary_emb)(config)
     return hf.to(device=weight.device, dtype=weight.dtype)
 

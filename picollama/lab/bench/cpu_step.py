@@ -1,6 +1,8 @@
-"""train.py's training step on a CPU with its CPU kernels (training/cpu_attention.py's written-out
-attention, training/muon.py's batched Muon) and with PyTorch's (flash attention, torch.optim.Muon):
-the default config's model and optimizer, in one process, steps interleaved in chunks."""
+"""train.py's training step on a CPU, with our CPU kernels and with PyTorch's.
+
+Ours are training/cpu_attention.py's written-out attention and training/muon.py's batched Muon.
+PyTorch's are flash attention and torch.optim.Muon. Both arms train the default config's model
+and optimizer in one process, with steps interleaved in chunks."""
 
 import statistics
 import sys
@@ -21,7 +23,7 @@ from picollama.training.huge_pages import malloc_huge_pages
 from picollama.training.optim import Optimizers
 from picollama.training.step import build_model, seed_everything, train_step
 
-ARMS = ("pytorch's", "picollama's")  # the kernels each arm's steps run with
+ARMS = ("pytorch's", "picollama's")  # The kernels each arm's steps run with.
 
 
 def parse_args(argv: list[str]):
@@ -65,7 +67,7 @@ def main(argv: list[str]) -> int:
     device, _ = common.setup(cli)
     if device.type != "cpu":
         raise UserError(f"device {cli.device!r}: this benchmark measures a CPU's step; use cpu")
-    keep_freed_memory()  # as train.py runs
+    keep_freed_memory()  # As train.py runs.
     overrides = [f"--train.compile={'false' if cli.no_compile else 'true'}"]
     if cli.smoke:
         overrides += [f"--model.{k}={v}" for k, v in common.SMOKE.items() if k != "max_seq_len"]
@@ -76,7 +78,7 @@ def main(argv: list[str]) -> int:
         check_compiler()
     dist = Dist("cpu")
     steps = {arm: step_of(cfg, dist, arm) for arm in ARMS}
-    for step in steps.values():  # the compiles, and a first step
+    for step in steps.values():  # The compiles, and a first step.
         step()
     seconds = {arm: [] for arm in ARMS}
     for _ in tqdm(range(cli.chunks), desc="chunks", disable=None):
@@ -111,5 +113,5 @@ def report(cli, cfg, seconds: dict) -> int:
 
 
 if __name__ == "__main__":
-    malloc_huge_pages()  # as train.py starts
+    malloc_huge_pages()  # As train.py starts.
     sys.exit(run_command(main))

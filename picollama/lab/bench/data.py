@@ -1,6 +1,7 @@
-"""Wall time, MB/s, peak RSS and disk bytes per token of data/prepare.py (--force into a temp dir),
-on Shakespeare (fetching timed separately), a smoke corpus, or a large local corpus built from
-Shakespeare (--corpus-gb)."""
+"""Wall time, MB/s, peak RSS and disk bytes per token of data/prepare.py.
+
+Each run prepares into a temporary folder with --force. The corpus is Shakespeare, with fetching
+timed apart, or a smoke corpus. --corpus-gb builds a large local corpus from Shakespeare."""
 
 import json
 import os
@@ -55,7 +56,7 @@ def run_measured(command: list[str], env: dict, what: str, kill_when=None) -> di
             watcher.start()
         try:
             _, status, usage = os.wait4(process.pid, 0)
-        except BaseException:  # Ctrl-C or SIGTERM: the child must not go on writing
+        except BaseException:  # On Ctrl-C or SIGTERM the child must not go on writing.
             process.kill()
             process.wait()
             raise
@@ -303,7 +304,7 @@ def main(argv: list[str]) -> int:
         if cli.cold:
             env["PICOLLAMA_CACHE"] = str(tmp / "cache")
         source, vocab = cli.source, cli.vocab_size
-        if Path(source).exists():  # prepare.py runs from the repository: the path from here
+        if Path(source).exists():  # prepare.py runs in the repository, so pass a full path.
             source = str(Path(source).resolve())
         if cli.smoke:
             source = str(write_smoke_corpus(tmp))

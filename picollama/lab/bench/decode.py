@@ -1,6 +1,8 @@
-"""Batch-1 greedy decoding on one model and prompt: HF's generate, ours (the plain model step, the
-fused step eager and compiled, bf16 and int8 weights), llama.cpp (f32, bf16, q8_0); the decode step
-by position; what bounds it."""
+"""Batch-1 greedy decoding on one model and prompt, and what bounds it.
+
+It times HF's generate, llama.cpp (f32, bf16, q8_0) and ours. Ours runs the plain model step,
+and the fused step eager and compiled, with bf16 and int8 weights. It also times the decode step
+at several positions."""
 
 import copy
 import dataclasses
@@ -30,12 +32,13 @@ from picollama.lab.bench.decode_report import (
     report,
     write,
 )
-from picollama.lab.bench.llama_cpp_runner import LlamaCpp, gguf_type, llama_cpp_decoders
+from picollama.lab.bench.llamacpp import LlamaCpp, gguf_type, llama_cpp_decoders
 from picollama.run_files import load_run, read_tokenizer
 from picollama.sampling.caches import setup_cache
-from picollama.sampling.decode import Sampling, generate
+from picollama.sampling.decode import DecodeOptions, generate
 from picollama.sampling.fused_step import DecodeStep
 from picollama.sampling.quantize import int8_dtype, quantize
+from picollama.sampling.sampler import Sampling
 
 
 @torch.inference_mode()
@@ -107,7 +110,7 @@ def step_seconds(
     """Median seconds of one decode step (step, or the model) at each position p, 0..p-1 cached."""
     kv_dtype = getattr(step, "kv_dtype", None)
     step = model if step is None else step
-    # +2: never the cache's last slot, as in generate()
+    # +2 so we never use the cache's last slot, as in generate().
     setup_cache(model, 1, max(positions) + 2, kv_dtype)
     try:
         generator = torch.Generator().manual_seed(1)
@@ -151,8 +154,8 @@ def decode_bounds(model, device, repeats: int, progress) -> dict:
     times = common.interleaved_times(
         {"matvecs": matvecs, "read": big.sum}, device, 1, repeats, progress
     )
-    # the read's fastest run: a bound is the best the memory gave (its median moved 45-82 GB/s
-    # between runs on a 2-core Zen 5)
+    # The read's fastest run, since a bound is the best the memory gave. Its median moved
+    # 45-82 GB/s between runs on a 2-core Zen 5.
     seconds = {"matvecs": statistics.median(times["matvecs"]), "read": min(times["read"])}
     read_bytes_per_s = big.numel() * big.element_size() / seconds["read"]
     return {
@@ -180,7 +183,7 @@ def parse_args(argv: list[str]):
     p.add_argument(
         "--config", default="small", help="small, base or a configs/NAME.toml name (default small)"
     )
-    p.set_defaults(smoke_model=True)  # --smoke times its own model (common.check_smoke_config)
+    p.set_defaults(smoke_model=True)  # --smoke times its own model (see check_smoke_config).
     p.add_argument(
         "--run",
         type=Path,
@@ -227,7 +230,7 @@ def build(cli, device, dtype) -> tuple:
         ours = common.build_ours(common.model_args(cli.config), device, dtype)
         tokenizer = read_tokenizer(cli.tokenizer) if cli.tokenizer.is_file() else None
     margs = ours.args
-    # RoPE is computed for any position: raise the context to fit the prompt, new tokens, positions
+    # RoPE works at any position. Raise the context to fit prompt, new tokens and positions.
     context = max(margs.max_seq_len, cli.prompt_len + cli.new_tokens, max(cli.positions) + 2)
     ours.args = dataclasses.replace(margs, max_seq_len=context)
     ours.eval()
@@ -239,7 +242,10 @@ def build(cli, device, dtype) -> tuple:
     decoders = variants(ours, device, compiled=cli.compile)
 
     def ours_greedy(model, step):
-        return lambda n: generate(model, prompt.tolist(), Sampling(n, temperature=0), step=step)[0]
+        options = DecodeOptions(step)
+        return lambda n: generate(
+            model, prompt.tolist(), Sampling(n, temperature=0), options=options
+        )[0]
 
     methods = {
         "hf_generate": functools.partial(hf_greedy, hf, prompt),
@@ -294,7 +300,7 @@ def time_ours(cli, ours, decoders: dict, methods: dict, device) -> Measured:
             )
             for name in timed_steps
         }
-        # the memory's speed drifts over minutes on a shared machine: the faster of before and after
+        # Memory speed drifts over minutes on a shared machine. Keep the faster of the two.
         after = decode_bounds(ours, device, 2 * cli.repeats, progress)
         bounds = max(before, after, key=operator.itemgetter("stream_read_bytes_per_s"))
         bounds["stream_read_rates"] = [b["stream_read_bytes_per_s"] for b in (before, after)]
@@ -302,16 +308,18 @@ def time_ours(cli, ours, decoders: dict, methods: dict, device) -> Measured:
 
 
 def time_llama_cpp(cli, ours, tokenizer, prompt: torch.Tensor, device, measured: Measured):
-    """Add llama.cpp's greedy runs (f32, bf16, q8_0 GGUF exports of our model) to `measured`, or why
-    it was skipped. On its own (its contexts freed after): its idle worker threads keep polling for
-    work between calls, which slowed the torch decoders run between them by up to 40% here."""
+    """Add llama.cpp's greedy runs to `measured`, or why they were skipped.
+
+    It runs f32, bf16 and q8_0 GGUF exports of our model. They run on their own, with their
+    contexts freed after. Idle llama.cpp threads keep polling for work between calls. That slowed
+    torch decoders run between them by up to 40% here."""
     if cli.smoke:
         measured.why_not = "not in --smoke"
         return
     with tempfile.TemporaryDirectory() as folder:
         context = cli.prompt_len + cli.new_tokens
         llama_cpp, measured.why_not = llama_cpp_decoders(ours, tokenizer, context, Path(folder))
-        if llama_cpp and cli.run and cli.run.suffix == ".gguf":  # and the file as it is
+        if llama_cpp and cli.run and cli.run.suffix == ".gguf":  # Also the file as it is.
             llama_cpp[f"llama_cpp_{gguf_type(cli.run)}"] = LlamaCpp(
                 cli.run, context, torch.get_num_threads()
             )

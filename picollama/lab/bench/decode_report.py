@@ -1,4 +1,6 @@
-"""The decode benchmark's results: token agreement, read-bound shares, ratios, tables and JSON."""
+"""The decode benchmark's results: token agreement, read-bound shares, ratios, tables and JSON.
+
+This module only reports. decode.py does the timing."""
 
 import dataclasses
 
@@ -9,20 +11,20 @@ from picollama.cli import UserError
 from picollama.lab.bench import common
 from picollama.sampling.decode_ops import cpu_isa
 
-FP32_DECODERS = ("ours_fused_eager", "ours_compiled")  # name prefixes of our fp32 fused steps
+FP32_DECODERS = ("ours_fused_eager", "ours_compiled")  # Prefixes of our fp32 fused steps.
 
 
 @dataclasses.dataclass
 class Measured:
     """What main measures, step by step."""
 
-    seconds: dict  # method -> median seconds of the whole greedy run
-    samples: dict  # our method -> the seconds of each of its greedy runs
-    outputs: dict  # method -> its greedy tokens
-    steps: dict  # timed decoder -> {position: median seconds of one decode step}
-    bounds: dict  # decode_bounds()
-    compile_seconds: dict  # compiled decoder -> seconds of its warm-up (the compilation)
-    why_not: str | None = None  # why llama.cpp was skipped
+    seconds: dict  # Method -> median seconds of the whole greedy run.
+    samples: dict  # Our method -> the seconds of each of its greedy runs.
+    outputs: dict  # Method -> its greedy tokens.
+    steps: dict  # Timed decoder -> {position: median seconds of one decode step}.
+    bounds: dict  # From decode_bounds().
+    compile_seconds: dict  # Compiled decoder -> seconds of its warm-up, which compiles.
+    why_not: str | None = None  # Why llama.cpp was skipped.
 
 
 def best(seconds: dict, prefixes: tuple) -> str:
@@ -38,7 +40,7 @@ def agreement(measured: Measured, n: int, dtype) -> dict[str, int]:
         name: sum(a == b for a, b in zip(reference, t, strict=False))
         for name, t in measured.outputs.items()
     }
-    exact = ["ours_no_cache", "ours_fused_eager", "ours_compiled"]  # fp32 throughout: same tokens
+    exact = ["ours_no_cache", "ours_fused_eager", "ours_compiled"]  # All fp32, so same tokens.
     if dtype == torch.float32 and any(agree[name] != n for name in exact if name in agree):
         raise UserError(f"fp32 decoders disagree with the plain model's greedy tokens: {agree}")
     return agree
@@ -60,7 +62,7 @@ def bytes_per_weight(method: str) -> float:
 def bound_share(method: str, seconds_per_token: float, bounds: dict) -> float:
     """The share of the streaming-read bound a method reaches: the time its weights take to read at
     the measured streaming rate, over its time a token."""
-    weight_bytes = bounds["weight_bytes"] / 4 * bytes_per_weight(method)  # weight_bytes: fp32
+    weight_bytes = bounds["weight_bytes"] / 4 * bytes_per_weight(method)  # From fp32 bytes.
     return weight_bytes / bounds["stream_read_bytes_per_s"] / seconds_per_token
 
 

@@ -1,6 +1,8 @@
-"""The held-out bits/byte of a trained run two ways: the headline, train.py's (the validation split
-in windows of the training context that share only their ends), and a second figure through a
-sliding window that scores the same tokens, each after at least context - stride of the text."""
+"""The held-out bits/byte of a trained run, measured two ways.
+
+The headline is train.py's. It cuts the validation split into windows of the training context
+that share only their ends. The second figure scores the same tokens through a sliding window.
+Each token then has at least context - stride tokens before it."""
 
 import math
 import sys
@@ -21,7 +23,7 @@ from picollama.lab.scoring import sliding_losses
 
 def parse_args(argv: list[str]):
     p = common.parser(__doc__, "heldout")
-    add_run(p, required=False)  # required but in --smoke: checked in quantize.run_and_data
+    add_run(p, required=False)  # Required but in --smoke. quantize.run_and_data checks it.
     p.add_argument("--data", type=Path, help="prepared dataset (default: the run's data.dir)")
     p.add_argument(
         "--stride",
@@ -42,7 +44,7 @@ def held_out(cli, device) -> tuple:
     model, config, data_dir = run_and_data(cli, device)
     context = config.get("train", {}).get("seq_len") or model.args.max_seq_len
     tokens = np.asarray(open_tokens(data_dir, "val"), dtype=np.int64)
-    windows = (len(tokens) - 1) // context  # train.py's eval_batches: whole windows only
+    windows = (len(tokens) - 1) // context  # Whole windows only, as train.py's eval_batches.
     if windows == 0:
         raise UserError(f"{data_dir}'s validation split is shorter than one window ({context})")
     tokens = torch.from_numpy(tokens[: windows * context + 1])[None].to(device)

@@ -1,5 +1,6 @@
-"""Peak memory of training steps (forward + backward + AdamW), ours vs HF's Llama, each in a fresh
-process."""
+"""Peak memory of training steps (forward + backward + AdamW), ours vs HF's Llama.
+
+Each runs in a fresh process, so one peak cannot leak into the next."""
 
 import argparse
 import gc
@@ -16,7 +17,7 @@ from picollama.cli.command import run_command
 from picollama.cli.flags import positive
 from picollama.lab.bench import common
 
-# (batch, seq_len): base at B=4, T=512 fits 24 GB easily
+# (batch, seq_len). The base model at B=4, T=512 fits 24 GB easily.
 DEFAULT_SHAPES = {"small": (16, 256), "base": (4, 512)}
 MIB = 2**20
 
@@ -24,7 +25,7 @@ MIB = 2**20
 def proc_status_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024  # kB
+            return int(line.split()[1]) * 1024  # From kB.
     raise UserError(f"/proc/self/status has no {field}: CPU memory needs Linux")
 
 
@@ -59,10 +60,10 @@ def measure_child(cli, device, dtype) -> dict:
         peak_reset = True
     else:
         baseline = proc_status_bytes("VmRSS")
-        # if not reset, the peak may include building the model (an overestimate)
+        # Without a reset, the peak may include building the model and overestimate.
         peak_reset = reset_cpu_peak()
     loss_fn = common.ours_loss if cli.child == "ours" else common.hf_loss
-    for _ in range(2):  # the second step holds AdamW's state as well as activations and gradients
+    for _ in range(2):  # Step 2 holds AdamW's state, activations and gradients.
         loss = loss_fn(model, x, y)
         loss.backward()
         optimizer.step()
@@ -121,7 +122,7 @@ def parse_args(argv: list[str]):
     p.add_argument(
         "--seq-len", type=positive(), help="tokens per sequence (default: small 256, base 512)"
     )
-    # internal: measure in this process
+    # Internal: measure in this process.
     p.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
     return common.parse(p, argv)
 

@@ -1,5 +1,7 @@
-"""Our perplexity against llama.cpp's on the same GGUF file and the same tokens: the check that the
-study's numbers on a real model are the model's, not an artefact of our forward."""
+"""Our perplexity against llama.cpp's, on the same GGUF file and the same tokens.
+
+It checks that the study's numbers on a real model are the model's, not an artefact of our
+forward."""
 
 import math
 import tempfile
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     folder = tempfile.TemporaryDirectory(prefix="picollama-perplexity-")
-    if args.smoke:  # imported into the temporary folder, not the cache
+    if args.smoke:  # Imported into the temporary folder, not the cache.
         gguf, vocab = smoke_gguf(Path(folder.name))
         tokens = np.random.default_rng(0).integers(2, vocab, size=32)
         run = Path(folder.name) / "run"

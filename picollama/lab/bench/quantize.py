@@ -1,5 +1,6 @@
-"""Validation perplexity of a trained run with fp32, bf16 and int8 weights (generate.py's --dtype
-and --quantize), over the whole validation split of its dataset."""
+"""Validation perplexity of a trained run with fp32, bf16 and int8 weights.
+
+These are generate.py's --dtype and --quantize. It scores the whole validation split."""
 
 import math
 import sys
@@ -23,7 +24,7 @@ PRECISIONS = {
     "fp32": (torch.float32, "none"),
     "bf16": (torch.bfloat16, "none"),
     "int8": (None, "int8"),
-    "int4": (torch.float32, "int4"),  # CPU only
+    "int4": (torch.float32, "int4"),  # CPU only.
 }
 
 
@@ -40,7 +41,7 @@ def mean_loss(model: Transformer, batches: list) -> float:
 
 def parse_args(argv: list[str]):
     p = common.parser(__doc__, "quantize")
-    add_run(p, required=False)  # required but in --smoke: checked in evaluation_data
+    add_run(p, required=False)  # Required but in --smoke. evaluation_data checks it.
     p.add_argument(
         "--seq-len", type=positive(), help="window length (default: the run's train.seq_len)"
     )
@@ -56,7 +57,7 @@ def run_and_data(cli, device) -> tuple[Transformer, dict, Path]:
     share a tokenizer."""
     if cli.run is None:
         raise UserError("--run RUN_DIR is required (a trained run)")
-    run = imported_run(cli.run)  # a .gguf file or a Hugging Face directory, imported once
+    run = imported_run(cli.run)  # A .gguf file or HF directory is imported once.
     model, config = load_model(run, device)
     data_dir = cli.data or config.get("data", {}).get("dir")
     if data_dir is None:

@@ -1,5 +1,7 @@
-"""Our OpenAI-compatible server against llama-cpp-python's on one GGUF file: 1, 4 and 8 concurrent
-clients streaming the same chat prompts; aggregate completion tokens/s and time to first token."""
+"""Our OpenAI-compatible server against llama-cpp-python's, on one GGUF file.
+
+1, 4 and 8 concurrent clients stream the same chat prompts. It reports aggregate completion
+tokens/s and time to first token."""
 
 import importlib.util
 import os
@@ -17,12 +19,12 @@ from picollama.cli.command import run_command
 from picollama.cli.flags import comma_list, positive
 from picollama.cli.outputs import atomic_output
 from picollama.lab.bench import common
-from picollama.lab.bench.llama_cpp_server import has_amx
+from picollama.lab.bench.llamacpp import has_amx
 from picollama.lab.bench.serve_load import ServerProcess, free_port, python_module, run_clients
 
 SERVERS = ("ours", "llama_cpp")
 NAMES = {"ours": "picollama.serve", "llama_cpp": "llama_cpp.server"}
-# questions whose answers run past the default 64 tokens, so that every request ends at max_tokens
+# Questions whose answers run past the default 64 tokens, so every request ends at max_tokens.
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a bicycle works, part by part.",
@@ -35,7 +37,7 @@ PROMPTS = [
 ]
 WARM_UP = "Say hello."
 TTFT_KEYS = ("ttft_p50_seconds", "ttft_p95_seconds")
-# llama_cpp.server's options, and why (its threads: --threads, default every core)
+# llama_cpp.server's options, and why. Its threads follow --threads, by default every core.
 LLAMA_CPP_OPTIONS = {
     "--interrupt_requests": (
         "False",
@@ -49,8 +51,8 @@ LLAMA_CPP_OPTIONS = {
     ),
     "--verbose": ("False", "its timings printed for every request, not needed"),
 }
-# sent to llama-cpp-python only: its default repeat_penalty of 1.1 changes greedy decoding, and
-# ours has none (and refuses fields it does not implement)
+# Sent to llama-cpp-python only. Its default repeat_penalty of 1.1 changes greedy decoding.
+# Ours has no repeat penalty, and refuses fields it does not implement.
 LLAMA_CPP_BODY = {"repeat_penalty": 1.0}
 
 
@@ -90,7 +92,7 @@ def parse_args(argv: list[str]):
         help="more flags for python -m picollama.serve, e.g. '--compile' (default none)",
     )
     cli = common.parse(p, argv)
-    if cli.smoke:  # one thread each: seconds even on a busy machine
+    if cli.smoke:  # One thread each, so seconds even on a busy machine.
         cli.clients, cli.requests, cli.max_tokens, cli.threads = [1], 1, 4, 1
         cli.repeats = 1
         cli.ours_args = f"--threads 1 {cli.ours_args}"
@@ -145,8 +147,8 @@ def command(cli, server: str, port: int) -> list[str]:
     threads = ["--n_threads", cli.threads, "--n_threads_batch", cli.threads]
     options = [x for flag, (value, _) in LLAMA_CPP_OPTIONS.items() for x in (flag, value)]
     flags = ["--model", cli.gguf, "--host", "127.0.0.1", "--port", port, *threads]
-    # llama_cpp.server itself, its extra CPU buffer types off on an AMX CPU (they crash there)
-    launcher = "picollama.lab.bench.llama_cpp_server"
+    # llama_cpp.server itself, with extra CPU buffer types off on AMX CPUs, where they crash.
+    launcher = "picollama.lab.bench.llamacpp"
     return python_module(launcher, *flags, "--n_ctx", cli.n_ctx, *options)
 
 
@@ -203,7 +205,7 @@ def level(server: ServerProcess, name: str, clients: int, cli, counter, progress
         **{key: float(np.percentile(ttfts, q)) for key, q in zip(TTFT_KEYS, (50, 95))},
         "ended_before_max_tokens": sum(t < cli.max_tokens for t in tokens),
         "ttft_seconds": ttfts,
-        "first_answer": samples[0].text,  # the same from both servers, where they agree
+        "first_answer": samples[0].text,  # The same from both servers, where they agree.
     }
 
 
@@ -217,7 +219,7 @@ def measure(cli, name: str, folder: Path) -> dict:
     levels = []
     for i in range(len(cli.clients)):
         tried = sorted((run[1][i] for run in runs), key=itemgetter("tokens_per_second"))
-        median = tried[(len(tried) - 1) // 2]  # the lower middle: an even count errs low
+        median = tried[(len(tried) - 1) // 2]  # The lower middle, so an even count errs low.
         median["tokens_per_second_runs"] = [run[1][i]["tokens_per_second"] for run in runs]
         levels.append(median)
     return {"command": runs[0][0], "repeats": cli.repeats, "levels": levels}
@@ -336,7 +338,7 @@ def main(argv: list[str]) -> int:
     }
     table_path = cli.out.with_suffix(".md")
     table_path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output(table_path) as md:  # the table and the JSON, both or neither
+    with atomic_output(table_path) as md:  # The table and the JSON, both or neither.
         md.write_text(table)
         common.write_results(cli, payload)
     print(f"the table: {table_path}")

@@ -1,4 +1,4 @@
-"""The serving benchmark's load: servers as subprocesses on free ports, streaming clients."""
+"""The serving benchmark's load: servers as subprocesses on free ports, and streaming clients."""
 
 import asyncio
 import json
@@ -14,8 +14,8 @@ import httpx
 from picollama import REPO_ROOT
 from picollama.cli import UserError
 
-READY_SECONDS = 600  # a first start may import the GGUF file or compile the decode steps
-REQUEST_SECONDS = 600  # one streamed request, queued behind the others included
+READY_SECONDS = 600  # A first start may import the GGUF file or compile the decode steps.
+REQUEST_SECONDS = 600  # One streamed request, including its wait behind the others.
 
 
 def free_port() -> int:
@@ -109,7 +109,7 @@ async def stream_chat(http: httpx.AsyncClient, server: ServerProcess, body: dict
             said = (await response.aread())[:300].decode(errors="replace")
             raise UserError(f"{server.name} answered {response.status_code}: {said}")
         async for line in response.aiter_lines():
-            if not line.startswith("data:"):  # blank lines, `: ping` comments
+            if not line.startswith("data:"):  # Blank lines and `: ping` comments.
                 continue
             data = line.removeprefix("data:").strip()
             if data == "[DONE]":

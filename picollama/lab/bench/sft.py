@@ -1,7 +1,10 @@
-"""Supervised fine-tuning throughput (forward + backward + AdamW on packed conversations): ours vs
-HF's LlamaForCausalLM, same fp32 weights, same rows (positions restarting per conversation, a
-block-causal mask, assistant tokens alone as targets), interleaved; in float32, or both under
-bf16 autocast as train.py's mixed precision (--dtype bfloat16); and each first step's peak."""
+"""Supervised fine-tuning throughput, ours vs HF's LlamaForCausalLM.
+
+A step is forward, backward and AdamW on packed conversations. Both get the same fp32 weights
+and the same rows, and their steps are interleaved. Positions restart per conversation, the
+mask is block-causal, and only assistant tokens are targets. It runs in float32, or both under
+bf16 autocast as train.py's mixed precision does (--dtype bfloat16). It also records each
+first step's peak memory."""
 
 import ctypes
 import ctypes.util
@@ -118,7 +121,7 @@ def bench(cli, device, dtype, progress) -> dict:
     steps = {who: training_step(models[who], losses[who], x, y) for who in MODELS}
     cpu = device.type == "cpu"
     peaks = {who: first_step_peak(steps[who]) if cpu else None for who in MODELS}
-    keep_freed_memory()  # as train.py does, for both models' timed steps
+    keep_freed_memory()  # As train.py does, for both models' timed steps.
     seconds = common.interleaved_medians(steps, device, cli.warmup, cli.steps, progress)
     targets = int((y != -100).sum())
     result = {

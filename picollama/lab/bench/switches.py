@@ -1,7 +1,8 @@
-"""The seed lectures' architecture table, or the data-limited quality candidates, measured: each
-switch trained by train.py, one at a time from a config, for the same wall-clock budget at each
-seed; parameters, tokens/s, final validation bits/byte (mean and spread) and whether training was
-stable."""
+"""Measure the seed lectures' architecture table, or the data-limited quality candidates.
+
+train.py trains each switch from a config, one at a time, for the same wall-clock budget at each
+seed. The table gives parameters, tokens/s, final validation bits/byte (mean and spread) and
+whether training was stable."""
 
 import json
 import math
@@ -23,9 +24,9 @@ from picollama.cli.flags import comma_list, positive
 from picollama.config.training import parse_cli
 from picollama.lab.bench import common
 
-# name -> train.py overrides; the first is the baseline every switch is compared with
+# Name -> train.py overrides. The first is the baseline every switch is compared with.
 SWITCHES = {
-    "llama": [],  # the config as it is: rmsnorm, pre-norm, serial block, swiglu
+    "llama": [],  # The config as it is: rmsnorm, pre-norm, serial block, swiglu.
     "layernorm": ["--model.norm=layernorm"],
     "post-norm": ["--model.norm_placement=post"],
     "sandwich norm": ["--model.norm_placement=sandwich"],
@@ -39,17 +40,18 @@ SWITCHES = {
     "logit soft-cap 30": ["--model.logit_softcap=30"],
     "z-loss 1e-4": ["--optim.z_loss=1e-4"],
 }
-# The quality table (--table quality): what the small-model records found in the data-limited
-# regime the default run is in (2-3 passes over its 1.6 M training tokens), each measured at three
-# seeds before configs/default.toml adopts it (docs/findings.md, which adopted torch.compile, and
-# shuffled epochs with the weight average, which "random windows, no average" takes off again)
+# The quality table (--table quality). It holds what small-model records found in the default
+# run's data-limited regime, 2-3 passes over its 1.6 M training tokens. Each is measured at three
+# seeds before configs/default.toml adopts it (docs/findings.md). The default adopted
+# torch.compile, and shuffled epochs with a weight average. "random windows, no average" takes
+# those off again.
 QUALITY = {
     "default": [],
-    "eager": ["--train.compile=false"],  # a step's cost: compare with --minutes, not --steps
+    "eager": ["--train.compile=false"],  # Changes a step's cost. Compare with --minutes.
     "random windows, no average": ["--data.sampling=random", "--train.weight_average=0"],
     "random windows": ["--data.sampling=random"],
     "no weight average": ["--train.weight_average=0"],
-    "no attention gate": ["--model.attention_gate=false"],  # a step's cost too: see "eager"
+    "no attention gate": ["--model.attention_gate=false"],  # Also a step's cost, as "eager".
     "final weight decay 0.9": ["--optim.final_weight_decay=0.9"],
     "dropout 0.1": ["--train.dropout=0.1"],
     "tied embeddings": ["--model.tie_embeddings=true"],
@@ -84,15 +86,15 @@ QUALITY = {
     "min lr 2e-3": ["--optim.min_lr=2e-3"],
     "min lr 3e-3": ["--optim.min_lr=3e-3"],
     "weight decay 0.2, min lr 3e-3": ["--optim.weight_decay=0.2", "--optim.min_lr=3e-3"],
-    # another step's cost: compare with --minutes (or --steps in the ratio of tokens/s)
+    # These change a step's cost. Compare with --minutes, or --steps in the ratio of tokens/s.
     "batch 8": ["--train.batch_size=8"],
     "batch 32": ["--train.batch_size=32"],
     "6 layers": ["--model.n_layers=6"],
     "dim 160": ["--model.dim=160"],
     "dim 192, 2 heads": ["--model.dim=192"],
-    "ffn 1024": ["--model.ffn_hidden_dim=1024"],  # 1.5x a step's time at 5 minutes
-    # the default's unigram tokenizer at other sizes (BPE ones measured these, docs/findings.md);
-    # more tokens to the held-out plays: eval.batches to cover them still
+    "ffn 1024": ["--model.ffn_hidden_dim=1024"],  # 1.5x a step's time at 5 minutes.
+    # The default's unigram tokenizer at other sizes. BPE ones were measured too
+    # (docs/findings.md). Smaller vocabularies make more held-out tokens, so eval.batches rises.
     "vocab 2048": [
         "--model.vocab_size=2048",
         "--data.dir=data/shakespeare-unigram-2048",
@@ -112,11 +114,12 @@ QUALITY = {
     "bpe tokenizer": ["--data.tokenizer_type=bpe", "--data.dir=data/shakespeare"],
 }
 TABLES = {"switches": SWITCHES, "quality": QUALITY}
-OPTIMIZERS = ("adamw", "muon")  # the table also trains the optimizer that the config does not use
+OPTIMIZERS = ("adamw", "muon")  # The table also trains the optimizer the config does not use.
 QUIET = ["--eval.interval=0", "--checkpoint.interval=0", "--train.sample_tokens=0"]
 PROBE_STEPS = 12
-# --smoke: seconds, not minutes (it once trained the config's model 28 times: 5 minutes): the
-# baseline and one switch, a tiny model, SMOKE_STEPS steps each, no probe
+# --smoke takes seconds, not minutes. It once trained the config's model 28 times, for 5
+# minutes. Now it runs the baseline and one switch on a tiny model, SMOKE_STEPS steps each,
+# with no probe.
 SMOKE_SWITCHES = ["llama", "qk-norm"]
 SMOKE_MODEL = [
     *("--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--train.batch_size=2"),
@@ -149,8 +152,9 @@ def train(config: str, overrides: list[str], out_dir: Path) -> list[dict]:
 
 
 def stability(entries: list[dict]) -> str:
-    """'stable', 'spikes' (a logged loss more than 1 nat above the best so far, past the first
-    tenth) or the error."""
+    """'stable', 'spikes' or the error.
+
+    A spike is a logged loss more than 1 nat above the best so far, past the first tenth."""
     if entries and "failed" in entries[-1]:
         return entries[-1]["failed"].removeprefix("error: ")
     losses = [e["loss"] for e in entries if "loss" in e]
@@ -169,7 +173,7 @@ def steps_for(config: str, seeded: list[str], budget: float, tmp: Path) -> int |
     probe = train(
         config, [*seeded, f"--train.max_steps={PROBE_STEPS}", "--train.log_interval=1"], tmp
     )
-    rates = [e["tokens_per_s"] for e in probe if "tokens_per_s" in e][2:]  # warmed up
+    rates = [e["tokens_per_s"] for e in probe if "tokens_per_s" in e][2:]  # Warmed up.
     if not rates:
         return {"stability": stability(probe)}
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
@@ -177,8 +181,10 @@ def steps_for(config: str, seeded: list[str], budget: float, tmp: Path) -> int |
 
 
 def run_switch(config: str, overrides: list[str], seed: int, args, tmp: Path) -> dict:
-    """Train the switch for --minutes of train.py's own budget, or --steps steps, or the steps
-    that --budget seconds buy (a probe's throughput), or with --smoke for SMOKE_STEPS steps."""
+    """Train the switch for --minutes of train.py's own budget, or for --steps steps.
+
+    With --budget, a probe's throughput says how many steps those seconds buy. --smoke trains
+    SMOKE_STEPS steps."""
     cfg, _ = parse_cli(["--config", config, *overrides])
     with torch.device("meta"):
         params = Transformer(cfg.model).num_params()
@@ -206,10 +212,11 @@ def run_switch(config: str, overrides: list[str], seed: int, args, tmp: Path) ->
 
 
 def prepare_data(config: str, overrides: list[str]):
-    """Prepare the switch's dataset (another vocabulary's or tokenizer's) before any run is timed:
-    train.py would prepare it inside the first seed's budget."""
+    """Prepare the switch's dataset, for another vocabulary or tokenizer, before any timing.
+
+    Otherwise train.py would prepare it inside the first seed's budget."""
     cfg, _ = parse_cli(["--config", config, *overrides])
-    data_dir = common.REPO_ROOT / cfg.data.dir  # train.py's, which runs in the repository
+    data_dir = common.REPO_ROOT / cfg.data.dir  # As train.py sees it, from the repository.
     if not (data_dir / "meta.json").is_file():
         vocab_size = cfg.data.vocab_size or cfg.model.vocab_size
         kind = cfg.data.tokenizer_type
@@ -253,7 +260,7 @@ def parse_args(argv: list[str]):
     lengths = [f"--{name}" for name in ("budget", "minutes", "steps") if name in p.given]
     if len(lengths) > 1:
         raise UserError(f"{' and '.join(lengths)} each set a run's length: give one")
-    # train.py runs in the repository: the default is a path there, a given one is the caller's
+    # train.py runs in the repository. The default is a path there, a given one the caller's.
     given = "config" in p.given
     args.config_file = str(Path(args.config).absolute() if given else REPO_ROOT / args.config)
     return args

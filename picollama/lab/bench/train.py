@@ -1,5 +1,7 @@
-"""Training throughput (forward + backward + AdamW): ours vs HF's LlamaForCausalLM, same weights,
-interleaved; in fp32 and in bf16 (both models under the same torch.autocast, fp32 weights)."""
+"""Training throughput (forward + backward + AdamW), ours vs HF's LlamaForCausalLM.
+
+Both get the same weights, and their steps are interleaved. It runs in fp32 and in bf16. In bf16
+both models run under the same torch.autocast, with fp32 weights."""
 
 import math
 import sys
@@ -15,7 +17,7 @@ from picollama.device import keep_freed_memory
 from picollama.lab.bench import common
 from picollama.training.metrics import flops_per_token
 
-PRECISIONS = ("float32", "bfloat16")  # bfloat16: both models autocast to bf16, fp32 weights
+PRECISIONS = ("float32", "bfloat16")  # With bfloat16, both autocast over fp32 weights.
 
 
 def train_step(model, optimizer, loss_fn, x, y, autocast):
@@ -136,7 +138,7 @@ def cases(cli) -> list[tuple]:
         except UserError as e:
             if name != "default":
                 raise
-            # configs/default.toml is written by the training engineer
+            # The training engineer writes configs/default.toml.
             print(f"skipping default: {e}")
             continue
         found.append((name, margs, cli.batch_size or 16, cli.seq_len or margs.max_seq_len))
@@ -174,7 +176,7 @@ def report(results: list[dict]):
 def main(argv: list[str]) -> int:
     cli = parse_args(argv)
     device, dtype = common.setup(cli)
-    keep_freed_memory()  # as train.py does, for both models
+    keep_freed_memory()  # As train.py does, for both models.
     todo = cases(cli)
     results = []
     total = len(todo) * len(cli.precisions) * (cli.warmup + cli.steps)

@@ -1,12 +1,17 @@
-"""llama.cpp for the decode benchmark: our model exported to GGUF, greedy decoding at batch 1."""
+"""llama.cpp beside our model, for the benchmarks.
+
+LlamaCpp exports our model to GGUF and decodes greedily at batch 1 (the decode benchmark).
+Run as `python -m picollama.lab.bench.llamacpp ARGS`, it is `python -m llama_cpp.server ARGS`
+without extra CPU buffer types on AMX CPUs. llama.cpp's AMX kernel crashes there on SmolLM2's
+Q4_1 file at the first request, and on q8_0 weights (llama-cpp-python 0.3.36)."""
 
 import logging
+import runpy
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from picollama.convert.spm_unigram import is_unigram
 from picollama.convert.to_gguf import write_gguf
 
 LLAMA_CPP_TYPES = ("f32", "bf16", "q8_0")
@@ -21,7 +26,7 @@ class LlamaCpp:
     def __init__(self, path: Path, context: int, threads: int):
         import llama_cpp
 
-        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # where its C logging goes
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # Where its C logs go.
         self.api = llama_cpp
         model_params = llama_cpp.llama_model_default_params()
         model_params.use_extra_bufts = False
@@ -38,7 +43,7 @@ class LlamaCpp:
         api.llama_memory_clear(api.llama_get_memory(self.context), True)
         tokens = prompt
         for _ in range(max_new_tokens):
-            ids = (api.llama_token * len(tokens))(*tokens)  # kept alive while llama_decode reads it
+            ids = (api.llama_token * len(tokens))(*tokens)  # Kept alive while llama_decode reads.
             if api.llama_decode(self.context, api.llama_batch_get_one(ids, len(tokens))):
                 raise RuntimeError("llama_decode failed")
             logits = np.ctypeslib.as_array(
@@ -71,8 +76,6 @@ def llama_cpp_decoders(model, tokenizer, context: int, folder: Path) -> tuple[di
         return {}, "llama-cpp-python is not installed (pip install -e '.[llama]')"
     if tokenizer is None:
         return {}, "no tokenizer (--tokenizer, or a --run) for the GGUF vocabulary"
-    if is_unigram(tokenizer):
-        return {}, "a unigram tokenizer, which to-gguf refuses (llama.cpp splits text otherwise)"
     if tokenizer.get_piece_size() > model.args.vocab_size:
         vocab = model.args.vocab_size
         return {}, f"the tokenizer has more pieces than the model's {vocab} embeddings"
@@ -83,3 +86,31 @@ def llama_cpp_decoders(model, tokenizer, context: int, folder: Path) -> tuple[di
             folder / f"{kind}.gguf", context, torch.get_num_threads()
         )
     return decoders, None
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Linux: /proc/cpuinfo's flags)."""
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def without_extra_buffer_types():
+    """Make every model llama_cpp.Llama loads use plain CPU buffers (no AMX or repacked ones)."""
+    from llama_cpp import llama_cpp
+
+    defaults = llama_cpp.llama_model_default_params
+
+    def params():
+        chosen = defaults()
+        chosen.use_extra_bufts = False
+        return chosen
+
+    llama_cpp.llama_model_default_params = params
+
+
+if __name__ == "__main__":
+    if has_amx():
+        without_extra_buffer_types()
+    runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
