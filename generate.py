@@ -71,7 +71,7 @@ def summary(args, model, prompts, outputs: list[int], seconds: float, device, dt
     """The closing line: tokens (`outputs`: each row's new tokens' count), speed, and what ran
     them."""
     new_tokens = sum(outputs)
-    weights = ", int8 weights" if args.quantize == "int8" else ""
+    weights = f", {args.quantize} weights" if args.quantize != "none" else ""
     rope = model.args.rope_scaling
     rope = f", rope {rope}" if rope != "none" else ""
     return (

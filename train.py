@@ -25,6 +25,7 @@ from picollama import REPO_ROOT
 from picollama.cli import UserError
 from picollama.cli.command import Interrupted, run_command
 from picollama.cli.outputs import exclusive
+from picollama.components.variants import given_up
 from picollama.config.checks import check_config
 from picollama.config.training import Config, parse_cli
 from picollama.device import Dist, check_compiler, keep_freed_memory, peak_flops
@@ -152,6 +153,8 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     # The first step waits for the compiler. Say so, or the run looks stuck.
     compiling = "; compiling its first step (~30 s the first time)" if cfg.train.compile else ""
     log.say(f"model: {sizes}; {data.line}; device {dist.device}{compiling}{resuming}")
+    if given_up(cfg.model):
+        log.say(given_up(cfg.model))
     if fine_tune:  # Measure where it starts from.
         with budget.timed("eval", final=True):
             validate(model, data, log, 0, run_dir)

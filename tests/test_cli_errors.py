@@ -295,7 +295,7 @@ train --model.multiple_of=0 => --model.multiple_of must be positive
 train --model.rope_theta=-1 => --model.rope_theta must be positive
 train --model.vocab_size=100000000000 => [model] vocab_size must be at most 4,194,304
 train --model.vocab_size=4000000 --model.dim=65536
-    => the model (635,965,865,984 parameters) cannot fit in memory: its weights, gradients and
+    => the model (627,375,931,392 parameters) cannot fit in memory: its weights, gradients and
 train --train.out_dir={ws}/huge_context_trained --resume => model.max_seq_len must be at most
 train --no_such.key=1 => unknown config key no_such.key
 train --config {ws}/missing.toml => --config {ws}/missing.toml: No such file or directory

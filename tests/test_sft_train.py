@@ -51,6 +51,7 @@ def settings(dataset: Path, **sections) -> list[str]:
         "train.dtype": "float32",
         "optim.lr": 1e-2,
         "optim.min_lr": 1e-2,
+        "optim.final_weight_decay": 0.1,  # flat, as lr is: a resume then needs no max_steps
         "optim.warmup_steps": 1,
         "eval.interval": 2,
         "eval.batches": 2,

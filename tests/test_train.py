@@ -1599,3 +1599,16 @@ def test_a_full_disk_on_rank_1_ends_in_one_line_with_checkpoint_and_model_consis
     model, _ = load_model(run)
     weights = checkpoint_weights(run / "train_state" / "step_000004", model.state_dict())
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_run_off_llamas_format_says_at_start_what_it_gives_up(dataset, tmp_path, capsys):
+    config = config_file(tmp_path, dataset, eval={"interval": 0}, checkpoint={"interval": 0})
+    assert run_in_process(config, tmp_path / "llama", "--train.max_steps=1") == 0
+    assert "leaves LLaMA's format" not in capsys.readouterr().out
+    assert (
+        run_in_process(config, tmp_path / "qk", "--train.max_steps=1", "--model.qk_norm=true") == 0
+    )
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if "leaves LLaMA's format" in line]
+    assert "model.qk_norm" in line and "to-hf" in line and "to-gguf" in line
+    assert out.index(line) < out.index("step 1")

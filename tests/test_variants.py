@@ -18,7 +18,7 @@ from model import (
     sdpa_attention,
 )
 from picollama.cli.command import run_command
-from picollama.components.variants import MLP, ALiBi, Sinusoidal, switches
+from picollama.components.variants import MLP, ALiBi, Sinusoidal, given_up, switches
 from picollama.config.model_args import checked_model_args
 from picollama.convert import hf as hf_format
 from picollama.convert import main as convert
@@ -487,6 +487,16 @@ def test_hf_export_refuses_what_llama_cannot_express(name):
         hf_format.hf_config(model.args)
     with pytest.raises(ValueError, match=f"no model.{key} = "):
         hf_format.to_hf_state_dict(model)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_switch_says_what_it_gives_up_and_llama_nothing(name):
+    line = given_up(make_model(**VARIANTS[name]).args)
+    if name == "llama":
+        assert line is None
+        return
+    key = next(k for k in switches() if k in VARIANTS[name])
+    assert f"model.{key}" in line and "to-hf" in line and "to-gguf" in line and "\n" not in line
 
 
 @pytest.mark.parametrize("command", ["to-hf", "to-gguf"])

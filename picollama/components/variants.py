@@ -41,6 +41,20 @@ def non_llama(args: ModelArgs) -> list[str]:
     return away + ["rope_scaling"] * (args.rope_scaling in ROPE_ATTENTIONS)
 
 
+def given_up(args: ModelArgs) -> str | None:
+    """One line saying what a model off LLaMA's format gives up, or None for LLaMA.
+
+    Training says it at the start, so the user learns it before the run, not at export."""
+    away = non_llama(args)
+    if not away:
+        return None
+    keys = ", ".join(f"model.{key}" for key in away)
+    return (
+        f"note: {keys} leaves LLaMA's format: this run exports to neither Hugging Face (to-hf) "
+        "nor GGUF (to-gguf), and it samples through the model's forward, not the fused step"
+    )
+
+
 class MLP(nn.Module):
     """w2(act(w1 x)): the FFN of the original Transformer (ReLU), GPT-2 (GELU), Nemotron-4
     (squared ReLU)."""

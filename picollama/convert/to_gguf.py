@@ -35,9 +35,10 @@ def gguf_rope(args: ModelArgs) -> tuple[float, torch.Tensor | None]:
     """(rope_freq_base, frequency divisors or None) that give our RoPE in llama.cpp.
 
     Static NTK is just a larger base. Linear and llama3 scaling divide each frequency, which
-    llama.cpp reads from the rope_freqs tensor."""
+    llama.cpp reads from the rope_freqs tensor. YaRN is llama.cpp's own scaling type, written
+    by add_gguf_yarn: its ramp and attention factor are ours."""
     d = args.head_dim
-    if args.rope_scaling == "none":
+    if args.rope_scaling in ("none", "yarn"):
         return args.rope_theta, None
     if args.rope_scaling == "ntk":
         return args.rope_theta * args.rope_factor ** (d / (d - 2)), None
@@ -46,8 +47,20 @@ def gguf_rope(args: ModelArgs) -> tuple[float, torch.Tensor | None]:
         return args.rope_theta, plain / rope_frequencies(args, args.max_seq_len)[0]
     raise UserError(
         f"RoPE scaling {args.rope_scaling!r} is not exported to GGUF "
-        "(none, ntk, linear and llama3 are)"
+        "(none, ntk, linear, yarn and llama3 are)"
     )
+
+
+def add_gguf_yarn(writer, args: ModelArgs, gguf):
+    """YaRN's keys, for a YaRN run. llama.cpp's defaults (beta_fast 32, beta_slow 1, attention
+    scaled by 0.1·ln s + 1) are ours, so they are written out to keep them fixed."""
+    if args.rope_scaling != "yarn":
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(args.rope_factor)
+    writer.add_rope_scaling_orig_ctx_len(args.original_seq_len)
+    writer.add_rope_scaling_yarn_beta_fast(32.0)
+    writer.add_rope_scaling_yarn_beta_slow(1.0)
 
 
 def export_gguf(run_dir: Path, out: Path, type_: str):
@@ -95,6 +108,7 @@ def write_gguf(model: Transformer, tokenizer, out: Path, type_: str, name: str, 
         writer.add_head_count_kv(args.n_kv_heads)
         writer.add_rope_dimension_count(args.head_dim)
         writer.add_rope_freq_base(freq_base)
+        add_gguf_yarn(writer, args, gguf)
         writer.add_layer_norm_rms_eps(args.norm_eps)
         writer.add_vocab_size(args.vocab_size)
         writer.add_file_type(file_type)
