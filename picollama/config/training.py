@@ -22,6 +22,8 @@ from picollama.cli.flags import (
     utf8_argument,
 )
 from picollama.cli.user_files import read_small_text
+from picollama.components.registry import WINDOWED
+from picollama.components.variants import switches
 from picollama.config.model_args import CONTEXT_KEYS, checked_model_args, saved_model_args
 from picollama.config.values import CHOICES, TEXT_KEYS, check_value
 
@@ -320,7 +322,10 @@ def parse_cli(argv: list[str], description: str | None = None) -> tuple[Config, 
         description=description,
         epilog="Any config key can be overridden as --section.key=value (sections: "
         + ", ".join(section_types())
-        + "), e.g. --train.max_steps=200 --model.dim=128.",
+        + "), e.g. --train.max_steps=200 --model.dim=128. The model's switches ("
+        + ", ".join(f"model.{key}" for key in switches())
+        + ") leave LLaMA's format when set: such a run exports to neither Hugging Face (to-hf) "
+        "nor GGUF (to-gguf). RoPE scaling keeps it, but for " + ", ".join(WINDOWED) + ".",
     )
     parser.add_argument(
         "--config", default=str(DEFAULT_CONFIG), help="a TOML config (default configs/default.toml)"
