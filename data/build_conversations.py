@@ -24,7 +24,7 @@ from data.dataset_dir import (
 )
 from data.shards import ShardWriter, mask_name, shard_name
 from data.sources import default_name, iter_blocks, source_fingerprint, utf8_size
-from data.splitting import SEED, VAL_FRACTION, Splitter
+from data.splitting import SEED, VAL_FRACTION, ChatSplitter
 from data.tokenizer import load_tokenizer
 from picollama import REPO_ROOT
 from picollama.chat_template import load_chat_template
@@ -32,6 +32,8 @@ from picollama.cli import UserError
 from picollama.cli.outputs import check_writable, exclusive, remove, replace, resolved
 
 SPLITS = ("train", "val")
+# How val is chosen: ChatSplitter's rule, by tokens. Datasets split by bytes before it differ.
+SPLIT_INPUTS = {"val_fraction": VAL_FRACTION, "seed": SEED, "split": "tokens"}
 BLOCK_BYTES = build.BLOCK_BYTES  # Of JSONL. Conversations are split, encoded and saved by block.
 
 
@@ -72,34 +74,28 @@ class MaskWriter:
             written += len(chunk)
 
 
-def encode_block(tokenizer, template: str, records: list) -> list[tuple]:
+def encode_block(tokenizer, template: str, records: list, special_in_content=False) -> list:
     """(text, ids, mask) of each (where, messages) record. A UserError names the line of one the
-    template or tokenizer cannot mask."""
-    rows = []
+    template or tokenizer cannot mask. Special tokens' text in a message is plain text, unless
+    special_in_content."""
+    rows, trusted = [], special_in_content
     for where, messages in records:
         try:
-            text, ids, mask = encoded_conversation(tokenizer, template, messages)
+            text, ids, mask = encoded_conversation(tokenizer, template, messages, trusted)
         except UserError as e:
             raise UserError(f"{where}: {e}") from None
         rows.append((text, np.array(ids, dtype=np.int64), np.array(mask, dtype=np.uint8)))
     return rows
 
 
-def held_out(splitter: Splitter, index: int, rows: list, last: bool) -> list[bool]:
-    """Which of a block's conversations go to val, as the Splitter chooses by bytes of text. It
-    returns the very text objects it is given, in order."""
-    texts = [text for text, _, _ in rows]
-    if index == 0 and last and len(texts) < 2:
+def held_out(splitter: ChatSplitter, index: int, rows: list, last: bool) -> list[bool]:
+    """Which of a block's conversations go to val, as the ChatSplitter chooses by tokens."""
+    if index == 0 and last and len(rows) < 2:
         raise UserError(
             "the source holds one conversation; preparing needs two at least (one is held out "
             "for validation)"
         )
-    _, val = splitter(index, texts, [utf8_size(text) for text in texts], last)
-    flags, taken = [], 0
-    for text in texts:
-        flags.append(taken < len(val) and val[taken] is text)
-        taken += flags[-1]
-    return flags
+    return splitter(index, [len(ids) for _, ids, _ in rows], last)
 
 
 def commit_block(work: Path, progress: dict, rows: list, flags: list, writers: dict, masks: dict):
@@ -132,7 +128,10 @@ def check_room(work: Path, rows: list, size: int, left: int, dtype: np.dtype):
 def encode_all(work: Path, progress: dict, tokenizer, template: str, writers: dict, options):
     """Encode, split and commit the blocks of conversations not yet done, with a progress bar."""
     masks = {s: MaskWriter(work, s, writers[s].shard_tokens, writers[s].tokens) for s in SPLITS}
-    splitter = Splitter(sum(writer.bytes for writer in writers.values()), writers["val"].bytes)
+    counts = [(writer.tokens, sum(writer.shard_docs)) for writer in writers.values()]
+    splitter = ChatSplitter(
+        sum(n for n, _ in counts), counts[1][0], sum(n for _, n in counts), counts[1][1]
+    )
     records = read_conversations(options["files"], options["max_docs"])
     blocks = iter_blocks(((record[:2], record[2]) for record in records), BLOCK_BYTES)
     read = progress["bytes_read"]
@@ -142,7 +141,7 @@ def encode_all(work: Path, progress: dict, tokenizer, template: str, writers: di
         for index, block, sizes, last in blocks:
             if index < progress["blocks"]:
                 continue
-            rows = encode_block(tokenizer, template, block)
+            rows = encode_block(tokenizer, template, block, options["special_in_content"])
             if index == progress["blocks"]:  # First block this run: check room for all.
                 check_room(work, rows, sum(sizes), total - read, writers["train"].dtype)
             flags = held_out(splitter, index, rows, last)
@@ -201,9 +200,11 @@ def prepare_conversations(
     max_docs=None,
     command=None,
     shard_tokens=SHARD_TOKENS,
+    special_in_content=False,
 ) -> Path:
     """Prepare a chat dataset directory from JSONL conversations and return its path. It uses the
-    chat template and tokenizer of `tokenizer`, a run directory or its tokenizer file."""
+    chat template and tokenizer of `tokenizer`, a run directory or its tokenizer file. Special
+    tokens' text in a message is plain text, unless special_in_content (trusted data)."""
     files = conversation_files(source)
     if files is None:
         raise UserError(f'{source}: no .jsonl records of "messages" or "conversations"')
@@ -220,11 +221,12 @@ def prepare_conversations(
         "kind": "conversations",
         **source_fingerprint(source),
         "max_docs": max_docs,
-        "val_fraction": VAL_FRACTION,
-        "seed": SEED,
+        **SPLIT_INPUTS,
         "block_bytes": BLOCK_BYTES,
         "shard_tokens": shard_tokens,
     }
+    if special_in_content:  # Only then, so that datasets prepared before stay the same inputs.
+        inputs["special_in_content"] = True
     model_proto = given_tokenizer(tokenizer, 0, inputs)
     folder = Path(tokenizer) if Path(tokenizer).is_dir() else Path(tokenizer).parent
     template = load_chat_template(folder)  # Its own, or the default for a run trained here.
@@ -241,6 +243,7 @@ def prepare_conversations(
             "max_docs": max_docs,
             "total": sum(path.stat().st_size for path in files),
             "command": list(command or sys.argv),
+            "special_in_content": special_in_content,
         }
         target = resolved(out_dir)  # Never rename a folder over a link.
         meta = build_dataset(target, partial_dir(target), inputs, model_proto, options)

@@ -11,11 +11,11 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 
 from data.tokenizer import HFTokenizer, prompt_start
+from picollama.chat_content import clipped, encode_content_chat, encode_text, render_content
 from picollama.chat_template import (
     ChatTemplateError,
     checked_messages,
     control_pieces,
-    encode_chat,
     encode_with_specials,
     environment,
     render_chat,
@@ -28,15 +28,20 @@ OPEN, CLOSE = "\ufdd0", "\ufdd1"
 GENERATION_TAG = re.compile(r"{%[-+]?\s*generation\s*[-+]?%}")
 
 
-def conversation_ids(tokenizer, template: str, messages) -> tuple[list[int], list[int]]:
+def conversation_ids(
+    tokenizer, template: str, messages, special_in_content=False
+) -> tuple[list[int], list[int]]:
     """(ids, mask) of a conversation of OpenAI-shaped messages. ids are encode_chat's for its
     rendering by `template`. mask is 1 on each token the loss trains, the replies but those marked
-    "train": false. ChatTemplateError says why not."""
-    _, ids, mask = encoded_conversation(tokenizer, template, messages)
+    "train": false. ChatTemplateError says why not. Special tokens' text in a message is plain
+    text, unless special_in_content (chat_content)."""
+    _, ids, mask = encoded_conversation(tokenizer, template, messages, special_in_content)
     return ids, mask
 
 
-def encoded_conversation(tokenizer, template: str, messages) -> tuple[str, list[int], list[int]]:
+def encoded_conversation(
+    tokenizer, template: str, messages, special_in_content=False
+) -> tuple[str, list[int], list[int]]:
     """(text, ids, mask): the rendered conversation and conversation_ids' answer.
 
     A template's {% generation %} blocks mark the replies where it has them, as transformers'
@@ -52,7 +57,8 @@ def encoded_conversation(tokenizer, template: str, messages) -> tuple[str, list[
     else:
         text, spans = reply_spans(tokenizer, template, shown, trained)
         ends = turn_ends(tokenizer, template)
-    ids, mask = masked_ids(tokenizer, text, spans, ends)
+    _, plain = render_content(template, shown, tokenizer, False, special_in_content)
+    ids, mask = masked_ids(tokenizer, text, spans, ends, plain)
     return text, ids, mask
 
 
@@ -170,18 +176,18 @@ def turn_ends(tokenizer, template: str) -> frozenset[int]:
     return frozenset(stop_ids(tokenizer, template))
 
 
-def masked_ids(tokenizer, text: str, spans: list, ends: frozenset) -> tuple[list, list]:
+def masked_ids(tokenizer, text: str, spans: list, ends: frozenset, plain=()) -> tuple[list, list]:
     """(ids, mask): the tokens encode_chat gives the text, and a mask of 1 on a span's tokens up
     to its last token in `ends`, if any. What follows a turn's end, such as ChatML's newline, is
     never generated. The text is encoded piece by piece, cut at span edges, where that gives the
     whole's tokens. A reply's tokens are then those a model writes after its prompt. Else the mask
     covers the whole's tokens that overlap a span (overlap_mask), as transformers does.
-    ChatTemplateError when the tokenizer gives no offsets."""
-    whole = encode_chat(tokenizer, text)
-    ids, mask = piecewise_ids(tokenizer, text, spans, ends)
+    ChatTemplateError when the tokenizer gives no offsets. The `plain` spans are text."""
+    whole = encode_content_chat(tokenizer, text, plain)
+    ids, mask = piecewise_ids(tokenizer, text, spans, ends, plain)
     if ids == whole:
         return ids, mask
-    found = offset_ids(tokenizer, text)
+    found = None if plain else offset_ids(tokenizer, text)
     if found is None or found[0] != whole:
         raise ChatTemplateError(
             f"the tokenizer merges across a reply's edge ({merged_edge(tokenizer, text, spans)}) "
@@ -192,18 +198,18 @@ def masked_ids(tokenizer, text: str, spans: list, ends: frozenset) -> tuple[list
     return whole, overlap_mask(whole, found[1], spans, ends)
 
 
-def piecewise_ids(tokenizer, text: str, spans: list, ends: frozenset) -> tuple[list, list]:
+def piecewise_ids(tokenizer, text: str, spans: list, ends: frozenset, plain=()) -> tuple:
     """(ids, mask) of the text encoded piece by piece, cut at each span's edges. BOS comes first
     where the tokenizer adds one. mask is 1 on a span's tokens up to its last token in `ends`."""
     ids, mask, cut = [], [], 0
     for start, end in spans:
-        context = encode_with_specials(tokenizer, text[cut:start])
-        reply = encode_with_specials(tokenizer, text[start:end])
+        context = encode_text(tokenizer, text[cut:start], clipped(plain, cut, start))
+        reply = encode_text(tokenizer, text[start:end], clipped(plain, start, end))
         last = max((i + 1 for i, token in enumerate(reply) if token in ends), default=len(reply))
         ids += context + reply
         mask += [0] * len(context) + [1] * last + [0] * (len(reply) - last)
         cut = end
-    rest = encode_with_specials(tokenizer, text[cut:])
+    rest = encode_text(tokenizer, text[cut:], clipped(plain, cut, len(text)))
     ids, mask = ids + rest, mask + [0] * len(rest)
     start = prompt_start(tokenizer)
     if start and ids[:1] != start:

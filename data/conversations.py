@@ -4,8 +4,10 @@ names the bad line."""
 import json
 from pathlib import Path
 
+from data.record_kinds import mixed_kinds, too_long_number
 from data.sources import local_files
 from picollama.cli import UserError
+from picollama.cli.text import check_strings, checked_bytes
 
 # The roles the OpenAI-compatible server takes (picollama/serve/protocol.py), then ShareGPT's.
 ROLES = ("system", "developer", "user", "assistant")
@@ -18,6 +20,8 @@ SHAREGPT_ROLES = {
 }
 # The two shapes. Each maps the record's key to the keys of a message's role and content.
 SHAPES = {"messages": ("role", "content"), "conversations": ("from", "value")}
+# Roles and ShareGPT senders of tool calls and their results, which are not supported.
+TOOL_ROLES = ("tool", "function", "ipython", "function_call", "observation")
 KEPT_KEYS = ("name", "reasoning_content", "thinking", "reasoning")  # Passed on to the template.
 PEEK_LINES = 100  # Lines read for the first JSON record, which tells what a .jsonl holds.
 
@@ -30,6 +34,8 @@ def conversation_files(source: str) -> list[Path] | None:
         return None
     files = local_files(source)
     jsonl = [path for path in files if path.suffix.lower() == ".jsonl"]
+    for path in jsonl:
+        check_not_empty(path)
     if not jsonl or first_shape(jsonl[0]) is None:
         return None
     others = [str(path) for path in files if path not in jsonl]
@@ -39,6 +45,13 @@ def conversation_files(source: str) -> list[Path] | None:
             "chat dataset is .jsonl files of conversations alone"
         )
     return jsonl
+
+
+def check_not_empty(path: Path):
+    """UserError naming a .jsonl file with no record, not even a blank line's worth of text."""
+    with open(path, "rb") as file:
+        if not any(line.strip() for line in file):
+            raise UserError(f"{path}: an empty file, with no record; remove it or fill it")
 
 
 def first_shape(path: Path) -> str | None:
@@ -68,19 +81,19 @@ def read_conversations(files: list[Path], max_docs: int | None = None):
                 where = f"{path} line {number}"
                 line = decoded(raw, where).removeprefix("\ufeff" if number == 1 else "")
                 if line.strip():
-                    yield where, checked_record(line, where), len(raw)
+                    try:
+                        messages = checked_record(line, where)
+                    except UserError:
+                        if mixed := mixed_kinds(files):
+                            raise mixed from None
+                        raise
+                    yield where, messages, len(raw)
                     count += 1
 
 
 def decoded(raw: bytes, where: str) -> str:
     """A line's text. UserError unless it is UTF-8."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(
-            f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-            "convert the file to UTF-8 first"
-        ) from None
+    return checked_bytes(raw, where, "; convert the file to UTF-8 first")
 
 
 def checked_record(line: str, where: str) -> list[dict]:
@@ -89,7 +102,10 @@ def checked_record(line: str, where: str) -> list[dict]:
     try:
         record = json.loads(line)
     except ValueError as e:
+        if problem := too_long_number(e, where):
+            raise problem from None
         raise UserError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+    check_strings(record, where)  # A "\ud800" escape decodes to a lone surrogate.
     keys = [key for key in SHAPES if isinstance(record, dict) and key in record]
     if len(keys) != 1:
         raise UserError(
@@ -125,6 +141,8 @@ def checked_message(turn, where: str, shape: str) -> dict:
     if not isinstance(turn, dict):
         raise UserError(f"{where}: a message is a JSON object, not {describe(turn)}")
     role = turn.get(role_key)
+    if turn.get("tool_calls") or turn.get("function_call") or role in TOOL_ROLES:
+        raise UserError(f"{where}: tool calls are not supported; leave out this conversation")
     known = SHAREGPT_ROLES if shape == "conversations" else dict(zip(ROLES, ROLES))
     if not isinstance(role, str) or role not in known:
         raise UserError(
@@ -144,6 +162,14 @@ def checked_message(turn, where: str, shape: str) -> dict:
 def text_content(value, where: str) -> str:
     """A message's text: a string, or OpenAI's list of text parts joined. UserError if empty."""
     if isinstance(value, list) and value:
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                name = kind.removeprefix("input_").removesuffix("_url")  # image_url: image
+                raise UserError(
+                    f"{where}: {name} parts are not supported (a {json.dumps(kind)[:40]} part); "
+                    "content is text or a list of text parts"
+                )
         texts = [part.get("text") for part in value if isinstance(part, dict)]
         if len(texts) == len(value) and all(isinstance(text, str) for text in texts):
             value = "".join(texts)

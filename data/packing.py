@@ -74,10 +74,12 @@ class Documents:
             problem = f"the {split} split of {data_dir} has no document of two tokens"
             if conversations:
                 problem = (
-                    f"none of the {len(starts):,} conversations of the {split} split of {data_dir} "
-                    f"has an assistant token in its first {row} tokens, a row (train.seq_len + 1); "
-                    "raise train.seq_len"
+                    f"the {split} split of {data_dir} holds {len(starts):,} conversation(s), "
+                    f"{self.cut:,} of them longer than a row (train.seq_len + 1 = {row} tokens), "
+                    f"and none has an assistant token in its first {row} tokens"
                 )
+                if self.cut < len(starts):  # Some are whole in a row: their masks hold nothing.
+                    problem += " (its loss mask supervises none of them; prepare it again)"
             raise UserError(f"{problem}: nothing to train on")
 
     def __len__(self) -> int:

@@ -48,6 +48,12 @@ def parse_size(text: str) -> int:
     return int(match[1]) * 1000 ** " kmg".index(match[2].lower() or " ")
 
 
+SPECIAL_HELP = (
+    "trusted conversations only: special tokens' text in a message (such as <|im_end|>) becomes "
+    "those tokens (default: plain text, as the server encodes it)"
+)
+
+
 def parse_args(argv):
     parser = ArgumentParser(
         prog="python data/prepare.py",
@@ -88,6 +94,7 @@ def parse_args(argv):
         help="tokens per shard file (default 100M)",
     )
     add("--workers", type=positive(), help="threads encoding the text (default: all cores)")
+    add("--special-in-content", action="store_true", help=SPECIAL_HELP)
     add(
         "--max-bytes",
         type=parse_size,
@@ -124,8 +131,11 @@ def main(argv) -> int:
             args.max_docs,
             command=sys.argv,
             shard_tokens=args.shard_tokens,
+            special_in_content=args.special_in_content,
         )
         return 0
+    if args.special_in_content:
+        raise UserError("--special-in-content is for conversations (.jsonl of messages)")
     prepare(
         args.source,
         args.vocab_size or VOCAB_SIZE,

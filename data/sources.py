@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from data.record_kinds import CHAT_KEYS, mixed_kinds, too_long_number
 from picollama import REPO_ROOT
 from picollama.cli import UserError
 from picollama.cli.outputs import file_kind
@@ -243,13 +244,18 @@ def record_texts(datasets, load_args: tuple, load_kwargs: dict, text_field: str,
     # Such as its "Retrying in 1s" lines when offline.
     huggingface_hub.utils.logging.set_verbosity_error()
     records = datasets.load_dataset(*load_args, split="train", streaming=True, **load_kwargs)
+    files = load_kwargs.get("data_files", [])
     try:
         for record in records:
+            if record.get(text_field) is None and any(record.get(k) for k in CHAT_KEYS):
+                raise mixed_kinds(files, what) or UserError(f"{what}: a conversation among texts")
             yield record_text(record, text_field, what)
     except UserError:
         raise
     except Exception:  # pyarrow names no file. Find the file and the row first.
-        for path in load_kwargs.get("data_files", []):
+        if mixed := mixed_kinds(files, what):
+            raise mixed from None
+        for path in files:
             if builder_for(Path(path)) == "json":
                 check_json_records(Path(path))
         raise
@@ -284,7 +290,9 @@ def check_json_records(path: Path) -> None:
         for count, (row, line) in enumerate(rows):
             try:
                 value = json.loads(line)
-            except ValueError:
+            except ValueError as e:
+                if problem := too_long_number(e, f"{path} row {row}"):
+                    raise problem from None
                 value = None
             if isinstance(value, dict):
                 continue

@@ -81,3 +81,38 @@ class Splitter:
         self.seen += sum(sizes)
         self.val += sum(map(utf8_size, val))
         return train, val
+
+
+class ChatSplitter:
+    """Chooses the held-out conversations of each block of a chat dataset, by tokens, seeded.
+
+    The rule: in seeded order, a block's conversation goes to val when val then stays within
+    VAL_FRACTION of the tokens read so far, and within VAL_FRACTION of the conversations read so
+    far. So val holds about VAL_FRACTION of the tokens. A conversation longer than val's share of
+    the tokens never goes there, and however long some conversations are, val never takes more
+    than its share of the conversations. If val has none at the last block, it takes that block's
+    shortest conversation. The four counts are all it remembers, so a resumed run splits alike."""
+
+    def __init__(self, tokens: int = 0, val_tokens: int = 0, count: int = 0, val_count: int = 0):
+        self.tokens, self.val_tokens = tokens, val_tokens
+        self.count, self.val_count = count, val_count
+
+    def __call__(self, index: int, lengths: list[int], last: bool) -> list[bool]:
+        """Whether each conversation of block `index`, of these token lengths, is held out."""
+        self.tokens += sum(lengths)
+        self.count += len(lengths)
+        budget = VAL_FRACTION * self.tokens - self.val_tokens
+        room = VAL_FRACTION * self.count - self.val_count
+        flags = [False] * len(lengths)
+        for i in np.random.default_rng([SEED, index]).permutation(len(lengths)):
+            if room < 1:
+                break
+            if lengths[i] <= budget:
+                flags[i] = True
+                budget -= lengths[i]
+                room -= 1
+        if last and not self.val_count and not any(flags) and self.count > 1:
+            flags[int(np.argmin(lengths))] = True
+        self.val_tokens += sum(n for n, flag in zip(lengths, flags) if flag)
+        self.val_count += sum(flags)
+        return flags

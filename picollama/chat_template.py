@@ -8,6 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import jinja2
+from jinja2 import meta
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -67,11 +68,22 @@ def load_chat_template(run_dir, override=None) -> str:
     else the run's own, else DEFAULT_TEMPLATE. ChatTemplateError names a bad file."""
     if override is not None:
         try:
-            return read_small_text(override, "--chat-template")
+            template = read_small_text(override, "--chat-template")
         except UserError as e:
             raise ChatTemplateError(str(e)) from None
+        check_reads_messages(template, f"--chat-template {override}")
+        return template
     found = run_chat_template(run_dir)
     return DEFAULT_TEMPLATE if found is None else found
+
+
+def check_reads_messages(template: str, where: str):
+    """ChatTemplateError for a template that never reads `messages`. Every prompt would be the
+    same text, such as a file given by mistake."""
+    compiled(template)  # Its syntax error first.
+    names = meta.find_undeclared_variables(environment().parse(template))
+    if "messages" not in names:
+        raise ChatTemplateError(f"{where} never reads `messages`, so it is not a chat template")
 
 
 def run_chat_template(run_dir) -> str | None:

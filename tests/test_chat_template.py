@@ -178,7 +178,7 @@ def test_default_template_written_once_atomically_and_the_override_wins(tiny_run
     assert not write_default_template(run)
     assert render_chat(load_chat_template(run), CONVERSATION) == "mine"
     override = tmp_path / "chat.jinja"
-    override.write_text("{{ 'the override' }}")
+    override.write_text("{{ 'the override' if messages }}")
     assert render_chat(load_chat_template(run, override), CONVERSATION) == "the override"
     with pytest.raises(ChatTemplateError, match=f"--chat-template {tmp_path}/absent"):
         load_chat_template(run, tmp_path / "absent")

@@ -348,7 +348,7 @@ def texts(run: Path) -> list[str]:
             ids = np.fromfile(shard, dtype=meta["dtype"]).tolist()
             starts = np.load(shard.with_suffix(".docs.npy")).tolist()
             heldout += [sp.decode(ids[a:b]) for a, b in zip(starts, [*starts[1:], len(ids)])]
-    assert len(heldout) > 1 and sum(map(len, heldout)) > 1000
+    assert len(heldout) > 1 and sum(map(len, heldout)) > 500
     return [*heldout, *UNICODE]
 
 

@@ -154,7 +154,7 @@ def test_text_stream_holds_back_incomplete_characters():
         stream.add(byte)
         # never a U+FFFD for a character still arriving
         assert ("> " + text).startswith(out.getvalue())
-    stream.flush_new(final=True)
+    stream.flush_new()
     assert out.getvalue() == "> " + text
 
 

@@ -13,7 +13,7 @@ CARD = {"pyproject.toml", "model.py", "train.py", "generate.py", "data", "config
 PACKAGE = REPO / "picollama"
 # the modules at the package's root, shared by every layer above config. __init__ is the
 # package's face (REPO_ROOT): it imports nothing of picollama, and every layer may read it.
-ROOT_LEAVES = {"__init__", "device", "run_files", "chat_template"}
+ROOT_LEAVES = {"__init__", "device", "run_files", "chat_template", "chat_content"}
 # picollama's layers, lowest first ("root": ROOT_LEAVES); a module imports only from its own layer
 # and those below it
 LAYERS = [

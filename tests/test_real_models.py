@@ -320,7 +320,7 @@ def test_text_stream_never_prints_half_a_character(bpe_ggufs):
     stream = TextStream(tokenizer, [], out)
     for token in ids:
         stream.add(token)
-    stream.flush_new(final=True)
+    stream.flush_new()
     assert "".join(writes) == text and not any("\ufffd" in w for w in writes)
 
 

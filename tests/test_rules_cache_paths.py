@@ -298,7 +298,7 @@ def test_a_long_stream_keeps_few_ids_and_prints_the_whole_text(tiny):
     for token in ids.tolist():
         stream.add(token)
         longest = max(longest, len(stream.ids))
-    stream.flush_new(final=True)
+    stream.flush_new()
     assert out.getvalue() == tokenizer.decode([1, *ids.tolist()])
     assert longest <= 5 * TextStream.KEPT and stream.added == 3000
 

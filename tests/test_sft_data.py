@@ -248,8 +248,12 @@ GOOD = json.dumps(chats(2)[1])
             "line 1: conversations[1]: empty content",
         ),
         ([GOOD, GOOD], "line 1: template not prefix-stable"),
+        (
+            [GOOD, GOOD.replace("1 + 1", "\\ud800")],
+            "line 2: 'messages[0].content' is not UTF-8 text (lone surrogate U+D800 at byte 8)",
+        ),
     ],
-    ids=["not-json", "no-assistant", "unknown-role", "empty-content", "not-prefix-stable"],
+    ids=["not-json", "no-assistant", "unknown-role", "empty-content", "not-prefix-stable", "ud800"],
 )
 def test_bad_input_is_one_error_line_and_nothing_written(tiny_run, tmp_path, capsys, lines, cause):
     source = tmp_path / "chats.jsonl"

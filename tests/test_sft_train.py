@@ -216,7 +216,10 @@ def test_a_long_conversation_is_cut_to_the_row_and_one_left_without_a_reply_is_d
     assert ids.tolist() == longer[0][:17] and supervised.tolist() == [
         m == 1 for m in longer[1][:17]
     ]
-    none = "none of the 1 conversations of the val split .* 2 tokens, a row"
+    none = (
+        r"the val split of .* holds 1 conversation\(s\), 1 of them longer than a row "
+        r"\(train.seq_len \+ 1 = 2 tokens\)"
+    )
     with pytest.raises(UserError, match=none):
         Documents(data, "val", 2, conversations=True)
     # train.py says it once, at the start

@@ -271,6 +271,7 @@ def test_smollm2_says_paris(monkeypatch, capsys, one_thread):
             "error: the chat template refuses this conversation: no",
         ),
         (["--chat-template", "{broken}"], "error: the chat template is not valid Jinja: line 1"),
+        (["--chat-template", "{plain}"], "error: --chat-template {plain} never reads `messages`"),
         (["--prompt-file", "{absent}"], "error: --chat takes no --prompt-file"),
         (["--max-new-tokens", "80"], "error: --max-new-tokens 80 leaves no room"),
         (["--prompt", "word " * 30, "--max-new-tokens", "4"], "error: the message does not fit"),
@@ -278,7 +279,9 @@ def test_smollm2_says_paris(monkeypatch, capsys, one_thread):
 )
 def test_bad_input_is_one_error_line(scripted, tmp_path, monkeypatch, capsys, flags, message):
     files = dict(absent=tmp_path / "absent", refusing=tmp_path / "r", broken=tmp_path / "b")
-    files["refusing"].write_text("{{ raise_exception('no chats here') }}")
+    files["plain"] = tmp_path / "passwd"  # Not a template: every prompt would be this file.
+    files["plain"].write_text("root:x:0:0:root:/root:/bin/sh\n")
+    files["refusing"].write_text("{{ raise_exception('no chats here') if messages }}")
     files["broken"].write_text("{% for %}")
     flags = [flag.format(**files) for flag in flags]
     argv = ["--run", str(scripted["short"]), "--chat", *flags]
@@ -292,3 +295,15 @@ def test_chat_flags_need_chat(capsys):
         assert run_command(generate.main, ["--run", "r", *flags]) == 2
         assert capsys.readouterr().err.startswith(f"error: {flags[0]} needs --chat")
     assert terminal_chat.free_cores() >= 1
+
+
+def test_a_line_of_bytes_not_utf8_is_one_error_line(scripted, monkeypatch, capsys, one_thread):
+    # `printf 'Hi \xff\xfe'` on stdin was a traceback: now one error line, and the session goes on.
+    stdin = io.TextIOWrapper(io.BytesIO(b"Hi \xff\xfe\nhello\n"), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    argv = ["--run", str(scripted["short"]), "--chat", "--temperature", "0"]
+    status = run_command(generate.main, argv + ["--max-new-tokens", "4"])
+    out, err = capsys.readouterr()
+    assert status == 0 and out == f"{scripted['answer']}\n", err
+    assert "error: the line is not UTF-8 text (byte 3); set the terminal to UTF-8\n" in err
+    assert err.count("error") == 1 and "Traceback" not in err

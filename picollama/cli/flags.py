@@ -8,6 +8,7 @@ import typing
 from pathlib import Path
 
 from picollama.cli import UserError
+from picollama.cli.text import checked_text
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -236,14 +237,7 @@ def add_seed(parser: ArgumentParser, what: str, default: int | None = 0, unset: 
 def utf8_argument(text: str, flag: str) -> str:
     """A command-line text, refused unless UTF-8. Other bytes reach Python as lone surrogates,
     which no tokenizer can take."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        byte = len(text[: e.start].encode("utf-8"))
-        raise UserError(
-            f"{flag} is not UTF-8 text (byte {byte}); set the terminal to UTF-8"
-        ) from None
-    return text
+    return checked_text(text, flag, "; set the terminal to UTF-8")
 
 
 def check_type(name: str, value, annotation):

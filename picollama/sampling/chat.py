@@ -10,6 +10,7 @@ import torch
 
 from picollama.cli import UserError
 from picollama.cli.flags import ArgumentParser, utf8_argument
+from picollama.cli.text import checked_text
 from picollama.device import check_compiler, memory_bytes, pick_device
 from picollama.sampling.caches import KV_CACHES
 from picollama.sampling.decode import DecodeOptions, generate
@@ -47,12 +48,18 @@ def add_chat_flags(parser: ArgumentParser):
         action="store_true",
         help="with --chat: print each turn's rendered prompt (what the model reads) to stderr",
     )
+    parser.add_argument(
+        "--special-in-content",
+        action="store_true",
+        help="with --chat, for trusted inputs only: special tokens' text in a message (such as "
+        "<|im_end|>) becomes those tokens (default: plain text, so no one can forge a turn)",
+    )
 
 
 def check_chat_flags(args):
     """UserError for a chat flag without --chat, or for --chat with a flag it cannot take."""
     if not args.chat:
-        for flag in ("chat_template", "system", "verbose_prompt"):
+        for flag in ("chat_template", "system", "verbose_prompt", "special_in_content"):
             if getattr(args, flag) not in (None, False):
                 raise UserError(f"--{flag.replace('_', '-')} needs --chat")
         return
@@ -91,6 +98,7 @@ def chat_command(args) -> int:
 
             template = load_chat_template(imported_run(args.run))
         chat = Chat(model, tokenizer, template, sampling, system, args.verbose_prompt)
+        chat.special_in_content = args.special_in_content
         chat.free = free_bytes(model, memory_bytes(device))
         if one_shot is not None:
             chat.step = fast_step(model, args.compile, 1, KV_CACHES[args.kv_cache], threads)
@@ -126,6 +134,7 @@ class Chat:
         self.sampling = sampling
         self.system = [] if system is None else [{"role": "system", "content": system}]
         self.verbose = verbose
+        self.special_in_content = False  # special tokens' text in messages is plain text
         self.history = []
         self.context = model.args.max_seq_len
         self.stops = stop_ids(tokenizer, template)
@@ -150,12 +159,12 @@ class Chat:
     def prompt(self, message: dict, verbose: bool | None = None) -> list[int]:
         """The token ids of the conversation and the user's `message`, rendered for an answer: its
         oldest turns dropped (for good, said once) until the answer has room in the context."""
-        from picollama.chat_template import encode_chat, render_chat
+        from picollama.chat_content import chat_ids
 
         while True:
             messages = [*self.system, *self.history, message]
-            text = render_chat(self.template, messages, self.tokenizer)
-            ids = encode_chat(self.tokenizer, text)
+            trusted = self.special_in_content
+            text, ids = chat_ids(self.tokenizer, self.template, messages, trusted)
             if len(ids) + self.sampling.max_new_tokens <= self.context or not self.history:
                 break
             del self.history[:2]  # a user message and its answer
@@ -224,7 +233,7 @@ class Answer:
 
     def finish(self) -> str:
         """The answer's text, its stream ended with a newline."""
-        self.stream.flush_new(final=True)
+        self.stream.flush_new()
         self.out.write("\n")
         self.out.flush()
         return self.tokenizer.decode(self.tokens).strip()
@@ -323,6 +332,8 @@ def session(chat: Chat, title: str) -> int:
     terminal = sys.stdin.isatty()
     if terminal:
         import readline  # noqa: F401  (input() then edits lines and recalls earlier ones)
+    if hasattr(sys.stdin, "reconfigure"):  # Bytes not UTF-8 then reach checked_text.
+        sys.stdin.reconfigure(errors="surrogateescape")
     print(
         f"{title}: Ctrl-C stops an answer, /clear forgets the conversation, /exit or Ctrl-D "
         "ends it (/help)",
@@ -338,14 +349,14 @@ def session(chat: Chat, title: str) -> int:
                 if isinstance(e, CtrlCPressed) and chat.ctrl_c.typed:
                     continue  # Ctrl-C on a line being typed: the line is dropped
                 return 0
-            if line.startswith("/"):
-                if not command(chat, line):
+            try:
+                line = checked_text(line, "the line", "; set the terminal to UTF-8")
+                if line.startswith("/") and not command(chat, line):
                     return 0
-            elif line:
-                try:
+                if line and not line.startswith("/"):
                     chat.answer(line, sys.stdout)
-                except UserError as e:
-                    print(f"error: {e}", file=sys.stderr)
+            except UserError as e:
+                print(f"error: {e}", file=sys.stderr)
 
 
 def command(chat: Chat, line: str) -> bool:

@@ -55,8 +55,9 @@ class Detokenizer:
         return text[len(sent) :]
 
     def flush(self) -> str:
-        """What is held at the end. An incomplete character comes out as U+FFFD."""
-        return self.new_text(final=True)
+        """What is held at the end. A character whose bytes never all came is left out, so a
+        text cut inside a character ends before it (its U+FFFDs dropped)."""
+        return self.new_text(final=True).rstrip("\ufffd")
 
 
 @dataclass
@@ -136,7 +137,7 @@ class ChoiceText:
             ready += 1
         if ready == len(self.entries) and ready and not self.entries[-1].text and not final:
             # The newest token's text may still come, as the detokenizer holds a character's
-            # bytes. Its entry waits, so that finish() can give it the U+FFFD.
+            # bytes. Its entry waits, so that finish() can give it the rest of its text.
             ready -= 1
         entries, self.entries = self.entries[:ready], self.entries[ready:]
         text, self.sent = self.text[self.sent : end], max(self.sent, end)

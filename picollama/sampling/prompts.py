@@ -28,20 +28,22 @@ class TextStream:
         self.printed = 0  # Characters of self.ids' decoded text written so far.
         self.added = 0  # The row's new tokens, counted.
         self.out = out or sys.stdout
-        self.flush_new(final=False)
+        self.flush_new()
 
     def add(self, token: int):
         self.ids.append(token)
         self.added += 1
-        self.flush_new(final=False)
+        self.flush_new()
 
     def on_token(self, row: int, token: int):
         """generate()'s on_token for a batch of this one row."""
         self.add(token)
 
-    def flush_new(self, final: bool):
+    def flush_new(self):
+        # A trailing U+FFFD is a character whose bytes have not all come. At the end it is a
+        # character that max_new_tokens cut, so the text ends before it.
         full = self.tokenizer.decode(self.ids)
-        text = full if final else full.rstrip("\ufffd")
+        text = full.rstrip("\ufffd")
         if len(text) > self.printed:
             self.out.write(text[self.printed :])
             self.out.flush()
@@ -128,11 +130,11 @@ def print_samples(
     on_token = None if stream is None else stream.on_token
     outputs = generate(model, prompts, sampling, eos, on_token, options)
     if stream:
-        stream.flush_new(final=True)
+        stream.flush_new()
         print()
         return [stream.added]
     else:
         for i, (prompt, new) in enumerate(zip(prompts, outputs, strict=True)):
             print(f"--- sample {i + 1}/{len(prompts)} ---")
-            print(tokenizer.decode(prompt + new))
+            print(tokenizer.decode(prompt + new).rstrip("\ufffd"))
     return list(map(len, outputs))

@@ -5,6 +5,7 @@ It queues jobs for the engine and relays what comes back."""
 
 import asyncio
 import hmac
+import logging
 from pathlib import Path
 
 import anyio
@@ -12,6 +13,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from picollama.serve import responses as shapes
 from picollama.serve.engine import Finished, Job, QueueFull
@@ -21,6 +23,7 @@ from picollama.serve.rows import ServedModel
 MAX_BODY = 8 << 20  # Bytes in a request body. A larger one is refused before it is read.
 PAGE = Path(__file__).parent / "web" / "chat.html"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+LOG = logging.getLogger("uvicorn.error")  # uvicorn's own log, so its lines look alike.
 
 
 def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
@@ -135,11 +138,18 @@ async def body_of(request: Request) -> bytes:
     if said.isdigit() and int(said) > MAX_BODY:
         raise too_large
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > MAX_BODY:
-            raise too_large
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > MAX_BODY:
+                raise too_large
+            parts.append(part)
+    except ClientDisconnect:  # One line in the log, not a traceback. No one reads the answer.
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        LOG.warning(
+            "%s left while sending %s's body (%d bytes came)", client, request.url.path, size
+        )
+        raise ApiError(400, "the client left while sending the request body") from None
     return b"".join(parts)
 
 

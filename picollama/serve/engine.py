@@ -210,7 +210,9 @@ class Engine:
         self.stats["active_rows"] += len(job.rows)
         for choice, row in enumerate(job.rows):
             try:
-                slots.join(row, partial(job.on_token, choice), partial(self.row_done, job, choice))
+                slots.join(
+                    row, partial(self.row_token, job, choice), partial(self.row_done, job, choice)
+                )
             except Exception as e:  # e.g. out of memory: this request fails, the server goes on
                 job.fail(one_line(e))
         self.note_rows(len(slots.slots))
@@ -228,6 +230,11 @@ class Engine:
             self.stats["active_rows"] = 0
         self.stats["steps"] += 1
         self.note_rows(len(slots.slots))
+
+    def row_token(self, job: Job, choice: int, token: Token) -> bool:
+        """A row's new token, counted and passed to its job (whether the row goes on)."""
+        self.stats["tokens"] += 1
+        return job.on_token(choice, token)
 
     def row_done(self, job: Job, choice: int, reason: str):
         """A row left the slots: its job is told, and once its rows all have, it is done."""

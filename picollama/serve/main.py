@@ -3,6 +3,7 @@
 This module owns the flags, loading and the listening socket. The app answers requests and the
 engine decodes."""
 
+import ipaddress
 import os
 import queue
 import socket
@@ -35,9 +36,20 @@ def parser() -> ArgumentParser:
     )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_VARIABLE) or None,
         help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_VARIABLE}, else "
-        "no key)",
+        "no key); an empty key is refused",
+    )
+    parser.add_argument(
+        "--insecure-no-key",
+        action="store_true",
+        help="listen beyond this machine (--host 0.0.0.0) with no API key: anyone who can reach "
+        "it can use it (refused without this flag)",
+    )
+    parser.add_argument(
+        "--special-in-content",
+        action="store_true",
+        help="trusted clients only: special tokens' text in a message (such as <|im_end|>) becomes "
+        "those tokens (default: plain text, so no client can forge a turn)",
     )
     parser.add_argument("--model-name", help="the model's id in the API (default: the run's name)")
     parser.add_argument(
@@ -116,6 +128,7 @@ def load(args):
     source = Path(args.run)
     name = args.model_name or (source.stem if is_gguf_file(source) else source.name)
     served = ServedModel(model, tokenizer, template, name, free_bytes(model, memory_bytes(device)))
+    served.special_in_content = args.special_in_content
     step = fast_step(model, args.compile, 1, KV_CACHES[args.kv_cache], args.threads)
     if getattr(step, "compiled", None) is not None:
         warm_up(served, step, args.max_batch)
@@ -191,8 +204,55 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def api_key(given: str | None) -> str | None:
+    """The key from --api-key, else $PICOLLAMA_API_KEY, else None. An empty or blank one (an
+    unset variable, say) is a UserError, never a server with no key."""
+    where = "--api-key"
+    if given is None and API_KEY_VARIABLE in os.environ:
+        given, where = os.environ[API_KEY_VARIABLE], f"${API_KEY_VARIABLE}"
+    if given is not None and not given.strip():
+        raise UserError(
+            f"{where} is empty: give a key, or none at all to serve this machine alone without one"
+        )
+    return given
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host names only this machine (127.0.0.1, ::1, localhost)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    addresses = {info[4][0].split("%")[0] for info in found}
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+
+
+def check_access(host: str, key: str | None, insecure: bool) -> str | None:
+    """UserError for listening beyond this machine with no key, unless insecure. Then the warning
+    to print. None when there is nothing to say."""
+    if key or is_loopback(host):
+        return None
+    if not insecure:
+        raise UserError(
+            f"--host {host} listens beyond this machine with no API key: give --api-key KEY (or "
+            f"${API_KEY_VARIABLE}), or --insecure-no-key to let anyone who can reach it use it"
+        )
+    return (
+        f"WARNING: --insecure-no-key: no API key is set and {host} listens beyond this machine: "
+        "anyone who can reach it can use the model"
+    )
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    args.api_key = api_key(args.api_key)
+    warning = check_access(args.host, args.api_key, args.insecure_no_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     try:
         import uvicorn
 

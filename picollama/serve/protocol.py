@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from picollama.cli.text import TextError, check_strings
+
 # Values that mean "off" for fields this server does not implement. Clients often send these
 # defaults, so they pass. Any other value is refused, naming the field.
 NEUTRAL = {
@@ -146,7 +148,16 @@ def read_json(raw: bytes) -> dict:
         raise bad(f"the request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, not {json_type(body)}")
+    check_texts(body)
     return body
+
+
+def check_texts(body: dict):
+    """ApiError naming the first field whose name or text is not UTF-8."""
+    try:
+        check_strings(body)
+    except TextError as e:
+        raise bad(str(e), e.path, "invalid_text") from None
 
 
 def json_type(value) -> str:

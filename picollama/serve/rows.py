@@ -3,7 +3,8 @@
 import time
 from functools import cached_property
 
-from picollama.chat_template import ChatTemplateError, encode_chat, render_chat, stop_ids
+from picollama.chat_content import chat_ids
+from picollama.chat_template import ChatTemplateError, stop_ids
 from picollama.cli import UserError
 from picollama.sampling.completion_text import ChoiceText
 from picollama.sampling.memory import check_memory
@@ -17,10 +18,12 @@ DEFAULT_TEXT_TOKENS = 16  # OpenAI's default max_tokens for a (legacy) completio
 
 class ServedModel:
     """A loaded model, its tokenizer and chat template, under the name clients call it by; `free`:
-    the bytes of memory beside its weights (None: unknown). `engine` is set by the server."""
+    the bytes of memory beside its weights (None: unknown). `engine` is set by the server.
+    special_in_content: special tokens' text in messages becomes those tokens (trusted inputs)."""
 
     def __init__(self, model, tokenizer, template: str, name: str, free: int | None = None):
         self.model, self.tokenizer, self.template = model, tokenizer, template
+        self.special_in_content = False
         self.name, self.free = name, free
         self.context = model.args.max_seq_len
         self.created = int(time.time())
@@ -91,10 +94,10 @@ class ServedModel:
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         self.check_characters(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = render_chat(self.template, messages, self.tokenizer)
+            trusted = self.special_in_content
+            return chat_ids(self.tokenizer, self.template, messages, trusted)[1]
         except ChatTemplateError as e:
             raise bad(str(e), "messages") from None
-        return encode_chat(self.tokenizer, text)
 
     def text_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
