@@ -56,12 +56,15 @@ def check_not_empty(path: Path):
 
 def first_shape(path: Path) -> str | None:
     """ "messages" or "conversations" where the file's first JSON object (among its first lines)
-    holds that key, else None."""
+    holds that key, else None. A line with a number too long to read is refused, naming it: taken
+    for no JSON, it made a file of conversations read as text."""
     with open(path, encoding="utf-8", errors="replace") as file:
-        for _, line in zip(range(PEEK_LINES), file):
+        for number, line in zip(range(1, PEEK_LINES + 1), file):
             try:
                 record = json.loads(line)
-            except ValueError:
+            except ValueError as e:
+                if problem := too_long_number(e, f"{path} line {number}"):
+                    raise problem from None
                 continue
             if isinstance(record, dict):
                 return next((key for key in SHAPES if key in record), None)

@@ -248,7 +248,10 @@ def record_texts(datasets, load_args: tuple, load_kwargs: dict, text_field: str,
     try:
         for record in records:
             if record.get(text_field) is None and any(record.get(k) for k in CHAT_KEYS):
-                raise mixed_kinds(files, what) or UserError(f"{what}: a conversation among texts")
+                raise mixed_kinds(files, what) or UserError(
+                    f"{what}: a conversation among text records; a chat dataset is .jsonl files "
+                    "of conversations alone"
+                )
             yield record_text(record, text_field, what)
     except UserError:
         raise

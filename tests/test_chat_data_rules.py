@@ -120,3 +120,16 @@ def test_an_empty_file_and_a_long_number_name_their_cause(tmp_path):
     source = write_lines(tmp_path / "n.jsonl", [CHAT, line])
     with pytest.raises(UserError, match="n.jsonl line 2: a number too long to read"):
         list(read_conversations([source]))
+    first = write_lines(tmp_path / "first.jsonl", [line, CHAT])  # was read as text records
+    with pytest.raises(UserError, match="first.jsonl line 1: a number too long to read"):
+        conversation_files(str(first))
+
+
+def test_a_conversation_in_a_json_file_says_chat_data_is_jsonl(tmp_path, capsys):
+    """It said only "a conversation among texts"."""
+    source = tmp_path / "one.json"
+    source.write_text(json.dumps(CHAT))
+    out = tmp_path / "out"
+    code = run_command(prepare_command.main, ["--source", str(source), "--out", str(out)])
+    assert code != 0 and not out.exists()
+    assert "a chat dataset is .jsonl files of conversations alone" in capsys.readouterr().err

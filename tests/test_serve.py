@@ -427,6 +427,28 @@ def test_a_client_that_leaves_mid_body_is_one_line_in_the_log(server):
     assert server.health()["status"] == "ok"
 
 
+def test_a_request_that_is_not_http_is_a_400_in_openais_shape(server):
+    """A negative Content-Length or a broken header was uvicorn's plain-text 400."""
+    import socket
+
+    port = int(server.url.rsplit(":", 1)[1].strip("/"))
+    for head in [
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n{}",
+        "GET / HTTP/1.1\r\nHost x\r\n\r\n",
+    ]:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head.encode())
+            answer = b""
+            while chunk := sock.recv(4096):
+                answer += chunk
+        status, _, body = answer.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 400") and b"application/json" in status, answer
+        error = json.loads(body)["error"]
+        assert error["message"] == "the request is not valid HTTP/1.1", error
+        assert set(error) == {"message", "type", "param", "code"}
+    assert server.health()["status"] == "ok"
+
+
 def test_the_engine_batches_the_oldest_first_and_frees_the_places_of_clients_gone():
     import asyncio
 

@@ -9,11 +9,13 @@ import logging
 from pathlib import Path
 
 import anyio
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from picollama.serve import responses as shapes
 from picollama.serve.engine import Finished, Job, QueueFull
@@ -85,6 +87,24 @@ class Server(uvicorn.Server):
     def handle_exit(self, sig, frame):
         self.engine.close()
         super().handle_exit(sig, frame)
+
+
+class Http(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, answering a request it cannot parse (a negative Content-Length,
+    a broken header) in OpenAI's error shape rather than as plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        response = error_response(
+            ApiError(400, "the request is not valid HTTP/1.1", code="bad_http")
+        )
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=response.body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 class BearerKey:

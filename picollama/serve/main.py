@@ -256,7 +256,7 @@ def main(argv: list[str]) -> int:
     try:
         import uvicorn
 
-        from picollama.serve.app import Server, create_app
+        from picollama.serve.app import Http, Server, create_app
     except ImportError as e:
         raise UserError(f"serving needs {e.name}: pip install -e '.[serve]'") from None
     sock = listening_socket(args.host, args.port)  # A busy port fails before the slow load.
@@ -271,6 +271,7 @@ def main(argv: list[str]) -> int:
     )
     config = uvicorn.Config(
         create_app(served, args.api_key),
+        http=Http,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=3,
