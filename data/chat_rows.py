@@ -11,7 +11,13 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 
 from data.tokenizer import HFTokenizer, prompt_start
-from picollama.chat_content import clipped, encode_content_chat, encode_text, render_content
+from picollama.chat_content import (
+    clipped,
+    encode_content_chat,
+    encode_text,
+    marked_spans,
+    render_content,
+)
 from picollama.chat_template import (
     ChatTemplateError,
     checked_messages,
@@ -113,7 +119,7 @@ def generation_spans(tokenizer, template: str, messages: list, trained: list[boo
         add_generation_prompt=False,
         **special_tokens(tokenizer),
     )
-    plain, spans = marked_spans(marked)
+    plain, spans = block_spans(marked)
     if plain != text:
         raise ChatTemplateError("the template's {% generation %} blocks change what it writes")
     replies = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
@@ -127,23 +133,14 @@ def generation_spans(tokenizer, template: str, messages: list, trained: list[boo
     return text, [span for span, i in zip(spans, replies) if trained[i]]
 
 
-def marked_spans(marked: str) -> tuple[str, list[tuple[int, int]]]:
-    """The text without the OPEN/CLOSE marks, and the (start, end) of each marked part."""
-    parts, spans, start, size = [], [], None, 0
-    for part in re.split(f"([{OPEN}{CLOSE}])", marked):
-        if part in (OPEN, CLOSE) and (part == OPEN) != (start is None):
-            raise ChatTemplateError(
-                "{% generation %} blocks nest, or a message holds U+FDD0 or U+FDD1"
-            )
-        if part == OPEN:
-            start = size
-        elif part == CLOSE:
-            spans.append((start, size))
-            start = None
-        else:
-            parts.append(part)
-            size += len(part)
-    return "".join(parts), spans
+def block_spans(marked: str) -> tuple[str, list[tuple[int, int]]]:
+    """The text without the {% generation %} marks, and the (start, end) of each marked part."""
+    try:
+        return marked_spans(marked, OPEN, CLOSE)
+    except ValueError:
+        raise ChatTemplateError(
+            "{% generation %} blocks nest, or a message holds U+FDD0 or U+FDD1"
+        ) from None
 
 
 class _Marked(Extension):

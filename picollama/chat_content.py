@@ -138,19 +138,29 @@ def marked_message(value, pattern: re.Pattern):
     return value
 
 
-def unmarked(marked: str) -> tuple[str | None, list[tuple[int, int]]]:
-    """The text without its OPEN/CLOSE marks and the (start, end) of each marked part. None for
-    marks out of order."""
+def marked_spans(marked: str, open_mark: str, close_mark: str) -> tuple[str, list[tuple[int, int]]]:
+    """The text without its marks, and the (start, end) of each marked part. ValueError for marks
+    out of order (nested, or one left open)."""
     parts, spans, start, size = [], [], None, 0
-    for part in re.split(f"([{OPEN}{CLOSE}])", marked):
-        if part in (OPEN, CLOSE) and (part == OPEN) != (start is None):
-            return None, []
-        if part == OPEN:
+    for part in re.split(f"([{open_mark}{close_mark}])", marked):
+        if part in (open_mark, close_mark) and (part == open_mark) != (start is None):
+            raise ValueError("marks out of order")
+        if part == open_mark:
             start = size
-        elif part == CLOSE:
+        elif part == close_mark:
             spans.append((start, size))
             start = None
         else:
             parts.append(part)
             size += len(part)
-    return ("".join(parts), spans) if start is None else (None, [])
+    if start is not None:
+        raise ValueError("a mark left open")
+    return "".join(parts), spans
+
+
+def unmarked(marked: str) -> tuple[str | None, list[tuple[int, int]]]:
+    """marked_spans with this module's marks. None for marks out of order."""
+    try:
+        return marked_spans(marked, OPEN, CLOSE)
+    except ValueError:
+        return None, []
