@@ -384,3 +384,11 @@ def test_the_readme_tree_is_at_most_60_lines_and_names_each_folder_and_leaf():
     missing = [f"{name}/" for name in sorted(folders) if f" {name}/" not in text]
     missing += [f"{leaf}.py" for leaf in sorted(ROOT_LEAVES - {"__init__"}) if leaf not in text]
     assert not missing, f"README.md's tree does not name {missing}"
+
+
+def test_the_readme_tree_names_every_module_of_each_folder():
+    # a line a folder, then its files: a new module is a new name on its folder's lines
+    words = set(re.findall(r"\w+", "\n".join(readme_tree())))
+    modules = [Path(p) for p in tracked("*.py") if p.startswith(("picollama/", "data/"))]
+    missing = [str(m) for m in modules if m.stem not in words | {"__init__", "__main__"}]
+    assert not missing, f"README.md's tree does not name {missing}"
