@@ -153,8 +153,8 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     # The first step waits for the compiler. Say so, or the run looks stuck.
     compiling = "; compiling its first step (~30 s the first time)" if cfg.train.compile else ""
     log.say(f"model: {sizes}; {data.line}; device {dist.device}{compiling}{resuming}")
-    if given_up(cfg.model):
-        log.say(given_up(cfg.model))
+    if note := given_up(cfg.model):
+        log.say(note)
     if fine_tune:  # Measure where it starts from.
         with budget.timed("eval", final=True):
             validate(model, data, log, 0, run_dir)

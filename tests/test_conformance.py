@@ -402,15 +402,20 @@ def test_to_hf_loads_in_transformers_with_our_logits_and_template(runs, name):
     assert rendered == render_chat(template, CHAT, tokenizer)
 
 
-@pytest.mark.parametrize("name", TEXT)
-def test_hf_tokenizer_encodes_as_ours(runs, name):
-    """On the held-out split and the Unicode set, plain text (special tokens not parsed)."""
+def hf_tokenizers(runs, name: str):
+    """(run, our tokenizer, the HF export's tokenizer), special tokens not parsed from text."""
     transformers = pytest.importorskip("transformers")
     run = runs.run(name)
-    sp = our_tokenizer(run)
     theirs = transformers.AutoTokenizer.from_pretrained(
         runs.export(name, "to-hf")[1], split_special_tokens=True
     )
+    return run, our_tokenizer(run), theirs
+
+
+@pytest.mark.parametrize("name", TEXT)
+def test_hf_tokenizer_encodes_as_ours(runs, name):
+    """On the held-out split and the Unicode set, plain text (special tokens not parsed)."""
+    run, sp, theirs = hf_tokenizers(runs, name)
     differ = []
     for text in texts(run):
         if not spells_a_piece(sp, text):
@@ -422,12 +427,7 @@ def test_hf_tokenizer_encodes_as_ours(runs, name):
 @pytest.mark.parametrize("name", known(TEXT, HF_FAILURES))
 def test_hf_tokenizer_reads_spelled_pieces_as_text(runs, name):
     """Text that spells <s> or <0x41> is those characters, as in sentencepiece."""
-    transformers = pytest.importorskip("transformers")
-    run = runs.run(name)
-    sp = our_tokenizer(run)
-    theirs = transformers.AutoTokenizer.from_pretrained(
-        runs.export(name, "to-hf")[1], split_special_tokens=True
-    )
+    run, sp, theirs = hf_tokenizers(runs, name)
     spelled = [text for text in texts(run) if spells_a_piece(sp, text)]
     assert spelled
     for text in spelled:
