@@ -14,16 +14,17 @@ from picollama.cli.flags import ArgumentParser, add_compile, add_device, add_run
 from picollama.components.length import stretched
 from picollama.components.registry import ROPE_SCALINGS
 from picollama.device import check_compiler, memory_bytes, pick_device
-from picollama.sampling.caches import (
+from picollama.kernels.caches import (
     KV_CACHES,
     Sinks,
     add_kv_cache_flag,
     check_sink_cache,
     check_sinks,
 )
+from picollama.kernels.load import fast_step, load_to_sample
+from picollama.kernels.quantize import QUANTIZATIONS
 from picollama.sampling.chat import add_chat_flags, chat_command, check_chat_flags
 from picollama.sampling.decode import SCALING_METHODS, check_length
-from picollama.sampling.load import fast_step, load_to_sample
 from picollama.sampling.memory import check_memory, free_bytes, prompt_file_limit
 from picollama.sampling.prompts import (
     check_prompt_flags,
@@ -31,7 +32,6 @@ from picollama.sampling.prompts import (
     print_samples,
     read_prompts,
 )
-from picollama.sampling.quantize import QUANTIZATIONS
 from picollama.sampling.sampler import Sampling
 
 # ---------------------------------------------------------------- the sampling command

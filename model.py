@@ -344,7 +344,7 @@ class Transformer(nn.Module):
             nn.init.normal_(p, mean=0.0, std=std)
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype=None, cache=KVCache):
-        """A KV cache of class `cache` (the caller's: picollama.sampling.caches has int8's) for
+        """A KV cache of class `cache` (the caller's: picollama.kernels.caches has int8's) for
         max_batch_size sequences of max_seq_len tokens, of `dtype` (None: the activations')."""
         weight = self.tok_embeddings.weight  # the activations' dtype and device
         shape = (max_batch_size, self.args.n_kv_heads, max_seq_len, self.args.head_dim)

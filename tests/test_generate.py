@@ -15,11 +15,11 @@ from data.tokenizer_training import train_tokenizer
 from model import ModelArgs, Transformer
 from picollama.cli.command import run_command
 from picollama.components.length import stretched
+from picollama.kernels.caches import KV_CACHES
+from picollama.kernels.load import fast_step
 from picollama.run_files import load_model, model_from_state_dict, save_model
 from picollama.sampling import decode as decoding
-from picollama.sampling.caches import KV_CACHES
 from picollama.sampling.decode import DecodeOptions, decode_steps
-from picollama.sampling.load import fast_step
 from picollama.sampling.prompts import TextStream
 from picollama.sampling.sampler import Sampling
 
@@ -163,8 +163,8 @@ def test_the_thread_timing_stays_within_its_budget(one_thread):
     on two threads of a busy CPU) is timed in a few calls, not 5 rounds of 16."""
     import time
 
-    from picollama.sampling.fused_step import DecodeStep
-    from picollama.sampling.timing import step_seconds
+    from picollama.kernels.fused_step import DecodeStep
+    from picollama.kernels.timing import step_seconds
 
     model = make_model()
     fast = DecodeStep(model)

@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from model import ModelArgs, Transformer, apply_rotary, rope_frequencies, rope_rotations
+from picollama.kernels.caches import quantize_rows, setup_cache
+from picollama.kernels.decode_ops import cpu_isa, decode_ops, isa_class
+from picollama.kernels.fused_step import DecodeStep, RowDot, projection
+from picollama.kernels.quantize import Int4Linear, Int8Linear, Int8RowDot, quantize
+from picollama.kernels.timing import compiled_unless_slower, pick_step, tune_threads
 from picollama.sampling import decode as decoding
-from picollama.sampling.caches import quantize_rows, setup_cache
 from picollama.sampling.decode import DecodeOptions
-from picollama.sampling.decode_ops import cpu_isa, decode_ops, isa_class
-from picollama.sampling.fused_step import DecodeStep, RowDot, projection
-from picollama.sampling.quantize import Int4Linear, Int8Linear, Int8RowDot, quantize
 from picollama.sampling.sampler import Sampling
-from picollama.sampling.timing import compiled_unless_slower, pick_step, tune_threads
 
 # tiny models on one thread throughout (conftest.one_thread: two stall each other on a busy 2-core
 # machine, 5-50x slower here); the compiled steps are compiled for one thread as before

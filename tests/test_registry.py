@@ -70,7 +70,7 @@ def test_the_config_offers_each_tables_keys():
 
 def test_the_flags_offer_each_tables_keys():
     import generate
-    from picollama.sampling.caches import KV_CACHES
+    from picollama.kernels.caches import KV_CACHES
     from picollama.sampling.decode import SCALING_METHODS
     from picollama.serve import main as serve_main
 

@@ -21,9 +21,9 @@ from picollama.cli import UserError
 from picollama.cli.command import run_command
 from picollama.convert import cache as import_cache
 from picollama.convert import main as convert
+from picollama.kernels.caches import Sinks
 from picollama.run_files import load_run
 from picollama.sampling import memory as memory_budget
-from picollama.sampling.caches import Sinks
 from picollama.sampling.decode import DecodeOptions, TokenRing
 from picollama.sampling.decode import generate as sample_rows
 from picollama.sampling.prompts import TextStream

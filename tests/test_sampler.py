@@ -12,9 +12,9 @@ import torch
 
 from model import ModelArgs, Transformer
 from picollama.cli.flags import SEEDS
-from picollama.sampling.caches import Sinks
+from picollama.kernels.caches import Sinks
+from picollama.kernels.fused_step import DecodeStep
 from picollama.sampling.decode import DecodeOptions, decode_rows, generate
-from picollama.sampling.fused_step import DecodeStep
 from picollama.sampling.rows import Row
 from picollama.sampling.sampler import Sampler, Sampling
 from picollama.sampling.slots import Slots

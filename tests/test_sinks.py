@@ -8,11 +8,11 @@ import torch
 import generate
 from model import ModelArgs, Transformer, apply_rotary, rope_rotations
 from picollama.cli.command import run_command
+from picollama.kernels.caches import SinkCache, Sinks
+from picollama.kernels.fused_step import DecodeStep
 from picollama.run_files import save_model
 from picollama.sampling import decode as decoding
-from picollama.sampling.caches import SinkCache, Sinks
 from picollama.sampling.decode import DecodeOptions
-from picollama.sampling.fused_step import DecodeStep
 from picollama.sampling.sampler import Sampling
 
 TINY = dict(

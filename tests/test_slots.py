@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from model import ModelArgs, Transformer
+from picollama.kernels.decode_ops import decode_ops
+from picollama.kernels.fused_step import DecodeStep
 from picollama.sampling.decode import decode_rows
-from picollama.sampling.decode_ops import decode_ops
-from picollama.sampling.fused_step import DecodeStep
 from picollama.sampling.rows import Row
 from picollama.sampling.sampler import Sampling
 from picollama.sampling.slots import SHORTEST_CACHE, Slots

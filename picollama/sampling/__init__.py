@@ -1,3 +1,3 @@
-"""Sampling from a trained model: loading a run to sample, the KV caches, the fused one-token step
-and its C++ kernels, quantization, the decode loop and its sampler, the terminal chat.
-generate.py and the server both decode through here. Nothing here speaks HTTP."""
+"""Sampling from a loaded model: the decode loop and its sampler, continuous batching's rows and
+slots, prompts, and the terminal chat. generate.py and the server both decode through here. The
+steps it calls live in kernels/. Nothing here speaks HTTP."""

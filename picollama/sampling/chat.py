@@ -12,9 +12,9 @@ from picollama.cli import UserError
 from picollama.cli.flags import ArgumentParser, utf8_argument
 from picollama.cli.text import checked_text
 from picollama.device import check_compiler, memory_bytes, pick_device
-from picollama.sampling.caches import KV_CACHES
+from picollama.kernels.caches import KV_CACHES
+from picollama.kernels.load import fast_step, load_to_sample
 from picollama.sampling.decode import DecodeOptions, generate
-from picollama.sampling.load import fast_step, load_to_sample
 from picollama.sampling.memory import check_memory, free_bytes
 from picollama.sampling.prompts import TextStream
 from picollama.sampling.sampler import Sampling

@@ -23,7 +23,7 @@ from model import Transformer
 from picollama.cli.flags import SEEDS
 from picollama.components.length import length_dependent, length_problem, needs_scaling
 from picollama.components.registry import ROPE_SCALINGS
-from picollama.sampling.caches import SinkCache, Sinks, setup_cache
+from picollama.kernels.caches import SinkCache, Sinks, setup_cache
 from picollama.sampling.rows import Row, RowState, hand_over
 from picollama.sampling.sampler import Sampler, Sampling
 

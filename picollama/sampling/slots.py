@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from picollama.sampling.caches import setup_cache
+from picollama.kernels.caches import setup_cache
+from picollama.kernels.fused_step import DecodeStep, cache_tensors
 from picollama.sampling.decode import prefill
-from picollama.sampling.fused_step import DecodeStep, cache_tensors
 from picollama.sampling.rows import Row, RowState, hand_over
 from picollama.sampling.sampler import Sampler
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from picollama.cli.command import one_line
+from picollama.kernels.fused_step import DecodeStep
 from picollama.sampling.completion_text import ChoiceText, Entry
 from picollama.sampling.decode import DecodeOptions, decode_rows
-from picollama.sampling.fused_step import DecodeStep
 from picollama.sampling.rows import Row, Token
 from picollama.sampling.slots import Slots, padded_batch
 

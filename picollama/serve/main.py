@@ -13,8 +13,8 @@ from pathlib import Path
 
 from picollama.cli import UserError
 from picollama.cli.flags import ArgumentParser, add_compile, add_device, add_run, positive
-from picollama.sampling.caches import KV_CACHES, add_kv_cache_flag
-from picollama.sampling.quantize import QUANTIZATIONS
+from picollama.kernels.caches import KV_CACHES, add_kv_cache_flag
+from picollama.kernels.quantize import QUANTIZATIONS
 
 API_KEY_VARIABLE = "PICOLLAMA_API_KEY"
 
@@ -110,8 +110,8 @@ def load(args):
     from picollama.chat_template import compiled, load_chat_template
     from picollama.convert.main import imported_run
     from picollama.device import check_compiler, memory_bytes, pick_device
+    from picollama.kernels.load import fast_step, load_to_sample
     from picollama.run_files import is_gguf_file
-    from picollama.sampling.load import fast_step, load_to_sample
     from picollama.sampling.memory import free_bytes
     from picollama.serve.engine import Engine
     from picollama.serve.rows import ServedModel

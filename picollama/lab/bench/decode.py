@@ -22,6 +22,9 @@ from picollama.cli.command import run_command
 from picollama.cli.flags import add_compile, comma_list, positive
 from picollama.convert.main import imported_run
 from picollama.device import cpu_has_bf16
+from picollama.kernels.caches import setup_cache
+from picollama.kernels.fused_step import DecodeStep
+from picollama.kernels.quantize import int8_dtype, quantize
 from picollama.lab.bench import common
 from picollama.lab.bench.decode_report import (
     FP32_DECODERS,
@@ -34,10 +37,7 @@ from picollama.lab.bench.decode_report import (
 )
 from picollama.lab.bench.llamacpp import LlamaCpp, gguf_type, llama_cpp_decoders
 from picollama.run_files import load_run, read_tokenizer
-from picollama.sampling.caches import setup_cache
 from picollama.sampling.decode import DecodeOptions, generate
-from picollama.sampling.fused_step import DecodeStep
-from picollama.sampling.quantize import int8_dtype, quantize
 from picollama.sampling.sampler import Sampling
 
 

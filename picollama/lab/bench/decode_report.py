@@ -8,8 +8,8 @@ import torch
 
 from model import ModelArgs
 from picollama.cli import UserError
+from picollama.kernels.decode_ops import cpu_isa
 from picollama.lab.bench import common
-from picollama.sampling.decode_ops import cpu_isa
 
 FP32_DECODERS = ("ours_fused_eager", "ours_compiled")  # Prefixes of our fp32 fused steps.
 

@@ -15,10 +15,10 @@ from picollama.cli import UserError
 from picollama.cli.command import run_command
 from picollama.cli.flags import add_run, positive
 from picollama.convert.main import imported_run
+from picollama.kernels.quantize import int8_dtype, quantize
 from picollama.lab.bench import common
 from picollama.lab.text_track import check_same_tokenizer
 from picollama.run_files import load_model
-from picollama.sampling.quantize import int8_dtype, quantize
 
 PRECISIONS = {
     "fp32": (torch.float32, "none"),

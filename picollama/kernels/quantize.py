@@ -9,8 +9,8 @@ from torch import nn
 
 from model import Transformer
 from picollama.device import cpu_has_bf16
-from picollama.sampling.caches import quantize_rows
-from picollama.sampling.decode_ops import decode_ops
+from picollama.kernels.caches import quantize_rows
+from picollama.kernels.decode_ops import decode_ops
 
 QUANTIZATIONS = ("none", "int8", "int4")
 

@@ -17,9 +17,9 @@ from model import KVCache, Transformer, apply_rotary, sdpa_attention
 from picollama.cli.outputs import atomic_output
 from picollama.components.length import length_dependent
 from picollama.components.variants import non_llama
-from picollama.sampling.caches import Int8KVCache, quantize_rows
-from picollama.sampling.decode_ops import cpu_isa, decode_ops
-from picollama.sampling.quantize import Concatenated, Int4Linear, Int8Linear, Int8RowDot
+from picollama.kernels.caches import Int8KVCache, quantize_rows
+from picollama.kernels.decode_ops import cpu_isa, decode_ops
+from picollama.kernels.quantize import Concatenated, Int4Linear, Int8Linear, Int8RowDot
 
 # Inductor options for the compiled decode step (DecodeStep.compile_step). The weights stay out
 # of the package, since the step reads the model's own. Setting realize_acc_reads_threshold=1

@@ -10,9 +10,9 @@ import time
 import torch
 
 from model import Transformer
-from picollama.sampling.caches import setup_cache
-from picollama.sampling.decode_ops import cpu_isa
-from picollama.sampling.fused_step import DecodeStep
+from picollama.kernels.caches import setup_cache
+from picollama.kernels.decode_ops import cpu_isa
+from picollama.kernels.fused_step import DecodeStep
 
 # What step_seconds may spend timing, beyond its warm-up. Small models get blocks of 16 calls,
 # since a batch-1 step of 8M parameters takes ~2 ms. A 135M model gets blocks of 2, at 15-30 ms a

@@ -1,4 +1,4 @@
-// The compiled CPU decode step's own ops, for picollama/sampling/fused_step.py.
+// The compiled CPU decode step's own ops, for picollama/kernels/fused_step.py.
 // decode_ops.py builds them.
 //
 // decode_attention(q, k_cache, v_cache, length, k_scale, v_scale) -> (B, H, D) float32.

@@ -11,10 +11,10 @@ from model import Transformer
 from picollama.components.length import length_dependent
 from picollama.components.variants import non_llama
 from picollama.device import pick_dtype
+from picollama.kernels.fused_step import DecodeStep
+from picollama.kernels.quantize import quantize
+from picollama.kernels.timing import compiled_unless_slower, tune_threads
 from picollama.run_files import load_run
-from picollama.sampling.fused_step import DecodeStep
-from picollama.sampling.quantize import quantize
-from picollama.sampling.timing import compiled_unless_slower, tune_threads
 
 
 def load_to_sample(args, device: torch.device) -> tuple[Transformer, object, torch.dtype]:

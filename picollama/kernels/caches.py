@@ -6,7 +6,7 @@ How to add a KV-cache type (a --kv-cache choice):
   of generate.py and the server (add_kv_cache_flag), chat and setup_cache read the table.
 - One stored with more than keys and values (int8 keeps scales): its class here, like
   Int8KVCache, its line in KV_CACHES, and its dtype's line in CACHE_CLASSES. Then
-  picollama/sampling/fused_step.py must write and read it: cache_tensors, cached_attention.
+  picollama/kernels/fused_step.py must write and read it: cache_tensors, cached_attention.
   --sink-tokens refuses it by itself (check_sink_cache).
 decode_ops.cpp reads only float32, bfloat16 and int8 caches. The fused step attends to any other
 with SDPA, so the C++ kernel is optional. So are tests/test_generate.py's kv-cache cases and
