@@ -206,9 +206,10 @@ def add_sampling_flags(parser: ArgumentParser):
     parser.add_argument(
         "--quantize",
         choices=QUANTIZATIONS,
-        default="none",
-        help="int8: weight-only int8 with per-channel scales; int4 (CPU): 4-bit in groups of 32 "
-        "(default none; bfloat16 weights: --dtype bfloat16)",
+        default="auto",
+        help="weights: int8 with per-channel scales; int4 (CPU): 4-bit in groups of 32; q8_0, "
+        "q4_0, q4_1 (CPU): llama.cpp's block formats; none: float (default auto: a GGUF file's "
+        "own format, else none)",
     )
     add_kv_cache_flag(parser)
 

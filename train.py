@@ -28,7 +28,7 @@ from picollama.cli.outputs import exclusive
 from picollama.components.variants import given_up
 from picollama.config.checks import check_config
 from picollama.config.training import Config, parse_cli
-from picollama.device import Dist, check_compiler, keep_freed_memory, peak_flops
+from picollama.device import CoreShare, Dist, check_compiler, keep_freed_memory, peak_flops
 from picollama.training.budget import Budget, run_length
 from picollama.training.checks import check_memory, check_out_dir, check_packing, init_from_weights
 from picollama.training.cpu_attention import cpu_training_attention
@@ -37,12 +37,20 @@ from picollama.training.dataset import (
     DataSource,
     check_dataset,
     data_source,
+    epoch_length,
     next_rows,
     spread,
 )
-from picollama.training.metrics import RunLog, Throughput, check_wandb, flops_per_token, memory_gb
+from picollama.training.metrics import (
+    Pace,
+    RunLog,
+    Throughput,
+    check_wandb,
+    flops_per_token,
+    memory_gb,
+)
 from picollama.training.optim import decay_start, lr_at, set_weight_decay, weight_decay_at
-from picollama.training.resume import check_tokenizer, checkpoints, resume_point
+from picollama.training.resume import check_tokenizer, checkpoints, resume_point, steps_left
 from picollama.training.state import load_checkpoint, save_checkpoint, stopped
 from picollama.training.step import build_model, seed_everything, train_step
 from picollama.training.weight_average import WeightAverage, averaged
@@ -70,9 +78,12 @@ def log_step(log: RunLog, step: int, lr: float, losses: dict, grad_norm, clock: 
     log.bar.set_postfix(loss=f"{entry['loss']:.3f}", tok_s=tokens_per_s, lr=f"{lr:.2e}")
 
 
-def validate(model, data: DataSource, log: RunLog, step: int, run_dir: Path, interim: int = 0):
-    """Evaluate in eval mode, so without dropout, then record and say the metrics.
-    It reads `interim` batches spread over the split, or all with 0. A loss not finite stops it."""
+def validate(
+    model, data: DataSource, log: RunLog, step: int, run_dir: Path, interim: int = 0
+) -> float:
+    """Evaluate in eval mode, so without dropout, then record and say the metrics, and return the
+    loss. It reads `interim` batches spread over the split, or all with 0. A loss not finite stops
+    it."""
     batches = spread(data.val_batches, interim)
     model.eval()
     try:
@@ -86,6 +97,7 @@ def validate(model, data: DataSource, log: RunLog, step: int, run_dir: Path, int
     parts = [f.format(result[k]) for k, f in VALIDATION_FORMATS.items() if k in result]
     read = f" ({len(batches)} of {len(data.val_batches)} batches)" if part else ""
     log.say(f"step {step}: val loss{read} {result['val_loss']:.4f}, " + ", ".join(parts))
+    return result["val_loss"]
 
 
 def save(
@@ -134,6 +146,13 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
     max_steps, decay_start, budget = run_length(cfg, start, started)
     cfg = with_length(cfg, max_steps, decay_start)
     data = data_source(cfg, dist)
+    if cfg.train.epochs:  # The data's size decides the length.
+        max_steps, warmup, sized = epoch_length(cfg, data.loader)
+        cfg = with_length(
+            replace(cfg, optim=replace(cfg.optim, warmup_steps=warmup)), max_steps, None
+        )
+        if start is not None:
+            steps_left(start, max_steps, f"{sized} in all", "train.epochs")
     interim = len(spread(data.val_batches, cfg.eval.interim_batches))
     budget.evaluations(interim, len(data.val_batches), dist.world_size)
     if start is not None and data.tokenizer is not None:
@@ -148,16 +167,19 @@ def train(cfg: Config, resume: bool, dist: Dist, started: float):
         step = load_checkpoint(start, model, optimizer, data.loader, dist, average)
     else:
         step = 0
-    log = RunLog(cfg, run_dir, step, max_steps if budget.decided else None, dist.main)
+    log = RunLog(cfg, run_dir, step, cfg.train.max_steps if budget.decided else None, dist.main)
     resuming = f"; resuming at step {step}" if start else ""
     # The first step waits for the compiler. Say so, or the run looks stuck.
     compiling = "; compiling its first step (~30 s the first time)" if cfg.train.compile else ""
     log.say(f"model: {sizes}; {data.line}; device {dist.device}{compiling}{resuming}")
     if note := given_up(cfg.model):
         log.say(note)
-    if fine_tune:  # Measure where it starts from.
-        with budget.timed("eval", final=True):
-            validate(model, data, log, 0, run_dir)
+    if fine_tune or (start and cfg.train.early_stop):  # Measure where it starts from.
+        with budget.timed("eval", final=True), averaged(average):
+            loss = validate(model, data, log, step, run_dir)
+        log.held_out.note(step, loss, saved=not fine_tune)
+    if cfg.train.epochs:
+        log.pace = Pace(sized, cfg, step, sum(len(batch[0]) for batch in data.val_batches))
     with cpu_training_attention(dist.device):
         run_steps(cfg, model, optimizer, data, log, dist, step, budget, average)
     log.close()
@@ -171,7 +193,7 @@ def decide_length(
     if budget.batch_steps is None:
         with clock.paused():  # Timing an evaluation is not training time.
             budget.time_evaluation(model, data.val_batches[:3], dist)
-    decision = budget.decide(step, model, dist)
+    decision = budget.decide(step, model, dist, (cfg.train.max_steps, cfg.optim.decay_start))
     if decision is None:
         return cfg
     max_steps, decay_start, line = decision
@@ -190,8 +212,8 @@ def run_steps(
     budget,
     average: WeightAverage | None,
 ):
-    """Train from `step` to train.max_steps, logging, evaluating and saving when due. Until
-    `budget` has decided train.max_steps, it may do so at any step."""
+    """Train from `step` to train.max_steps or an early stop, logging, evaluating and saving when
+    due. Until `budget` has decided train.max_steps, it may do so at any step."""
     t = cfg.train  # Settings that stay. train.max_steps may change.
     run_dir = Path(t.out_dir)
     peak = peak_flops(dist.device, t.peak_tflops)
@@ -202,7 +224,10 @@ def run_steps(
     # the number of ranks.
     share = t.batch_size // dist.world_size
     rows = slice(dist.rank * share, (dist.rank + 1) * share)
-    while step < cfg.train.max_steps:
+    cores = CoreShare(dist.device)
+    while step < cfg.train.max_steps and not log.held_out.stopped:
+        if note := cores.check():
+            log.say(note)
         lr = lr_at(step, cfg)
         set_weight_decay(optimizer, weight_decay_at(step, cfg))
         x, y, inputs, targets = next_rows(data.loader, cfg, rows, dist.device)
@@ -216,7 +241,7 @@ def run_steps(
             raise stopped(f"{problem}; training stopped before applying that update", run_dir)
         step += 1
         clock.steps += 1
-        log.bar.update()
+        log.stepped(step)
         if average is not None:
             average.update(step, decay_start(cfg) if cfg.optim.schedule == "wsd" else 0)
         if budget.step_done(step):
@@ -231,7 +256,8 @@ def run_steps(
                 if evaluating:
                     interim = 0 if step == last else cfg.eval.interim_batches
                     with budget.timed("eval", final=not interim), averaged(average):
-                        validate(model, data, log, step, run_dir, interim)
+                        loss = validate(model, data, log, step, run_dir, interim)
+                    saving = log.held_out.saves(step, loss, last, saving)
                 if saving:  # The weights, and the average as the exported model.
                     with budget.timed("save"):
                         save(model, optimizer, data, cfg, dist, log, step, budget, average)

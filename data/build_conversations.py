@@ -74,14 +74,16 @@ class MaskWriter:
             written += len(chunk)
 
 
-def encode_block(tokenizer, template: str, records: list, special_in_content=False) -> list:
-    """(text, ids, mask) of each (where, messages) record. A UserError names the line of one the
-    template or tokenizer cannot mask. Special tokens' text in a message is plain text, unless
-    special_in_content."""
+def encode_block(
+    tokenizer, template: str, records: list, special_in_content=False, keep=None
+) -> list:
+    """(text, ids, mask) of each (where, messages) record, cut to its first `keep` tokens. A
+    UserError names the line of one the template or tokenizer cannot mask. Special tokens' text in
+    a message is plain text, unless special_in_content."""
     rows, trusted = [], special_in_content
     for where, messages in records:
         try:
-            text, ids, mask = encoded_conversation(tokenizer, template, messages, trusted)
+            text, ids, mask = encoded_conversation(tokenizer, template, messages, trusted, keep)
         except UserError as e:
             raise UserError(f"{where}: {e}") from None
         rows.append((text, np.array(ids, dtype=np.int64), np.array(mask, dtype=np.uint8)))
@@ -111,6 +113,7 @@ def commit_block(work: Path, progress: dict, rows: list, flags: list, writers: d
         writers[split].write(ids, lengths, sum(utf8_size(row[0]) for row in chosen))
         masks[split].write(mask)
         progress["supervised"][split] += int(mask.sum())
+        progress["at_keep"] += int((lengths == progress["keep_tokens"]).sum())
     progress["splits"] = {split: writer.state() for split, writer in writers.items()}
     write_json(work / "progress" / "progress.json", progress)
 
@@ -141,7 +144,8 @@ def encode_all(work: Path, progress: dict, tokenizer, template: str, writers: di
         for index, block, sizes, last in blocks:
             if index < progress["blocks"]:
                 continue
-            rows = encode_block(tokenizer, template, block, options["special_in_content"])
+            trusted, keep = options["special_in_content"], progress["keep_tokens"]
+            rows = encode_block(tokenizer, template, block, trusted, keep)
             if index == progress["blocks"]:  # First block this run: check room for all.
                 check_room(work, rows, sum(sizes), total - read, writers["train"].dtype)
             flags = held_out(splitter, index, rows, last)
@@ -150,6 +154,18 @@ def encode_all(work: Path, progress: dict, tokenizer, template: str, writers: di
             bar.update(sum(sizes))
     if not writers["train"].tokens + writers["val"].tokens:
         raise UserError(f"{options['source']}: no conversations (every line is blank)")
+
+
+def run_context(folder: Path) -> int | None:
+    """The context of the run whose tokenizer prepares the conversations: model.max_seq_len in its
+    config.json, or a Hugging Face config's max_position_embeddings. None where it names none."""
+    config = read_json(folder / "config.json")
+    if not isinstance(config, dict):
+        return None
+    model = config.get("model")
+    found = model.get("max_seq_len") if isinstance(model, dict) else None
+    found = found or config.get("max_position_embeddings")
+    return found if type(found) is int and found > 0 else None
 
 
 def build_dataset(out_dir: Path, work: Path, inputs: dict, model_proto: bytes, options) -> dict:
@@ -167,6 +183,8 @@ def build_dataset(out_dir: Path, work: Path, inputs: dict, model_proto: bytes, o
         read = progress["bytes_read"]
         print(f"resuming the interrupted preparation in {work} after {read:,} bytes")
     progress.setdefault("supervised", dict.fromkeys(SPLITS, 0))
+    progress.setdefault("at_keep", 0)
+    progress["keep_tokens"] = inputs.get("keep_tokens")
     config = inputs["tokenizer_config"]
     tokenizer = load_tokenizer(model_proto, work, config)
     dtype = np.dtype(np.uint16 if tokenizer.get_piece_size() <= 1 << 16 else np.uint32)
@@ -188,6 +206,8 @@ def build_dataset(out_dir: Path, work: Path, inputs: dict, model_proto: bytes, o
         "kind": "conversations",
         "conversations": conversations,
         "supervised_tokens": progress["supervised"],
+        # Those kept to their first inputs.keep_tokens tokens: longer ones, and any that long.
+        "conversations_at_keep": progress["at_keep"],
     }
     return finish(work, out_dir, writers, tokenizer, model_proto, meta)
 
@@ -201,10 +221,12 @@ def prepare_conversations(
     command=None,
     shard_tokens=SHARD_TOKENS,
     special_in_content=False,
+    context=None,
 ) -> Path:
     """Prepare a chat dataset directory from JSONL conversations and return its path. It uses the
     chat template and tokenizer of `tokenizer`, a run directory or its tokenizer file. Special
-    tokens' text in a message is plain text, unless special_in_content (trusted data)."""
+    tokens' text in a message is plain text, unless special_in_content (trusted data). A longer
+    conversation keeps `context` + 2 tokens (run_context by default), more than a row holds."""
     files = conversation_files(source)
     if files is None:
         raise UserError(f'{source}: no .jsonl records of "messages" or "conversations"')
@@ -229,6 +251,8 @@ def prepare_conversations(
         inputs["special_in_content"] = True
     model_proto = given_tokenizer(tokenizer, 0, inputs)
     folder = Path(tokenizer) if Path(tokenizer).is_dir() else Path(tokenizer).parent
+    if context := context or run_context(folder):
+        inputs["keep_tokens"] = context + 2  # A row holds train.seq_len + 1 <= context + 1.
     template = load_chat_template(folder)  # Its own, or the default for a run trained here.
     inputs["tokenizer_config"] = {**inputs.get("tokenizer_config", {}), "chat_template": template}
     with exclusive(out_dir):  # One writer at a time, from the check of what is there to the rename.
@@ -246,8 +270,18 @@ def prepare_conversations(
             "special_in_content": special_in_content,
         }
         target = resolved(out_dir)  # Never rename a folder over a link.
-        meta = build_dataset(target, partial_dir(target), inputs, model_proto, options)
-        trained = sum(meta["supervised_tokens"].values())
-        total = sum(meta["splits"][split]["tokens"] for split in SPLITS)
-        print(f"wrote {summary(out_dir, meta)}; {trained / total:.0%} of the tokens supervised")
+        report(out_dir, build_dataset(target, partial_dir(target), inputs, model_proto, options))
     return out_dir
+
+
+def report(out_dir: Path, meta: dict):
+    """What a preparation wrote, in a line, and a note of the conversations it kept short."""
+    trained = sum(meta["supervised_tokens"].values())
+    total = sum(meta["splits"][split]["tokens"] for split in SPLITS)
+    print(f"wrote {summary(out_dir, meta)}; {trained / total:.0%} of the tokens supervised")
+    if kept := meta.get("conversations_at_keep"):
+        keep = meta["inputs"]["keep_tokens"]
+        print(
+            f"note: {kept:,} conversation(s) kept to their first {keep:,} tokens, past any row "
+            f"of a context of {keep - 2:,} (--context); training cuts them to a row"
+        )

@@ -46,26 +46,42 @@ def conversation_ids(
 
 
 def encoded_conversation(
-    tokenizer, template: str, messages, special_in_content=False
+    tokenizer, template: str, messages, special_in_content=False, keep=None
 ) -> tuple[str, list[int], list[int]]:
-    """(text, ids, mask): the rendered conversation and conversation_ids' answer.
+    """(text, ids, mask): the rendered conversation and conversation_ids' answer, cut to its first
+    `keep` tokens where that is given (the text to what they spell, kept_text).
 
     A template's {% generation %} blocks mark the replies where it has them, as transformers'
     return_assistant_tokens_mask reads them. Else replies are found by prefixes (reply_spans). A
-    reply runs up to its end-of-turn token. The tokens are those of the whole text (masked_ids)."""
+    reply runs up to its end-of-turn token. The tokens are those of the whole text (masked_ids).
+    The first `keep` tokens and their mask are those of the whole conversation. Replies past them
+    are not looked for, so the work on a conversation of many turns grows with `keep`."""
     if not isinstance(messages, list | tuple):
         checked_messages(messages)  # Raises its error.
     trained = [trains(message) for message in messages]
     shown = [drop_train(message) for message in messages]
+    _, plain = render_content(template, shown, tokenizer, False, special_in_content)
     if GENERATION_TAG.search(template):
         text, spans = generation_spans(tokenizer, template, shown, trained)
-        ends = frozenset()
+        ends, whole = frozenset(), None
     else:
-        text, spans = reply_spans(tokenizer, template, shown, trained)
+        text = render_chat(template, shown, tokenizer, add_generation_prompt=False)
+        whole = encode_content_chat(tokenizer, text, plain)
+        long = keep is not None and len(whole) > keep
+        cut = Cut(tokenizer, text, whole, keep, plain) if long else None
+        spans = reply_spans(tokenizer, template, shown, trained, text, cut)
         ends = turn_ends(tokenizer, template)
-    _, plain = render_content(template, shown, tokenizer, False, special_in_content)
-    ids, mask = masked_ids(tokenizer, text, spans, ends, plain)
-    return text, ids, mask
+    ids, mask = masked_ids(tokenizer, text, spans, ends, plain, whole)
+    if keep is None or len(ids) <= keep:
+        return text, ids, mask
+    return kept_text(tokenizer, text, keep), ids[:keep], mask[:keep]
+
+
+def kept_text(tokenizer, text: str, keep: int) -> str:
+    """The text the first `keep` tokens spell, by the tokenizer's character offsets (the whole
+    text where it gives none). Its bytes are the dataset's bytes of a conversation cut there."""
+    found = offset_ids(tokenizer, text)
+    return text if found is None or len(found[1]) < keep else text[: found[1][keep - 1][1]]
 
 
 def trains(message) -> bool:
@@ -81,12 +97,41 @@ def drop_train(message):
     return {key: value for key, value in message.items() if key != "train"}
 
 
-def reply_spans(tokenizer, template: str, messages: list, trained: list[bool]) -> tuple:
-    """(text, spans): the whole conversation rendered, and the (start, end) characters of each
-    trained reply. Take assistant message k. The messages before it, rendered with the generation
+class Cut:
+    """Where reply_spans stops: at the first reply with no token among the first `keep` of the
+    whole conversation's tokens (`whole`). Each later one has none either."""
+
+    def __init__(self, tokenizer, text: str, whole: list, keep: int, plain=()):
+        self.tokenizer, self.text, self.keep, self.plain = tokenizer, text, keep, plain
+        # Past the last character of the first `keep` tokens, by the tokenizer's offsets, where
+        # it gives them for these tokens. A reply starting there overlaps none of them.
+        found = None if plain else offset_ids(tokenizer, text)
+        self.at = max(end for _, end in found[1][:keep]) if found and found[0] == whole else None
+
+    def passed(self, spans: list, start: int) -> bool:
+        """Whether a reply starting at character `start` has no token among the first `keep`.
+        Without offsets, text[:start] must hold `keep` tokens as piecewise_ids encodes it (cut at
+        the spans' edges, BOS first): its tokens are then the whole's. A token holds a byte of
+        text at least, and a character 4 bytes at most, so text short of that is not encoded. A
+        normalization that grows the text would only make it stop later. Encoding the text again
+        at each reply costs what rendering it does."""
+        if self.at is not None:
+            return start >= self.at
+        if 4 * start + 2 * len(spans) + 2 < self.keep:
+            return False
+        plain = clipped(self.plain, 0, start)
+        ids, _ = piecewise_ids(self.tokenizer, self.text[:start], spans, frozenset(), plain)
+        return len(ids) >= self.keep
+
+
+def reply_spans(
+    tokenizer, template: str, messages: list, trained: list[bool], text: str, cut=None
+) -> list:
+    """The (start, end) characters of each trained reply in `text`, the whole conversation
+    rendered. Take assistant message k. The messages before it, rendered with the generation
     prompt, must start the rendering through k. That must start the whole. The difference is the
-    reply. Else a ChatTemplateError says "not prefix-stable"."""
-    text = render_chat(template, messages, tokenizer, add_generation_prompt=False)
+    reply. Else a ChatTemplateError says "not prefix-stable". Replies from the `cut` on are left
+    out, and so are the checks of their prefixes."""
     spans = []
     for k in (i for i, train in enumerate(trained) if train):
         if k == 0:
@@ -94,6 +139,8 @@ def reply_spans(tokenizer, template: str, messages: list, trained: list[bool]) -
                 'messages[0] is a reply, which nothing prompts; mark it "train": false'
             )
         prompt = render_chat(template, messages[:k], tokenizer, add_generation_prompt=True)
+        if cut is not None and cut.passed(spans, len(prompt)):
+            break
         upto = render_chat(template, messages[: k + 1], tokenizer, add_generation_prompt=False)
         stable = upto.startswith(prompt) and text.startswith(upto)
         if not stable or spans and len(prompt) < spans[-1][1]:
@@ -104,7 +151,7 @@ def reply_spans(tokenizer, template: str, messages: list, trained: list[bool]) -
                 "replies with {% generation %} tags in the template (tokenizer_config.json)"
             )
         spans.append((len(prompt), len(upto)))
-    return text, spans
+    return spans
 
 
 def generation_spans(tokenizer, template: str, messages: list, trained: list[bool]) -> tuple:
@@ -173,14 +220,17 @@ def turn_ends(tokenizer, template: str) -> frozenset[int]:
     return frozenset(stop_ids(tokenizer, template))
 
 
-def masked_ids(tokenizer, text: str, spans: list, ends: frozenset, plain=()) -> tuple[list, list]:
+def masked_ids(
+    tokenizer, text: str, spans: list, ends: frozenset, plain=(), whole=None
+) -> tuple[list, list]:
     """(ids, mask): the tokens encode_chat gives the text, and a mask of 1 on a span's tokens up
     to its last token in `ends`, if any. What follows a turn's end, such as ChatML's newline, is
     never generated. The text is encoded piece by piece, cut at span edges, where that gives the
     whole's tokens. A reply's tokens are then those a model writes after its prompt. Else the mask
     covers the whole's tokens that overlap a span (overlap_mask), as transformers does.
-    ChatTemplateError when the tokenizer gives no offsets. The `plain` spans are text."""
-    whole = encode_content_chat(tokenizer, text, plain)
+    ChatTemplateError when the tokenizer gives no offsets. The `plain` spans are text. `whole`:
+    the text's tokens where the caller has them already."""
+    whole = whole or encode_content_chat(tokenizer, text, plain)
     ids, mask = piecewise_ids(tokenizer, text, spans, ends, plain)
     if ids == whole:
         return ids, mask

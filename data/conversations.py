@@ -4,7 +4,7 @@ names the bad line."""
 import json
 from pathlib import Path
 
-from data.record_kinds import mixed_kinds, too_long_number
+from data.record_kinds import mixed_kinds, parsed_line
 from data.sources import local_files
 from picollama.cli import UserError
 from picollama.cli.text import check_strings, checked_bytes
@@ -23,6 +23,8 @@ SHAPES = {"messages": ("role", "content"), "conversations": ("from", "value")}
 # Roles and ShareGPT senders of tool calls and their results, which are not supported.
 TOOL_ROLES = ("tool", "function", "ipython", "function_call", "observation")
 KEPT_KEYS = ("name", "reasoning_content", "thinking", "reasoning")  # Passed on to the template.
+# What describe calls a JSON value of each Python type json.loads gives.
+JSON_KINDS = {str: "string", int: "number", float: "number", bool: "boolean", list: "array"}
 PEEK_LINES = 100  # Lines read for the first JSON record, which tells what a .jsonl holds.
 
 
@@ -56,15 +58,15 @@ def check_not_empty(path: Path):
 
 def first_shape(path: Path) -> str | None:
     """ "messages" or "conversations" where the file's first JSON object (among its first lines)
-    holds that key, else None. A line with a number too long to read is refused, naming it: taken
-    for no JSON, it made a file of conversations read as text."""
+    holds that key, else None. A line with a number too long to read, or nested too deep, is
+    refused, naming it: taken for no JSON, it made a file of conversations read as text."""
     with open(path, encoding="utf-8", errors="replace") as file:
         for number, line in zip(range(1, PEEK_LINES + 1), file):
             try:
-                record = json.loads(line)
-            except ValueError as e:
-                if problem := too_long_number(e, f"{path} line {number}"):
-                    raise problem from None
+                record = parsed_line(line, f"{path} line {number}")
+            except UserError:
+                raise
+            except ValueError:
                 continue
             if isinstance(record, dict):
                 return next((key for key in SHAPES if key in record), None)
@@ -103,10 +105,10 @@ def checked_record(line: str, where: str) -> list[dict]:
     """A record's messages, OpenAI-shaped and checked: roles, text content, an assistant turn to
     train. A UserError names the line and the problem."""
     try:
-        record = json.loads(line)
+        record = parsed_line(line, where)
+    except UserError:
+        raise
     except ValueError as e:
-        if problem := too_long_number(e, where):
-            raise problem from None
         raise UserError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
     check_strings(record, where)  # A "\ud800" escape decodes to a lone surrogate.
     keys = [key for key in SHAPES if isinstance(record, dict) and key in record]
@@ -134,7 +136,8 @@ def describe(record) -> str:
     if isinstance(record, dict):
         keys = ", ".join(json.dumps(key) for key in list(record)[:6])
         return f"the keys {keys}" if keys else "no key"
-    return f"a JSON {type(record).__name__}"
+    kind = "null" if record is None else JSON_KINDS.get(type(record), type(record).__name__)
+    return f"a JSON {kind}"
 
 
 def checked_message(turn, where: str, shape: str) -> dict:

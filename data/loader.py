@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.shard_values import check_ids, check_mask, read_offsets
 from data.shards import docs_name, mask_name, split_shards
 from data.tokenizer import same_tokenizer, tokenizer_file, tokenizer_sha256
 from picollama.cli import UserError
@@ -19,18 +20,24 @@ SPLITS = ("train", "val")
 
 
 def load_meta(data_dir) -> dict:
-    """The dataset's meta.json as a dict."""
+    """The dataset's meta.json as a dict. UserError unless it holds a JSON object."""
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
         raise UserError(
             f"{data_dir} is not a prepared dataset (no meta.json); run python data/prepare.py first"
         )
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:
         raise UserError(
             f"{path} is not valid JSON ({exc}); prepare the dataset again with --force"
         ) from None
+    if not isinstance(meta, dict):
+        raise UserError(
+            f"{path} holds {json.dumps(meta)[:40]}, not the JSON object prepare writes; "
+            "prepare the dataset again with --force"
+        )
+    return meta
 
 
 def checked_meta(data_dir) -> dict:
@@ -207,22 +214,33 @@ def open_mask(data_dir, split) -> np.memmap | ShardedTokens:
                 "tokens (one mask byte each): it is missing, truncated or from another dataset; "
                 "prepare it again with --force"
             )
-        memmaps.append(np.memmap(path, dtype=np.uint8, mode="r"))
+        memmaps.append(check_mask(np.memmap(path, dtype=np.uint8, mode="r")))
     if not memmaps:
         raise UserError(f"{data_dir}: the {split} split has no mask; prepare it again with --force")
     return memmaps[0] if len(memmaps) == 1 else ShardedTokens(memmaps)
 
 
 def doc_offsets(data_dir, split) -> np.ndarray:
-    """Start offset (the BOS position) of each document in the split: int64, ascending, first 0."""
+    """Start offset (the BOS position) of each document in the split: int64, ascending, first 0.
+    UserError naming a .docs.npy that breaks this or points past its shard (one pass over each)."""
     _check_split(split)
     offsets = []
     start = 0
     for shard in split_shards(load_meta(data_dir), split):
-        shard_offsets = np.load(shard_path(data_dir, docs_name(shard["file"]), split))
-        offsets.append(shard_offsets.astype(np.int64, copy=False) + start)
+        path = shard_path(data_dir, docs_name(shard["file"]), split)
+        shard_offsets = read_offsets(path, int(shard["tokens"]), first=not offsets)
+        offsets.append(shard_offsets + start)
         start += int(shard["tokens"])
     return np.concatenate(offsets)
+
+
+def check_token_ids(data_dir, split, vocab_size: int) -> None:
+    """UserError naming a shard of the split that holds a token id outside 0..vocab_size - 1, which
+    no embedding of that vocabulary holds (an IndexError mid-run once). One vectorized pass over
+    the shards (shard_values.check_ids)."""
+    tokens = open_tokens(data_dir, split)
+    for shard in tokens.shards if isinstance(tokens, ShardedTokens) else [tokens]:
+        check_ids(shard, vocab_size)
 
 
 def _to_device(

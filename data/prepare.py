@@ -53,6 +53,12 @@ SPECIAL_HELP = (
     "those tokens (default: plain text, as the server encodes it)"
 )
 
+CONTEXT_HELP = (
+    "conversations: the longest train.seq_len they will train (default: --tokenizer RUN's "
+    "model.max_seq_len); each keeps its first CONTEXT + 2 tokens, so the work on one of many "
+    "turns is bounded"
+)
+
 
 def parse_args(argv):
     parser = ArgumentParser(
@@ -95,6 +101,7 @@ def parse_args(argv):
     )
     add("--workers", type=positive(), help="threads encoding the text (default: all cores)")
     add("--special-in-content", action="store_true", help=SPECIAL_HELP)
+    add("--context", type=positive(), help=CONTEXT_HELP)
     add(
         "--max-bytes",
         type=parse_size,
@@ -132,10 +139,12 @@ def main(argv) -> int:
             command=sys.argv,
             shard_tokens=args.shard_tokens,
             special_in_content=args.special_in_content,
+            context=args.context,
         )
         return 0
-    if args.special_in_content:
-        raise UserError("--special-in-content is for conversations (.jsonl of messages)")
+    for flag in ("special_in_content", "context"):
+        if getattr(args, flag):
+            raise UserError(f"--{flag.replace('_', '-')} is for conversations (.jsonl of messages)")
     prepare(
         args.source,
         args.vocab_size or VOCAB_SIZE,

@@ -4,7 +4,6 @@ dataset, or Shakespeare."""
 import codecs
 import glob
 import itertools
-import json
 import logging
 import os
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data.record_kinds import CHAT_KEYS, mixed_kinds, too_long_number
+from data.record_kinds import CHAT_KEYS, check_json_records, check_json_rows, mixed_kinds
 from picollama import REPO_ROOT
 from picollama.cli import UserError
 from picollama.cli.outputs import file_kind
@@ -243,9 +242,9 @@ def record_texts(datasets, load_args: tuple, load_kwargs: dict, text_field: str,
     datasets.utils.logging.set_verbosity(logging.CRITICAL)
     # Such as its "Retrying in 1s" lines when offline.
     huggingface_hub.utils.logging.set_verbosity_error()
-    records = datasets.load_dataset(*load_args, split="train", streaming=True, **load_kwargs)
     files = load_kwargs.get("data_files", [])
-    try:
+    try:  # Loading reads the first records, to learn their fields: it may fail too.
+        records = datasets.load_dataset(*load_args, split="train", streaming=True, **load_kwargs)
         for record in records:
             if record.get(text_field) is None and any(record.get(k) for k in CHAT_KEYS):
                 raise mixed_kinds(files, what) or UserError(
@@ -277,36 +276,6 @@ def record_text(record: dict, text_field: str, what: str) -> str:
     return text or ""
 
 
-def check_json_records(path: Path) -> None:
-    """UserError naming the first row of a .jsonl/.json file that is not a JSON object. A .json
-    file may instead be one JSON document. Then the error says where it breaks, unless it looks
-    like rows."""
-    broken = None
-    if path.suffix.lower() == ".json":
-        try:
-            json.loads(path.read_text(encoding="utf-8-sig"))
-            return
-        except json.JSONDecodeError as exc:
-            broken = f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno})"
-    with open(path, encoding="utf-8-sig", newline="\n") as file:
-        rows = ((row, line) for row, line in enumerate(file, 1) if line.strip())
-        for count, (row, line) in enumerate(rows):
-            try:
-                value = json.loads(line)
-            except ValueError as e:
-                if problem := too_long_number(e, f"{path} row {row}"):
-                    raise problem from None
-                value = None
-            if isinstance(value, dict):
-                continue
-            if broken and not count:  # Its first line is no record: a document, not rows.
-                raise UserError(broken)
-            raise UserError(
-                f"{path}: not valid JSON Lines (row {row}): each row must be one JSON object, "
-                'such as {"text": "..."}; fix or remove that row'
-            )
-
-
 # ---------------------------------------------------------------- reading, streamed
 
 
@@ -332,6 +301,8 @@ def open_source(
             check_parquet_file(path)
         else:
             check_text_file(path)
+        if builder_for(path) == "json":
+            check_json_rows(path)
     # .txt files are read here with universal newlines, like the datasets text builder. It reads
     # the rest. utf-8-sig drops a byte order mark, as the json builder does.
     texts = (path.read_text(encoding="utf-8-sig") for path in files if builder_for(path) == "text")

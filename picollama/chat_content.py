@@ -4,7 +4,7 @@ So a user cannot forge a turn. special_in_content=True (a switch for trusted inp
 old way, where every special token's text in the rendering becomes that token."""
 
 import re
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from data.tokenizer import HFTokenizer, prompt_start
 from picollama.chat_template import (
@@ -87,26 +87,35 @@ def encode_content_chat(tokenizer, text: str, plain=()) -> list[int]:
     return ids if ids[:1] == start else start + ids
 
 
-def chat_ids(tokenizer, template: str, messages, special_in_content=False) -> tuple[str, list]:
+def chat_ids(
+    tokenizer, template: str, messages, special_in_content=False, tools=None
+) -> tuple[str, list]:
     """(text, ids): the conversation rendered for an answer and its token ids. Special tokens'
-    text in the messages is plain text unless special_in_content."""
-    text, plain = render_content(template, messages, tokenizer, True, special_in_content)
+    text in the messages (and tools) is plain text unless special_in_content. tools: the
+    template's `tools` (OpenAI's [{"type": "function", "function": {...}}]), or None."""
+    text, plain = render_content(template, messages, tokenizer, True, special_in_content, tools)
     return text, encode_content_chat(tokenizer, text, plain)
 
 
 def render_content(
-    template: str, messages, tokenizer, add_generation_prompt=True, special_in_content=False
+    template: str,
+    messages,
+    tokenizer,
+    add_generation_prompt=True,
+    special_in_content=False,
+    tools=None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """(text, plain): render_chat's text, and the (start, end) of each special token's text that
-    a message wrote into it. The messages are rendered again with each such text marked. A
+    a message (or a tool) wrote into it. They are rendered again with each such text marked. A
     template that changes the marked text makes a ChatTemplateError, never a forged token."""
-    text = render_chat(template, messages, tokenizer, add_generation_prompt)
+    text = render_chat(template, messages, tokenizer, add_generation_prompt, tools=tools)
     pattern = None if special_in_content else special_pieces(tokenizer)[0]
-    if pattern is None or not any(holds(message, pattern) for message in messages):
+    if pattern is None or not holds([*messages, tools], pattern):
         return text, []
     marked = [marked_message(message, pattern) for message in messages]
+    again = partial(render_chat, template, marked, tokenizer, add_generation_prompt)
     try:
-        found, plain = unmarked(render_chat(template, marked, tokenizer, add_generation_prompt))
+        found, plain = unmarked(again(tools=marked_message(tools, pattern)))
     except ChatTemplateError:
         found, plain = None, []
     if found != text:

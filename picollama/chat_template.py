@@ -1,14 +1,19 @@
 """Chat templates: a conversation rendered with the model's own Jinja template, as transformers
-does. Also its encoding, and the tokens that end a reply."""
+does, in a sandbox that also bounds a rendering's time and size. Also its encoding, the tokens
+that end a reply, and the trial a template must pass before a server or chat uses it."""
 
 import json
+import math
 import re
+import threading
+import time
+from contextlib import contextmanager
 from datetime import datetime
-from functools import lru_cache
+from functools import lru_cache, wraps
 from pathlib import Path
 
 import jinja2
-from jinja2 import meta
+from jinja2 import meta, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -52,6 +57,14 @@ SPECIAL_TOKEN_KEYS = (
 SAFE_JINJA = (3, 1, 6)
 # The assistant's words in a probe conversation. stop_ids renders it to find what ends a turn.
 PROBE = "picollama-probe-7f3a"
+# What one rendering may take. A conversation of 8 MB renders in milliseconds. A template that
+# loops for ever, or builds text without end, is stopped with a ChatTemplateError.
+RENDER_SECONDS = 5.0
+LONGEST_VALUE = 1 << 26  # the most characters or items a value a template makes may hold
+OVERSIZED = f"it made a value of over {LONGEST_VALUE:,} characters or items"
+# Conversations a template is tried on before a server or a chat uses it (check_renders). One
+# must render. A template may refuse a system message (Gemma's) or want turns to alternate.
+TRIALS = (("system", "user", "assistant", "user"), ("user", "assistant", "user"), ("user",))
 
 
 class ChatTemplateError(UserError):
@@ -61,6 +74,24 @@ class ChatTemplateError(UserError):
 
 class _Refusal(jinja2.TemplateError):
     """What a template's raise_exception(message) raises."""
+
+
+class _Overrun(jinja2.TemplateError):
+    """A rendering past RENDER_SECONDS, or a value past LONGEST_VALUE."""
+
+
+BUDGET = threading.local()  # Its deadline: when the rendering on this thread must end.
+
+
+@contextmanager
+def render_budget():
+    """The renderings inside end within RENDER_SECONDS, or sooner where an outer budget ends."""
+    outer = getattr(BUDGET, "deadline", math.inf)
+    BUDGET.deadline = min(outer, time.monotonic() + RENDER_SECONDS)
+    try:
+        yield
+    finally:
+        BUDGET.deadline = outer
 
 
 def load_chat_template(run_dir, override=None) -> str:
@@ -163,21 +194,87 @@ def strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+def checked(value):
+    """value, once the rendering's time is checked and value's size: a text, list or mapping of
+    at most LONGEST_VALUE characters or items."""
+    if time.monotonic() > getattr(BUDGET, "deadline", math.inf):
+        raise _Overrun(f"it ran over {RENDER_SECONDS:g} s")
+    if isinstance(value, str | list | tuple | dict) and len(value) > LONGEST_VALUE:
+        raise _Overrun(OVERSIZED)
+    return value
+
+
+def ticking(iterable):
+    """A loop's items, the rendering's time checked at each (the filter every loop gets)."""
+    for item in iterable:
+        yield checked(item)
+
+
+def bounded(function):
+    """A filter whose result and time are checked (`checked`)."""
+
+    @wraps(function)  # Keeps jinja's pass_context marks.
+    def call(*args, **kwargs):
+        return checked(function(*args, **kwargs))
+
+    return call
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox with bounds on time and size. Every call, attribute, item, +, *, **,
+    filter and loop step checks the rendering's deadline and the size of what it makes (a text
+    times a number is checked before it is made). Constant folding is off, so a template's
+    constants are made when it renders, under these checks."""
+
+    intercepted_binops = frozenset({"+", "*", "**"})
+
+    def _parse(self, source, name, filename):
+        tree = super()._parse(source, name, filename)
+        for loop in tree.find_all(nodes.For):
+            loop.iter = nodes.Filter(loop.iter, "_ticking", [], [], None, None, lineno=loop.lineno)
+        return tree
+
+    def call(self, context, obj, /, *args, **kwargs):
+        return checked(super().call(context, obj, *args, **kwargs))
+
+    def getattr(self, obj, attribute):
+        return checked(super().getattr(obj, attribute))
+
+    def getitem(self, obj, argument):
+        return checked(super().getitem(obj, argument))
+
+    def call_binop(self, context, operator, left, right):
+        sized = [x for x in (left, right) if isinstance(x, str | list | tuple)]
+        times = [x for x in (left, right) if isinstance(x, int)]
+        if operator == "*" and len(sized) == len(times) == 1:
+            if len(sized[0]) * times[0] > LONGEST_VALUE:
+                raise _Overrun(OVERSIZED)
+        if operator == "**" and isinstance(left, int) and isinstance(right, int):
+            if abs(left) > 1 and right * abs(left).bit_length() > LONGEST_VALUE:
+                raise _Overrun(f"it made a number of over {LONGEST_VALUE:,} bits")
+        return checked(super().call_binop(context, operator, left, right))
+
+
 @lru_cache(maxsize=1)
 def environment() -> ImmutableSandboxedEnvironment:
     """The Jinja environment of transformers' apply_chat_template. Its sandbox hides attributes
     starting with _ and freezes the values a template gets. It has trim_blocks and lstrip_blocks,
-    loop controls, {% generation %}, and the helpers templates call."""
+    loop controls, {% generation %}, and the helpers templates call. Its renderings are bounded
+    in time and size (_Sandbox)."""
     version = tuple(int(n) for n in re.findall(r"\d+", jinja2.__version__)[:3])
     if version < SAFE_JINJA:
         raise ChatTemplateError(
             f"chat templates need jinja2 >= 3.1.6 (older ones have sandbox escapes), not "
             f"{jinja2.__version__}: pip install -U jinja2"
         )
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
+    env = _Sandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_Generation, loopcontrols],
+        optimized=False,
     )
     env.filters["tojson"] = tojson
+    env.filters.update({name: bounded(f) for name, f in env.filters.items()}, _ticking=ticking)
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     return env
 
@@ -209,25 +306,43 @@ def special_tokens(tokenizer) -> dict[str, str]:
 def render_chat(template: str, messages, tokenizer=None, add_generation_prompt=True, **extra):
     """The text of OpenAI-shaped messages ([{"role", "content"}, ...]) rendered by `template`.
     It matches transformers' apply_chat_template(tokenize=False). Keys whose value is None are
-    dropped. The template gets the tokenizer's special tokens, tools and documents as None, and
-    `extra`, its own variables. ChatTemplateError says why it fails."""
+    dropped. The template gets the tokenizer's special tokens, tools and documents (None unless
+    `extra` gives them), and `extra`, its own variables. ChatTemplateError says why it fails."""
     conversation = checked_messages(messages)
-    names = {**(special_tokens(tokenizer) if tokenizer is not None else {}), **extra}
+    names = {"tools": None, "documents": None}
+    names |= {**(special_tokens(tokenizer) if tokenizer is not None else {}), **extra}
     program = compiled(template)
     try:
-        return program.render(
-            messages=conversation,
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **names,
-        )
+        with render_budget():
+            return program.render(
+                messages=conversation, add_generation_prompt=add_generation_prompt, **names
+            )
     except _Refusal as e:
         raise ChatTemplateError(f"the chat template refuses this conversation: {e}") from None
+    except _Overrun as e:
+        raise ChatTemplateError(f"the chat template was stopped: {e}") from None
     except jinja2.TemplateError as e:  # Undefined names and sandbox refusals.
         raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
     except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
         raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
+    except (RecursionError, MemoryError) as e:  # A macro calling itself, a value past memory.
+        raise ChatTemplateError(f"the chat template failed: {type(e).__name__}") from None
+
+
+def check_renders(template: str, where: str, tokenizer=None):
+    """ChatTemplateError naming `where` unless the template renders one of TRIALS, ready for
+    the reply. A server or chat checks this at start, so a template that fails on every
+    conversation is said once, not blamed on each client."""
+    failures = []
+    with render_budget():  # One budget for all the trials.
+        for roles in TRIALS:
+            messages = [{"role": role, "content": f"a {role} message"} for role in roles]
+            try:
+                render_chat(template, messages, tokenizer)
+                return
+            except ChatTemplateError as e:
+                failures.append(f"{', '.join(roles)}: {e}")
+    raise ChatTemplateError(f"{where} cannot render a conversation ({failures[0]})")
 
 
 def checked_messages(messages) -> list[dict]:

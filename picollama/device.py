@@ -1,11 +1,13 @@
 """Where and how training runs: the device, the dtype and a job's ranks. Also each GPU's peak
-FLOP/s, and glibc's memory reuse."""
+FLOP/s, glibc's memory reuse, and the CPU threads that the machine's other work leaves free."""
 
 import ctypes
 import ctypes.util
 import gc
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -227,3 +229,65 @@ def memory_bytes(device: torch.device) -> int | None:
 def gib(n: int) -> str:
     """A size in bytes as GiB, or MiB below one GiB."""
     return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def runnable_elsewhere() -> int | None:
+    """Threads runnable on this machine now, besides this process's: /proc/stat's procs_running
+    less this process's own running threads. None where there is no /proc."""
+    try:
+        stat = Path("/proc/stat").read_text()
+        own = 0
+        for task in Path("/proc/self/task").iterdir():
+            # The state follows the name, which is in parentheses and may hold spaces.
+            own += (task / "stat").read_text().rpartition(")")[2].split()[0] == "R"
+    except (OSError, IndexError):  # No /proc, or a thread that ended while read.
+        return None
+    line = next((line for line in stat.splitlines() if line.startswith("procs_running")), None)
+    return None if line is None else max(0, int(line.split()[1]) - own)
+
+
+def free_cores(most: int, samples: int = 5) -> int:
+    """The threads to compute on: the cores this process may use, less those that other work
+    keeps busy (the median of `samples` looks 10 ms apart), at least one and at most `most`."""
+    seen = []
+    for _ in range(samples):
+        if (others := runnable_elsewhere()) is None:
+            return most
+        seen.append(others)
+        time.sleep(0.01)
+    return max(1, min(most, len(os.sched_getaffinity(0)) - round(statistics.median(seen))))
+
+
+class CoreShare:
+    """torch's CPU threads, kept to the cores that other work leaves free.
+
+    With two threads on a 2-core machine that other work kept busy, a training step ran ~40x
+    slower for ~2.2x less CPU: every parallel region waits for a descheduled thread, and libgomp
+    spins while it waits. One thread on the core left falls in proportion to the CPU it gets.
+    check() looks again every `every_s` seconds of its caller's loop and says when the count
+    changes. A thread count the user set (OMP_NUM_THREADS, or a flag: `fixed`) is kept as it is."""
+
+    def __init__(self, device: torch.device, every_s: float = 10.0, fixed: bool = False):
+        self.most = torch.get_num_threads()
+        fixed = fixed or "OMP_NUM_THREADS" in os.environ
+        self.adapts = device.type == "cpu" and self.most > 1 and not fixed
+        self.every_s = every_s
+        self.due = 0.0
+
+    def threads(self, samples: int = 5) -> int | None:
+        """The free cores now, or None where the count is the user's or not the CPU's."""
+        return free_cores(self.most, samples) if self.adapts else None
+
+    def check(self) -> str | None:
+        """Set the thread count to the free cores when a look is due. A line when it changed."""
+        if not self.adapts or time.monotonic() < self.due:
+            return None
+        self.due = time.monotonic() + self.every_s
+        threads, before = self.threads(), torch.get_num_threads()
+        if threads == before:
+            return None
+        torch.set_num_threads(threads)
+        why = (
+            "other work keeps the rest busy" if threads < self.most else "the cores are free again"
+        )
+        return f"CPU threads: {threads} of {self.most}, {why} (was {before})"

@@ -12,6 +12,7 @@ from data.build import prepare
 from data.loader import RandomBatches
 from model import ModelArgs, Transformer
 from picollama.components import registry  # noqa: F401  (fills the tables: every variant)
+from picollama.lab.bench.common import module_of
 from picollama.run_files import save_model
 
 TRAIN_LEN = 32
@@ -129,6 +130,6 @@ def bench_main():
     """A benchmark's main, imported in this process (running it would cost a torch import each)."""
 
     def load(name: str):
-        return importlib.import_module(f"picollama.lab.bench.{name}").main
+        return importlib.import_module(module_of(name)).main
 
     return load

@@ -16,6 +16,8 @@ import torch
 from model import ModelArgs, Transformer
 from picollama.cli.command import run_command
 from picollama.lab.bench import common
+from picollama.lab.bench.common import module_of
+from picollama.lab.measure import load
 
 REPO = Path(__file__).resolve().parent.parent
 # one torch thread in this process (conftest's one_thread): the tiny models here gain nothing from
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", f"picollama.lab.bench.{script}", *args],
+        [sys.executable, "-m", module_of(script), *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -133,12 +135,13 @@ def test_bad_input_is_one_error_line(script, args, message, tmp_path, capsys, be
 
 
 @pytest.mark.parametrize(
-    "script", ["train", "decode", "memory", "data", "quantize", "switches", "heldout", "cpu_step"]
+    "script",
+    ["train", "decode", "memory", "data", "quantize", "switches", "heldout", "cpu_step", "load"],
 )
 def test_smoke_output_defaults_to_a_temporary_file(script, tmp_path, monkeypatch):
     # --smoke's figures (random tokens, a tiny model) must never replace docs/results/SCRIPT.json
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where tempfile.mkdtemp makes folders
-    parse_args = importlib.import_module(f"picollama.lab.bench.{script}").parse_args
+    parse_args = importlib.import_module(module_of(script)).parse_args
     committed = common.RESULTS_DIR / f"{script}.json"
     default = parse_args([])
     assert default.out == committed and not default.temporary_out
@@ -151,7 +154,7 @@ def test_smoke_output_defaults_to_a_temporary_file(script, tmp_path, monkeypatch
 
 def test_smoke_results_say_where_they_went(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    args = importlib.import_module("picollama.lab.bench.data").parse_args(["--smoke"])
+    args = importlib.import_module("picollama.lab.measure.data").parse_args(["--smoke"])
     assert args.out.is_relative_to(tmp_path)
     common.write_results(args, {"runs": []})
     said = capsys.readouterr().out
@@ -200,6 +203,29 @@ def test_switches_trains_each_switch_for_the_budget(
     ).num_params()
     # the config's LLaMA and one q and one k norm of head size 16
     assert run["params"] == llama + 2 * 16
+
+
+def test_load_trains_beside_a_hog_and_reports_the_threads_it_took(
+    tiny_run, tmp_path, bench_main, capsys
+):
+    """measure.load starts a busy process beside train.py's budgeted run. Left to choose (adapt),
+    train.py follows the free cores: on a machine of several cores it leaves the hog's."""
+    _, data_dir = tiny_run
+    config = tmp_path / "tiny.toml"
+    config.write_text(
+        "[model]\ndim = 32\nn_layers = 1\nn_heads = 2\nvocab_size = 320\nmax_seq_len = 32\n"
+        f'[data]\ndir = "{data_dir}"\n[train]\nmax_minutes = 1\n'
+    )
+    out = tmp_path / "load.json"
+    code = run_in_process(bench_main("load"), "--smoke", "--config", str(config), "--out", str(out))
+    assert code == 0, capsys.readouterr().err
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["way"] == "adapt" and run["hogs"] == 1 and run["steps"] >= 1
+    assert run["cpu_s"] > 0 and 0 < run["val_bpb"] < 20
+    if load.CORES > 1:
+        assert [n for n in run["notes"] if n.startswith("CPU threads")], (
+            "train.py kept every core beside a busy process"
+        )
 
 
 def test_quantize_scores_a_run_on_its_own_tokenizer_s_data(tiny_run, tmp_path, bench_main, capsys):

@@ -64,7 +64,9 @@ def test_the_split_by_tokens_resumes_alike_and_keeps_its_share():
 def test_the_long_conversation_goes_to_train(tiny_run, tmp_path, capsys):
     records = [chat(i) for i in range(60)] + [chat(99, words=3000)]
     source = write_lines(tmp_path / "chats.jsonl", records)
-    assert prepare("--source", source, "--tokenizer", tiny_run, "--out", tmp_path / "d") == 0
+    # Past the run's context, 32: the long one is kept whole, so the split sees its length.
+    args = ["--source", source, "--tokenizer", tiny_run, "--context", 100_000]
+    assert prepare(*args, "--out", tmp_path / "d") == 0
     meta = checked_meta(tmp_path / "d")
     assert meta["conversations"] == {"train": 58, "val": 3}, meta["conversations"]
     assert meta["splits"]["val"]["tokens"] <= 0.05 * meta["splits"]["train"]["tokens"]

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,6 +28,7 @@ from picollama.cli.command import run_command
 from picollama.cli.outputs import atomic_output, exclusive
 from picollama.convert import hf as hf_format
 from picollama.convert import main as convert
+from picollama.lab.bench.common import module_of
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [
@@ -134,6 +136,18 @@ def add_broken_data(ws: Path):
     shutil.copytree(ws / "data", ws / "truncated_data")  # the val shard one token short
     val = ws / "truncated_data" / "val-00000.bin"
     val.write_bytes(val.read_bytes()[:-2])
+
+    # values no prepare writes: an IndexError mid-run, an AttributeError, silently wrong rows
+    shutil.copytree(ws / "data", ws / "past_vocab_data")  # ids past the model's embedding
+    tokens = np.fromfile(ws / "past_vocab_data" / "train-00000.bin", dtype=np.uint16)
+    tokens[5:40] = 65000
+    tokens.tofile(ws / "past_vocab_data" / "train-00000.bin")
+    shutil.copytree(ws / "data", ws / "array_meta_data")  # meta.json a JSON array
+    (ws / "array_meta_data" / "meta.json").write_text("[1, 2]\n")
+    shutil.copytree(ws / "data", ws / "reversed_docs_data")  # document offsets out of order
+    offsets = np.load(ws / "reversed_docs_data" / "train-00000.docs.npy")
+    offsets[1:] = offsets[1:][::-1]
+    np.save(ws / "reversed_docs_data" / "train-00000.docs.npy", offsets)
 
     # a prepared dataset holding a text the command reads
     shutil.copytree(ws / "data", ws / "data_with_text")
@@ -272,8 +286,8 @@ def snapshot_after(ws: Path) -> dict:
 
 
 def bench_main(name: str):
-    """A benchmark's main (picollama.lab.bench.NAME)."""
-    return importlib.import_module(f"picollama.lab.bench.{name}").main
+    """A benchmark's main (picollama.lab.bench.NAME or lab.measure.NAME)."""
+    return importlib.import_module(module_of(name)).main
 
 
 def train_args(*args):
@@ -309,6 +323,12 @@ train --train.out_dir={ws}/trained --resume --train.max_steps=3 --data.dir={ws}/
 train --train.out_dir={ws}/trained --resume --train.max_steps=3 --data.dir={ws}/other_tokenizer_data
     => resume with the dataset it was trained on (--data.dir={ws}/data, as its config.json records)
 train --data.dir={ws}/truncated_data => truncated
+train --data.dir={ws}/past_vocab_data => past_vocab_data/train-00000.bin holds token id 65,000
+    (token 5), outside the model's vocabulary of 320 (model.vocab_size)
+train --data.dir={ws}/array_meta_data
+    => array_meta_data/meta.json holds [1, 2], not the JSON object prepare writes
+train --data.dir={ws}/reversed_docs_data --data.pack_documents=true
+    => reversed_docs_data/train-00000.docs.npy: offset 2 (
 # train.py: data.dir is a prepared dataset; only data/shakespeare is prepared by itself (once a
 # mistyped folder got Shakespeare, and a folder of texts or a run "choose another --out")
 train --data.dir={ws}/no_such_data

@@ -207,6 +207,7 @@ def tiny_flags(case: Case) -> list[str]:
         "train.batch_size": 4 * cfg.train.grad_accum,
         "train.log_interval": STEPS,
         "train.sample_tokens": 0,
+        "train.early_stop": 0,  # sft.toml's compares evaluations, and these runs evaluate once
         "train.compile": False,
         "optim.warmup_steps": min(cfg.optim.warmup_steps, 2),
         "eval.interval": 0,
@@ -275,6 +276,8 @@ class Runs:
             chats = chats_jsonl(self.folder(case).with_name(f"{case.name}-chats.jsonl"))
             out = self.folder(case).with_name(f"{case.name}-data")
             argv = ["--source", str(chats), "--tokenizer", str(base), "--out", str(out)]
+            # the fine-tune's rows (its train.seq_len) are longer than the base run's context
+            argv += ["--context", str(case.config.train.seq_len // shrink_factor(case))]
             assert run_command(prepare.main, argv) == 0
             return out
         return self.data[tokenizer_type(case)]

@@ -489,6 +489,27 @@ def test_cli_runs_as_script_and_as_module(corpus):
         )
 
 
+# case: (file, its text, the piece of the error line naming the row)
+BAD_ROWS = {
+    "null first row": ("records.jsonl", "null\n", "records.jsonl: not valid JSON Lines (row 1)"),
+    "null after a record": (
+        "records.jsonl",
+        '{"text": "hello"}\nnull\n',
+        "records.jsonl: not valid JSON Lines (row 2)",
+    ),
+    "null in a JSON list": (
+        "records.json",
+        '[{"text": "hello"},\n null]\n',
+        "records.json: item 1 of its JSON document is null",
+    ),
+    "row nested too deep": (  # pyarrow's own words, naming no row
+        "records.jsonl",
+        '{"text": "hello"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+        "records.jsonl row 2: JSON nested too deep to read",
+    ),
+}
+
+
 def bad_input(tmp_path: Path, case: str) -> tuple[list[str], dict]:
     """Arrange one bad input; returns the CLI arguments (without --out) and extra environment."""
     texts = tmp_path / "texts"
@@ -515,6 +536,10 @@ def bad_input(tmp_path: Path, case: str) -> tuple[list[str], dict]:
     if case == "missing text field":
         (tmp_path / "records.jsonl").write_text('{"body": "hello"}\n')
         return ["--source", str(tmp_path / "records.jsonl")], {}
+    if case in BAD_ROWS:  # datasets crashed (SIGSEGV) on a null first row, skipped others
+        name, text, _ = BAD_ROWS[case]
+        (tmp_path / name).write_text(text)
+        return ["--source", str(tmp_path / name)], {}
     if case == "datasets not installed":  # an extra: .jsonl, .json, .parquet and hf: need it
         (tmp_path / "records.jsonl").write_text('{"text": "hello"}\n')
         (tmp_path / "hidden").mkdir()
@@ -555,6 +580,7 @@ def bad_input(tmp_path: Path, case: str) -> tuple[list[str], dict]:
         "vocab too large",
         "vocab too small",
         "missing text field",
+        *BAD_ROWS,
         "datasets not installed",
         "not a tokenizer",
         "bad option value",
@@ -578,6 +604,8 @@ def test_cli_rejects_bad_input_in_one_line(tmp_path, case):
         ), result.stderr
     if case == "datasets not installed":
         assert "pip install -e '.[hf]'" in result.stderr, result.stderr
+    if case in BAD_ROWS:
+        assert BAD_ROWS[case][2] in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()
 
 

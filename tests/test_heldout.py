@@ -10,9 +10,9 @@ from conftest import TRAIN_LEN
 
 from data.loader import eval_batches, load_meta
 from picollama.cli.command import run_command
-from picollama.lab.bench.heldout import main
-from picollama.lab.bench.quantize import mean_loss
 from picollama.lab.interruptible import interruptible
+from picollama.lab.measure.heldout import main
+from picollama.lab.measure.quantize import mean_loss
 from picollama.lab.scoring import sliding_losses, token_losses
 from picollama.run_files import load_model
 

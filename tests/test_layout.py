@@ -41,6 +41,7 @@ FOLDER_WORDS = {
     "training": {"train", "trained", "trainer", "training"},
     "serve": {"serve", "served", "server", "serving"},
     "bench": {"bench", "benchmark"},
+    "measure": {"measure", "measured", "measurement"},
 }
 README_TREE_LINES = 60
 

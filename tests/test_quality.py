@@ -16,7 +16,7 @@ from data.loader import RandomBatches, eval_batches
 from model import ModelArgs, Transformer
 from picollama.cli.command import run_command
 from picollama.config.training import build_config
-from picollama.lab.bench import switches
+from picollama.lab.measure import switches
 from picollama.run_files import load_model
 from picollama.training.dropout import add_dropout
 from picollama.training.weight_average import WeightAverage

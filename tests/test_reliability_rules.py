@@ -22,11 +22,12 @@ from picollama.config.training import build_config
 from picollama.config.values import PATH_KEYS
 from picollama.convert import hf as hf_format
 from picollama.convert import main as convert
+from picollama.kernels import decode_ops
 from picollama.lab import cost, extrapolate
-from picollama.lab.bench import data as bench_data
-from picollama.lab.bench import switches
+from picollama.lab.bench.common import module_of
+from picollama.lab.measure import data as bench_data
+from picollama.lab.measure import switches
 from picollama.run_files import load_run
-from picollama.sampling import decode_ops
 from picollama.sampling import memory as memory_budget
 
 BENCH = ("data", "decode", "heldout", "memory", "perplexity", "quantize", "switches", "train")
@@ -74,7 +75,7 @@ def test_every_benchmark_writes_only_its_own_out(bench, case, tmp_path):
     out = tmp_path / "out.json"
     if held is not None:
         out.write_text(held)
-    parse_args = importlib.import_module(f"picollama.lab.bench.{bench}").parse_args
+    parse_args = importlib.import_module(module_of(bench)).parse_args
     for force, ok in (([], allowed), (["--force"], forced)):
         if ok:
             assert parse_args(["--smoke", "--out", str(out), *force]).out == out
@@ -90,7 +91,7 @@ def test_the_readme_is_never_a_benchmarks_output(tmp_path, bench_main, capsys):
     readme.write_bytes((REPO_ROOT / "README.md").read_bytes())
     for flags in ([], ["--force"]):
         assert run_command(bench_main("data"), ["--smoke", "--out", str(readme), *flags]) == 2
-        assert "is not a result of picollama.lab.bench.data" in one_error(capsys)
+        assert "is not a result of picollama.lab.measure.data" in one_error(capsys)
     assert readme.read_bytes() == (REPO_ROOT / "README.md").read_bytes()
 
 

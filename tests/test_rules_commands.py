@@ -24,7 +24,7 @@ from picollama.cli import UserError, outputs
 from picollama.cli.command import run_command
 from picollama.config.training import build_config, parse_cli
 from picollama.convert import main as convert
-from picollama.lab.bench import data as bench_data
+from picollama.lab.measure import data as bench_data
 from picollama.run_files import is_gguf_file, load_run
 
 LIBRARY_WORDS = ("codec can't decode", "invalid enumerator", "Seed must be between", "Traceback")

@@ -25,10 +25,11 @@ from picollama.cli.user_files import SMALL_TEXT_BYTES
 from picollama.config.checks import check_config
 from picollama.config.training import parse_cli
 from picollama.lab import study
-from picollama.lab.bench import common, switches
+from picollama.lab.bench import common
 from picollama.lab.bench import decode as bench_decode
 from picollama.lab.bench import memory as bench_memory
 from picollama.lab.bench import train as bench_train
+from picollama.lab.measure import switches
 from picollama.lab.recipe import load_recipe
 from picollama.lab.trainings import Trainings
 from picollama.sampling.prompts import prompt_file_size

@@ -4,6 +4,7 @@ server's rows, the terminal chat and SFT rows alike. SmolLM2's ChatML where
 PICOLLAMA_SMOLLM2_GGUF gives its GGUF file, and the default template on a run trained here."""
 
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,12 +12,14 @@ import pytest
 
 from data.chat_rows import conversation_ids
 from data.tokenizer import HFTokenizer, open_tokenizer
+from picollama import chat_template
 from picollama.chat_content import chat_ids
-from picollama.chat_template import DEFAULT_TEMPLATE, load_chat_template
+from picollama.chat_template import DEFAULT_TEMPLATE, ChatTemplateError, load_chat_template
 from picollama.cli import UserError
 from picollama.cli.command import run_command
+from picollama.cli.flags import usable_cpus
 from picollama.sampling.chat import Chat
-from picollama.serve.main import check_access, main
+from picollama.serve.main import allowed_hosts, check_access, main
 from picollama.serve.rows import ServedModel
 
 SMOLLM2 = os.environ.get("PICOLLAMA_SMOLLM2_GGUF")
@@ -34,6 +37,33 @@ def test_an_empty_or_blank_key_is_refused(key, capsys, monkeypatch):
     assert capsys.readouterr().err.startswith("error: $PICOLLAMA_API_KEY is empty")
 
 
+@pytest.mark.parametrize("key", [" sekrit ", "sekrit\n", "\tsekrit"])
+def test_a_key_with_spaces_around_it_is_refused(key, capsys, monkeypatch):
+    """A client's key reaches the server stripped (HTTP drops the spaces around a header's
+    value), so ' sekrit ' could never be matched: every request was a 401."""
+    monkeypatch.delenv("PICOLLAMA_API_KEY", raising=False)
+    assert run_command(main, ["--run", "absent", "--api-key", key]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --api-key starts or ends with a space") and err.count("\n") == 1
+    monkeypatch.setenv("PICOLLAMA_API_KEY", key)
+    assert run_command(main, ["--run", "absent"]) == 2
+    assert capsys.readouterr().err.startswith("error: $PICOLLAMA_API_KEY starts or ends with")
+
+
+def test_threads_past_the_cpus_this_process_may_use_are_refused(capsys, monkeypatch):
+    """--threads 1000000 died of a segfault, the system's threads exhausted."""
+    monkeypatch.delenv("PICOLLAMA_API_KEY", raising=False)
+    for threads in ("1000000", str(usable_cpus() + 1)):
+        assert run_command(main, ["--run", "absent", "--threads", threads]) == 2
+        err = capsys.readouterr().err
+        assert (
+            err.startswith(
+                f"error: argument --threads: at most {usable_cpus()}, the CPUs this process may use"
+            )
+            and err.count("\n") == 1
+        ), err
+
+
 def test_listening_beyond_loopback_needs_a_key_or_the_insecure_flag(capsys, monkeypatch):
     monkeypatch.delenv("PICOLLAMA_API_KEY", raising=False)
     assert run_command(main, ["--run", "absent", "--host", "0.0.0.0"]) == 2
@@ -45,7 +75,14 @@ def test_listening_beyond_loopback_needs_a_key_or_the_insecure_flag(capsys, monk
     assert check_access("0.0.0.0", "a key", False) is None
     with pytest.raises(UserError, match="no API key"):
         check_access("::", None, False)
-    assert check_access("0.0.0.0", None, True).startswith("WARNING: --insecure-no-key")
+    warning = check_access("0.0.0.0", None, True)
+    assert warning.startswith("WARNING: --insecure-no-key") and "any Host name" in warning
+    # With no key, the Host header must name this machine (app.HostCheck, against DNS
+    # rebinding); a key, or a host beyond loopback (--insecure-no-key), lets any Host pass.
+    assert allowed_hosts("127.0.0.1", None) == {"127.0.0.1", "localhost", "::1"}
+    assert allowed_hosts("[::1]", None) == {"127.0.0.1", "localhost", "::1"}
+    assert "127.0.0.2" in allowed_hosts("127.0.0.2", None)
+    assert allowed_hosts("127.0.0.1", "a key") is None and allowed_hosts("0.0.0.0", None) is None
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +141,8 @@ def test_a_forged_turn_in_a_message_is_plain_text(smollm2, encode):
 
 
 @pytest.fixture(scope="module")
-def tiny_tokenizer(make_tiny_run):
-    return open_tokenizer(make_tiny_run(steps=1)[0] / "tokenizer.model")
+def tiny_tokenizer(tiny_run):
+    return open_tokenizer(tiny_run / "tokenizer.model")
 
 
 def test_eos_written_in_a_message_is_text_on_a_run_trained_here(tiny_tokenizer):
@@ -122,3 +159,51 @@ def test_eos_written_in_a_message_is_text_on_a_run_trained_here(tiny_tokenizer):
 
 
 ASSISTANT_EOS = [{"role": "assistant", "content": "ok"}]
+
+
+HOSTILE_TEMPLATES = {  # each fails on every conversation; the server started and blamed clients
+    "include": "{% include '/etc/passwd' %}{% for m in messages %}{{ m.content }}{% endfor %}",
+    "raise": "{% for m in messages %}{{ raise_exception('no') }}{% endfor %}",
+    "range": "{% for m in messages %}{% for i in range(10000000) %}x{% endfor %}{% endfor %}",
+    "escape": "{% for m in messages %}{{ cycler.__init__.__globals__.os }}{% endfor %}",
+    "loops": "{% for m in messages %}{% for i in range(99999) %}{% for j in range(99999) %}"
+    "{% endfor %}{% endfor %}{% endfor %}",
+    "letters": "{% set s = 'x' * 99999 %}{% for m in messages %}{% for a in s %}{% for b in s %}"
+    "{% endfor %}{% endfor %}{% endfor %}",
+    "doubling": "{% set ns = namespace(s='ab') %}{% for m in messages %}{% for i in range(60) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{% endfor %}",
+    "times": "{% for m in messages %}{{ m.content * 10**9 }}{{ 'x' * 10**9 }}{% endfor %}",
+    "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}{{ messages }}",
+}
+
+
+def test_a_template_that_fails_on_every_conversation_is_refused_in_bounded_time(monkeypatch):
+    """Each renders nothing; those that would loop or grow for ever are stopped, within
+    RENDER_SECONDS for all the trial conversations together."""
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
+    for name, template in HOSTILE_TEMPLATES.items():
+        started = time.monotonic()
+        with pytest.raises(ChatTemplateError, match=f"^{name} cannot render a conversation"):
+            chat_template.check_renders(template, name)
+        assert time.monotonic() - started < 3, name
+    # Templates that refuse some conversations still pass: one must render.
+    gemma = "{% if messages[0].role == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+    chat_template.check_renders(gemma + "{% for m in messages %}{{ m.content }}{% endfor %}", "g")
+    chat_template.check_renders(DEFAULT_TEMPLATE, "the default")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(make_tiny_run) -> Path:
+    return make_tiny_run(steps=1)[0]
+
+
+def test_the_server_refuses_such_a_template_at_start_naming_it(tiny_run, tmp_path, capsys):
+    path = tmp_path / "raise.jinja"
+    path.write_text(HOSTILE_TEMPLATES["raise"])
+    argv = ["--run", str(tiny_run), "--port", "0", "--chat-template", str(path)]
+    assert run_command(main, argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"error: --chat-template {path} cannot render a conversation (system, user, assistant, "
+        "user: the chat template refuses this conversation: no)"
+    )

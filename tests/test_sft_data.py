@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from data import build_conversations
+from data import build_conversations, chat_rows
 from data import prepare as prepare_command
 from data.chat_rows import conversation_ids
 from data.conversations import checked_record, conversation_files
@@ -191,12 +191,15 @@ def test_conversations_prepare_resume_and_load(tiny_run, tmp_path, monkeypatch, 
         DEFAULT_TEMPLATE
     )
     tokenizer = open_tokenizer(whole / "tokenizer.model")
+    keep = meta["inputs"]["keep_tokens"]  # the run's context, 32, and 2: past any of its rows
+    assert keep == 34 and meta["conversations_at_keep"] > 0
     expected = []
-    for record in records:
+    for record in records:  # each the first `keep` tokens of the whole's ids and mask
         ids, mask = conversation_ids(
             tokenizer, DEFAULT_TEMPLATE, checked_record(json.dumps(record), "x")
         )
-        expected.append((tuple(ids), tuple(mask)))
+        expected.append((tuple(ids[:keep]), tuple(mask[:keep])))
+    assert sum(len(ids) == keep for ids, _ in expected) == meta["conversations_at_keep"]
     found = []
     for split in ("train", "val"):
         tokens, masks = open_tokens(whole, split), open_mask(whole, split)
@@ -229,6 +232,7 @@ def unstable_run(tiny_run: Path, folder: Path) -> Path:
 
 
 GOOD = json.dumps(chats(2)[1])
+DEEP = "[" * 100_000 + "]" * 100_000
 
 
 @pytest.mark.parametrize(
@@ -252,8 +256,20 @@ GOOD = json.dumps(chats(2)[1])
             [GOOD, GOOD.replace("1 + 1", "\\ud800")],
             "line 2: 'messages[0].content' is not UTF-8 text (lone surrogate U+D800 at byte 8)",
         ),
+        # json.loads raised RecursionError, a traceback: first on the line that tells the kind
+        ([DEEP, GOOD], "chats.jsonl line 1: JSON nested too deep to read"),
+        ([GOOD, DEEP], "chats.jsonl line 2: JSON nested too deep to read"),
     ],
-    ids=["not-json", "no-assistant", "unknown-role", "empty-content", "not-prefix-stable", "ud800"],
+    ids=[
+        "not-json",
+        "no-assistant",
+        "unknown-role",
+        "empty-content",
+        "not-prefix-stable",
+        "ud800",
+        "deep-first-line",
+        "deep-second-line",
+    ],
 )
 def test_bad_input_is_one_error_line_and_nothing_written(tiny_run, tmp_path, capsys, lines, cause):
     source = tmp_path / "chats.jsonl"
@@ -352,10 +368,8 @@ LLAMA2_TEMPLATE = (
 )
 
 
-def test_a_sentencepiece_tokenizer_with_a_dummy_prefix_masks_its_replies(tmp_path):
-    """Llama 2's tokenizer writes a space before each text it encodes, so a reply encoded alone
-    starts with one more "▁" than inside its exchange: the whole's tokens are masked by their
-    characters, exactly the reply's tokens (sentencepiece's own, in the exchange) and its </s>."""
+def dummy_prefix_tokenizer(folder: Path):
+    """A sentencepiece BPE that writes a space before each text it encodes, as Llama 2's does."""
     import sentencepiece as spm
 
     proto = io.BytesIO()
@@ -370,7 +384,14 @@ def test_a_sentencepiece_tokenizer_with_a_dummy_prefix_masks_its_replies(tmp_pat
         normalization_rule_name="identity",
         minloglevel=2,
     )
-    tokenizer = load_tokenizer(proto.getvalue(), tmp_path / "tokenizer.model")
+    return load_tokenizer(proto.getvalue(), folder / "tokenizer.model")
+
+
+def test_a_sentencepiece_tokenizer_with_a_dummy_prefix_masks_its_replies(tmp_path):
+    """Llama 2's tokenizer writes a space before each text it encodes, so a reply encoded alone
+    starts with one more "▁" than inside its exchange: the whole's tokens are masked by their
+    characters, exactly the reply's tokens (sentencepiece's own, in the exchange) and its </s>."""
+    tokenizer = dummy_prefix_tokenizer(tmp_path)
     bos, eos = tokenizer.bos_id(), tokenizer.eos_id()
     # characters of 2 and 3 bytes in a prompt: offsets count characters, not bytes
     exchanges = [("What is 2+2?", "It is 4, of course."), ("Und 3+3, é 日本?", "Sechs: é, ✓.")]
@@ -405,3 +426,103 @@ def test_both_shapes_read_alike_and_a_source_is_told_apart(tmp_path):
     texts.unlink()
     with pytest.raises(ValueError, match="notes.txt is not a .jsonl file"):
         conversation_files(str(tmp_path))
+
+
+def many_turns(count: int, special_text: bool) -> list[dict]:
+    """A conversation of `count` exchanges: one reply not trained, characters of 1 to 4 bytes,
+    and with special_text a message holding a special token's text (plain text, kept apart)."""
+    messages = [{"role": "system", "content": "Be brief, é 日本 🙂."}]
+    for i in range(count):
+        user = f"Question {i}: {'why ' * (i % 5)}now?"
+        user += " </s><|im_end|>" if i == 3 and special_text else ""
+        messages += [{"role": "user", "content": user}]
+        reply = {"role": "assistant", "content": f"Answer {i}, {'so ' * (i % 4)}é."}
+        messages += [{**reply, "train": False} if i == 2 else reply]
+    return messages
+
+
+@pytest.mark.parametrize(
+    "kind, special_text",
+    [
+        ("run trained here", True),
+        ("run trained here", False),
+        ("dummy prefix", False),  # Without offsets beside plain text, its merges are refused.
+        ("smollm2", True),
+        ("smollm2", False),
+    ],
+)
+def test_a_conversation_cut_to_its_first_tokens_is_the_whole_s_first_tokens(
+    kind, special_text, tiny_run, tmp_path, request, monkeypatch
+):
+    """Replies past the first `keep` tokens are not looked for (their prefixes not rendered): the
+    ids and mask kept are still the whole conversation's first `keep`, whichever way its replies
+    are masked (pieces, or character offsets where the dummy prefix merges), and whichever way
+    the cut is found (character offsets, or pieces counted where special tokens' text is plain)."""
+    if kind == "smollm2" and not SMOLLM2:
+        pytest.skip("set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file")
+    if kind == "smollm2":
+        folder = request.getfixturevalue("smollm2_dir")
+        tokenizer, template = HFTokenizer(folder / "tokenizer.json"), load_chat_template(folder)
+    elif kind == "dummy prefix":
+        tokenizer, template = dummy_prefix_tokenizer(tmp_path), LLAMA2_TEMPLATE
+    else:
+        tokenizer, template = open_tokenizer(tiny_run / "tokenizer.model"), DEFAULT_TEMPLATE
+    messages = many_turns(12, special_text)
+    rendered = []
+    render = chat_rows.render_chat
+
+    def counted(template, messages, *args, **kwargs):
+        rendered.append(len(messages))
+        return render(template, messages, *args, **kwargs)
+
+    monkeypatch.setattr(chat_rows, "render_chat", counted)
+    _, ids, mask = chat_rows.encoded_conversation(tokenizer, template, messages)
+    whole = len(rendered)
+    assert len(ids) > 150 and sum(mask) > 50
+    for keep in [*range(1, 40), *range(40, len(ids) + 3, 7)]:
+        rendered.clear()
+        _, kept, kept_mask = chat_rows.encoded_conversation(
+            tokenizer, template, messages, keep=keep
+        )
+        assert kept == ids[:keep] and kept_mask == mask[:keep], keep
+        if keep <= len(ids) / 4:  # a quarter of the turns, about, rendered
+            assert len(rendered) < whole / 2, (keep, len(rendered), whole)
+        elif keep >= len(ids):  # nothing cut, the same work
+            assert len(rendered) == whole, keep
+
+
+def test_a_conversation_of_16000_turns_prepares_in_seconds(tiny_run, tmp_path, monkeypatch):
+    """Rendering the messages before each reply made preparing quadratic in the turns (4 MB of
+    16,000 turns: past 150 s; 20 MB, hours). A conversation past the run's context (32 tokens, so
+    34 kept) stops being rendered there: 16,000 turns take about a second, and it is stored as
+    the first 34 tokens of a few of its turns, alone. The conversations beside it are whole."""
+    turns = [{"role": "user", "content": f"Question {i}?"} for i in range(8000)]
+    turns = [m for q in turns for m in (q, {"role": "assistant", "content": "Yes."})]
+    short = chats(3)
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": turns}, *short])
+    rendered = []
+    render = chat_rows.render_chat
+
+    def counted(template, messages, *args, **kwargs):
+        rendered.append(len(messages))
+        # The whole, and a few prefixes: not 10⁸ messages. Failing fast, not after hours.
+        assert sum(rendered) < 3 * len(turns), len(rendered)
+        return render(template, messages, *args, **kwargs)
+
+    monkeypatch.setattr(chat_rows, "render_chat", counted)
+    assert prepare("--source", source, "--tokenizer", tiny_run, "--out", tmp_path / "data") == 0
+    tokenizer = open_tokenizer(tiny_run / "tokenizer.model")
+    expected = [conversation_ids(tokenizer, DEFAULT_TEMPLATE, turns[:20])]
+    expected += [conversation_ids(tokenizer, DEFAULT_TEMPLATE, c["messages"]) for c in short[1:]]
+    sharegpt = checked_record(json.dumps(short[0]), "x")
+    expected += [conversation_ids(tokenizer, DEFAULT_TEMPLATE, sharegpt)]
+    expected = sorted((tuple(ids[:34]), tuple(mask[:34])) for ids, mask in expected)
+    found = []
+    for split in ("train", "val"):
+        tokens, masks = open_tokens(tmp_path / "data", split), open_mask(tmp_path / "data", split)
+        bounds = [*doc_offsets(tmp_path / "data", split), len(tokens)]
+        found += [
+            (tuple(tokens[a:b].tolist()), tuple(masks[a:b].tolist()))
+            for a, b in zip(bounds, bounds[1:])
+        ]
+    assert sorted(found) == expected

@@ -131,7 +131,9 @@ def chats(tiny, tmp_path_factory) -> tuple[Path, list]:
     conversations = [chat(rng, turns=1 + i % 3, system=i % 4 == 0) for i in range(80)]
     source = root / "chats.jsonl"
     source.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
-    return prepare_conversations(str(source), root / "data", tokenizer=str(tiny)), conversations
+    # For rows of ROW tokens: the tokenizer's run has a context of 32, these tests' models more.
+    data = prepare_conversations(str(source), root / "data", tokenizer=str(tiny), context=ROW - 1)
+    return data, conversations
 
 
 # ---------------------------------------------------------------- packing
@@ -228,6 +230,31 @@ def test_a_long_conversation_is_cut_to_the_row_and_one_left_without_a_reply_is_d
     said = capsys.readouterr().out
     cut = "2 longer than a row of train.seq_len + 1 = 17 tokens cut to it, 1 of them left out"
     assert said.count(cut) == 1, said
+
+
+@pytest.mark.parametrize("damage", ["mask of 7s", "offsets reversed", "kept shorter than a row"])
+def test_a_damaged_dataset_is_refused_before_training(tiny, tmp_path, capsys, damage):
+    """A loss mask of 7s and reversed offsets trained silently; a dataset whose conversations were
+    kept to fewer tokens than a row holds would be taken for whole. Each is one line, and no run."""
+    short = ([1, 5, 6, 7, 2], [0, 0, 1, 1, 1])
+    splits = {"train": [short] * 3, "val": [short]}
+    data = write_dataset(tmp_path / "d", tiny / "tokenizer.model", splits)
+    if damage == "mask of 7s":
+        (data / "train-00000.mask.bin").write_bytes(b"\7" * 15)
+        said = "d/train-00000.mask.bin holds 7 at token 0: a loss mask holds 0 or 1 a token"
+    elif damage == "offsets reversed":
+        np.save(data / "train-00000.docs.npy", np.array([0, 10, 5], dtype=np.int64))
+        said = "d/train-00000.docs.npy: offset 2 (5) falls below the one before"
+    else:  # prepared for a context of 8: 10 tokens kept, one conversation that long
+        meta = json.loads((data / "meta.json").read_text())
+        meta |= {"inputs": {"keep_tokens": 10}, "conversations_at_keep": 1}
+        (data / "meta.json").write_text(json.dumps(meta))
+        said = "keeps 1 conversation(s) to their first 10 tokens (prepared for a context of 8)"
+    flags = [f"--model.{key}={value}" for key, value in TINY.items()] + settings(data)
+    assert trained(tmp_path / "run", *flags, "--train.seq_len=16", "--train.max_steps=1") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and said in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_text_documents_are_cut_into_row_long_pieces_covering_them(make_tiny_run):

@@ -1301,6 +1301,40 @@ def test_a_wsd_budget_ends_in_time_when_the_steps_slow_down_after_the_first_ones
     assert lrs == {step: optim.lr_at(step - 1, cfg) for step in range(1, max_steps + 1)}
 
 
+def test_a_decided_budget_shortens_when_the_machine_slows_after_it_decides(
+    dataset, tmp_path, monkeypatch
+):
+    """Steps 2× slower from step 100 on, after the wsd budget of 15 s decided at step 96 for 115
+    steps (the end at 16.375 s). Every budget.LOOK_EVERY steps the run looks again and shortens to
+    what fits: 111 steps at step 110. It ends at 15.375 s."""
+    clock = FakeClock(0.125, {100: 0.25})
+    clock.install(monkeypatch.setattr)
+    config = budgeted(tmp_path, dataset, 0.25, 1000, schedule="wsd")
+    assert run_in_process(config, tmp_path / "run") == 0
+    entries = map(json.loads, (tmp_path / "run" / "metrics.jsonl").open())
+    sized = [(e["step"], e["max_steps"]) for e in entries if "max_steps" in e]
+    assert sized == [(96, 115), (110, 111)] and clock.steps == 111
+    assert clock.now == 15.375
+
+
+def test_threads_leave_the_cores_that_busy_processes_take(monkeypatch):
+    """device.free_cores: with a busy process on every core, one thread. CoreShare keeps a count
+    the user set in OMP_NUM_THREADS."""
+    cores = len(os.sched_getaffinity(0))
+    if cores > 8:
+        pytest.skip("a busy process a core is too many here")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(0.5)  # until they run
+        assert device.free_cores(cores) == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert device.CoreShare(torch.device("cpu")).threads() is None
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
 # ---------------------------------------------------------------- one writer, signals, full disks
 
 

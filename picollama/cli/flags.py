@@ -2,6 +2,7 @@
 
 import argparse
 import math
+import os
 import sys
 import types
 import typing
@@ -96,6 +97,37 @@ def positive(kind=int, zero: bool = False):
 
     parse.__name__ = f"{'non-negative' if zero else 'positive'} {kind.__name__}"
     return parse
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity where the system says, else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_threads(text: str) -> int:
+    """An argparse type for --threads: 1 to the CPUs this process may use. More only wait on
+    each other, and a million exhausted the system's threads: the server died of a segfault."""
+    try:
+        value = positive()(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid positive int value: {text!r}") from None
+    cpus = usable_cpus()
+    if value > cpus:
+        raise argparse.ArgumentTypeError(
+            f"at most {cpus}, the CPUs this process may use, not {value}"
+        )
+    return value
+
+
+def add_threads(parser: ArgumentParser, what: str, default: str):
+    """--threads N: CPU threads, 1 to the CPUs this process may use (cpu_threads)."""
+    parser.add_argument(
+        "--threads",
+        type=cpu_threads,
+        help=f"{what}, at most the CPUs this process may use (default: {default})",
+    )
 
 
 def comma_list(item=str, choices=None):

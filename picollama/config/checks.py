@@ -22,6 +22,7 @@ def check_config(cfg: Config, world_size: int) -> None:
             f"({m.max_seq_len}); lower train.seq_len or raise model.max_seq_len"
         )
     check_training_options(cfg)
+    check_length(cfg)
     if cfg.data.task == "retrieval":
         check_retrieval(cfg)
 
@@ -103,8 +104,43 @@ def check_schedule(cfg: Config) -> None:
             "optim.decay_start is decided by the train.max_minutes budget; give train.max_steps "
             "with it"
         )
+    if cfg.train.epochs:
+        raise UserError(
+            "optim.decay_start is a step, and train.epochs takes the steps from the data; use "
+            "optim.decay_fraction, or give train.max_steps"
+        )
     if o.decay_start >= cfg.train.max_steps:
         raise UserError(
             f"optim.decay_start ({o.decay_start}) must be below train.max_steps "
             f"({cfg.train.max_steps})"
         )
+
+
+def check_length(cfg: Config) -> None:
+    """Refuse train.epochs of data that has no end, the retrieval task's. Refuse train.early_stop
+    without evaluations that compare: during the run, each reading every batch. Refuse it with
+    interval saves, which would replace the best weights the run keeps."""
+    t, e = cfg.train, cfg.eval
+    if t.epochs and cfg.data.task == "retrieval":
+        raise UserError(
+            "train.epochs needs a dataset, and data.task retrieval generates its rows without end; "
+            "give train.max_steps"
+        )
+    if not t.early_stop:
+        return
+    problems = [
+        (not e.interval, "eval.interval 0 evaluates at the end alone; set eval.interval"),
+        (
+            e.interim_batches,
+            f"eval.interim_batches ({e.interim_batches}) makes evaluations read other batches "
+            "than the last; set it to 0",
+        ),
+        (
+            cfg.checkpoint.interval,
+            f"checkpoint.interval ({cfg.checkpoint.interval}) saves would replace the best "
+            "weights, which the run saves at each evaluation that improves on them; set it to 0",
+        ),
+    ]
+    for problem, why in problems:
+        if problem:
+            raise UserError(f"train.early_stop compares the validation losses: {why}")

@@ -71,11 +71,19 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     out_dir: str = "out/default"  # The run directory.
-    max_steps: int = 1000  # The run's length, unless max_minutes sizes it.
+    max_steps: int = 1000  # The run's length, unless max_minutes or epochs sizes it.
     # A wall-clock budget that fixes max_steps from the time spent. It counts data preparation,
     # evaluations, checkpoints and the final sample. With optim.schedule wsd, recent step times
     # decide when the decay starts. With cosine, the first warmup steps decide. None: max_steps.
     max_minutes: float | None = None
+    # Passes over the training split that fix max_steps before the first step: epochs × the rows of
+    # a pass / batch_size, rounded up. A pass is the split's packed rows (conversations, packed
+    # documents), else its windows of seq_len + 1 tokens. None: max_steps, or max_minutes.
+    epochs: float | None = None
+    # Stop once the validation loss has not improved on its best for this many evaluations in a
+    # row. The run then saves only at evaluations that improve it, so it keeps the best weights.
+    # 0 is off.
+    early_stop: int = 0
     batch_size: int = 16  # Sequences per optimizer step, over all ranks and micro-steps.
     grad_accum: int = 1  # Micro-steps per optimizer step.
     seq_len: int = 256
@@ -222,16 +230,7 @@ def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
             )
     all_keys = [f"{name}.{k}" for name, cls in sections.items() for k in field_types(cls)]
     given = {dotted for dotted, _ in overrides}
-    for layer, keys in (
-        ("the config file", {f"train.{k}" for k in values["train"]}),
-        ("the command line", given),
-    ):
-        if {"train.max_steps", "train.max_minutes"} <= keys:
-            raise UserError(f"{layer} sets both train.max_steps and train.max_minutes; keep one")
-    if (
-        "train.max_steps" in given
-    ):  # The command line wins. Its step count turns off the file's budget.
-        values["train"]["max_minutes"] = None
+    one_length(values["train"], given)
     for dotted, text in overrides:
         name, _, key = dotted.partition(".")
         if name not in sections or key not in field_types(sections[name]):
@@ -250,6 +249,25 @@ def build_config(raw: dict, overrides: list[tuple[str, str]]) -> Config:
         except ValueError as e:
             raise UserError(f"[{name}] {e}") from None
     return Config(**built)
+
+
+LENGTH_KEYS = ("train.max_steps", "train.max_minutes", "train.epochs")  # Each sets the length.
+
+
+def one_length(train: dict, given: set[str]):
+    """Refuse a config file, or a command line (the `given` keys), that sets two of LENGTH_KEYS.
+    The command line wins: a length given there turns off the file's. `train` is the file's."""
+    for layer, keys in (
+        ("the config file", {f"train.{k}" for k in train}),
+        ("the command line", given),
+    ):
+        both = [key for key in LENGTH_KEYS if key in keys]
+        if len(both) > 1:
+            raise UserError(f"{layer} sets both {' and '.join(both[:2])}; keep one")
+    if any(key in given for key in LENGTH_KEYS):
+        for key in LENGTH_KEYS[1:]:
+            if key not in given:
+                train[key[6:]] = None
 
 
 def init_from_model(run_dir: str, model: dict, given: set[str]) -> dict:

@@ -295,6 +295,20 @@ def read_weights(reader, path: Path, args: ModelArgs) -> dict:
     return state
 
 
+def weight_types(reader) -> dict:
+    """The GGUF types of the weights, for kernels/load.py: weight_type, the commonest of the
+    layers' matrices, and output_type, the output layer's (the embedding's where tied)."""
+    import gguf
+
+    kinds = {t.name: gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors}
+    matrices = [
+        kinds[t.name] for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) > 1
+    ]
+    output = kinds.get("output.weight", kinds.get("token_embd.weight"))
+    common = max(matrices, key=matrices.count) if matrices else None  # The first of a tie.
+    return {"weight_type": common, "output_type": output}
+
+
 def import_gguf(path: Path, run_dir: Path):
     """Write a llama GGUF file as a run directory of float32 weights, config.json and tokenizer.
 
@@ -311,7 +325,8 @@ def import_gguf(path: Path, run_dir: Path):
             key: meta.get(key)
             for key in ("general.name", "general.file_type", "tokenizer.ggml.model")
         }
-        source = {"converted_from": {"gguf": str(path), "metadata": described}}
+        kinds = weight_types(reader)
+        source = {"converted_from": {"gguf": str(path), "metadata": described, **kinds}}
         with atomic_output(run_dir) as tmp:
             save_model(model, tmp, source, tokenizer=tokenizer)
 

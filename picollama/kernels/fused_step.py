@@ -17,8 +17,10 @@ from model import KVCache, Transformer, apply_rotary, sdpa_attention
 from picollama.cli.outputs import atomic_output
 from picollama.components.length import length_dependent
 from picollama.components.variants import non_llama
+from picollama.kernels.block_linear import BlockLinear
 from picollama.kernels.caches import Int8KVCache, quantize_rows
 from picollama.kernels.decode_ops import cpu_isa, decode_ops
+from picollama.kernels.float_linear import FloatLinear
 from picollama.kernels.quantize import Concatenated, Int4Linear, Int8Linear, Int8RowDot
 
 # Inductor options for the compiled decode step (DecodeStep.compile_step). The weights stay out
@@ -74,26 +76,29 @@ def dense(weight: torch.Tensor, rows: bool) -> nn.Module:
 def projection(layers: list[nn.Module], rows: bool) -> tuple[nn.Module, list]:
     """One layer computing the concatenated outputs of `layers`, which read the same input.
 
-    It holds its own copy of their weights, laid out as its product reads fastest. Int8 weights
-    keep their layout, and dense ones take dense(rows)'s. Int4 layers stay as they are
+    It holds its own copy of their weights, laid out as its product reads fastest. Int8, block
+    and FloatLinear weights keep their layout (BlockLinear.joined, FloatLinear.joined), and dense
+    ones take dense(rows)'s. Int4 layers, and block ones that cannot join, stay as they are
     (Concatenated). Also returns [(layer, name, view)] for DecodeStep.share_weights. These are
     each layer's tensors as views of the copy."""
-    if isinstance(layers[0], Int4Linear):
+    block = isinstance(layers[0], BlockLinear)
+    own = block or isinstance(layers[0], FloatLinear)  # Our kernels, which join their layers.
+    fused = type(layers[0]).joined(layers) if own else None
+    if isinstance(layers[0], Int4Linear) or (own and fused is None):
         return Concatenated(layers), []
     int8 = isinstance(layers[0], Int8Linear)
-    names = ("weight", "scale") if int8 else ("weight",)
-    tensors = {
-        name: torch.cat([getattr(layer, name).detach() for layer in layers]) for name in names
-    }
-    if int8:
-        kind = Int8RowDot if rows and tensors["weight"].device.type == "cpu" else Int8Linear
-        fused = kind(tensors["weight"], tensors["scale"])
-    else:
-        fused = dense(tensors["weight"], rows)
+    names = ("levels", "scales") if block else ("weight", "scale") if int8 else ("weight",)
+    if not own:
+        tensors = {
+            name: torch.cat([getattr(layer, name).detach() for layer in layers]) for name in names
+        }
+        weight = tensors["weight"]
+        kind = Int8RowDot if rows and weight.device.type == "cpu" else Int8Linear
+        fused = kind(weight, tensors["scale"]) if int8 else dense(weight, rows)
     views = []
     start = 0
     for layer in layers:
-        span = slice(start, start + layer.weight.shape[0])
+        span = slice(start, start + getattr(layer, names[0]).shape[0])
         views += [(layer, name, getattr(fused, name).detach()[span]) for name in names]
         start = span.stop
     return fused, views
@@ -121,9 +126,12 @@ class FusedBlock(nn.Module):
         self.act = block.feed_forward.act
         cpu = block.attention_norm.weight.device.type == "cpu"
         fits = self.head_dim % 16 == 0 and self.head_dim <= 128 and self.heads // self.kv_heads <= 8
-        # A compiled CPU step attends with decode_ops.cpp, where that builds.
-        ops = decode_ops() if rows and cpu and fits else None
+        # A CPU step attends with decode_ops.cpp, where that builds: 5-12 us a call against
+        # SDPA's 11-32 us over 16-500 positions (SmolLM2's heads, 2 Zen 5 cores). An eager step
+        # does so in float32 only. In bf16 SDPA rounds as the model's own attention does.
+        ops = decode_ops() if cpu and fits else None
         self.attend = ops.decode_attention if ops is not None else None
+        self.any_dtype = rows  # A compiled step attends with decode_ops.cpp in bf16 too.
 
     def forward(self, x, pos, rotation, k_cache, v_cache, k_scale=None, v_scale=None):
         """x (B, dim) at position pos, turned by RoPE's rotation of pos.
@@ -158,7 +166,8 @@ class FusedBlock(nn.Module):
             k_cache[at], k_scale[at] = quantize_rows(k)
             v_cache[at], v_scale[at] = quantize_rows(v)
         lengths = None if shared else pos + 1
-        if self.attend is not None and k_cache.dtype in OPS_CACHE_DTYPES:
+        ours = self.any_dtype or q.dtype == torch.float32
+        if self.attend is not None and k_cache.dtype in OPS_CACHE_DTYPES and ours:
             length = pos + 1 if shared else 1  # Unused when lengths is given.
             return self.attend(q, k_cache, v_cache, length, k_scale, v_scale, lengths)
         end = pos + 1 if shared else None  # Rows of their own lengths read every position, masked.
@@ -193,7 +202,7 @@ class DecodeStep(nn.Module):
     threads: torch's thread count while it runs. None keeps the count as set. A compiled step
     keeps the count it was compiled with.
     compiled: compile the step into one C++ library at its first call with each batch size.
-    On the CPU its products are then RowDots, and it attends with decode_ops.cpp.
+    On the CPU its products are then RowDots. A CPU step attends with decode_ops.cpp either way.
     kv_dtype: the KV cache's dtype for generate(). None means the activations'. bf16 halves
     what a long cache reads a step, and int8 quarters it."""
 

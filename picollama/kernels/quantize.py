@@ -1,7 +1,9 @@
-"""Weight-only int8 and int4 quantization, applied to a trained Transformer at load time.
+"""Weight-only quantization, applied to a Transformer at load time.
 
-Int8Linear and Int4Linear replace its linear layers, and `quantize` swaps them in. Only weights
-are quantized. Activations keep a float dtype."""
+Int8Linear, Int4Linear, block_linear.py's BlockLinear (llama.cpp's Q8_0, Q4_0, Q4_1) and
+float_linear.py's FloatLinear (float32 or bfloat16 weights) replace its linear layers, and
+`quantize` swaps them in. Only weights are quantized here. Activations keep a float dtype.
+load.py picks the mode, a GGUF file's own by default."""
 
 import torch
 import torch.nn.functional as F
@@ -9,10 +11,13 @@ from torch import nn
 
 from model import Transformer
 from picollama.device import cpu_has_bf16
+from picollama.kernels.block_linear import FORMATS, BlockLinear
 from picollama.kernels.caches import quantize_rows
 from picollama.kernels.decode_ops import decode_ops
+from picollama.kernels.float_linear import PRECISIONS, FloatLinear
 
-QUANTIZATIONS = ("none", "int8", "int4")
+# "auto" is the run's own format: a GGUF file's weight type (load.py), else "none".
+QUANTIZATIONS = ("auto", "none", "int8", "int4", *FORMATS, *PRECISIONS)
 
 
 class Int8Linear(nn.Module):
@@ -140,17 +145,25 @@ def int8_dtype(device: torch.device, compiled: bool = False) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
 
 
-def quantize(model: Transformer, mode: str) -> Transformer:
+def quantize(model: Transformer, mode: str, output: str | None = None) -> Transformer:
     """The model for inference, its weights quantized in place as `mode` says.
 
     "none" leaves them as they are. "int8" makes every linear layer an Int8Linear. The embedding
     and the norms stay as they are. "int4" (CPU only) makes an Int4Linear wherever the shape fits
-    the kernel, and the output layer an Int8Linear. Quantize before casting the model to its
-    activation dtype, since the weights are rounded from the ones given."""
-    if mode not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {mode!r}")
-    if mode == "int4" and model.tok_embeddings.weight.device.type != "cpu":
-        raise ValueError("int4 weights run on the CPU only (PyTorch's CPU int4 kernel)")
+    the kernel, and the output layer an Int8Linear. "q8_0", "q4_0" and "q4_1" (CPU only) make a
+    BlockLinear in that format of every layer whose inputs fill blocks of 32. "f32" and "bf16"
+    (CPU only) make a FloatLinear of every layer, its weight kept in that precision. The output
+    layer takes format `output` ("none" keeps it as it is). It defaults to q8_0 for 4-bit modes,
+    as in llama.cpp's Q4 files. Quantize before casting the model to its activation dtype, since the
+    weights are rounded from the ones given. load.py resolves "auto" before this."""
+    if mode not in QUANTIZATIONS[1:]:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS[1:])}, not {mode!r}"
+        )
+    cpu = model.tok_embeddings.weight.device.type == "cpu"
+    if mode in ("int4", *FORMATS, *PRECISIONS) and not cpu:
+        raise ValueError(f"{mode} weights run on the CPU only (PyTorch's CPU int4 kernel, ours)")
+    last = output or ("q8_0" if mode in ("q4_0", "q4_1") else mode)
     for module in list(model.modules()):
         for name, child in module.named_children():
             if not isinstance(child, nn.Linear):
@@ -160,4 +173,10 @@ def quantize(model: Transformer, mode: str) -> Transformer:
                 setattr(module, name, Int8Linear.quantized(child.weight))
             elif mode == "int4" and Int4Linear.fits(child):
                 setattr(module, name, Int4Linear.quantized(child.weight))
+            elif mode in (*FORMATS, *PRECISIONS):  # An output of "none" stays as it is.
+                kind = last if child is model.output else mode
+                if kind in FORMATS and BlockLinear.fits(child):
+                    setattr(module, name, BlockLinear.quantized(child.weight, kind))
+                elif kind in PRECISIONS and FloatLinear.fits(child):
+                    setattr(module, name, FloatLinear.stored(child, kind))
     return model.requires_grad_(False)

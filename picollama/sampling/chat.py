@@ -1,6 +1,9 @@
-"""`generate.py --chat`: a terminal chat in the run's chat template, its answers streamed."""
+"""`generate.py --chat`: a terminal chat in the run's chat template, its answers streamed.
 
-import os
+The conversation's keys and values are kept between turns (prefixes.py), so a turn prefills
+only what the template rendered after the tokens of the turns before.
+"""
+
 import signal
 import sys
 from contextlib import contextmanager
@@ -11,11 +14,12 @@ import torch
 from picollama.cli import UserError
 from picollama.cli.flags import ArgumentParser, utf8_argument
 from picollama.cli.text import checked_text
-from picollama.device import check_compiler, memory_bytes, pick_device
+from picollama.device import CoreShare, check_compiler, memory_bytes, pick_device
 from picollama.kernels.caches import KV_CACHES
 from picollama.kernels.load import fast_step, load_to_sample
 from picollama.sampling.decode import DecodeOptions, generate
 from picollama.sampling.memory import check_memory, free_bytes
+from picollama.sampling.prefixes import PrefixStore, reusable
 from picollama.sampling.prompts import TextStream
 from picollama.sampling.sampler import Sampling
 
@@ -69,13 +73,15 @@ def check_chat_flags(args):
     taken += ["num_samples"] if args.num_samples != 1 else []
     if taken:
         raise UserError(f"--chat takes no --{taken[0].replace('_', '-')}: it is one conversation")
+    if args.max_new_tokens == 0:  # Each answer was empty, and the session went on.
+        raise UserError("--chat --max-new-tokens 0 leaves no room for an answer; give 1 or more")
 
 
 def chat_command(args) -> int:
     """`python generate.py --run DIR --chat [--prompt TEXT]`: the model loaded and its decode step
     chosen as the sampling command does (load.py)."""
     try:
-        from picollama.chat_template import load_chat_template
+        from picollama.chat_template import check_renders, load_chat_template
     except ModuleNotFoundError as e:  # Jinja is not among the core dependencies
         raise UserError(f"--chat needs {e.name}: pip install 'jinja2>=3.1.6'") from None
     check_chat_flags(args)
@@ -90,13 +96,15 @@ def chat_command(args) -> int:
         check_compiler()
     # The model loads (casts and copies) and a one-shot answer runs on the cores the load leaves
     # free, untimed: one answer is too short to pay for timing thread counts (tune_threads).
-    threads = free_cores() if device.type == "cpu" else None
+    threads = CoreShare(device).threads(samples=3)
     with thread_count(threads):
         model, tokenizer, _ = load_to_sample(args, device)
         if template is None:
             from picollama.convert.main import imported_run  # the run directory load_to_sample read
 
             template = load_chat_template(imported_run(args.run))
+        mine = f"--chat-template {args.chat_template}" if args.chat_template else None
+        check_renders(template, mine or f"the chat template of {args.run}", tokenizer)
         chat = Chat(model, tokenizer, template, sampling, system, args.verbose_prompt)
         chat.special_in_content = args.special_in_content
         chat.free = free_bytes(model, memory_bytes(device))
@@ -108,22 +116,11 @@ def chat_command(args) -> int:
     return session(chat, f"chat with {args.run}")
 
 
-def free_cores() -> int:
-    """The threads to run on untimed: the cores the load average leaves free, at least one and at
-    most torch's count (on a busy 2-core machine, two threads made a decode step 10x slower than
-    one: every parallel region waits for a descheduled thread)."""
-    threads = torch.get_num_threads()
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # no load average to read
-        return threads
-    return max(1, min(threads, (os.cpu_count() or threads) - round(load)))
-
-
 class Chat:
     """A conversation with a model: its history (user messages and their answers, the system
     message apart), rendered with the chat template for each answer, the oldest turns dropped when
-    it outgrows the model's context."""
+    it outgrows the model's context. `prefixes` keeps the last answer's keys and values: one
+    sequence, at most the context (None for a model whose cached keys follow the length)."""
 
     def __init__(self, model, tokenizer, template: str, sampling: Sampling, system, verbose=False):
         from picollama.chat_template import stop_ids
@@ -144,6 +141,7 @@ class Chat:
         self.free = None  # bytes of memory beside the weights; None: not known
         self.ctrl_c = None  # an interactive session's CtrlC
         self.dropped = False  # whether this conversation lost its oldest turns (said once)
+        self.prefixes = PrefixStore(sys.maxsize, entries=1) if reusable(model.args) else None
         # said now, before the first message: a template that fails on one, no room to answer
         self.prompt({"role": "user", "content": "Hello"}, verbose=False)
         if sampling.max_new_tokens >= self.context:
@@ -193,13 +191,12 @@ class Chat:
         # the asked length, or what the context has left after a long first message
         new = min(self.sampling.max_new_tokens, self.context - len(ids))
         sampling = replace(self.sampling, max_new_tokens=new)
-        total = len(ids) + sampling.max_new_tokens
-        check_memory(self.model, 1, (len(ids), total), sampling.temperature > 0, self.free)
+        self.check_memory(len(ids), sampling)
         taken = Answer(self.tokenizer, self.stops, out, self.ctrl_c)
         threads = getattr(self.step, "threads", None)  # the prefill's too
         try:
             with answering(self.ctrl_c), thread_count(threads):
-                options = DecodeOptions(self.step, self.vocab_limit)
+                options = DecodeOptions(self.step, self.vocab_limit, prefixes=self.prefixes)
                 generate(self.model, [ids], sampling, on_token=taken, options=options)
         except (Stop, CtrlCPressed):  # CtrlCPressed: a second Ctrl-C, which stops it at once
             pass
@@ -207,6 +204,22 @@ class Chat:
         if reply:
             self.history += [message, {"role": "assistant", "content": reply}]
         return reply
+
+    def check_memory(self, prompt: int, sampling: Sampling):
+        """UserError when an answer cannot fit in memory beside the conversation kept. Where it
+        could without it, the kept one is dropped (its prompt is then prefilled whole)."""
+        kept = 0 if self.prefixes is None else self.prefixes.bytes
+        lengths = (prompt, prompt + sampling.max_new_tokens)
+        sampled = sampling.temperature > 0
+        try:
+            check_memory(
+                self.model, 1, lengths, sampled, None if self.free is None else self.free - kept
+            )
+        except UserError:
+            if not kept:
+                raise
+            self.prefixes.clear()
+            check_memory(self.model, 1, lengths, sampled, self.free)
 
 
 class Stop(Exception):

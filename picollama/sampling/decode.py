@@ -24,6 +24,7 @@ from picollama.cli.flags import SEEDS
 from picollama.components.length import length_dependent, length_problem, needs_scaling
 from picollama.components.registry import ROPE_SCALINGS
 from picollama.kernels.caches import SinkCache, Sinks, setup_cache
+from picollama.sampling.prefixes import PrefixStore, keep_rows, reusable, reuse_rows
 from picollama.sampling.rows import Row, RowState, hand_over
 from picollama.sampling.sampler import Sampler, Sampling
 
@@ -37,22 +38,25 @@ class DecodeOptions:
     step: the fused DecodeStep, or None for the model's forward. vocab_limit: choose only ids
     below it, since a tokenizer with fewer pieces cannot spell the others. sinks: a KV cache of
     bounded size (Sinks). keep=False: tokens go to on_token alone and none are kept, so with sinks
-    nothing grows with max_new_tokens.
+    nothing grows with max_new_tokens. prefixes: kept prefixes (prefixes.py) the prompts start
+    from, and where each row's tokens are kept at the end. Not with sinks.
     """
 
     step: object = None
     vocab_limit: int | None = None
     sinks: Sinks | None = None
     keep: bool = True
+    prefixes: PrefixStore | None = None
 
 
-def prefill(model: Transformer, tokens: torch.Tensor, pos: int) -> torch.Tensor:
-    """Logits (B, vocab) predicting tokens[:, pos], with tokens[:, :pos] run into the KV cache.
+def prefill(model: Transformer, tokens: torch.Tensor, pos: int, start: int = 0) -> torch.Tensor:
+    """Logits (B, vocab) predicting tokens[:, pos], with tokens[:, start:pos] run into the KV
+    cache. Its positions before `start` hold a kept prefix (prefixes.py).
 
     The head runs on the last position alone. On every position it was a fifth of SmolLM2's
     prefill.
     """
-    return model.head(model.features(tokens[:, :pos], start_pos=0)[:, -1])
+    return model.head(model.features(tokens[:, start:pos], start_pos=start)[:, -1])
 
 
 def decode_one_token(decode, tokens: torch.Tensor, pos: int):
@@ -63,12 +67,15 @@ def decode_one_token(decode, tokens: torch.Tensor, pos: int):
     return decode(tokens[:, pos - 1 : pos], start_pos=pos - 1)[:, -1]
 
 
-def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decode=None):
+def decode_steps(
+    model: Transformer, tokens: torch.Tensor, first_pos: int, decode=None, cached: int = 0
+):
     """Yield (pos, logits (B, vocab) predicting tokens[:, pos]) for pos = first_pos .. T-1.
 
     The caller writes tokens[:, pos] before it asks for the next step. The first step prefills
-    tokens[:, :first_pos] into the KV cache, which the caller set up. Later ones feed one token
-    through `decode` (default: the model). Dynamic NTK past its original context turns every
+    tokens[:, cached:first_pos] into the KV cache, which the caller set up, its first `cached`
+    positions from kept prefixes (prefixes.reuse_rows). Later ones feed one token through
+    `decode` (default: the model). Dynamic NTK past its original context turns every
     position at each new length. So there the whole prefix runs again, and the logits are exactly
     those of model(tokens[:, :pos]) at every step.
     """
@@ -76,14 +83,14 @@ def decode_steps(model: Transformer, tokens: torch.Tensor, first_pos: int, decod
     recompute_after = (
         model.args.original_seq_len if length_dependent(model.args) else tokens.shape[1]
     )
-    cached = 0  # positions 0..cached-1 hold valid keys and values
+    # positions 0..cached-1 hold valid keys and values
     for pos in range(first_pos, tokens.shape[1]):
         if pos > recompute_after:
             cached = 0
         if cached == pos - 1:
             logits = decode_one_token(decode, tokens, pos)
         else:
-            logits = prefill(model, tokens, pos)
+            logits = prefill(model, tokens, pos, cached)
         cached = pos
         yield pos, logits
 
@@ -204,6 +211,16 @@ class Batch:
             if state.tokens is not None:
                 state.tokens = tokens[r, self.lengths[r] : self.ends[r]].tolist()
 
+    def spans(self, cached: int) -> list[int]:
+        """How many of each row's first positions are worth keeping, of the `cached` the cache
+        holds: its prompt, its answer and the stop id that ended it. A row that ended was fed
+        more, which no prompt will start with."""
+        rows = zip(self.states, self.done, self.lengths, self.ends)
+        return [
+            min(cached, end, length + state.count + 1 if done else end)
+            for state, done, length, end in rows
+        ]
+
     def finish(self, row: int, reason: str):
         self.done[row] = True
         if self.on_done is not None:
@@ -226,15 +243,17 @@ def watched(rows: list[Row], on_token, on_done, ring_kept: bool) -> bool:
     return listened or asked or ring_kept
 
 
-def steps_of(model: Transformer, tokens, first_pos: int, step, cache: SinkCache | None):
+def steps_of(model: Transformer, tokens, first_pos: int, step, cache: SinkCache | None, kept=None):
     """The (pos, logits) steps over tokens: decode_steps, or the sink cache's steps.
 
-    It sets up the KV cache they fill. The caller resets it.
+    It sets up the KV cache they fill, from the prefixes `kept` (a PrefixStore) holds. The caller
+    resets it.
     """
     kv_dtype = getattr(step, "kv_dtype", None)
     if cache is None:
         setup_cache(model, *tokens.shape, kv_dtype)
-        return decode_steps(model, tokens, first_pos, step)
+        cached = reuse_rows(kept, model, tokens, first_pos)
+        return decode_steps(model, tokens, first_pos, step, cached)
     setup_cache(model, tokens.shape[0], cache.window, kv_dtype)
     return cache.steps(tokens, first_pos, step)
 
@@ -248,7 +267,8 @@ def decode_rows(
     on_token(row, Token) hears each token as it is chosen. A true return ends that row (a stop
     string found, a client gone). on_done(row, reason) hears once why each row ended: "stop" (a
     stop id), "length" (its max_new_tokens) or "halted" (on_token said so). The batch ends when
-    every row has. With options.keep False the rows returned are empty.
+    every row has. With options.keep False the rows returned are empty. With options.prefixes
+    the prompts start from the prefixes kept there, and each row's tokens are kept there after.
     """
     batch = Batch(rows, on_token, on_done, options.keep)
     cache = None if options.sinks is None else SinkCache(model, options.sinks)
@@ -261,8 +281,11 @@ def decode_rows(
     sampler = Sampler([row.sampling for row in rows], tokens.device)
     starts = torch.tensor(batch.lengths, device=tokens.device)
     ends = torch.tensor(batch.ends, device=tokens.device)
+    kept = options.prefixes if reusable(model.args, options.sinks) else None
+    cached = 0  # the positions the cache holds, whatever ends the loop
     try:
-        for pos, logits in steps_of(model, tokens, min(batch.lengths), options.step, cache):
+        for pos, logits in steps_of(model, tokens, min(batch.lengths), options.step, cache, kept):
+            cached = pos
             if options.vocab_limit is not None:
                 logits[:, options.vocab_limit :] = float("-inf")
             choosing = batch.choosing(pos)
@@ -275,7 +298,11 @@ def decode_rows(
                 if all(batch.done):
                     break
     finally:
-        model.reset_cache()
+        try:
+            if kept is not None and cached:
+                keep_rows(kept, model, tokens, batch.spans(cached))
+        finally:
+            model.reset_cache()
     if not seen:
         batch.read(tokens)
     return batch.outputs

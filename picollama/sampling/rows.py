@@ -2,7 +2,8 @@
 
 Both decode loops hand tokens over here: decode.decode_rows (a static batch) and slots.Slots
 (continuous batching). Here a stop id ends a row and the max length ends it. Here on_token
-hears of each token. Nothing here runs the model or knows about HTTP.
+hears of each token, and a row's constraint (a grammar) takes it. Nothing here runs the model
+or knows about HTTP.
 """
 
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ class RowState:
         row = self.row
         if token in row.stop_ids:
             return "stop"
+        if row.sampling.constraint is not None:  # its grammar moves on (sampler.Sampling)
+            row.sampling.constraint.take(token)
         self.count += 1
         if self.tokens is not None:
             self.tokens.append(token)

@@ -1,10 +1,11 @@
 """The one sampler: how generate.py and the server choose each row's next token from its logits.
 
-It knows nothing of prompts, caches or stops: logits in, token ids out.
+It knows nothing of prompts, caches or stops: logits in, token ids out. A row's constraint (a
+grammar, grammar.py) narrows the tokens it may choose.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,6 +22,10 @@ class Sampling:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None  # None: torch's global generator
+    # One row's own mask hook (grammar.Constraint), or None: allowed() gives the tokens it may
+    # choose, fits(token) vets a choice, closer() is a token that always fits. The hand-over
+    # feeds it each token taken (rows.RowState.take).
+    constraint: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
@@ -40,10 +45,17 @@ class Sampler:
     Temperature 0 is greedy. Otherwise the row draws from softmax(logits / temperature), cut to
     its top-k tokens and then to its top-p nucleus. A seeded row draws from its own generator,
     so it draws the same whatever else is in the batch. Rows without a seed share torch's global
-    generator. `generators` (one a row) lets a caller keep them across calls.
+    generator. `generators` (one a row) lets a caller keep them across calls. A row with a
+    constraint chooses among the tokens it allows, and again, without the token, where the token
+    does not fit (at most REDRAWS times; then it takes the constraint's closer()).
     """
 
+    REDRAWS = 8
+
     def __init__(self, samplings: list[Sampling], device: torch.device, generators=None):
+        self.samplings = samplings
+        self.constraints = [s.constraint for s in samplings]
+        self.constrained = any(c is not None for c in self.constraints)
         self.sampled = [s.temperature > 0 for s in samplings]
         temperatures = [s.temperature for s in samplings]
         self.temperature = temperatures[0] if len(set(temperatures)) == 1 else None
@@ -71,8 +83,45 @@ class Sampler:
         """A token id per row of logits (B, vocab), on their device.
 
         Only the `drawing` rows draw random numbers. A row still in its prompt must not use them
-        up: then it draws as it would alone. The others get the greedy token.
+        up: then it draws as it would alone. The others get the greedy token. The drawing rows
+        with a constraint choose under it.
         """
+        if not self.constrained:
+            return self.choose(logits, drawing)
+        logits = self.masked(logits, drawing)
+        return self.vetted(logits, drawing, self.choose(logits, drawing))
+
+    def masked(self, logits: torch.Tensor, drawing: list[bool]) -> torch.Tensor:
+        """The logits with -inf where a drawing row's constraint allows no token. A copy: the
+        logprobs stay the model's."""
+        allow = torch.ones(logits.shape, dtype=torch.bool)
+        for r, constraint in enumerate(self.constraints):
+            if constraint is not None and drawing[r]:
+                allowed = constraint.allowed()[: logits.shape[1]]
+                allow[r] = False
+                allow[r, : len(allowed)] = allowed
+        return logits.masked_fill(~allow.to(logits.device), float("-inf"))
+
+    def vetted(self, logits: torch.Tensor, drawing: list[bool], chosen: torch.Tensor):
+        """The chosen tokens, each constrained row's drawn again without its token while that
+        does not fit. The row draws alone, from its own generator."""
+        for r, constraint in enumerate(self.constraints):
+            if constraint is None or not drawing[r]:
+                continue
+            row, token, redraws = logits[r : r + 1], int(chosen[r]), 0
+            while not constraint.fits(token):
+                if redraws == self.REDRAWS:
+                    token = constraint.closer()
+                    break
+                row = row.index_fill(1, torch.tensor([token], device=row.device), float("-inf"))
+                sampling = replace(self.samplings[r], constraint=None)
+                alone = Sampler([sampling], row.device, self.generators[r : r + 1])
+                token, redraws = int(alone(row, [True])[0]), redraws + 1
+            chosen[r] = token
+        return chosen
+
+    def choose(self, logits: torch.Tensor, drawing: list[bool]) -> torch.Tensor:
+        """__call__ without constraints."""
         greedy = logits.argmax(-1)
         draws = [r for r, (s, d) in enumerate(zip(self.sampled, drawing)) if s and d]
         if not draws:

@@ -3,7 +3,9 @@
 Rows join between steps, their prompt prefilled alone, and leave as they end. So do llama.cpp's
 server slots. This is the one place that feeds each row at its own position. The choice and the
 hand-over are the static loop's: the one Sampler (sampler.py) and rows.hand_over. The serve
-engine drives it (Engine.run_continuous). It knows nothing about HTTP or text.
+engine drives it (Engine.run_continuous). It knows nothing about HTTP or text. With a
+PrefixStore (prefixes.py) a joining row prefills only what follows its longest kept prefix, and
+a row that leaves is kept there.
 """
 
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ import torch
 from picollama.kernels.caches import setup_cache
 from picollama.kernels.fused_step import DecodeStep, cache_tensors
 from picollama.sampling.decode import prefill
+from picollama.sampling.prefixes import PrefixStore, load, model_caches, row_of
 from picollama.sampling.rows import Row, RowState, hand_over
 from picollama.sampling.sampler import Sampler
 
@@ -42,6 +45,11 @@ class Slot(RowState):
         """The positions its prompt and its longest answer take."""
         return len(self.row.prompt) + self.row.sampling.max_new_tokens
 
+    @property
+    def ids(self) -> torch.Tensor:
+        """The token ids whose keys and values its cache row holds: its prompt, then its answer."""
+        return torch.tensor((self.row.prompt + self.tokens)[: self.position])
+
 
 class Slots:
     """The rows decoding now, in slots 0..n-1 of one KV cache.
@@ -50,11 +58,13 @@ class Slots:
     above n. Its length is a power of two that holds the longest row. join() prefills a row and
     chooses its first token. advance() chooses the next token of every row. A row that ends
     leaves, and the rows after it move down. The cache is copied to a new size as rows come, go
-    and grow. The step is compiled for each batch size.
+    and grow. The step is compiled for each batch size. prefixes: where prompts find kept
+    prefixes and rows that leave are kept (None: nowhere).
     """
 
-    def __init__(self, model, step: DecodeStep, vocab_limit: int | None = None):
+    def __init__(self, model, step: DecodeStep, vocab_limit: int | None = None, prefixes=None):
         self.model, self.step, self.vocab_limit = model, step, vocab_limit
+        self.prefixes: PrefixStore | None = prefixes
         self.slots: list[Slot] = []
         self.caches: list[tuple] = []  # each layer's cache_tensors
 
@@ -64,7 +74,10 @@ class Slots:
 
     @torch.inference_mode()
     def join(self, row: Row, on_token, on_done):
-        """Prefill the row's prompt alone into a new slot, and choose its first token."""
+        """Prefill the row's prompt alone into a new slot, and choose its first token.
+
+        The prompt's longest prefix kept, or held by a row decoding now, is not prefilled again.
+        """
         seed = row.sampling.seed
         generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
         slot = Slot(row, on_token, on_done=on_done, generator=generator, position=len(row.prompt))
@@ -73,8 +86,9 @@ class Slots:
         self.fit(len(self.slots) + 1, slot.position + 1, slot.end)
         setup_cache(self.model, 1, slot.position, self.step.kv_dtype)
         try:
+            start = self.reuse(row.prompt)
             prompt = torch.tensor([row.prompt], device=self.device)
-            logits = prefill(self.model, prompt, slot.position)
+            logits = prefill(self.model, prompt, slot.position, start)
             index = len(self.slots)
             for cache, attention in zip(self.caches, self.step.attentions):
                 for tensor, prefilled in zip(cache, cache_tensors(attention.cache)):
@@ -83,6 +97,21 @@ class Slots:
             self.model.reset_cache()
         self.slots.append(slot)
         self.choose(logits)
+
+    def reuse(self, prompt: list[int]) -> int:
+        """Copy into the model's cache the longest start of the prompt, but its last token, that
+        the store keeps or a row decoding now holds. How many positions that is."""
+        if self.prefixes is None:
+            return 0
+        decoding = [
+            (slot.ids, row_of(self.caches, index, slot.position))
+            for index, slot in enumerate(self.slots)
+        ]
+        length, layers = self.prefixes.longest(torch.tensor(prompt[:-1]), decoding)
+        if length:
+            load(layers, length, model_caches(self.model))
+        self.prefixes.counted(length)
+        return length
 
     @torch.inference_mode()
     def advance(self):
@@ -121,8 +150,12 @@ class Slots:
     def leave(self, ended: dict[int, str]):
         """The rows ended (id(slot) -> why) leave, and the others move down into slots 0..n-1.
 
-        Each moves into a slot below its own, so none is overwritten before it is read.
+        Each moves into a slot below its own, so none is overwritten before it is read. The rows
+        ended are kept in the store first.
         """
+        for index, slot in enumerate(self.slots):
+            if self.prefixes is not None and id(slot) in ended:
+                self.prefixes.keep(slot.ids, row_of(self.caches, index, slot.position))
         kept = [slot for slot in self.slots if id(slot) not in ended]
         for new, slot in enumerate(kept):
             old = self.slots.index(slot)

@@ -8,7 +8,8 @@ How to add an OpenAI endpoint that generates, such as another completion kind. I
 - rows.py: ServedModel.rows, which turns the Ask into rows of tokens for the engine.
 - responses.py: the answer's shape, whole and streamed. Head.top names its object.
 - app.py: the route, which reads the body, checks it and answers. Streaming is in events().
-  A route under /v1/ gets the bearer key check from BearerKey by itself.
+  A route under /v1/ gets the bearer key check from BearerKey by itself. It runs inside
+  metrics.request(path), with its path in metrics.ENDPOINTS, so /metrics counts its requests.
 - main.py: the endpoints its --help description lists.
 - docs/serving.md: the endpoint table and the parameters it takes.
 - tests/test_serve.py: its answers, streamed and whole, and its refusals.

@@ -1,7 +1,7 @@
 """The server's FastAPI app, which speaks OpenAI's HTTP API.
 
-It owns the endpoints, the bearer key, the error shapes and streaming. It never runs the model.
-It queues jobs for the engine and relays what comes back."""
+It owns the endpoints, the bearer key, the Host check, the error shapes and streaming. It never
+runs the model. It queues jobs for the engine and relays what comes back."""
 
 import asyncio
 import hmac
@@ -19,6 +19,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from picollama.serve import responses as shapes
 from picollama.serve.engine import Finished, Job, QueueFull
+from picollama.serve.metrics import Metrics, Watch, outcome_of
 from picollama.serve.protocol import ApiError, Ask, chat_request, completion_request, read_json
 from picollama.serve.rows import ServedModel
 
@@ -28,14 +29,21 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 LOG = logging.getLogger("uvicorn.error")  # uvicorn's own log, so its lines look alike.
 
 
-def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
-    """The app serving `served`: the chat page at /, /health, and OpenAI's /v1 endpoints.
+def create_app(
+    served: ServedModel, api_key: str | None = None, hosts: frozenset[str] | None = None
+) -> FastAPI:
+    """The app serving `served`: the chat page at /, /health, /metrics and OpenAI's /v1 endpoints.
 
-    Given a key, /v1 needs `Authorization: Bearer api_key`."""
+    Given a key, /v1 and /metrics need `Authorization: Bearer api_key`. Given `hosts`, every
+    request must name one of them in its Host header (HostCheck). None: any Host."""
     app = FastAPI(title="picollama", docs_url=None, redoc_url=None, openapi_url=None)
     add_errors(app)
+    metrics = Metrics(served.engine)
+    served.engine.on_step = metrics.steps.observe
     if api_key:
-        app.add_middleware(BearerKey, key=api_key)
+        app.add_middleware(BearerKey, key=api_key, metrics=metrics)
+    if hosts is not None:
+        app.add_middleware(HostCheck, hosts=hosts)
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
@@ -44,6 +52,11 @@ def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": served.name, "engine": served.engine.status()}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        content, media_type = metrics.exposition(request.headers.get("accept", ""))
+        return Response(content, media_type=media_type)
 
     @app.get("/v1/models")
     async def models():
@@ -56,15 +69,17 @@ def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        ask = chat_request(read_json(await body_of(request)), served.engine.max_batch)
-        served_as(served, ask.model)
-        return await answer(served, request, ask)
+        with metrics.request("/v1/chat/completions") as watch:
+            ask = chat_request(await json_of(request), served.engine.max_batch)
+            served_as(served, ask.model)
+            return await answer(served, request, ask, watch)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        ask = completion_request(read_json(await body_of(request)), served.engine.max_batch)
-        served_as(served, ask.model)
-        return await answer(served, request, ask)
+        with metrics.request("/v1/completions") as watch:
+            ask = completion_request(await json_of(request), served.engine.max_batch)
+            served_as(served, ask.model)
+            return await answer(served, request, ask, watch)
 
     return app
 
@@ -108,13 +123,15 @@ class Http(H11Protocol):
 
 
 class BearerKey:
-    """ASGI middleware. /v1/* needs `Authorization: Bearer KEY`, else a 401 in OpenAI's shape."""
+    """ASGI middleware. /v1/* and /metrics need `Authorization: Bearer KEY`, else a 401 in
+    OpenAI's shape (counted in metrics)."""
 
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
+    def __init__(self, app, key: str, metrics: Metrics):
+        self.app, self.key, self.metrics = app, key.encode(), metrics
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1/") or path == "/metrics"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             refusal = None
@@ -123,9 +140,43 @@ class BearerKey:
             elif not hmac.compare_digest(token.strip(), self.key):
                 refusal = "Incorrect API key provided"
             if refusal:
+                self.metrics.unauthorized(path)
                 response = error_response(ApiError(401, refusal, code="invalid_api_key"))
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class HostCheck:
+    """ASGI middleware against DNS rebinding. An HTTP request whose Host header names none of
+    `hosts` (port aside) is refused with a 421 in OpenAI's shape, the chat page too.
+
+    A page of attacker.example, its name made to resolve to 127.0.0.1, reaches a server on this
+    machine as its own origin, so the browser lets it read the answers. Its requests still say
+    Host: attacker.example. A request with no Host (HTTP/1.0) names no site, so it passes."""
+
+    def __init__(self, app, hosts: frozenset[str]):
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"host")
+            name = None if given is None else host_name(given.decode("latin-1"))
+            if name is not None and name not in self.hosts:
+                message = (
+                    f"this server answers requests for {', '.join(sorted(self.hosts))}, not "
+                    f"{name[:100]!r} (a page of another site may have sent it)"
+                )
+                response = error_response(ApiError(421, message, code="misdirected_request"))
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def host_name(host: str) -> str:
+    """A Host header's name, lower case, its port dropped: "[::1]:8000" is "::1"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 def add_errors(app: FastAPI):
@@ -151,6 +202,18 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+async def json_of(request: Request) -> dict:
+    """The request's body, a JSON object (protocol.read_json). 415 unless it is sent as
+    application/json: a page of another site can POST text/plain without asking (no CORS
+    preflight), so a body of any other type is never read."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        said = f"'{media_type[:100]}'" if media_type else "none"
+        message = f"the request body must be sent as Content-Type: application/json, not {said}"
+        raise ApiError(415, message, code="unsupported_media_type")
+    return read_json(await body_of(request))
+
+
 async def body_of(request: Request) -> bytes:
     """The request's body. 413 if it is over MAX_BODY bytes, whether declared or sent."""
     too_large = ApiError(413, f"the request body is over {MAX_BODY:,} bytes", code="too_large")
@@ -173,25 +236,29 @@ async def body_of(request: Request) -> bytes:
     return b"".join(parts)
 
 
-async def answer(served: ServedModel, request: Request, ask: Ask) -> Response:
-    """Queue the request's rows and answer, streamed as server-sent events or whole."""
+async def answer(served: ServedModel, request: Request, ask: Ask, watch: Watch) -> Response:
+    """Queue the request's rows and answer, streamed as server-sent events or whole. The watch
+    hears how it ends."""
     # Encoding a long prompt takes a while, so it runs off the event loop.
     rows, texts, prompt_tokens = await anyio.to_thread.run_sync(served.rows, ask)
-    job = Job(rows, texts)
+    job = Job(rows, texts, watch)
     try:
         served.engine.submit(job)
     except QueueFull:
         waiting = served.engine.queue_size
         message = f"the server is busy ({waiting} requests waiting); retry shortly"
         raise ApiError(503, message, code="overloaded", headers={"Retry-After": "1"}) from None
-    head = shapes.Head(ask.kind, served.name, ask.logprobs is not None, ask.include_usage)
+    watch.queued(prompt_tokens)
+    head = shapes.head_for(ask, served.name)
     if ask.stream:
         return EventStream(job, events(job, head, prompt_tokens))
     gathered = await gather(job, request)
     if gathered is None:  # The client left.
+        watch.end("cancelled")
         return Response(status_code=499)
     if gathered.failed is not None:
         raise failure(gathered.failed)
+    watch.end("ok")
     return JSONResponse(shapes.whole(head, gathered, prompt_tokens))
 
 
@@ -229,7 +296,8 @@ async def disconnected(request: Request):
 class EventStream(StreamingResponse):
     """A stream of server-sent events that cancels its job however it ends.
 
-    It may finish, lose its client (starlette cancels the stream) or never start."""
+    It may finish, lose its client (starlette cancels the stream) or never start. One that ends
+    before events() has said how counts as cancelled: its client left."""
 
     def __init__(self, job: Job, content):
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -240,6 +308,7 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.job.cancel()
+            self.job.watch.end("cancelled")  # No change if events() has said how it ended.
 
 
 async def events(job: Job, head: shapes.Head, prompt_tokens: int):
@@ -254,6 +323,7 @@ async def events(job: Job, head: shapes.Head, prompt_tokens: int):
     while over < len(job.rows):
         event = await job.events.get()
         if isinstance(event, shapes.Failed):
+            job.watch.end(outcome_of(event.status))
             yield shapes.sse(failure(event).body())
             return
         if isinstance(event, Finished):
@@ -263,4 +333,5 @@ async def events(job: Job, head: shapes.Head, prompt_tokens: int):
             yield shapes.chunk(head, event.choice, event.text, event.entries)
     if head.include_usage:
         yield shapes.usage_chunk(head, prompt_tokens, tokens)
+    job.watch.end("ok")  # Before [DONE], so a client that then reads /metrics finds it counted.
     yield shapes.DONE

@@ -1,6 +1,7 @@
 """The engine: one thread owns the model and decodes the waiting requests together in batches."""
 
 import asyncio
+import sys
 import threading
 import time
 from collections import deque
@@ -50,10 +51,11 @@ class Failed:
 class Job:
     """One request in the engine: its rows (one a choice), their texts, and the asyncio queue its
     handler reads events (Delta, Finished, Failed) from. The engine thread calls on_token and
-    on_done; cancel() (a client gone) ends its rows at their next token."""
+    on_done; cancel() (a client gone) ends its rows at their next token. watch (metrics.Watch, or
+    None) hears of each token and each choice's tokens."""
 
-    def __init__(self, rows: list[Row], texts: list[ChoiceText]):
-        self.rows, self.texts = rows, texts
+    def __init__(self, rows: list[Row], texts: list[ChoiceText], watch=None):
+        self.rows, self.texts, self.watch = rows, texts, watch
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
@@ -69,25 +71,39 @@ class Job:
             self.cancelled = True
 
     def on_token(self, choice: int, token: Token) -> bool:
-        """Pass the token's text on; whether the choice is over (a stop string, a client gone)."""
-        if self.cancelled:
+        """Pass the token's text on; whether the choice is over (a stop string, a client gone, its
+        grammar failed)."""
+        if self.cancelled or self.grammar_error(choice):
             return True
+        if self.watch:
+            self.watch.token()
         text, entries = self.texts[choice].add(token)
         if text or entries:
             self.push(Delta(choice, text, entries))
         return self.texts[choice].stopped
 
     def on_done(self, choice: int, reason: str):
+        """The choice ended. Where its grammar failed on the way, the request fails (500)."""
         if self.ended[choice]:
             return
+        error = self.grammar_error(choice)
+        if error:
+            return self.fail(f"structured output failed mid-answer: {error}")
         self.ended[choice] = True
         tokens = self.texts[choice].tokens + (reason == "stop")  # the end-of-turn token
+        if self.watch:
+            self.watch.finished(tokens)
         if reason == "halted":
             reason = "cancelled" if self.cancelled and not self.texts[choice].stopped else "stop"
         text, entries = self.texts[choice].finish()
         if text or entries:
             self.push(Delta(choice, text, entries))
         self.push(Finished(choice, reason, tokens))
+
+    def grammar_error(self, choice: int) -> str | None:
+        """Why the choice's grammar (grammar.Constraint) failed, or None."""
+        constraint = self.rows[choice].sampling.constraint
+        return None if constraint is None else constraint.error
 
     def fail(self, message: str, status: int = 500):
         """End every choice with a failure; the rows still decoding end at their next token."""
@@ -104,7 +120,9 @@ class Engine:
     oldest first, whose rows fit together (fits_with: max_batch rows, memory, prompts within
     max_spread tokens), waiting up to `window` seconds after the first for more, and decodes them
     in one batch (decode.decode_rows); a request that comes meanwhile waits for the next.
-    `stats` says what it has done."""
+    `stats` says what it has done. prefixes: a PrefixStore (sampling/prefixes.py) where prompts
+    find the keys and values of earlier ones and rows that end are kept (None: none kept);
+    kept_prefixes and kept_prefix_tokens say what it holds."""
 
     def __init__(
         self,
@@ -116,15 +134,19 @@ class Engine:
         window: float = 0.01,
         fits=None,
         max_spread: int = 64,
+        prefixes=None,
     ):
         self.model, self.step, self.vocab_limit = model, step, vocab_limit
         self.max_batch, self.queue_size, self.window = max_batch, queue_size, window
         self.fits = fits or (lambda rows: True)
         self.max_spread = max_spread
+        self.prefixes = prefixes
         self.waiting: deque[Job] = deque()
         self.condition = threading.Condition()
         self.closed = False
         self.running: list[Job] = []  # the batch decoding now
+        self.on_step = None  # told each continuous decode step's seconds (the metrics), or None
+        self.cores = None  # a device.CoreShare: the threads follow the free cores, or None
         self.stats = dict(
             batches=0, steps=0, largest_batch=0, rows=0, tokens=0, active_rows=0, cancelled_rows=0
         )
@@ -156,7 +178,19 @@ class Engine:
     def status(self) -> dict:
         with self.condition:
             queued = sum(not job.cancelled for job in self.waiting)
-        return {**self.stats, "queued": queued, "max_batch": self.max_batch}
+        kept = dict(kept_prefixes=self.kept_prefixes, kept_prefix_tokens=self.kept_prefix_tokens)
+        kept["reused_prefix_tokens"] = 0 if self.prefixes is None else self.prefixes.reused
+        return {**self.stats, "queued": queued, "max_batch": self.max_batch, **kept}
+
+    @property
+    def kept_prefixes(self) -> int:
+        """How many token sequences the prefix store keeps (0 without one)."""
+        return 0 if self.prefixes is None else self.prefixes.count
+
+    @property
+    def kept_prefix_tokens(self) -> int:
+        """How many tokens' keys and values the prefix store keeps (0 without one)."""
+        return 0 if self.prefixes is None else self.prefixes.tokens
 
     def run(self):
         """Decode until closed: continuously where the step takes a position a row (a DecodeStep),
@@ -174,7 +208,7 @@ class Engine:
     def run_continuous(self):
         """Continuous batching (slots.Slots): between two steps the jobs waiting join, oldest first,
         as long as their rows fit (max_batch rows, memory); rows that end leave at once."""
-        slots = Slots(self.model, self.step, self.vocab_limit)
+        slots = Slots(self.model, self.step, self.vocab_limit, self.prefixes)
         while True:
             joining = self.admit(slots)
             if joining is None:
@@ -219,6 +253,9 @@ class Engine:
 
     def advance(self, slots: Slots):
         """A token for every row. A failure fails every job decoding."""
+        if self.cores is not None and (note := self.cores.check()):
+            print(note, file=sys.stderr)
+        started = time.perf_counter()
         try:
             slots.advance()
         except Exception as e:
@@ -229,6 +266,8 @@ class Engine:
             slots.slots.clear()
             self.stats["active_rows"] = 0
         self.stats["steps"] += 1
+        if self.on_step:
+            self.on_step(time.perf_counter() - started)
         self.note_rows(len(slots.slots))
 
     def row_token(self, job: Job, choice: int, token: Token) -> bool:
@@ -303,7 +342,7 @@ class Engine:
                 job.on_done(choice, reason)
 
         try:
-            options = DecodeOptions(self.step, self.vocab_limit)
+            options = DecodeOptions(self.step, self.vocab_limit, prefixes=self.prefixes)
             decode_rows(self.model, rows, on_token, on_done, options)
         except Exception as e:  # e.g. out of memory: those requests fail, the server goes on
             for job in batch:

@@ -12,39 +12,31 @@ import threading
 from pathlib import Path
 
 from picollama.cli import UserError
-from picollama.cli.flags import ArgumentParser, add_compile, add_device, add_run, positive
+from picollama.cli.flags import (
+    ArgumentParser,
+    add_compile,
+    add_device,
+    add_run,
+    add_threads,
+    positive,
+)
 from picollama.kernels.caches import KV_CACHES, add_kv_cache_flag
 from picollama.kernels.quantize import QUANTIZATIONS
 
 API_KEY_VARIABLE = "PICOLLAMA_API_KEY"
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})  # Host names a browser says here
+PREFIX_CACHE_MIB = 1024  # --prefix-cache-mib's default: SmolLM2-135M's KV of 23,000 fp32 tokens
 
 
 def parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="python -m picollama.serve",
         description="Serve a run (or a .gguf file, or a Hugging Face directory) with OpenAI's API: "
-        "/v1/chat/completions, /v1/completions, /v1/models; a chat page at /.",
+        "/v1/chat/completions, /v1/completions, /v1/models; a chat page at /; Prometheus "
+        "metrics at /metrics.",
     )
     add_run(parser)
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: all)",
-    )
-    parser.add_argument(
-        "--port", type=positive(int, zero=True), default=8000, help="default 8000; 0: a free one"
-    )
-    parser.add_argument(
-        "--api-key",
-        help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_VARIABLE}, else "
-        "no key); an empty key is refused",
-    )
-    parser.add_argument(
-        "--insecure-no-key",
-        action="store_true",
-        help="listen beyond this machine (--host 0.0.0.0) with no API key: anyone who can reach "
-        "it can use it (refused without this flag)",
-    )
+    add_access_flags(parser)
     parser.add_argument(
         "--special-in-content",
         action="store_true",
@@ -57,18 +49,55 @@ def parser() -> ArgumentParser:
     )
     add_batching_flags(parser)
     add_device(parser)
-    parser.add_argument(
-        "--threads",
-        type=positive(),
-        help="CPU threads for prompts and decoding (default: torch's count, or 1 where a decode "
-        "step timed at start is faster on one)",
+    add_threads(
+        parser,
+        "CPU threads for prompts and decoding",
+        "torch's count, or 1 where a decode step timed at start is faster on one; then the cores "
+        "other work leaves free",
     )
     add_compile(parser, "the one-token decode step, for each batch size (1, 2, 4, ...)")
     parser.add_argument(
-        "--quantize", choices=QUANTIZATIONS, default="none", help="weights: int8 or int4 (CPU)"
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default="auto",
+        help="weights: int8, int4 (CPU), llama.cpp's q8_0, q4_0, q4_1 (CPU), none: float "
+        "(default auto: a GGUF file's own format, else none)",
     )
     add_kv_cache_flag(parser)
+    parser.add_argument(
+        "--prefix-cache-mib",
+        type=positive(int, zero=True),
+        metavar="MIB",
+        help="memory for the keys and values of earlier prompts and answers, reused by a prompt "
+        "that starts with them (a conversation's next turn, a shared system prompt); the least "
+        f"recently used go first (default {PREFIX_CACHE_MIB}, or a quarter of the memory beside "
+        "the weights where less; 0: off)",
+    )
     return parser
+
+
+def add_access_flags(parser: ArgumentParser):
+    """The flags for who may reach the server: its address and port, and the API key."""
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: all)",
+    )
+    parser.add_argument(
+        "--port", type=positive(int, zero=True), default=8000, help="default 8000; 0: a free one"
+    )
+    parser.add_argument(
+        "--api-key",
+        help=f"require `Authorization: Bearer KEY` on /v1/* and /metrics (default: "
+        f"${API_KEY_VARIABLE}, else no key; with none, only requests whose Host names this "
+        "machine are answered); an empty key, or one with spaces around it, is refused",
+    )
+    parser.add_argument(
+        "--insecure-no-key",
+        action="store_true",
+        help="listen beyond this machine (--host 0.0.0.0) with no API key: anyone who can reach "
+        "it can use it, under any Host name (refused without this flag)",
+    )
 
 
 def add_batching_flags(parser: ArgumentParser):
@@ -107,9 +136,9 @@ def load(args):
     compiled for each batch size the engine makes."""
     import torch
 
-    from picollama.chat_template import compiled, load_chat_template
+    from picollama.chat_template import check_renders, compiled, load_chat_template
     from picollama.convert.main import imported_run
-    from picollama.device import check_compiler, memory_bytes, pick_device
+    from picollama.device import CoreShare, check_compiler, memory_bytes, pick_device
     from picollama.kernels.load import fast_step, load_to_sample
     from picollama.run_files import is_gguf_file
     from picollama.sampling.memory import free_bytes
@@ -125,6 +154,8 @@ def load(args):
     template = load_chat_template(run, args.chat_template)
     compiled(template)  # A broken template fails now, not at each request.
     model, tokenizer, _ = load_to_sample(args, device)
+    mine = f"--chat-template {args.chat_template}" if args.chat_template else None
+    check_renders(template, mine or f"the chat template of {args.run}", tokenizer)
     source = Path(args.run)
     name = args.model_name or (source.stem if is_gguf_file(source) else source.name)
     served = ServedModel(model, tokenizer, template, name, free_bytes(model, memory_bytes(device)))
@@ -141,9 +172,26 @@ def load(args):
         args.batch_window_ms / 1000,
         served.fits,
         args.max_prompt_spread,
+        prefix_store(served, args.prefix_cache_mib),
     )
+    served.engine.cores = CoreShare(device, fixed=args.threads is not None)
     torch.set_grad_enabled(False)
     return served
+
+
+def prefix_store(served, mib: int | None):
+    """The PrefixStore of --prefix-cache-mib, its bytes taken from what requests may use (None:
+    off, or a model whose cached keys change as the sequence grows)."""
+    from picollama.sampling.prefixes import PrefixStore, reusable
+
+    capacity = (PREFIX_CACHE_MIB if mib is None else mib) << 20
+    if mib is None and served.free is not None:
+        capacity = min(capacity, max(served.free, 0) // 4)
+    if capacity <= 0 or not reusable(served.model.args):
+        return None
+    if served.free is not None:
+        served.free -= capacity
+    return PrefixStore(capacity)
 
 
 def warm_up(served, step, max_batch: int):
@@ -214,6 +262,11 @@ def api_key(given: str | None) -> str | None:
         raise UserError(
             f"{where} is empty: give a key, or none at all to serve this machine alone without one"
         )
+    if given is not None and given != given.strip():
+        raise UserError(
+            f"{where} starts or ends with a space, tab or newline, which no client's key can "
+            "match (HTTP drops them from its header): give the key without them"
+        )
     return given
 
 
@@ -243,8 +296,19 @@ def check_access(host: str, key: str | None, insecure: bool) -> str | None:
         )
     return (
         f"WARNING: --insecure-no-key: no API key is set and {host} listens beyond this machine: "
-        "anyone who can reach it can use the model"
+        "anyone who can reach it can use the model, under any Host name (no check against DNS "
+        "rebinding)"
     )
+
+
+def allowed_hosts(host: str, key: str | None) -> frozenset[str] | None:
+    """The Host names the app answers with no key (app.HostCheck): this machine's and --host's.
+    None (any) with a key, which guards the server, or beyond loopback (--insecure-no-key)."""
+    from picollama.serve.app import host_name
+
+    if key or not is_loopback(host):
+        return None
+    return LOOPBACK_NAMES | {host_name(host)}
 
 
 def main(argv: list[str]) -> int:
@@ -265,12 +329,13 @@ def main(argv: list[str]) -> int:
     where = f"[{host}]" if ":" in host else host
     key = ", API key required" if args.api_key else ""
     print(
-        f"serving {served.name} on http://{where}:{port}/ (the chat page; the API at /v1{key})",
+        f"serving {served.name} on http://{where}:{port}/ (the chat page; the API at /v1 and "
+        f"metrics at /metrics{key})",
         file=sys.stderr,
         flush=True,
     )
     config = uvicorn.Config(
-        create_app(served, args.api_key),
+        create_app(served, args.api_key, allowed_hosts(args.host, args.api_key)),
         http=Http,
         log_level="warning",
         access_log=False,

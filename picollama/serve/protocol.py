@@ -5,10 +5,11 @@ ApiError."""
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from picollama.cli.text import TextError, check_strings
 
@@ -18,10 +19,7 @@ NEUTRAL = {
     "frequency_penalty": (0, 0.0),
     "presence_penalty": (0, 0.0),
     "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "echo": (False,),
     "suffix": ("",),
@@ -39,24 +37,18 @@ UNSUPPORTED = {
 }
 # Fields accepted and ignored. They change nothing in what a model answers.
 IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
-SHARED = {
-    "model",
-    "n",
-    "max_tokens",
-    "seed",
-    "stop",
-    "stream",
-    "stream_options",
-    "temperature",
-    "top_p",
-    "top_k",
-}
+SHARED = {"model", "n", "max_tokens", "seed", "stop", "stream", "stream_options", "temperature"}
+SHARED |= {"top_p", "top_k"}
 CHAT_FIELDS = SHARED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS |= {"response_format", "tools", "tool_choice"}
 COMPLETION_FIELDS = SHARED | {"prompt", "logprobs"}
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's names of functions and schemas
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = {"chat": 20, "text": 5}  # OpenAI's limits on top_logprobs and logprobs.
 SEEDS = 2**32
+LARGEST = 2**63 - 1  # torch's int64: a larger top_k failed inside the sampler, a 500
+TEXTS = ("name", "reasoning_content", "thinking", "reasoning", "tool_call_id")  # a message's
 
 
 class ApiError(Exception):
@@ -102,11 +94,44 @@ class Shared(Strict):
     top_k: int | None = None
 
 
+class Function(Strict):  # A tool's function (`strict` ignored: calls follow it), or a call's.
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    arguments: str | None = None  # A call's, as JSON.
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class JsonSchema(Strict):  # Its `strict` is ignored: the answer always follows the schema.
+    name: str
+    schema_: dict | None = Field(None, alias="schema")
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class Call(Tool):  # One of an assistant message's tool_calls.
+    id: str
+
+
+class Calls(Strict):
+    tool_calls: list[Call]
+
+
 class ChatBody(Shared):
     messages: list[dict]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None
 
 
 class CompletionBody(Shared):
@@ -134,6 +159,10 @@ class Ask:
     logprobs: int | None = None  # None for none. Else the chosen token's and k others.
     stream: bool = False
     include_usage: bool = False
+    schema: dict | None = None  # JSON that the answer follows (response_format), or None: text.
+    tools: list[dict] = field(default_factory=list)  # The functions offered (name, parameters).
+    tool_choice: str = "none"  # none, auto or required.
+    tool_name: str | None = None  # The one function a required call must call, if named.
 
 
 def read_json(raw: bytes) -> dict:
@@ -193,14 +222,14 @@ def neutral(name: str, value) -> bool:
     )
 
 
-def validated(model: type[Strict], body: dict) -> Strict:
-    """The body as `model`. ApiError names the first field of the wrong type."""
+def validated(model: type[Strict], body: dict, where: str = "") -> Strict:
+    """The body as `model`. ApiError names the first field of the wrong type, within `where`."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
         error = e.errors()[0]
         param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
-        param = param.lstrip(".")
+        param = (where + param).lstrip(".")
         got = json_type(error.get("input"))
         message = error["msg"] if error["type"] == "missing" else f"{error['msg']}, not {got}"
         raise bad(f"'{param}': {message}", param) from None
@@ -225,7 +254,47 @@ def chat_request(body: dict, max_n: int) -> Ask:
     if checked.logprobs:
         top = checked.top_logprobs or 0
         ask.logprobs = in_range(top, "top_logprobs", 0, MAX_TOP_LOGPROBS["chat"])
+    ask.schema = answer_format(checked.response_format)
+    ask.tools = functions(checked.tools or [])
+    ask.tool_choice, ask.tool_name = tool_choice(checked.tool_choice, ask.tools)
     return ask
+
+
+def answer_format(value: ResponseFormat | None) -> dict | None:
+    """The schema the answer follows: any object, json_schema's (any JSON if none), None: text."""
+    if value is None or value.type == "text":
+        return None
+    if value.type == "json_object":
+        return {"type": "object"}
+    where = "response_format.json_schema"
+    if value.json_schema is None or not NAME.fullmatch(value.json_schema.name):
+        raise bad(f"'{where}' needs a name of 1 to 64 letters, digits, _ or -", where)
+    return value.json_schema.schema_ or {}
+
+
+def functions(tools: list[Tool]) -> list[dict]:
+    """The tools' functions as templates read them. Their names are OpenAI's, and differ."""
+    found = []
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if not NAME.fullmatch(name) or name in {f["name"] for f in found}:
+            where = f"tools[{i}].function.name"
+            raise bad(f"'{where}' must be 1 to 64 letters, digits, _ or -, and new", where)
+        found.append(tool.function.model_dump(exclude_none=True, exclude={"arguments"}))
+    return found
+
+
+def tool_choice(value, tools: list[dict]) -> tuple[str, str | None]:
+    """(none, auto or required; the function named, if one is). Default: auto with tools."""
+    named = validated(Tool, value, "tool_choice.") if isinstance(value, dict) else None
+    choice = "required" if named else value or ("auto" if tools else "none")
+    if choice not in ("none", "auto", "required"):
+        raise bad("'tool_choice' must be none, auto, required or a function", "tool_choice")
+    if choice != "none" and not tools:
+        raise bad("'tool_choice' is only allowed when 'tools' are given", "tool_choice")
+    if named and named.function.name not in {f["name"] for f in tools}:
+        raise bad("'tool_choice' names a function that is not among the tools", "tool_choice")
+    return choice, named and named.function.name
 
 
 def completion_request(body: dict, max_n: int) -> Ask:
@@ -252,7 +321,7 @@ def shared(checked: Shared, body: dict, kind: str, max_n: int) -> Ask:
     if top_p is not None and in_range(top_p, "top_p", 0, 1) == 0:
         temperature, top_p = 0.0, None  # A top_p of 0 keeps only the top token, so greedy.
     top_k = checked.top_k
-    if top_k is not None and in_range(top_k, "top_k", -1, None) <= 0:
+    if top_k is not None and in_range(top_k, "top_k", -1, LARGEST) <= 0:
         top_k = None  # vLLM's -1 and llama.cpp's 0 both mean no top-k.
     return Ask(
         kind,
@@ -293,26 +362,37 @@ def stops(value) -> list[str]:
 
 
 def messages(raw: list) -> list[dict]:
-    """The conversation as a chat template reads it: role, text, name and reasoning."""
+    """The conversation as a chat template reads it: role, text, name, reasoning, an assistant's
+    tool_calls and a tool's tool_call_id. A tool message answers the tool calls before it."""
     if not raw:
         raise bad("'messages' must hold at least one message", "messages")
-    return [message(m, f"messages[{i}]") for i, m in enumerate(raw)]
+    kept = [message(m, f"messages[{i}]") for i, m in enumerate(raw)]
+    for i, (prior, m) in enumerate(zip([{}] + kept, kept)):
+        if m["role"] == "tool" and prior.get("role") != "tool" and "tool_calls" not in prior:
+            raise bad(f"'messages[{i}]': a tool's result must follow a call", f"messages[{i}].role")
+    return kept
 
 
 def message(raw, where: str) -> dict:
     if not isinstance(raw, dict):
         raise bad(f"'{where}' must be an object", where)
     role = raw.get("role")
-    if role in ("tool", "function") or raw.get("tool_calls") or raw.get("function_call"):
-        raise bad(f"'{where}': tool calls are not supported by this server", f"{where}.role")
+    if role == "function" or raw.get("function_call"):
+        raise bad(f"'{where}': function_call is not supported: use tools", f"{where}.role")
     if role not in ROLES:
         raise bad(
             f"'{where}.role' must be one of {', '.join(ROLES)}, not {role!r}"[:300], f"{where}.role"
         )
     kept = {"role": role, "content": content(raw.get("content"), role, f"{where}.content")}
-    for key in ("name", "reasoning_content", "thinking", "reasoning"):
-        if isinstance(raw.get(key), str):
-            kept[key] = raw[key]
+    for key in TEXTS:
+        value = raw.get(key)
+        if value is not None and not isinstance(value, str):
+            raise bad(f"'{where}.{key}' must be a string, not {json_type(value)}", f"{where}.{key}")
+        if value is not None:
+            kept[key] = value
+    if role == "assistant" and raw.get("tool_calls"):
+        calls = validated(Calls, {"tool_calls": raw["tool_calls"]}, f"{where}.")
+        kept["tool_calls"] = [call.model_dump(exclude_none=True) for call in calls.tool_calls]
     return kept
 
 

@@ -1,5 +1,9 @@
-"""The model a server answers with: requests made into rows of tokens, checked against context."""
+"""The model a server answers with: requests made into rows of tokens, checked against context.
 
+A chat's tools are rendered here (tools.conversation), and a row whose answer must follow a JSON
+schema (response_format, a required tool call) gets its grammar (sampling/grammar.py)."""
+
+import json
 import time
 from functools import cached_property
 
@@ -7,11 +11,19 @@ from picollama.chat_content import chat_ids
 from picollama.chat_template import ChatTemplateError, stop_ids
 from picollama.cli import UserError
 from picollama.sampling.completion_text import ChoiceText
+from picollama.sampling.grammar import (
+    Constraint,
+    GrammarError,
+    TooFewTokens,
+    json_grammar,
+    vocabulary,
+)
 from picollama.sampling.memory import check_memory
 from picollama.sampling.prompts import encode_prompt
 from picollama.sampling.rows import Row
 from picollama.sampling.sampler import Sampling
 from picollama.serve.protocol import SEEDS, Ask, bad
+from picollama.serve.tools import answer_schema, conversation
 
 DEFAULT_TEXT_TOKENS = 16  # OpenAI's default max_tokens for a (legacy) completion
 
@@ -56,16 +68,18 @@ class ServedModel:
         more memory than the machine has."""
         chat = ask.kind == "chat"
         if chat:
-            prompts = [self.chat_prompt(ask.messages)]
+            prompts = [self.chat_prompt(ask.messages, ask)]
         else:
             prompts = [self.text_prompt(p) for p in ask.prompts]
         param = "messages" if chat else "prompt"
         news = [self.new_tokens(len(prompt), ask, param) for prompt in prompts]
+        grammar = self.grammar(ask) if chat else None
         rows, texts = [], []
         for prompt, new in zip(prompts, news):
             for _ in range(ask.n):
                 seed = None if ask.seed is None else (ask.seed + len(rows)) % SEEDS
-                sampling = Sampling(new, ask.temperature, ask.top_k, ask.top_p, seed)
+                constraint = self.constraint(grammar, new, ask) if grammar else None
+                sampling = Sampling(new, ask.temperature, ask.top_k, ask.top_p, seed, constraint)
                 stops = self.chat_stops if chat else self.text_stops
                 rows.append(Row(prompt, sampling, stops, ask.logprobs))
                 texts.append(ChoiceText(self.tokenizer, prompt, ask.stop, strip=chat))
@@ -91,13 +105,42 @@ class ServedModel:
         if text_length > self.context * self.longest_piece:
             raise self.too_long(None, param)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        self.check_characters(sum(len(m["content"]) for m in messages), "messages")
+    def chat_prompt(self, messages: list[dict], ask: Ask | None = None) -> list[int]:
+        """A chat's prompt: the messages rendered and encoded. Given the request they are from,
+        with the tools it offers (tools.conversation)."""
+        messages, tools = (messages, None) if ask is None else conversation(ask, self.template)
+        texts = sum(len(m["content"]) for m in messages) + len(json.dumps(tools or []))
+        self.check_characters(texts, "messages")
         try:
             trusted = self.special_in_content
-            return chat_ids(self.tokenizer, self.template, messages, trusted)[1]
+            return chat_ids(self.tokenizer, self.template, messages, trusted, tools)[1]
         except ChatTemplateError as e:
             raise bad(str(e), "messages") from None
+
+    def grammar(self, ask: Ask) -> str | None:
+        """The grammar of the JSON schema the answers follow (tools.answer_schema), or None."""
+        schema = answer_schema(ask)
+        if schema is None:
+            return None
+        try:
+            vocabulary(self.tokenizer, self.chat_stops)  # a tokenizer llguidance cannot read
+            return json_grammar(schema)
+        except GrammarError as e:
+            raise bad(f"structured output: {e}", self.grammar_param(ask)) from None
+
+    def constraint(self, grammar: str, new: int, ask: Ask) -> Constraint:
+        """A row's grammar, ending its answer within `new` tokens, a stop among them."""
+        try:
+            return Constraint(vocabulary(self.tokenizer, self.chat_stops), grammar, new - 1)
+        except TooFewTokens as e:
+            raise bad(f"structured output: {e}", ask.max_tokens_param) from None
+        except GrammarError as e:
+            raise bad(f"structured output: {e}", self.grammar_param(ask)) from None
+
+    @staticmethod
+    def grammar_param(ask: Ask) -> str:
+        """The field whose schema the answer follows."""
+        return "tools" if ask.tool_choice == "required" else "response_format"
 
     def text_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -11,7 +11,7 @@ import torch
 
 from data.build import prepare
 from data.epochs import EpochBatches
-from data.loader import SPLITS, RandomBatches, checked_meta, eval_batches, open_tokens
+from data.loader import SPLITS, RandomBatches, check_token_ids, checked_meta, eval_batches
 from data.packing import Documents, PackedBatches, document_mask, validation_batches
 from data.retrieval import RetrievalBatches, RetrievalTask, retrieval_metrics
 from data.sources import default_name
@@ -94,7 +94,8 @@ def prepare_data(cfg: Config, dist: Dist) -> tuple[Path, dict]:
             f"{data_dir} ({meta['vocab_size']}); set --model.vocab_size={meta['vocab_size']}"
         )
     for split in SPLITS:
-        open_tokens(data_dir, split)  # Checks the shard against meta.json.
+        # The shards against meta.json, and their ids against the model's embedding: one pass.
+        check_token_ids(data_dir, split, cfg.model.vocab_size)
         tokens = meta["splits"][split]["tokens"]
         if kind == "text" and tokens < cfg.train.seq_len + 1:  # Conversation rows are padded.
             raise UserError(
@@ -198,6 +199,7 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
     check_sample_fits(cfg, data_dir)
     tokenizer = tokenizer_file(data_dir) or data_dir / "tokenizer.model"
     if meta.get("kind") == "conversations":
+        check_kept(meta, data_dir, t.seq_len)
         return conversations_source(cfg, data_dir, tokenizer, dist)
     if d.pack_documents:
         documents = Documents(data_dir, "train", t.seq_len + 1, conversations=False)
@@ -218,6 +220,19 @@ def data_source(cfg: Config, dist: Dist) -> DataSource:
     return DataSource(loader, validate, batches, tokenizer, line)
 
 
+def check_kept(meta: dict, data_dir: Path, seq_len: int):
+    """UserError where a row could hold a whole conversation that preparation kept to its first
+    inputs.keep_tokens tokens: training would take it for whole, and not count it as cut."""
+    inputs = meta.get("inputs") if isinstance(meta.get("inputs"), dict) else {}
+    keep, kept = inputs.get("keep_tokens"), meta.get("conversations_at_keep")
+    if isinstance(keep, int) and kept and seq_len + 1 >= keep:
+        raise UserError(
+            f"{data_dir} keeps {kept:,} conversation(s) to their first {keep:,} tokens (prepared "
+            f"for a context of {keep - 2:,}), which a row of train.seq_len + 1 = {seq_len + 1} "
+            f"tokens would take for whole; prepare it again with --context {seq_len} or more"
+        )
+
+
 def conversations_source(cfg: Config, data_dir: Path, tokenizer: Path, dist: Dist) -> DataSource:
     """A conversations dataset's training conversations, packed into rows (PackedBatches). Its
     validation is the loss on the assistant tokens of the held-out conversations, packed alike."""
@@ -235,6 +250,34 @@ def conversations_source(cfg: Config, data_dir: Path, tokenizer: Path, dist: Dis
             "assistant token there"
         )
     return DataSource(loader, validate, batches, tokenizer, line + ")")
+
+
+def epoch_length(cfg: Config, loader) -> tuple[int, int, str]:
+    """train.max_steps for train.epochs passes over the training split, its warmup steps, and what
+    that is, said. A pass is the rows of packed conversations or documents (the first pass's:
+    each packs its own shuffle, within a row or so of it), else the split's windows of seq_len +
+    1 tokens. The count is rounded up, so each row is drawn train.epochs times at least. The
+    warmup is optim.warmup_steps, or a tenth of the run where that is shorter: a few dozen
+    conversations make a few steps, and the learning rate must reach optim.lr."""
+    t, warmup = cfg.train, cfg.optim.warmup_steps
+    if isinstance(loader, PackedBatches):
+        documents, rows = loader.documents, len(loader.rows)
+        if documents.supervised is not None:  # Conversations, those with a reply in a row.
+            what = f"{len(documents):,} conversations"
+        else:
+            what = f"{documents.documents:,} documents"
+    else:
+        what, rows = f"{len(loader.tokens):,} tokens", (len(loader.tokens) - 1) // t.seq_len
+    steps = math.ceil(round(t.epochs * rows / t.batch_size, 9))
+    passes = f"{t.epochs:g} epoch{'' if t.epochs == 1 else 's'}"
+    sized = (
+        f"{passes} of {what} ({rows:,} rows of {t.seq_len} tokens an epoch): {steps:,} steps of "
+        f"{t.batch_size} rows"
+    )
+    if warmup > (tenth := math.ceil(steps / 10)):
+        warmup = tenth
+        sized += f", warming up over {warmup} (optim.warmup_steps is {cfg.optim.warmup_steps})"
+    return steps, warmup, sized
 
 
 def random_positions(batch: int, seq_len: int, k: int) -> torch.Tensor:

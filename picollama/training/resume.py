@@ -118,12 +118,19 @@ def resume_point(run_dir, args: ModelArgs, resume: bool, config: dict | None = N
     max_steps = setting(config, "train.max_steps")
     if setting(config, "train.max_minutes"):  # The length its budget chose.
         max_steps = recorded_max_steps(latest)
-    if max_steps is not None and meta["step"] >= max_steps:
-        raise UserError(
-            f"nothing to do: {latest} is at step {meta['step']} and train.max_steps is "
-            f"{max_steps}; raise train.max_steps to train on"
-        )
+    if not setting(config, "train.epochs"):  # train.py checks those once it has the data.
+        steps_left(latest, max_steps, f"train.max_steps is {max_steps}", "train.max_steps")
     return latest
+
+
+def steps_left(checkpoint: Path, max_steps: int | None, length: str, key: str):
+    """UserError if `checkpoint` is at max_steps already (None: no end). `length` says the run's
+    length, and `key` is the key that would lengthen it."""
+    step = read_meta(checkpoint)["step"]
+    if max_steps is not None and step >= max_steps:
+        raise UserError(
+            f"nothing to do: {checkpoint} is at step {step} and {length}; raise {key} to train on"
+        )
 
 
 def check_init_from(latest: Path, recorded: dict, given: str | None):

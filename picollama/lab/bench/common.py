@@ -87,7 +87,7 @@ def parse(p: ArgumentParser, argv: list[str]):
         args.out = default_out(args.benchmark, args.smoke)
         args.temporary_out = args.smoke
     check_writable(args.out)
-    check_own_result(args.out, f"picollama.lab.bench.{args.benchmark}", benchmark_of, args.force)
+    check_own_result(args.out, module_of(args.benchmark), benchmark_of, args.force)
     # A memory benchmark's child measures for its parent, which holds the lock.
     if HOLDERS and not getattr(args, "child", None):
         HOLDERS[-1].enter_context(exclusive(args.out))
@@ -95,9 +95,18 @@ def parse(p: ArgumentParser, argv: list[str]):
 
 
 def benchmark_of(result: dict) -> str | None:
-    """Which benchmark wrote a result (write_results' JSON): picollama.lab.bench.NAME, or None."""
+    """Which benchmark wrote a result (write_results' JSON): its module_of, or None."""
     name = result.get("benchmark")
-    return f"picollama.lab.bench.{name}" if isinstance(name, str) and "machine" in result else None
+    return module_of(name) if isinstance(name, str) and "machine" in result else None
+
+
+def module_of(name: str) -> str:
+    """The module of the benchmark or measurement NAME: picollama.lab.measure.NAME where lab/measure
+    holds it, else picollama.lab.bench.NAME."""
+    wing = (
+        "measure" if (Path(__file__).parents[1] / "measure" / f"{name}.py").is_file() else "bench"
+    )
+    return f"picollama.lab.{wing}.{name}"
 
 
 def one_writer(main):
@@ -305,7 +314,7 @@ def write_results(args, payload: dict) -> Path:
     """Write payload + machine info as JSON to --out (atomically) and say where."""
     payload = {
         "benchmark": args.benchmark,
-        "command": " ".join(["python -m", f"picollama.lab.bench.{args.benchmark}", *sys.argv[1:]]),
+        "command": " ".join(["python -m", module_of(args.benchmark), *sys.argv[1:]]),
         "machine": machine_info(bench_device(getattr(args, "device", "cpu"))),
         **payload,
     }

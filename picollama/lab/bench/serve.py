@@ -1,7 +1,9 @@
 """Our OpenAI-compatible server against llama-cpp-python's, on one GGUF file.
 
 1, 4 and 8 concurrent clients stream the same chat prompts. It reports aggregate completion
-tokens/s and time to first token."""
+tokens/s and time to first token. With --turns, one client holds a conversation instead, and it
+reports each turn's time to first token: a server that keeps the conversation's KV cache
+prefills only each turn's new tokens."""
 
 import importlib.util
 import os
@@ -20,7 +22,15 @@ from picollama.cli.flags import comma_list, positive
 from picollama.cli.outputs import atomic_output
 from picollama.lab.bench import common
 from picollama.lab.bench.llamacpp import has_amx
-from picollama.lab.bench.serve_load import ServerProcess, free_port, python_module, run_clients
+from picollama.lab.bench.serve_load import (
+    ServerProcess,
+    TokenCounter,
+    conversation,
+    free_port,
+    python_module,
+    run_clients,
+    turn_messages,
+)
 
 SERVERS = ("ours", "llama_cpp")
 NAMES = {"ours": "picollama.serve", "llama_cpp": "llama_cpp.server"}
@@ -51,6 +61,7 @@ LLAMA_CPP_OPTIONS = {
     ),
     "--verbose": ("False", "its timings printed for every request, not needed"),
 }
+TURN_OVERHEAD = 10  # the tokens a chat template adds around a message and its answer, about
 # Sent to llama-cpp-python only. Its default repeat_penalty of 1.1 changes greedy decoding.
 # Ours has no repeat penalty, and refuses fields it does not implement.
 LLAMA_CPP_BODY = {"repeat_penalty": 1.0}
@@ -91,13 +102,36 @@ def parse_args(argv: list[str]):
         metavar="FLAGS",
         help="more flags for python -m picollama.serve, e.g. '--compile' (default none)",
     )
+    add_turn_flags(p)
+    given, _ = p.parse_known_args(argv)
+    if given.turns and not given.smoke and given.out is None:  # not the client levels' file
+        argv = [*argv, "--out", str(common.RESULTS_DIR / "serve_turns.json")]
     cli = common.parse(p, argv)
     if cli.smoke:  # One thread each, so seconds even on a busy machine.
         cli.clients, cli.requests, cli.max_tokens, cli.threads = [1], 1, 4, 1
         cli.repeats = 1
         cli.ours_args = f"--threads 1 {cli.ours_args}"
+        cli.turns, cli.conversation_tokens = cli.turns and min(cli.turns, 3), 120
     check(cli)
     return cli
+
+
+def add_turn_flags(p):
+    """--turns and the conversation's length."""
+    p.add_argument(
+        "--turns",
+        type=positive(),
+        help="one client's conversation of this many turns instead of --clients: each turn sends "
+        "the turns before with their answers and a new message; reports each turn's time to "
+        "first token, the last over the first (default --out docs/results/serve_turns.json)",
+    )
+    p.add_argument(
+        "--conversation-tokens",
+        type=positive(),
+        default=2000,
+        help="with --turns: about how long the conversation is at its last turn, answers "
+        "included (default 2000)",
+    )
 
 
 def add_load_flags(p):
@@ -162,28 +196,6 @@ def body(server: str, prompt: str, max_tokens: int) -> dict:
         "stream_options": {"include_usage": True},
     }
     return asked | (LLAMA_CPP_BODY if server == "llama_cpp" else {})
-
-
-class TokenCounter:
-    """A request's completion tokens: the usage chunk's where the server sent one (ours); else
-    max_tokens where it ended by length, and otherwise its text re-encoded by the file's tokenizer
-    and its end-of-turn token."""
-
-    def __init__(self, gguf: Path, max_tokens: int):
-        self.gguf, self.max_tokens = gguf, max_tokens
-        self.tokenizer = None
-
-    def __call__(self, sample) -> int:
-        if sample.usage_tokens is not None:
-            return sample.usage_tokens
-        if sample.finish == "length":
-            return self.max_tokens
-        if self.tokenizer is None:
-            from picollama.convert.main import imported_run
-            from picollama.run_files import read_tokenizer, tokenizer_file
-
-            self.tokenizer = read_tokenizer(tokenizer_file(imported_run(self.gguf)))
-        return len(self.tokenizer.encode(sample.text)) + 1
 
 
 def level(server: ServerProcess, name: str, clients: int, cli, counter, progress) -> dict:
@@ -310,15 +322,87 @@ def markdown(cli, results: dict, compared: list[dict], load: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def measure_turns(cli, name: str, folder: Path, messages: list[str]) -> dict:
+    """cli.repeats starts of the server, each warmed up with one request and then holding one
+    conversation of `messages`: each turn's median time to first token, the last over the first."""
+    runs = []
+    for _ in range(cli.repeats):
+        port = free_port()
+        argv = command(cli, name, port)
+        print(f"starting {NAMES[name]}: {shlex.join(map(str, argv[1:]))}", file=sys.stderr)
+        with ServerProcess(NAMES[name], argv, port, folder / f"{name}.log") as server:
+            run_clients(server, [[body(name, WARM_UP, cli.max_tokens)]])
+            runs.append(conversation(server, messages, body(name, "", cli.max_tokens)))
+    each = [[sample.ttft for sample in run] for run in runs]
+    ttfts = np.median(each, axis=0).tolist()
+    return {
+        "command": shlex.join(map(str, argv)),
+        "repeats": cli.repeats,
+        "ttft_seconds": ttfts,
+        "ttft_seconds_runs": each,
+        "prompt_tokens": [sample.prompt_tokens for sample in runs[-1]],
+        "last_over_first": ttfts[-1] / ttfts[0],
+    }
+
+
+def turns_markdown(cli, results: dict, load: float) -> str:
+    """--turns' results as a Markdown table: a row a turn, the last over the first at the end."""
+    machine = common.machine_info("cpu")
+    headers = ["turn", "prompt tokens", *(f"{NAMES[name]} TTFT (s)" for name in results)]
+    tokens = next(iter(results.values()))["prompt_tokens"]
+    rows = [
+        [str(t + 1), str(tokens[t] or "")]
+        + [f"{r['ttft_seconds'][t]:.3f}" for r in results.values()]
+        for t in range(cli.turns)
+    ]
+    rows.append(["last / first", ""] + [f"{r['last_over_first']:.2f}x" for r in results.values()])
+    lines = [
+        f"# Serving: a conversation of {plural(cli.turns, 'turn')}",
+        "",
+        f"`{cli.gguf.name}`; one client, each turn a new message of equal tokens after the turns "
+        f"before and their answers (about {cli.conversation_tokens:,} tokens at the last), "
+        f"max_tokens {cli.max_tokens}, temperature 0; the median of "
+        f"{plural(cli.repeats, 'start')} of each server; {machine['cpu']}, "
+        f"{machine['cpu_cores']} cores, load average {load:.2f} before and "
+        f"{machine['load_average_1min']:.2f} after.",
+        "",
+        "| " + " | ".join(headers) + " |",
+        "| " + " | ".join(["---:"] * len(headers)) + " |",
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+        *(f"- `{result['command']}`" for result in results.values()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write(cli, table: str, payload: dict):
+    """The table on stdout and beside --out (.md), and the JSON at --out: both or neither."""
+    print(table)
+    table_path = cli.out.with_suffix(".md")
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output(table_path) as md:
+        md.write_text(table)
+        common.write_results(cli, payload)
+    print(f"the table: {table_path}")
+
+
 @common.one_writer
 def main(argv: list[str]) -> int:
     cli = parse_args(argv)
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="picollama-bench-serve-") as folder:
-        results = {name: measure(cli, name, Path(folder)) for name in cli.servers}
+        if cli.turns:
+            each = max(1, cli.conversation_tokens // cli.turns - cli.max_tokens - TURN_OVERHEAD)
+            messages = turn_messages(cli.gguf, " ".join(PROMPTS), cli.turns, each)
+            results = {n: measure_turns(cli, n, Path(folder), messages) for n in cli.servers}
+        else:
+            results = {name: measure(cli, name, Path(folder)) for name in cli.servers}
+    if cli.turns:
+        turns = {"turns": cli.turns, "max_tokens": cli.max_tokens, "messages": messages}
+        write(cli, turns_markdown(cli, results, load), {**turns, "results": results})
+        return 0
     compared = ratios(results)
     table = markdown(cli, results, compared, load)
-    print(table)
     payload = {
         "gguf": str(cli.gguf),
         "load_average_1min_before": load,
@@ -336,12 +420,7 @@ def main(argv: list[str]) -> int:
         "results": results,
         "ours_over_llama_cpp": compared,
     }
-    table_path = cli.out.with_suffix(".md")
-    table_path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output(table_path) as md:  # The table and the JSON, both or neither.
-        md.write_text(table)
-        common.write_results(cli, payload)
-    print(f"the table: {table_path}")
+    write(cli, table, payload)
     return 0
 
 

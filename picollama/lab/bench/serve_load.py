@@ -1,4 +1,5 @@
-"""The serving benchmark's load: servers as subprocesses on free ports, and streaming clients."""
+"""The serving benchmark's load: servers as subprocesses on free ports, streaming clients and
+one client's conversation, and the tokens they count."""
 
 import asyncio
 import json
@@ -83,8 +84,8 @@ class ServerProcess:
 @dataclass
 class Sample:
     """One streamed request as its client saw it: perf_counter times of its sending, its first
-    text and its end; the text; the finish reason; the completion tokens of the usage chunk where
-    the server sent one (else None)."""
+    text and its end; the text; the finish reason; the completion and prompt tokens of the usage
+    chunk where the server sent one (else None)."""
 
     start: float
     first: float | None
@@ -92,6 +93,7 @@ class Sample:
     text: str
     finish: str | None
     usage_tokens: int | None
+    prompt_tokens: int | None = None
 
     @property
     def ttft(self) -> float:
@@ -102,7 +104,7 @@ class Sample:
 async def stream_chat(http: httpx.AsyncClient, server: ServerProcess, body: dict) -> Sample:
     """POST one streamed chat completion and read its server-sent events to [DONE]."""
     start = time.perf_counter()
-    first, parts, finish, usage = None, [], None, None
+    first, parts, finish, usage, prompt = None, [], None, None, None
     url = f"{server.url}/v1/chat/completions"
     async with http.stream("POST", url, json={**body, "model": server.model}) as response:
         if response.status_code != 200:
@@ -118,12 +120,13 @@ async def stream_chat(http: httpx.AsyncClient, server: ServerProcess, body: dict
             if "error" in chunk:
                 raise UserError(f"{server.name} failed a request: {chunk['error']}")
             usage = (chunk.get("usage") or {}).get("completion_tokens", usage)
+            prompt = (chunk.get("usage") or {}).get("prompt_tokens", prompt)
             for choice in chunk.get("choices") or ():
                 if (choice.get("delta") or {}).get("content"):
                     first = first or time.perf_counter()
                     parts.append(choice["delta"]["content"])
                 finish = choice.get("finish_reason") or finish
-    return Sample(start, first, time.perf_counter(), "".join(parts), finish, usage)
+    return Sample(start, first, time.perf_counter(), "".join(parts), finish, usage, prompt)
 
 
 async def one_client(http, server: ServerProcess, bodies: list[dict], progress) -> list[Sample]:
@@ -154,6 +157,55 @@ def run_clients(server: ServerProcess, bodies: list[list[dict]], progress=None):
             return [s for samples in done for s in samples], time.perf_counter() - start
 
     return asyncio.run(all_clients())
+
+
+def conversation(server: ServerProcess, messages: list[str], body: dict) -> list[Sample]:
+    """One client's conversation: each user message sent once the last answer has ended, after
+    every turn before it and its answer as it came. A Sample a turn."""
+    history, samples = [], []
+    for text in messages:
+        history.append({"role": "user", "content": text})
+        sample = run_clients(server, [[{**body, "messages": list(history)}]])[0][0]
+        history.append({"role": "assistant", "content": sample.text})
+        samples.append(sample)
+    return samples
+
+
+class TokenCounter:
+    """A request's completion tokens: the usage chunk's where the server sent one (ours); else
+    max_tokens where it ended by length, and otherwise its text re-encoded by the file's tokenizer
+    and its end-of-turn token."""
+
+    def __init__(self, gguf: Path, max_tokens: int):
+        self.gguf, self.max_tokens = gguf, max_tokens
+        self.tokenizer = None
+
+    def __call__(self, sample) -> int:
+        if sample.usage_tokens is not None:
+            return sample.usage_tokens
+        if sample.finish == "length":
+            return self.max_tokens
+        if self.tokenizer is None:
+            self.tokenizer = gguf_tokenizer(self.gguf)
+        return len(self.tokenizer.encode(sample.text)) + 1
+
+
+def gguf_tokenizer(gguf: Path):
+    """The GGUF file's tokenizer, from its imported run."""
+    from picollama.convert.main import imported_run
+    from picollama.run_files import read_tokenizer, tokenizer_file
+
+    return read_tokenizer(tokenizer_file(imported_run(gguf)))
+
+
+def turn_messages(gguf: Path, text: str, turns: int, each: int) -> list[str]:
+    """`turns` user messages of `each` tokens of the GGUF file's tokenizer: `text` cut into
+    pieces, repeated as often as it takes."""
+    tokenizer = gguf_tokenizer(gguf)
+    ids = []
+    while len(ids) < each * turns:
+        ids += tokenizer.encode(text + " ")
+    return [tokenizer.decode(ids[t * each : (t + 1) * each]).strip() for t in range(turns)]
 
 
 def python_module(module: str, *args) -> list[str]:

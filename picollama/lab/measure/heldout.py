@@ -17,7 +17,7 @@ from picollama.cli import UserError
 from picollama.cli.command import run_command
 from picollama.cli.flags import add_run, positive
 from picollama.lab.bench import common
-from picollama.lab.bench.quantize import run_and_data
+from picollama.lab.measure.quantize import run_and_data
 from picollama.lab.scoring import sliding_losses
 
 
