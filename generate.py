@@ -208,8 +208,8 @@ def add_sampling_flags(parser: ArgumentParser):
         choices=QUANTIZATIONS,
         default="auto",
         help="weights: int8 with per-channel scales; int4 (CPU): 4-bit in groups of 32; q8_0, "
-        "q4_0, q4_1 (CPU): llama.cpp's block formats; none: float (default auto: a GGUF file's "
-        "own format, else none)",
+        "q4_0, q4_1 (CPU): llama.cpp's block formats; f32, bf16 (CPU): float weights through our "
+        "kernels; none: float (default auto: a GGUF file's own format, else none)",
     )
     add_kv_cache_flag(parser)
 

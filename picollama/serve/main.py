@@ -60,8 +60,8 @@ def parser() -> ArgumentParser:
         "--quantize",
         choices=QUANTIZATIONS,
         default="auto",
-        help="weights: int8, int4 (CPU), llama.cpp's q8_0, q4_0, q4_1 (CPU), none: float "
-        "(default auto: a GGUF file's own format, else none)",
+        help="weights: int8, int4 (CPU), llama.cpp's q8_0, q4_0, q4_1 (CPU), f32, bf16 (CPU "
+        "kernels), none: float (default auto: a GGUF file's own format, else none)",
     )
     add_kv_cache_flag(parser)
     parser.add_argument(
