@@ -191,17 +191,24 @@ class BlockLinear(nn.Module):
         ops = block_ops()
         if ops is None:
             return F.linear(x, self.dequantized().to(x.dtype))
-        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if rows.dtype not in (torch.float32, torch.bfloat16):
-            rows = rows.float()
-        linear = ops.block_linear
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-            linear = torch.ops.picollama.block_linear  # Traced, and called by the compiled step.
-        out = linear(rows.contiguous(), self.levels, self.scales, self.out_features, ISAS[ISA])
-        if x.dim() != 2:
-            out = out.view(*x.shape[:-1], -1)
-        return out.to(x.dtype)
+        return product(ops, "block_linear", x, self.levels, self.scales, self.out_features)
 
     def extra_repr(self) -> str:
         kind = "q8_0" if self.levels.shape[2] == 512 else "q4"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+
+
+def product(ops, name: str, x: torch.Tensor, *weights) -> torch.Tensor:
+    """The product `name` of block_ops' module (block_linear, float_linear) of x's rows with
+    `weights`, shaped and typed as x. Eager calls go through pybind11. A traced call goes
+    through the registered op, which a compiled step calls."""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.dtype not in (torch.float32, torch.bfloat16):
+        rows = rows.float()
+    linear = getattr(ops, name)
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        linear = getattr(torch.ops.picollama, name)
+    out = linear(rows.contiguous(), *weights, ISAS[ISA])
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], -1)
+    return out.to(x.dtype)

@@ -61,16 +61,7 @@ class FloatLinear(nn.Module):
         ops = block_linear.block_ops()
         if ops is None:
             return F.linear(x, self.weight.to(x.dtype))
-        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if rows.dtype not in (torch.float32, torch.bfloat16):
-            rows = rows.float()
-        linear = ops.float_linear
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-            linear = torch.ops.picollama.float_linear  # Traced, and called by the compiled step.
-        out = linear(rows.contiguous(), self.weight, block_linear.ISAS[block_linear.ISA])
-        if x.dim() != 2:
-            out = out.view(*x.shape[:-1], -1)
-        return out.to(x.dtype)
+        return block_linear.product(ops, "float_linear", x, self.weight)
 
     def extra_repr(self) -> str:
         out, inputs = self.weight.shape

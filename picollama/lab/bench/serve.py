@@ -313,11 +313,7 @@ def markdown(cli, results: dict, compared: list[dict], load: float) -> str:
         f"{machine['cpu_cores']} cores, load average {load:.2f} before and "
         f"{machine['load_average_1min']:.2f} after.{theirs}",
         "",
-        "| " + " | ".join(headers) + " |",
-        "| " + " | ".join(["---:"] * len(headers)) + " |",
-        *("| " + " | ".join(row) + " |" for row in rows),
-        "",
-        *(f"- `{result['command']}`" for result in results.values()),
+        *table_rows(headers, rows, results),
     ]
     return "\n".join(lines) + "\n"
 
@@ -366,13 +362,20 @@ def turns_markdown(cli, results: dict, load: float) -> str:
         f"{machine['cpu_cores']} cores, load average {load:.2f} before and "
         f"{machine['load_average_1min']:.2f} after.",
         "",
+        *table_rows(headers, rows, results),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def table_rows(headers: list[str], rows: list[list[str]], results: dict) -> list[str]:
+    """A Markdown table's lines, then each server's command."""
+    return [
         "| " + " | ".join(headers) + " |",
         "| " + " | ".join(["---:"] * len(headers)) + " |",
         *("| " + " | ".join(row) + " |" for row in rows),
         "",
         *(f"- `{result['command']}`" for result in results.values()),
     ]
-    return "\n".join(lines) + "\n"
 
 
 def write(cli, table: str, payload: dict):
