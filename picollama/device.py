@@ -250,11 +250,11 @@ def free_cores(most: int, samples: int = 5) -> int:
     """The threads to compute on: the cores this process may use, less those that other work
     keeps busy (the median of `samples` looks 10 ms apart), at least one and at most `most`."""
     seen = []
-    for _ in range(samples):
+    for n in range(samples):
+        time.sleep(0.01 if n else 0)  # Between looks only: a server's engine thread waits here.
         if (others := runnable_elsewhere()) is None:
             return most
         seen.append(others)
-        time.sleep(0.01)
     return max(1, min(most, len(os.sched_getaffinity(0)) - round(statistics.median(seen))))
 
 
