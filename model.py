@@ -40,12 +40,13 @@ class ModelArgs:
     max_seq_len: int = 256  # the training context
     tie_embeddings: bool = False  # the output layer reuses the embedding's weights: fewer weights
     # RoPE scaling, to run past the training context: a key of ROPE_INIT ("none", "yarn", ...),
-    # those in ROPE_ATTENTIONS attending in two branches ("rerope", ...)
+    # those in ROPE_ATTENTIONS attending in branches ("rerope", "dca", ...)
     rope_scaling: str = "none"
     rope_factor: float = 1.0  # how many times longer the context becomes (self_extend: rounded)
-    # rerope, self_extend, rerope_topk: nearer keys keep exact RoPE; 0: original_seq_len//4 (·3/4)
+    # keys nearer keep exact RoPE; 0: rerope, self_extend 1/4 (rerope_topk 3/4, dca 1/16,
+    # reattention 1/2) of original_seq_len
     rope_window: int = 0
-    rope_far_keys: int = 1  # rerope_topk: the far keys each query attends, its best-scoring
+    rope_far_keys: int = 1  # rerope_topk, reattention: the far keys a query attends, its best
     rope_original_max_seq_len: int | None = None  # the context stretched from; None: max_seq_len
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths past original/low are interpolated
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept

@@ -1,5 +1,6 @@
-"""The serving benchmark's --smoke: our server and llama-cpp-python's on the SmolLM2 file, one
-client, four tokens each; bad input is one error line before any server starts."""
+"""The serving benchmark's --smoke: our server, llama.cpp's llama-server (where its binary is
+built) and llama-cpp-python's on the SmolLM2 file, one client, four tokens each; bad input is one
+error line before any server starts."""
 
 import json
 import os
@@ -15,7 +16,7 @@ SMOLLM2 = os.environ.get("PICOLLAMA_SMOLLM2_GGUF")
 
 
 @pytest.mark.skipif(not SMOLLM2, reason="set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file")
-def test_smoke_run_measures_both_servers_on_the_same_file(tmp_path, bench_main, capsys, llama_cpp):
+def test_smoke_run_measures_the_servers_on_the_same_file(tmp_path, bench_main, capsys, llama_cpp):
     out = tmp_path / "serve.json"
     code = run_command(bench_main("serve"), ["--smoke", "--gguf", SMOLLM2, "--out", str(out)])
     said = capsys.readouterr()
@@ -23,8 +24,10 @@ def test_smoke_run_measures_both_servers_on_the_same_file(tmp_path, bench_main, 
     assert f"results written to {out}" in said.out and str(out.with_suffix(".md")) in said.out
     result = json.loads(out.read_text())
     assert result["benchmark"] == "serve" and result["max_tokens"] == 4
+    peers = ["llama_server"] * parse_args(["--gguf", SMOLLM2]).llama_server.is_file()
+    assert sorted(result["results"]) == sorted(["ours", "llama_cpp", *peers])
     ours, theirs = (result["results"][name]["levels"] for name in ("ours", "llama_cpp"))
-    for (level,) in (ours, theirs):
+    for (level,) in (ours, theirs, *(result["results"][p]["levels"] for p in peers)):
         assert level["clients"] == 1 and level["completion_tokens"] == 4
         assert 0 < level["ttft_p50_seconds"] <= level["seconds"]
         assert level["tokens_per_second"] == pytest.approx(4 / level["seconds"])
@@ -35,13 +38,18 @@ def test_smoke_run_measures_both_servers_on_the_same_file(tmp_path, bench_main, 
     assert ratio["tokens_per_second"] == pytest.approx(speeds[0] / speeds[1])
     table = out.with_suffix(".md").read_text()
     assert "| 1 |" in table and "llama_cpp.server tokens/s" in table
+    if peers:  # the anchor's ratio columns, and its command
+        (ratio,) = result["ours_over_llama_server"]
+        assert ratio["clients"] == 1 and "ours / llama-server: tokens/s" in table
+        assert " -np 4 -c 8192 " in table
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--gguf", "/no/such/model.gguf"], "--gguf /no/such/model.gguf: not a .gguf file"),
-        (["--servers", "ours,vllm"], "unknown 'vllm' (choose from ours, llama_cpp)"),
+        (["--servers", "ours,vllm"], "unknown 'vllm' (choose from ours, llama_server, llama_cpp)"),
+        (["--servers", "llama_server", "--llama-server", "/no/llama-server"], "no such file"),
         (["--clients", "1,0"], "'0' is not a positive int"),
     ],
 )

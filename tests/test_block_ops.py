@@ -305,6 +305,32 @@ def test_generate_samples_a_q8_0_file_in_q8_0_by_default(
 
 
 @needs_ops
+def test_an_import_keeps_its_tiles_and_a_second_load_reads_them_unchanged(
+    make_tiny_run, tmp_path, monkeypatch
+):
+    """The first load rounds and saves the tiles beside the import. The second reads them back:
+    the same buffers, the same logits, and no rounding. A run folder of the user's keeps none."""
+    monkeypatch.setenv("PICOLLAMA_CACHE", str(tmp_path / "cache"))
+    run, _ = make_tiny_run(5)
+    out = str(tmp_path / "m.gguf")
+    assert run_command(convert.main, ["to-gguf", "--run", str(run), "--out", out]) == 0
+    args = argparse.Namespace(run=out, dtype="auto", quantize="q4_1")
+    first, _, _ = load_to_sample(args, torch.device("cpu"))
+    (tiles,) = imported_run(Path(out)).glob("tiles-q4_1-*.safetensors")
+    rounded = []
+    monkeypatch.setattr(BlockLinear, "quantized", lambda *a: rounded.append(a))
+    second, _, _ = load_to_sample(args, torch.device("cpu"))
+    assert rounded == [] and tiles.is_file()
+    for (name, a), (_, b) in zip(first.named_buffers(), second.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(first(tokens), second(tokens))
+    args = argparse.Namespace(run=str(run), dtype="auto", quantize="q4_1")
+    load_to_sample(args, torch.device("cpu"))
+    assert not list(Path(run).glob("tiles-*"))
+
+
+@needs_ops
 @pytest.mark.parametrize("kind", ["bf16", "f16", "f32"])
 def test_a_float_file_decodes_in_its_own_precision_with_float32_activations(
     kind, make_tiny_run, tmp_path, monkeypatch

@@ -42,6 +42,7 @@ LLAMA_ONLY = {
     "INITS": ["norm.weight"],
 }
 LEAVES = ["variants", "rope_scaling", "windowed_rope", "length_encodings", "attention_gate"]
+LEAVES += ["attention_branches", "dca", "reattention"]
 
 
 def option(parser, flag: str):

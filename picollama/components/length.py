@@ -50,13 +50,15 @@ def window_factor(args: ModelArgs, length: int) -> float:
     """rerope's k (self_extend's G, an integer) just large enough that the farthest distance of
     `length` tokens, length - 1, maps to at most original_seq_len - 1, the farthest trained:
     w + (length-1-w)/k, or (length-1)//G - w//G + w; rerope_topk's length / original_seq_len (its
-    far keys all sit at distance w: the factor says only how far it stretches)."""
+    far keys all sit at distance w: the factor says only how far it stretches), and so for a
+    method whose attention function says stretch_only (dca, reattention)."""
     w, last = near_window(args), args.original_seq_len - 1
     if length - 1 <= last:
         return 1.0
     if w >= last:
         raise ValueError(f"rope_window ({w}) must be below original_seq_len - 1 ({last})")
-    if args.rope_scaling == "rerope_topk":
+    stretch_only = getattr(ROPE_ATTENTIONS[args.rope_scaling], "stretch_only", False)
+    if stretch_only or args.rope_scaling == "rerope_topk":
         return length / args.original_seq_len
     if args.rope_scaling == "rerope":
         return (length - 1 - w) / (last - w)

@@ -29,7 +29,9 @@ from model import (
 )
 from picollama.components import (
     attention_gate,
+    dca,
     length_encodings,
+    reattention,
     rope_scaling,
     variants,
     windowed_rope,
@@ -69,6 +71,12 @@ ROPE_ATTENTIONS["self_extend"] = windowed_rope.windowed_attention
 ROPE_INIT["rerope_topk"] = plain_rope
 ROPE_ATTENTIONS["rerope_topk"] = windowed_rope.windowed_attention
 
+# dca.py, reattention.py: RoPE's frequencies as they are, each key at a position kept in range
+ROPE_INIT["dca"] = plain_rope
+ROPE_ATTENTIONS["dca"] = dca.dca_attention
+ROPE_INIT["reattention"] = plain_rope
+ROPE_ATTENTIONS["reattention"] = reattention.reattention_attention
+
 # length_encodings.py: the trained length encodings
 POSITIONS["prope"] = length_encodings.PRoPE
 POSITIONS["fox"] = length_encodings.ForgetPositions  # FoX has no positions but its forget gates
@@ -82,5 +90,5 @@ OUTPUT_GATES["attention_gate"] = attention_gate.AttentionGate
 
 # The lists derived from the tables, for flags, config checks and messages.
 ROPE_SCALINGS = tuple(ROPE_INIT)  # rope_scaling's choices
-WINDOWED = tuple(ROPE_ATTENTIONS)  # the scalings that attend in two branches
+WINDOWED = tuple(ROPE_ATTENTIONS)  # the scalings that attend in branches
 PLACEMENTS = tuple(dict.fromkeys(placement for placement, _ in BLOCKS))  # norm_placement's

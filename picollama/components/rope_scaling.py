@@ -14,8 +14,10 @@ Optional: its export in picollama/convert/hf.py and convert/to_gguf.py (else ref
 and docs/usage.md.
 More files only for more than frequencies. A method with a new ModelArgs key also touches
 model.py, config/model_args.py (CONTEXT_KEYS) and config/values.py (its range). One that attends
-in two branches, like rerope, has its attention in windowed_rope.py, a ROPE_ATTENTIONS line in
-registry.py, and its window in length.py (window_factor)."""
+in branches, like rerope, has its attention in windowed_rope.py (or a leaf of its own, as dca.py
+and reattention.py, merging branches through attention_branches.py), a ROPE_ATTENTIONS line in
+registry.py, and its factor in length.py (window_factor), or fn.stretch_only = True on its
+attention function where rope_factor only turns it on."""
 
 import math
 from dataclasses import replace

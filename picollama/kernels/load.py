@@ -11,10 +11,10 @@ from model import Transformer
 from picollama.components.length import length_dependent
 from picollama.components.variants import non_llama
 from picollama.device import pick_dtype
+from picollama.kernels.block_cache import quantize_kept
 from picollama.kernels.block_linear import FORMATS, block_ops
 from picollama.kernels.float_linear import PRECISIONS
 from picollama.kernels.fused_step import DecodeStep
-from picollama.kernels.quantize import quantize
 from picollama.kernels.timing import compiled_unless_slower, tune_threads
 from picollama.run_files import load_run
 
@@ -35,14 +35,15 @@ def load_to_sample(args, device: torch.device) -> tuple[Transformer, object, tor
     from picollama.convert.main import imported_run  # Imports a .gguf file or Hugging Face folder.
 
     dtype = pick_dtype(args.dtype, device)
-    model, config, tokenizer = load_run(imported_run(args.run), device, torch.float32)
+    run = imported_run(args.run)
+    model, config, tokenizer = load_run(run, device, torch.float32)
     if args.quantize == "auto":
         args.quantize, output, f32 = own_format(config, device)
     else:  # Block formats take float32 activations (own_format says why).
         output, f32 = None, args.quantize in (*FORMATS, *PRECISIONS)
     if f32 and args.dtype in (None, "auto"):
         dtype = torch.float32
-    return quantize(model, args.quantize, output).to(dtype), tokenizer, dtype
+    return quantize_kept(model, args.quantize, output, run).to(dtype), tokenizer, dtype
 
 
 def own_format(config: dict, device: torch.device) -> tuple[str, str | None, bool]:

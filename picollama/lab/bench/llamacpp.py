@@ -1,5 +1,6 @@
 """llama.cpp beside our model, for the benchmarks.
 
+llama_server_flags is how the serving benchmark starts llama.cpp's own llama-server, its anchor.
 LlamaCpp exports our model to GGUF and decodes greedily at batch 1 (the decode benchmark).
 Run as `python -m picollama.lab.bench.llamacpp ARGS`, it is `python -m llama_cpp.server ARGS`
 without extra CPU buffer types on AMX CPUs. llama.cpp's AMX kernel crashes there on SmolLM2's
@@ -15,6 +16,27 @@ import torch
 from picollama.convert.to_gguf import write_gguf
 
 LLAMA_CPP_TYPES = ("f32", "bf16", "q8_0")
+# Where ../shared/tools/llama_cpp_tools.sh builds llama.cpp's tools from a 2026 tree.
+LLAMA_SERVER = Path.home() / ".cache/llama.cpp-tools/bin/llama-server"
+LLAMA_SERVER_SLOTS = 4  # its -np: requests decoded together by continuous batching
+LLAMA_SERVER_CONTEXT = 8192  # its -c, shared by the slots
+# llama_cpp.server's options, and why. Its threads follow --threads, by default every core.
+LLAMA_CPP_OPTIONS = {
+    "--interrupt_requests": (
+        "False",
+        "its default (True) ends the running stream when another request comes: with "
+        "concurrent clients most answers would be cut short; False queues them, one at a time",
+    ),
+    "--logits_all": (
+        "False",
+        "its default (True) computes the logits of every prompt token; only the last one's are "
+        "needed here (no logprobs), so False spares it work",
+    ),
+    "--verbose": ("False", "its timings printed for every request, not needed"),
+}
+# Sent to llama-cpp-python only. Its default repeat_penalty of 1.1 changes greedy decoding.
+# Ours has no repeat penalty, and refuses fields it does not implement.
+LLAMA_CPP_BODY = {"repeat_penalty": 1.0}
 
 
 class LlamaCpp:
@@ -86,6 +108,14 @@ def llama_cpp_decoders(model, tokenizer, context: int, folder: Path) -> tuple[di
             folder / f"{kind}.gguf", context, torch.get_num_threads()
         )
     return decoders, None
+
+
+def llama_server_flags(cli) -> list:
+    """llama-server's flags: its defaults but the slots, the context and the threads, and no
+    weight repacking on AMX CPUs, where its repacked kernels die with SIGILL at the first prompt."""
+    flags = ["-m", cli.gguf, "-np", LLAMA_SERVER_SLOTS, "-c", LLAMA_SERVER_CONTEXT]
+    flags += ["-t", cli.threads, "-tb", cli.threads, "--host", "127.0.0.1"]
+    return flags + ["--no-repack"] * has_amx()
 
 
 def has_amx() -> bool:

@@ -1,9 +1,10 @@
-"""Our OpenAI-compatible server against llama-cpp-python's, on one GGUF file.
+"""Our OpenAI-compatible server against llama.cpp's own llama-server, on one GGUF file.
 
-1, 4 and 8 concurrent clients stream the same chat prompts. It reports aggregate completion
-tokens/s and time to first token. With --turns, one client holds a conversation instead, and it
-reports each turn's time to first token: a server that keeps the conversation's KV cache
-prefills only each turn's new tokens."""
+llama-server (continuous batching over 4 slots) is the anchor. llama-cpp-python's server, which
+runs one request at a time, stands beside it. 1, 4 and 8 concurrent clients stream the same chat
+prompts. It reports aggregate completion tokens/s and time to first token. With --turns, one
+client holds a conversation instead, and it reports each turn's time to first token: a server
+that keeps the conversation's KV cache prefills only each turn's new tokens."""
 
 import importlib.util
 import os
@@ -21,7 +22,13 @@ from picollama.cli.command import run_command
 from picollama.cli.flags import comma_list, positive
 from picollama.cli.outputs import atomic_output
 from picollama.lab.bench import common
-from picollama.lab.bench.llamacpp import has_amx
+from picollama.lab.bench.llamacpp import (
+    LLAMA_CPP_BODY,
+    LLAMA_CPP_OPTIONS,
+    LLAMA_SERVER,
+    has_amx,
+    llama_server_flags,
+)
 from picollama.lab.bench.serve_load import (
     ServerProcess,
     TokenCounter,
@@ -32,8 +39,9 @@ from picollama.lab.bench.serve_load import (
     turn_messages,
 )
 
-SERVERS = ("ours", "llama_cpp")
-NAMES = {"ours": "picollama.serve", "llama_cpp": "llama_cpp.server"}
+SERVERS = ("ours", "llama_server", "llama_cpp")
+NAMES = {"ours": "picollama.serve", "llama_server": "llama-server", "llama_cpp": "llama_cpp.server"}
+ANCHORS = ("llama_server", "llama_cpp")  # whom the ratios take, the first one measured
 # Questions whose answers run past the default 64 tokens, so every request ends at max_tokens.
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -47,24 +55,7 @@ PROMPTS = [
 ]
 WARM_UP = "Say hello."
 TTFT_KEYS = ("ttft_p50_seconds", "ttft_p95_seconds")
-# llama_cpp.server's options, and why. Its threads follow --threads, by default every core.
-LLAMA_CPP_OPTIONS = {
-    "--interrupt_requests": (
-        "False",
-        "its default (True) ends the running stream when another request comes: with "
-        "concurrent clients most answers would be cut short; False queues them, one at a time",
-    ),
-    "--logits_all": (
-        "False",
-        "its default (True) computes the logits of every prompt token; only the last one's are "
-        "needed here (no logprobs), so False spares it work",
-    ),
-    "--verbose": ("False", "its timings printed for every request, not needed"),
-}
 TURN_OVERHEAD = 10  # the tokens a chat template adds around a message and its answer, about
-# Sent to llama-cpp-python only. Its default repeat_penalty of 1.1 changes greedy decoding.
-# Ours has no repeat penalty, and refuses fields it does not implement.
-LLAMA_CPP_BODY = {"repeat_penalty": 1.0}
 
 
 def parse_args(argv: list[str]):
@@ -80,8 +71,15 @@ def parse_args(argv: list[str]):
     p.add_argument(
         "--servers",
         type=comma_list(choices=SERVERS),
-        default=",".join(SERVERS),
-        help=f"which servers, comma-separated (default {','.join(SERVERS)})",
+        help=f"which servers, comma-separated (default {','.join(SERVERS)}; llama_server only "
+        "where its binary is found)",
+    )
+    p.add_argument(
+        "--llama-server",
+        type=Path,
+        default=os.environ.get("PICOLLAMA_LLAMA_SERVER", LLAMA_SERVER),
+        help="llama.cpp's llama-server binary (default: $PICOLLAMA_LLAMA_SERVER, else "
+        f"{LLAMA_SERVER})",
     )
     p.add_argument(
         "--threads",
@@ -107,6 +105,9 @@ def parse_args(argv: list[str]):
     if given.turns and not given.smoke and given.out is None:  # not the client levels' file
         argv = [*argv, "--out", str(common.RESULTS_DIR / "serve_turns.json")]
     cli = common.parse(p, argv)
+    if cli.servers is None:
+        found = cli.llama_server.is_file()
+        cli.servers = [name for name in SERVERS if found or name != "llama_server"]
     if cli.smoke:  # One thread each, so seconds even on a busy machine.
         cli.clients, cli.requests, cli.max_tokens, cli.threads = [1], 1, 4, 1
         cli.repeats = 1
@@ -171,6 +172,11 @@ def check(cli):
             f"llama_cpp.server needs {', '.join(missing)}: pip install "
             "'llama-cpp-python[server]' (or --servers ours)"
         )
+    if "llama_server" in cli.servers and not cli.llama_server.is_file():
+        raise UserError(
+            f"--llama-server {cli.llama_server}: no such file (build llama.cpp's llama-server, or "
+            "leave llama_server out of --servers)"
+        )
 
 
 def command(cli, server: str, port: int) -> list[str]:
@@ -178,6 +184,8 @@ def command(cli, server: str, port: int) -> list[str]:
     if server == "ours":
         flags = ["--run", cli.gguf, "--port", port, *shlex.split(cli.ours_args)]
         return python_module("picollama.serve", *flags)
+    if server == "llama_server":
+        return [*map(str, [cli.llama_server, *llama_server_flags(cli)]), "--port", str(port)]
     threads = ["--n_threads", cli.threads, "--n_threads_batch", cli.threads]
     options = [x for flag, (value, _) in LLAMA_CPP_OPTIONS.items() for x in (flag, value)]
     flags = ["--model", cli.gguf, "--host", "127.0.0.1", "--port", port, *threads]
@@ -266,26 +274,30 @@ def summary(name: str, said: dict) -> str:
     )
 
 
-def ratios(results: dict) -> list[dict]:
-    """Ours over llama-cpp-python's at each client count: tokens/s (higher is better for ours),
+def ratios(results: dict) -> dict[str, list[dict]]:
+    """Ours over each peer measured, at each client count: tokens/s (higher is better for ours),
     time to first token p50 and p95 (lower is better for ours)."""
-    if set(results) != set(SERVERS):
-        return []
     keys = ("tokens_per_second", *TTFT_KEYS)
-    return [
-        {"clients": ours["clients"], **{key: ours[key] / theirs[key] for key in keys}}
-        for ours, theirs in zip(results["ours"]["levels"], results["llama_cpp"]["levels"])
-    ]
+    return {
+        peer: [
+            {"clients": ours["clients"], **{key: ours[key] / theirs[key] for key in keys}}
+            for ours, theirs in zip(results["ours"]["levels"], results[peer]["levels"])
+        ]
+        for peer in ANCHORS
+        if "ours" in results and peer in results
+    }
 
 
-def markdown(cli, results: dict, compared: list[dict], load: float) -> str:
-    """The results as a Markdown table (a row per client count), with what was run and on what."""
+def markdown(cli, results: dict, compared: dict, load: float) -> str:
+    """The results as a Markdown table (a row per client count), with what was run and on what:
+    ours over the anchor (llama-server where it ran) in the last columns."""
     machine = common.machine_info("cpu")
     headers = ["clients"]
     for name in results:
         headers += [f"{NAMES[name]} {x}" for x in ("tokens/s", "TTFT p50 (s)", "TTFT p95 (s)")]
-    if compared:
-        headers += [f"ours / theirs: {x}" for x in ("tokens/s", "TTFT p50", "TTFT p95")]
+    anchor = next(iter(compared), None)
+    if anchor:
+        headers += [f"ours / {NAMES[anchor]}: {x}" for x in ("tokens/s", "TTFT p50", "TTFT p95")]
     rows = []
     for i, clients in enumerate(cli.clients):
         row = [str(clients)]
@@ -293,8 +305,8 @@ def markdown(cli, results: dict, compared: list[dict], load: float) -> str:
             said = result["levels"][i]
             row += [f"{said['tokens_per_second']:.1f}"]
             row += [f"{said[k]:.3f}" for k in ("ttft_p50_seconds", "ttft_p95_seconds")]
-        if compared:
-            ratio = compared[i]
+        if anchor:
+            ratio = compared[anchor][i]
             row += [f"{ratio[k]:.2f}x" for k in ("tokens_per_second", *TTFT_KEYS)]
         rows.append(row)
     options = " ".join(f"{flag} {value}" for flag, (value, _) in LLAMA_CPP_OPTIONS.items())
@@ -304,6 +316,8 @@ def markdown(cli, results: dict, compared: list[dict], load: float) -> str:
         if "llama_cpp" in results
         else ""
     )
+    if "llama_server" in results:
+        theirs += f" llama-server: {shlex.join(map(str, llama_server_flags(cli)))}."
     lines = [
         f"# Serving: {' against '.join(NAMES[name] for name in results)}",
         "",
@@ -421,7 +435,7 @@ def main(argv: list[str]) -> int:
         "llama_cpp_body": LLAMA_CPP_BODY,
         "llama_cpp_extra_buffer_types": "off (an AMX CPU)" if has_amx() else "on (its default)",
         "results": results,
-        "ours_over_llama_cpp": compared,
+        **{f"ours_over_{peer}": each for peer, each in compared.items()},
     }
     write(cli, table, payload)
     return 0

@@ -1,0 +1,347 @@
+"""RULER's effective length of a real model, by length method: `python -m
+picollama.lab.context.ruler --run RUN --methods none,yarn --lengths 4096,8192 --out FOLDER`.
+
+Each cell is one task at one length under one method. Its haystack (ruler_tasks.py) runs into the
+KV cache once, in chunks, so 32k and 64k fit in memory. Then each question runs from the end of
+the haystack and is answered greedily. The next question overwrites the same cache positions.
+So one prefill serves every question of a cell. The score is RULER's string_match_all, 0-100.
+The effective length is the longest length up to which the mean over the tasks stays above
+RULER's threshold, 85.6 (Llama-2-7B's mean at 4k). A small model may score below it at the
+shortest length. So the length up to which the mean stays within 5 points of that shortest
+length's is reported too. The prompt is RULER's plain "base" template unless --template chat:
+on SmolLM2-135M-Instruct at 4k the chat template halved niah_single's score (15 against 30).
+This module does not plot or compare runs: one run a folder."""
+
+import hashlib
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from model import rope_frequencies
+from picollama.chat_template import load_chat_template, stop_ids
+from picollama.cli import UserError
+from picollama.cli.command import Interrupted, run_command
+from picollama.cli.flags import (
+    ArgumentParser,
+    add_device,
+    add_out,
+    add_run,
+    add_seed,
+    comma_list,
+    positive,
+)
+from picollama.cli.outputs import atomic_output, check_writable
+from picollama.components.length import length_dependent, stretched
+from picollama.components.registry import ROPE_SCALINGS
+from picollama.convert.main import imported_run
+from picollama.device import pick_device, pick_dtype
+from picollama.lab.bench.common import cpu_model
+from picollama.lab.context.cells import Cells
+from picollama.lab.context.ruler_tasks import TASKS, Haystack, haystack, match_all
+from picollama.lab.interruptible import interruptible
+from picollama.lab.runs import scalings
+from picollama.lab.text_track import forward_key
+from picollama.run_files import load_run
+
+THRESHOLD = 85.6  # RULER's: Llama-2-7B's mean score at 4k
+DROP = 5.0  # points below the shortest length's score that the second effective length allows
+SAMPLE = 5  # answers a cell keeps in full, beside every question's score
+CHUNK = 2048  # tokens a prefill forward takes at once
+FROZEN = {"dynamic": "ntk"}  # a length-dependent scaling -> the static one of equal frequencies
+
+
+def method_args(args, method: str, length: int):
+    """The model's args under `method` for `length` tokens (components.length.stretched).
+
+    Dynamic NTK's frequencies follow each forward's end, so chunks of one haystack would turn by
+    different ones. It is held at its frequencies for `length` tokens instead: NTK at factor
+    length/original, checked equal here."""
+    stretch = stretched(args, method, length)
+    if not length_dependent(stretch):
+        return stretch
+    factor = max(1.0, length / stretch.original_seq_len)
+    held = replace(stretch, rope_scaling=FROZEN.get(method, method), rope_factor=factor)
+    if length_dependent(held) or not torch.equal(
+        rope_frequencies(held, length)[0], rope_frequencies(stretch, length)[0]
+    ):
+        raise UserError(
+            f"--methods {method}: its frequencies follow the length and have no fixed form"
+        )
+    return held
+
+
+@torch.inference_mode()
+def prefill(model, tokens: list[int], room: int, chunk: int | None = None):
+    """Run the haystack into a fresh KV cache of `room` positions, `chunk` (CHUNK) at a time."""
+    chunk = chunk or CHUNK
+    device = model.tok_embeddings.weight.device
+    row = torch.tensor([tokens], device=device)
+    model.setup_cache(1, room)
+    for start in range(0, len(tokens), chunk):
+        interruptible(model.features, row[:, start : start + chunk], start_pos=start)
+
+
+@torch.inference_mode()
+def greedy(model, tokens: list[int], start: int, steps: int, stops: set[int]) -> list[int]:
+    """The greedy continuation of a question that follows `start` cached tokens: at most
+    `steps` tokens, ending before a stop token."""
+    device = model.tok_embeddings.weight.device
+    given, made = torch.tensor([tokens], device=device), []
+    for _ in range(steps):
+        choice = int(model.head(model.features(given, start_pos=start)[:, -1]).argmax())
+        if choice in stops:
+            break
+        made.append(choice)
+        start += given.shape[1]
+        given = torch.tensor([[choice]], device=device)
+    return made
+
+
+def answer_all(model, tokenizer, hay: Haystack, room: int, stops: set[int]) -> tuple[list, float]:
+    """Every question of a haystack answered through its one prefill, and the prefill's seconds."""
+    start = time.perf_counter()
+    prefill(model, hay.tokens, room)
+    seconds, answers = time.perf_counter() - start, []
+    try:
+        for question in hay.questions:
+            made = greedy(model, question.tokens, len(hay.tokens), TASKS[hay.task].tokens, stops)
+            text = tokenizer.decode(made)
+            answers.append(
+                {
+                    "key": question.key,
+                    "expected": question.answers,
+                    "generated": text,
+                    "depth": round(question.depth, 3),
+                    "score": match_all(question.answers, text),
+                }
+            )
+    finally:
+        model.reset_cache()
+    return answers, seconds
+
+
+def cell_result(method: str, length: int, hay: Haystack, answers: list, seconds: tuple) -> dict:
+    """A cell's result. `seconds` is the cell's (prefill and answers) and the prefill's alone."""
+    scores = [a["score"] for a in answers]
+    return {
+        "method": method,
+        "length": length,
+        "task": hay.task,
+        "questions": len(answers),
+        "correct": sum(score == 1 for score in scores),
+        "score": round(100 * float(np.mean(scores)), 2),
+        "seconds": round(seconds[0], 2),
+        "prefill_seconds": round(seconds[1], 2),
+        "machine": {"cpu": cpu_model(), "threads": torch.get_num_threads()},
+        "haystack_tokens": len(hay.tokens),
+        "answers": answers[:SAMPLE],
+        "scores": scores,
+        "depths": [a["depth"] for a in answers],
+    }
+
+
+def fingerprint(args, length: int, setup: dict) -> str:
+    """What a cell computes: the forward (text_track.forward_key) and the setup. Methods that
+    compute equal forwards at a length (all static scalings at factor 1) share their cells."""
+    what = repr((forward_key(args, length), sorted(setup.items())))
+    return hashlib.sha256(what.encode()).hexdigest()
+
+
+def same_forward(cells: Cells, length: int, task: str, mark: str) -> tuple[str, dict] | None:
+    """A saved cell of this task and length that computed the same forward, by its key."""
+    for key, result in cells.results("ruler.").items():
+        if (result["length"], result["task"], result.get("forward")) == (length, task, mark):
+            return key, result
+    return None
+
+
+def check_setup(cells: Cells, setup: dict):
+    """UserError when the folder holds cells of another run or setup: they would mix."""
+    for key, result in cells.results("ruler.").items():
+        saved = result.get("setup") or {}
+        differ = [
+            f"{name} {saved.get(name)}, not {setup[name]}"
+            for name in setup
+            if saved.get(name) != setup[name]
+        ]
+        if differ:
+            raise UserError(
+                f"{cells.folder} holds cells of another setup ({key}: {', '.join(differ)}); "
+                "pass another --out"
+            )
+
+
+def run_study(model, tokenizer, template: str | None, cli, cells: Cells) -> dict:
+    """Every cell of the plan not yet saved: lengths, then tasks, then methods, so that the
+    methods of a length and task share one haystack. Returns the setup the cells record."""
+    setup = {"run": str(Path(cli.run).resolve()), "seed": cli.seed, "questions": cli.questions}
+    dtype = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    setup |= {"template": "base" if template is None else "chat", "dtype": dtype}
+    check_setup(cells, setup)
+    stops = stop_ids(tokenizer, template) if template else {tokenizer.eos_id()} - {-1}
+    base, hay = model.args, None
+    plan = [(n, task, m) for n in cli.lengths for task in cli.tasks for m in cli.methods]
+    try:
+        for length, task, method in tqdm(plan, desc="ruler cells", unit="cell"):
+            key = f"ruler.{method}.{length}.{task}"
+            if cells.done(key):
+                continue
+            model.args = method_args(base, method, length)
+            mark = fingerprint(model.args, length, setup)
+            twin = same_forward(cells, length, task, mark)
+            if twin is not None:
+                cells.save(key, twin[1] | {"method": method, "copied_from": twin[0]})
+                continue
+            if hay is None or (hay.task, hay.length) != (task, length):
+                hay = haystack(task, tokenizer, template, length, cli.questions, cli.seed)
+            start = time.perf_counter()
+            answers, prefilled = answer_all(model, tokenizer, hay, length, stops)
+            seconds = (time.perf_counter() - start, prefilled)
+            result = cell_result(method, length, hay, answers, seconds)
+            cells.save(key, result | {"forward": mark, "setup": setup})
+    finally:
+        model.args = base
+    return setup
+
+
+def mean_scores(results: dict) -> dict[str, dict[int, float | None]]:
+    """{method: {length: the mean score over the tasks}} from saved cells. A length where a
+    method lacks one of the tasks any cell has is None: not measured yet."""
+    tasks = {cell["task"] for cell in results.values()}
+    lengths = sorted({cell["length"] for cell in results.values()})
+    found = {}
+    for cell in results.values():
+        found.setdefault(cell["method"], {}).setdefault(cell["length"], {})[cell["task"]] = cell
+    means = {}
+    for method in sorted(found, key=method_order):
+        by_task = found[method]
+        means[method] = {
+            n: float(np.mean([c["score"] for c in by_task[n].values()]))
+            if set(by_task.get(n, {})) == tasks
+            else None
+            for n in lengths
+        }
+    return means
+
+
+def method_order(method: str) -> int:
+    return ROPE_SCALINGS.index(method) if method in ROPE_SCALINGS else len(ROPE_SCALINGS)
+
+
+def longest(by_length: dict, floor: float, strictly: bool) -> int | None:
+    """The longest length up to which every length is measured and scores above `floor`
+    (or at it, unless `strictly`). None if the shortest does not."""
+    found = None
+    for length in sorted(by_length):
+        score = by_length[length]
+        if score is None or score < floor or (strictly and score == floor):
+            break
+        found = length
+    return found
+
+
+def effective_lengths(results: dict, threshold: float = THRESHOLD, drop: float = DROP) -> dict:
+    """{method: {"effective": the longest length whose mean stays above `threshold`, "holds":
+    the longest whose mean stays within `drop` points of the shortest length's, "shortest": that
+    score}} from saved cells (Cells.results)."""
+    found = {}
+    for method, by_length in mean_scores(results).items():
+        shortest = by_length[min(by_length)]
+        found[method] = {
+            "effective": longest(by_length, threshold, strictly=True),
+            "holds": None if shortest is None else longest(by_length, shortest - drop, False),
+            "shortest": shortest,
+        }
+    return found
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def shown(value, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if isinstance(value, float) else f"{value}{unit}"
+
+
+def markdown(results: dict, threshold: float = THRESHOLD, drop: float = DROP) -> str:
+    """The mean score by method (rows) and length (columns) with both effective lengths, then
+    each task's score and questions answered in full."""
+    lengths = sorted({cell["length"] for cell in results.values()})
+    means = mean_scores(results)
+    effective = effective_lengths(results, threshold, drop)
+    header = ["method", *map(str, lengths), f"effective (> {threshold})"]
+    header.append(f"holds (within {drop:g} of {lengths[0]})")
+    rows = [
+        [m, *(shown(means[m][n]) for n in lengths)]
+        + [shown(effective[m]["effective"]), shown(effective[m]["holds"])]
+        for m in means
+    ]
+    lines = ["## RULER, the mean score over the tasks (0-100)", "", *table(header, rows)]
+    for task in sorted({cell["task"] for cell in results.values()}):
+        cells = {(c["method"], c["length"]): c for c in results.values() if c["task"] == task}
+        rows = [
+            [m, *(score_cell(cells.get((m, n))) for n in lengths)]
+            for m in sorted({m for m, _ in cells}, key=method_order)
+        ]
+        lines += ["", f"### {task}: score (questions answered in full)", ""]
+        lines += table(["method", *map(str, lengths)], rows)
+    return "\n".join(lines) + "\n"
+
+
+def score_cell(cell: dict | None) -> str:
+    return "-" if cell is None else f"{cell['score']:.1f} ({cell['correct']}/{cell['questions']})"
+
+
+def parse_args(argv: list[str]):
+    p = ArgumentParser(prog="python -m picollama.lab.context.ruler", description=__doc__)
+    add_run(p)
+    p.add_argument("--methods", type=comma_list(choices=ROPE_SCALINGS), default=["none"])
+    p.add_argument("--lengths", type=comma_list(positive()), default=[4096], metavar="N,N")
+    tasks = ",".join(TASKS)
+    p.add_argument("--tasks", type=comma_list(choices=tuple(TASKS)), default=list(TASKS))
+    p.add_argument("--questions", type=positive(), default=20, help="per haystack (default 20)")
+    p.add_argument(
+        "--template",
+        choices=("base", "chat"),
+        default="base",
+        help="base: plain text, RULER's own (default); chat: in the run's chat template",
+    )
+    add_seed(p, "the needles' seed")
+    add_out(p, f"the folder of the cells and ruler.md (tasks: {tasks})", required=True)
+    add_device(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    cli = parse_args(argv)
+    cli.run = imported_run(Path(cli.run))  # Imports a .gguf file or a Hugging Face folder.
+    check_writable(cli.out / "ruler.md")
+    device = pick_device(cli.device)
+    model, _, tokenizer = load_run(cli.run, device, pick_dtype(cli.dtype, device))
+    refused = [m for m in cli.methods if m not in scalings(model.args)]
+    if refused:
+        raise UserError(f"--methods {','.join(refused)}: {cli.run} does not use RoPE")
+    template = load_chat_template(cli.run) if cli.template == "chat" else None
+    cells = Cells(cli.out)
+    try:
+        run_study(model, tokenizer, template, cli, cells)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted: the cells done are in {cli.out}: rerun to go on") from None
+    text = markdown(cells.results("ruler."))
+    with atomic_output(cli.out / "ruler.md") as tmp:
+        tmp.write_text(text)
+    print(text)
+    print(f"wrote the cells (ruler.METHOD.LENGTH.TASK.json) and ruler.md in {cli.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_command(main))
