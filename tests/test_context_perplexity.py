@@ -116,6 +116,15 @@ def test_cells_are_saved_once_and_skipped_on_a_rerun(model, tmp_path):
     assert Cells(tmp_path / "cells").results("ppl.") == saved
 
 
+def test_a_later_study_copies_another_methods_saved_forward(model, tmp_path):
+    tokens = books()
+    run_study(model, tmp_path, small_plan(methods=["none"]), tokens)
+    computed, _ = run_study(model, tmp_path, small_plan(methods=["rerope"]), tokens)
+    saved = Cells(tmp_path / "cells").results("ppl.rerope.")
+    assert computed == 4 + 2  # 2x and 4x: at 1x rerope is plain RoPE, read by the first study
+    assert saved["ppl.rerope.32.w3"]["same_forward_as"] == "ppl.none.32.w3"
+
+
 def test_a_saved_cell_of_other_tokens_is_refused(model, tmp_path):
     run_study(model, tmp_path, small_plan(methods=["none"]), books())
     with pytest.raises(UserError, match="give another --out"):

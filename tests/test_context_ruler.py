@@ -187,14 +187,17 @@ def test_cells_are_saved_shared_and_skipped_on_rerun(model, tokenizer, tmp_path,
         return answer_all(model, tokenizer, hay, room, stops)
 
     monkeypatch.setattr(ruler, "answer_all", counted)
-    ruler.run_study(model, tokenizer, CHATML, study_options(), cells)
+    methods = ["none", "yarn", "rerope"]
+    ruler.run_study(model, tokenizer, CHATML, study_options(methods=methods), cells)
     saved = cells.results("ruler.")
-    assert sorted(saved) == [
-        f"ruler.{m}.{n}.niah_single" for m in ("none", "yarn") for n in (200, 400)
-    ]
-    # At 200 tokens, within the context, YaRN is plain RoPE: the cell is none's, not rerun.
-    assert calls == [200, 400, 400]
-    assert saved["ruler.yarn.200.niah_single"]["copied_from"] == "ruler.none.200.niah_single"
+    keys = [f"ruler.{m}.{n}.niah_single" for m in methods for n in (200, 400)]
+    assert sorted(saved) == sorted(keys)
+    # At 200 tokens, within the context, YaRN and ReRoPE are plain RoPE: none's cell, not rerun.
+    assert calls == [200, 400, 400, 400]
+    for method in methods[1:]:
+        assert (
+            saved[f"ruler.{method}.200.niah_single"]["copied_from"] == "ruler.none.200.niah_single"
+        )
     for cell in saved.values():
         assert {"method", "length", "task", "questions", "correct", "score", "seconds"} <= set(cell)
         assert cell["questions"] == 3 and 0 <= cell["score"] <= 100

@@ -188,15 +188,18 @@ def read_cell(model, base, cell: Cell, tokens: np.ndarray, plan: Plan) -> dict:
     }
 
 
-def saved_forwards(cells: Cells, wanted: dict[str, dict]) -> dict[tuple, str]:
-    """{(length, window, forward identity): key} of the saved cells. UserError when one of
-    `wanted` (key: its reading) was saved by another study, on other tokens or another model."""
+def saved_forwards(cells: Cells, wanted: dict[str, dict], windows: dict[int, dict]) -> dict:
+    """{(length, window, forward identity): key} of the saved cells that read the tokens this
+    plan reads (`windows`: window index -> its reading), another method's cells included.
+    UserError when one of `wanted` (key: its reading) was saved by another study, on other tokens
+    or another model."""
     found = {}
     for key, result in cells.results("ppl.").items():
         expected = wanted.get(key)
-        if expected is None:  # Not a cell of this plan: it is neither checked nor copied.
-            continue
-        if any(result.get(name) != value for name, value in expected.items()):
+        same = expected or windows.get(result.get("window"))
+        if any(result.get(name) != value for name, value in (same or {"": 0}).items()):
+            if expected is None:  # Another study's cell: neither checked nor copied.
+                continue
             differs = {name: result.get(name) for name in expected}
             raise UserError(
                 f"{cells.path(key)} was read with {differs}, not {expected}; give another --out"
@@ -231,7 +234,8 @@ def study(
     cells, base, dtype = Cells(out / "cells"), model.args, model.output.weight.dtype
     every = plan_cells(plan, windows)
     wanted = {cell.key: reading(cell, plan, run, dtype) for cell in every}
-    forwards = saved_forwards(cells, wanted)
+    windows_read = {cell.window.index: wanted[cell.key] for cell in every}
+    forwards = saved_forwards(cells, wanted, windows_read)
     todo = [cell for cell in every if cells.done(cell.key) is None]
     machine = {"cpu": cpu_model(), "threads": torch.get_num_threads()}
     computed = 0
