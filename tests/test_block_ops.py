@@ -317,7 +317,7 @@ def test_an_import_keeps_its_tiles_and_a_second_load_reads_them_unchanged(
     args = argparse.Namespace(run=out, dtype="auto", quantize="q4_1")
     first, _, _ = load_to_sample(args, torch.device("cpu"))
     (tiles,) = imported_run(Path(out)).glob("tiles-q4_1-*.safetensors")
-    rounded = []
+    rounded, rounding = [], BlockLinear.__dict__["quantized"]
     monkeypatch.setattr(BlockLinear, "quantized", lambda *a: rounded.append(a))
     second, _, _ = load_to_sample(args, torch.device("cpu"))
     assert rounded == [] and tiles.is_file()
@@ -325,6 +325,11 @@ def test_an_import_keeps_its_tiles_and_a_second_load_reads_them_unchanged(
         assert torch.equal(a, b), name
     tokens = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(first(tokens), second(tokens))
+    size = tiles.stat().st_size
+    tiles.write_bytes(tiles.read_bytes()[:100])  # damaged: rounded again and replaced
+    monkeypatch.setattr(BlockLinear, "quantized", rounding)
+    third, _, _ = load_to_sample(args, torch.device("cpu"))
+    assert torch.equal(first(tokens), third(tokens)) and tiles.stat().st_size == size
     args = argparse.Namespace(run=str(run), dtype="auto", quantize="q4_1")
     load_to_sample(args, torch.device("cpu"))
     assert not list(Path(run).glob("tiles-*"))

@@ -127,7 +127,7 @@ def test_a_later_study_copies_another_methods_saved_forward(model, tmp_path):
 
 def test_a_saved_cell_of_other_tokens_is_refused(model, tmp_path):
     run_study(model, tmp_path, small_plan(methods=["none"]), books())
-    with pytest.raises(UserError, match="give another --out"):
+    with pytest.raises(UserError, match="or another --out"):
         run_study(model, tmp_path, small_plan(scored=4, methods=["none"]), books())
 
 

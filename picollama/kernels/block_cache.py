@@ -28,7 +28,10 @@ def quantize_kept(model: Transformer, mode: str, output: str | None, run: Path) 
     if not Path(run).resolve().is_relative_to(folder().resolve()):
         return quantize(model, mode, output)
     path = Path(run) / f"tiles-{mode}-{output or 'default'}.safetensors"
-    kept = read_tiles(path, model)
+    try:
+        kept = read_tiles(path, model)
+    except Exception:  # noqa: BLE001 - a damaged cache file: round again and replace it
+        kept = False
     model = quantize(model, mode, output)  # Rounds only the layers still nn.Linear.
     if not kept:
         save_tiles(path, model)

@@ -202,7 +202,9 @@ def saved_forwards(cells: Cells, wanted: dict[str, dict], windows: dict[int, dic
                 continue
             differs = {name: result.get(name) for name in expected}
             raise UserError(
-                f"{cells.path(key)} was read with {differs}, not {expected}; give another --out"
+                f"{cells.path(key)} was read with {differs}, not {expected}: the windows move "
+                "with the lengths asked, so give the --multiples or --lengths this folder was "
+                "made with (the default, 1,2,4,8, for a study spanning sessions), or another --out"
             )
         found[result["length"], result["window"], result["forward"]] = key
     return found
