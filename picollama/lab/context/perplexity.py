@@ -395,7 +395,8 @@ def main(argv: list[str]) -> int:
         return 0
     pyplot()  # Without matplotlib, fail now rather than after hours of cells.
     command = ["python", "-m", "picollama.lab.context.perplexity", *argv]
-    computed = study(model, str(run), plan, windows, books, args.out, command)
+    # The run by its folder's name: a relative and an absolute --run read as one model.
+    computed = study(model, Path(run).resolve().name, plan, windows, books, args.out, command)
     written = write_report(args.out)
     print(f"{computed} cells read; cells in {args.out / 'cells'}; report {', '.join(written)}")
     return 0
