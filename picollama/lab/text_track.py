@@ -146,9 +146,10 @@ def forward_key(args: ModelArgs, length: int) -> tuple:
     """A key for what a forward of `length` tokens computes, so equal forwards run once.
     It holds the model's args without the RoPE scaling's name, plus the exact frequencies and
     attention scale that scaling gives at this length. Every static scaling at factor 1 gives
-    plain RoPE. WINDOWED methods move the positions attention sees, not the frequencies.
-    So their key is the whole args, and their forwards are their own."""
-    if args.rope_scaling in WINDOWED:
+    plain RoPE, and so does a WINDOWED method at factor 1 (model.py does not call it). Past it,
+    they move the positions attention sees, not the frequencies. So their key is the whole args,
+    and their forwards are their own."""
+    if args.rope_scaling in WINDOWED and args.rope_factor > 1:
         return length, repr(args), None
     frequencies = None
     if uses_rope(args):

@@ -26,7 +26,7 @@ from picollama.cli import flags as cli
 from picollama.cli.command import Interrupted, run_command
 from picollama.cli.flags import comma_list, positive
 from picollama.components.length import length_dependent, stretched
-from picollama.components.registry import ROPE_SCALINGS, WINDOWED
+from picollama.components.registry import ROPE_SCALINGS
 from picollama.convert.main import imported_run
 from picollama.device import pick_device, pick_dtype
 from picollama.lab.bench.common import cpu_model
@@ -116,10 +116,7 @@ def plan_cells(plan: Plan, windows: list[Window]) -> list[Cell]:
 
 
 def forward_identity(args, length: int) -> str:
-    """A short hash of what a forward of `length` tokens computes (text_track.forward_key). A
-    windowed method at factor 1 attends as plain RoPE does, so it shares unscaled RoPE's."""
-    if args.rope_scaling in WINDOWED and args.rope_factor <= 1:
-        args = replace(args, rope_scaling="none")
+    """A short hash of what a forward of `length` tokens computes (text_track.forward_key)."""
     return hashlib.sha1(repr(forward_key(args, length)).encode()).hexdigest()[:16]
 
 

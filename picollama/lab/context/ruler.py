@@ -37,7 +37,7 @@ from picollama.cli.flags import (
 )
 from picollama.cli.outputs import atomic_output, check_writable
 from picollama.components.length import length_dependent, stretched
-from picollama.components.registry import ROPE_SCALINGS, WINDOWED
+from picollama.components.registry import ROPE_SCALINGS
 from picollama.convert.main import imported_run
 from picollama.device import pick_device, pick_dtype
 from picollama.lab.bench.common import cpu_model
@@ -149,8 +149,6 @@ def fingerprint(args, length: int, setup: dict) -> str:
     """What a cell computes: the forward (text_track.forward_key) and the setup. Methods that
     compute equal forwards at a length (all static scalings at factor 1, and the methods that
     attend in branches, which attend as plain RoPE there) share their cells."""
-    if args.rope_scaling in WINDOWED and args.rope_factor <= 1:
-        args = replace(args, rope_scaling="none")
     what = repr((forward_key(args, length), sorted(setup.items())))
     return hashlib.sha256(what.encode()).hexdigest()
 
