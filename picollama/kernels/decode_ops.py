@@ -1,7 +1,7 @@
-"""The Python side of decode_ops.cpp.
+"""The Python side of decode_ops.cpp and prefill_attention.cpp.
 
-It builds the C++ into torch.ops.picollama (decode_attention, int4_linear). It also names this
-CPU's vector ISA class (cpu_isa). Builds are cached per ISA class."""
+It builds the C++ into torch.ops.picollama (decode_attention, int4_linear, prefill_attention).
+It also names this CPU's vector ISA class (cpu_isa). Builds are cached per ISA class."""
 
 import functools
 import hashlib
@@ -26,14 +26,16 @@ ISA_FLAGS = (
 
 @functools.cache
 def decode_ops():
-    """torch.ops.picollama with decode_ops.cpp's decode_attention and int4_linear.
+    """torch.ops.picollama with decode_ops.cpp's decode_attention and int4_linear, and
+    prefill_attention.cpp's prefill_attention.
 
     The first call builds it (~11 s) into the project's cache, for this CPU and torch. Without a
     C++ compiler it warns and returns None. The compiled step then attends with SDPA."""
     from torch.utils.cpp_extension import load
 
-    path = Path(__file__).parent / "decode_ops.cpp"
-    source = path.read_text()
+    here = Path(__file__).parent
+    paths = [here / "decode_ops.cpp", here / "prefill_attention.cpp"]
+    source = "".join(path.read_text() for path in [*paths, here / "vectors.h"])
     key = hashlib.sha256(f"{source}|{cpu_isa()}|{torch.__version__}".encode()).hexdigest()[:16]
     folder = REPO_ROOT / ".cache" / "extensions" / key
     folder.mkdir(parents=True, exist_ok=True)
@@ -41,7 +43,7 @@ def decode_ops():
         with build_lock(folder):
             load(  # Not load_inline, which puts torch/extension.h first.
                 "picollama_decode_ops",
-                sources=[str(path)],
+                sources=[str(path) for path in paths],
                 is_python_module=False,
                 build_directory=str(folder),
                 # ATen's parallel_for is inlined here. Without -fopenmp it runs on one thread.
@@ -53,6 +55,7 @@ def decode_ops():
         return None
     torch.library.register_fake("picollama::decode_attention")(_attention_shape)
     torch.library.register_fake("picollama::int4_linear")(_int4_shape)
+    torch.library.register_fake("picollama::prefill_attention")(_prefill_shape)
     return torch.ops.picollama
 
 
@@ -74,6 +77,10 @@ def build_lock(folder: Path):
 
 
 def _attention_shape(q, k, v, length, k_scale=None, v_scale=None, lengths=None):
+    return q.new_empty(q.shape, dtype=torch.float32)
+
+
+def _prefill_shape(q, k, v, mask=None):
     return q.new_empty(q.shape, dtype=torch.float32)
 
 

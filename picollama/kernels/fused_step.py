@@ -183,12 +183,14 @@ class FusedBlock(nn.Module):
         return sdpa_attention(q.unsqueeze(2), keys, values, None, mask)
 
 
+CACHE_NAMES = ("k", "v", "k_scale", "v_scale")  # cache_tensors' order
+
+
 def cache_tensors(cache: KVCache) -> tuple:
     """What a step reads and writes of a layer's KV cache: keys and values, and an Int8KVCache's
     scales."""
-    if isinstance(cache, Int8KVCache):
-        return cache.k, cache.v, cache.k_scale, cache.v_scale
-    return cache.k, cache.v
+    names = CACHE_NAMES if isinstance(cache, Int8KVCache) else CACHE_NAMES[:2]
+    return tuple(getattr(cache, name) for name in names)
 
 
 class DecodeStep(nn.Module):

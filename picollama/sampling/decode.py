@@ -24,6 +24,7 @@ from picollama.cli.flags import SEEDS
 from picollama.components.length import length_dependent, length_problem, needs_scaling
 from picollama.components.registry import ROPE_SCALINGS
 from picollama.kernels.caches import SinkCache, Sinks, setup_cache
+from picollama.kernels.prefill import cpu_prefill_attention
 from picollama.sampling.prefixes import PrefixStore, keep_rows, reusable, reuse_rows
 from picollama.sampling.rows import Row, RowState, hand_over
 from picollama.sampling.sampler import Sampler, Sampling
@@ -54,9 +55,10 @@ def prefill(model: Transformer, tokens: torch.Tensor, pos: int, start: int = 0) 
     cache. Its positions before `start` hold a kept prefix (prefixes.py).
 
     The head runs on the last position alone. On every position it was a fifth of SmolLM2's
-    prefill.
+    prefill. On a CPU, attention runs through prefill_attention.cpp (kernels/prefill.py).
     """
-    return model.head(model.features(tokens[:, start:pos], start_pos=start)[:, -1])
+    with cpu_prefill_attention(tokens.device):
+        return model.head(model.features(tokens[:, start:pos], start_pos=start)[:, -1])
 
 
 def decode_one_token(decode, tokens: torch.Tensor, pos: int):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from picollama.kernels.caches import setup_cache
-from picollama.kernels.fused_step import DecodeStep, cache_tensors
+from picollama.kernels.fused_step import CACHE_NAMES, DecodeStep, cache_tensors
 from picollama.sampling.decode import prefill
 from picollama.sampling.prefixes import PrefixStore, load, model_caches, row_of
 from picollama.sampling.rows import Row, RowState, hand_over
@@ -84,19 +84,23 @@ class Slots:
         if row.sampling.max_new_tokens == 0:
             return on_done("length")
         self.fit(len(self.slots) + 1, slot.position + 1, slot.end)
-        setup_cache(self.model, 1, slot.position, self.step.kv_dtype)
+        self.prefill_into(len(self.slots))
         try:
             start = self.reuse(row.prompt)
             prompt = torch.tensor([row.prompt], device=self.device)
             logits = prefill(self.model, prompt, slot.position, start)
-            index = len(self.slots)
-            for cache, attention in zip(self.caches, self.step.attentions):
-                for tensor, prefilled in zip(cache, cache_tensors(attention.cache)):
-                    tensor[index, :, : slot.position] = prefilled[0, :, : slot.position]
         finally:
             self.model.reset_cache()
         self.slots.append(slot)
         self.choose(logits)
+
+    def prefill_into(self, index: int):
+        """The model's KV cache becomes row `index` of the slots' cache: a batch of one whose
+        tensors are views of that row. A prefill writes there, and nothing is copied after it."""
+        setup_cache(self.model, 1, 1, self.step.kv_dtype)
+        for attention, tensors in zip(self.step.attentions, self.caches):
+            for name, tensor in zip(CACHE_NAMES, tensors):
+                setattr(attention.cache, name, tensor[index : index + 1])
 
     def reuse(self, prompt: list[int]) -> int:
         """Copy into the model's cache the longest start of the prompt, but its last token, that
