@@ -1,6 +1,7 @@
 """Where and how training runs: the device, the dtype and a job's ranks. Also each GPU's peak
 FLOP/s, glibc's memory reuse, and the CPU threads that the machine's other work leaves free."""
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed.device_mesh import init_device_mesh
 
+import model
 from picollama.cli import UserError
 
 # Dense bf16 tensor-core peaks in TFLOP/s, by device-name substring. The first match wins.
@@ -164,6 +166,20 @@ def cpu_flags() -> set[str]:
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes bf16 natively, with AVX-512 BF16 or AMX. There bf16 beats fp32."""
     return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
+
+
+@contextlib.contextmanager
+def cpu_sdpa(device: torch.device, kernel):
+    """While it lasts, model.py's attention calls `kernel` in SDPA's place (model.SDPA_KERNEL),
+    on a CPU device only. Training and sampling's prefill each bring their own."""
+    if device.type != "cpu":
+        yield
+        return
+    kept, model.SDPA_KERNEL = model.SDPA_KERNEL, kernel
+    try:
+        yield
+    finally:
+        model.SDPA_KERNEL = kept
 
 
 def keep_freed_memory():

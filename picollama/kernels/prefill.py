@@ -7,12 +7,10 @@ prefill lasts, prefill_sdpa takes SDPA's place (model.SDPA_KERNEL). It hands SDP
 kernel does not cover: another device or dtype, gradients, a float or per-head mask.
 """
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 
-import model
+from picollama.device import cpu_sdpa
 from picollama.kernels.decode_ops import decode_ops
 
 HEAD_DIMS = (32, 64, 96, 128)  # the kernel's tiles
@@ -69,14 +67,6 @@ def per_head_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(3) == 1 and t.stride(2) == t.shape[3] else t.contiguous()
 
 
-@contextmanager
 def cpu_prefill_attention(device: torch.device):
     """While it lasts, the model's attention on a CPU device is prefill_sdpa."""
-    if device.type != "cpu":
-        yield
-        return
-    kernel, model.SDPA_KERNEL = model.SDPA_KERNEL, prefill_sdpa
-    try:
-        yield
-    finally:
-        model.SDPA_KERNEL = kernel
+    return cpu_sdpa(device, prefill_sdpa)

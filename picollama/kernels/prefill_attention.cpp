@@ -7,9 +7,9 @@
 //   mask: bool (B or 1, T, S), true where a query sees a key. None: causal from the end, so
 //   query t sees keys 0 .. S - T + t (a chunk after S - T cached positions; S = T is SDPA's
 //   is_causal). A query that sees no key gives zeros, as SDPA does.
-// Why not SDPA: its CPU flash kernel multiplies through MKL, which on AMD CPUs runs at half the
-// speed of these tiles. A chunk of 156 queries after 1,409 kept positions (SmolLM2-135M) took
-// 6.9 ms a layer through it on one Zen 5 core (docs/performance.md).
+// Why not SDPA: its CPU flash kernel multiplies through MKL, which on AMD CPUs runs at less than
+// half the speed of these tiles. A chunk of 156 queries after 1,409 kept positions (SmolLM2-135M)
+// took 3.7 ms a layer through it on two Zen 5 cores, and 1.5 ms here (docs/serving.md).
 // How: each KV head's keys are transposed once, so a score tile holds ROWS queries by 2 vectors
 // of keys, added up in fp32 registers over the head dimension. A tile of rows keeps its scores
 // (ROWS x S floats) for an exact two-pass softmax. Values are then read row by row, for several
@@ -38,7 +38,7 @@ constexpr int ROWS = W == 16 ? 12 : 4;  // query rows of a score tile: 24 accumu
 constexpr int KEYS = 2 * W;            // keys of a score tile
 
 struct Tile {  // up to ROWS query rows of one KV head
-  const float* q[ROWS];      // pre-scaled; rows past n repeat row 0
+  const float* q[ROWS];      // pre-scaled; rows past n repeat the last
   float* out[ROWS];          // null past n
   const bool* mask[ROWS];    // the row's mask over keys, or null
   int64_t limit[ROWS];       // the row sees no key from here on
@@ -46,8 +46,8 @@ struct Tile {  // up to ROWS query rows of one KV head
 };
 
 // Scores of the tile's rows against keys [j, j + KEYS): kt holds them transposed, (D, KEYS).
-// Sums run over 16 dimensions at a time in registers, then add up in s. That halves the rounding
-// of one 64-long chain, to about MKL's.
+// Sums run over 32 dimensions at a time in registers, then add up in s: shorter chains round
+// less (one 64-long chain erred 1.9x as much at head_dim 64).
 inline void score(const Tile& tile, const float* kt, int64_t j, int D, float* s, int64_t ls) {
   for (int d0 = 0; d0 < D; d0 += 32) {
     vf acc[ROWS][2] = {};
@@ -136,6 +136,7 @@ inline void weigh(const float* p, int64_t ls, const float* v, int64_t end, float
 template <int C>
 void attend_tile(const Tile& tile, const float* kt, const float* v, float* s, int64_t ls) {
   constexpr int P = std::max(1, (W == 16 ? 24 : 8) / C);  // rows a pass over the values
+  static_assert(ROWS % P == 0, "passes over the values cover the tile's rows");
   const int64_t end = *std::max_element(tile.limit, tile.limit + tile.n);
   for (int64_t j = 0; j < end; j += KEYS) score(tile, kt + j * C * W, j, C * W, s, ls);
   float inverse[ROWS];
