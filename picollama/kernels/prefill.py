@@ -1,8 +1,8 @@
 """Sampling's prefill attends through prefill_attention.cpp on a CPU.
 
-PyTorch's CPU flash kernel multiplies through MKL, which runs at half speed on AMD CPUs. A
-turn's new tokens after a kept conversation (156 queries over 1,565 keys, SmolLM2-135M) took
-3.8 ms a layer through SDPA and 1.6 through prefill_attention on two Zen 5 cores. While a
+PyTorch's CPU flash kernel multiplies through MKL, which is slow on AMD CPUs. A turn's new
+tokens after a kept conversation (156 queries over 1,565 keys, SmolLM2-135M) took 3.7 ms a layer
+through SDPA and 1.5 through prefill_attention on two Zen 5 cores. While a
 prefill lasts, prefill_sdpa takes SDPA's place (model.SDPA_KERNEL). It hands SDPA every case the
 kernel does not cover: another device or dtype, gradients, a float or per-head mask.
 """
