@@ -29,10 +29,9 @@ def decode_ops():
     """torch.ops.picollama with decode_ops.cpp's decode_attention and int4_linear, and
     prefill_attention.cpp's prefill_attention.
 
-    The first call builds it (~11 s) into the project's cache, for this CPU and torch. Without a
-    C++ compiler it warns and returns None. The compiled step then attends with SDPA."""
-    from torch.utils.cpp_extension import load
-
+    The first call builds it (~16 s) into the project's cache, for this CPU and torch. Later
+    processes load the built library as it is (1 ms, where torch's build check took 0.15 s).
+    Without a C++ compiler it warns and returns None. Attention then goes through SDPA."""
     here = Path(__file__).parent
     paths = [here / "decode_ops.cpp", here / "prefill_attention.cpp"]
     source = "".join(path.read_text() for path in [*paths, here / "vectors.h"])
@@ -41,6 +40,11 @@ def decode_ops():
     folder.mkdir(parents=True, exist_ok=True)
     try:
         with build_lock(folder):
+            built = folder / "picollama_decode_ops.so"
+            if built.exists() and loaded(built):
+                return registered()
+            from torch.utils.cpp_extension import load
+
             load(  # Not load_inline, which puts torch/extension.h first.
                 "picollama_decode_ops",
                 sources=[str(path) for path in paths],
@@ -53,6 +57,20 @@ def decode_ops():
     except Exception as e:  # No compiler, or a failing one. SDPA still works.
         warnings.warn(f"decode_ops.cpp not built ({e}); attending with SDPA", stacklevel=2)
         return None
+    return registered()
+
+
+def loaded(library: Path) -> bool:
+    """Whether a library built before loads. One a killed build left unfinished does not."""
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
+def registered():
+    """torch.ops.picollama, its ops' output shapes told to the compiler."""
     torch.library.register_fake("picollama::decode_attention")(_attention_shape)
     torch.library.register_fake("picollama::int4_linear")(_int4_shape)
     torch.library.register_fake("picollama::prefill_attention")(_prefill_shape)
