@@ -5,12 +5,14 @@ error line before any server starts."""
 import json
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
 from picollama.cli.command import run_command
-from picollama.lab.bench import common
-from picollama.lab.bench.serve import parse_args
+from picollama.lab.bench import common, serve_load
+from picollama.lab.bench.serve import PROMPTS, parse_args
+from picollama.lab.bench.serve_load import Sample, TurnText, conversation
 
 SMOLLM2 = os.environ.get("PICOLLAMA_SMOLLM2_GGUF")
 
@@ -70,3 +72,25 @@ def test_smoke_output_defaults_to_a_temporary_file(tmp_path, monkeypatch):
     smoke = parse_args(["--smoke", *given])
     assert smoke.temporary_out and smoke.out.parent.parent == tmp_path
     assert (smoke.clients, smoke.requests, smoke.max_tokens) == ([1], 1, 4)
+
+
+@pytest.mark.skipif(not SMOLLM2, reason="set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file")
+def test_a_conversation_grows_by_the_same_tokens_however_its_answers_end(monkeypatch):
+    """--turns: each message is about the tokens asked, ends asking for a long answer, and is
+    longer by what the answer before fell short of max_tokens."""
+    texts = TurnText(Path(SMOLLM2), " ".join(PROMPTS), 30)
+    sent, answers = [], iter([(64, "length"), (4, "stop"), (64, "length")])
+
+    def answer(server, bodies):
+        (body,) = bodies[0]
+        sent.append(body["messages"][-1]["content"])
+        tokens, finish = next(answers)
+        return [Sample(0.0, 0.1, 0.2, "Fine.", finish, tokens)], 0.2
+
+    monkeypatch.setattr(serve_load, "run_clients", answer)
+    conversation(None, texts, 3, {"max_tokens": 64})
+    lengths = [len(texts.tokenizer.encode(text)) for text in sent]
+    assert all(text.endswith(TurnText.ASK_LONG) for text in sent)
+    assert abs(lengths[0] - 30) <= 2 and abs(lengths[1] - 30) <= 2
+    assert abs(lengths[2] - (30 + 60)) <= 2
+    assert texts.restart().next(30) == sent[0]

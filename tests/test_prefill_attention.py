@@ -1,18 +1,27 @@
 """prefill_attention.cpp and kernels/prefill.py: a prefill's attention on a CPU is PyTorch's SDPA,
 and every case the kernel does not cover goes to SDPA itself."""
 
+import copy
+import json
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import model
 from model import ModelArgs, Transformer
+from picollama.cli.command import run_command
+from picollama.device import cpu_flags
 from picollama.kernels.caches import setup_cache
 from picollama.kernels.decode_ops import decode_ops
-from picollama.kernels.prefill import cpu_prefill_attention, prefill_sdpa
+from picollama.kernels.prefill import bf16_products, cpu_prefill_attention, prefill_sdpa
+from picollama.kernels.quantize import quantize
+from picollama.lab.measure import prefill_products as products
 from picollama.sampling.decode import prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+SMOLLM2 = os.environ.get("PICOLLAMA_SMOLLM2_GGUF")
 
 
 @pytest.fixture(scope="module")
@@ -98,21 +107,66 @@ def test_prefill_sdpa_leaves_what_the_kernel_does_not_cover_to_sdpa(ops, case):
     assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal))
 
 
+def small_model() -> Transformer:
+    torch.manual_seed(0)
+    args = ModelArgs(dim=128, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=97, max_seq_len=64)
+    return Transformer(args).eval()
+
+
 def test_the_swap_lasts_the_prefill_and_only_on_a_cpu():
-    kernel = model.SDPA_KERNEL
-    with cpu_prefill_attention(torch.device("cpu")):
-        assert model.SDPA_KERNEL is prefill_sdpa
+    kernel, net = model.SDPA_KERNEL, small_model()
+    with cpu_prefill_attention(net):
+        assert model.SDPA_KERNEL.func is prefill_sdpa
     assert model.SDPA_KERNEL is kernel
-    with cpu_prefill_attention(torch.device("meta")):
+    with cpu_prefill_attention(net.to("meta")):
         assert model.SDPA_KERNEL is kernel
+
+
+def test_bf16_products_where_the_model_rounds_its_products_inputs_already():
+    """A bf16 model's inputs are bf16 already. A block-format model rounds its products' inputs
+    to int8. A float32 model keeps fp32 products."""
+    net = small_model()
+    assert not bf16_products(net)
+    assert bf16_products(copy.deepcopy(net).to(torch.bfloat16))
+    assert bf16_products(quantize(copy.deepcopy(net), "q4_1"))
+
+
+BF16_BUILT = "avx512_bf16" in cpu_flags()  # -march=native builds vdpbf16ps here
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("length, keys", [(7, 7), (5, 41), (1, 17), (30, 33)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_products_are_sdpa_on_bf16_inputs(ops, heads, kv_heads, head_dim, length, keys, dtype):
+    """bf16 products: the float64 SDPA of the scaled queries, keys and values rounded to bf16,
+    within 2^-8 of the largest output (the probabilities are rounded too). An odd key count
+    pads the last pair with a zero. Without AVX512-BF16 the kernel keeps fp32 products."""
+    q, k, v = qkv(2, heads, kv_heads, length, keys, head_dim, dtype)
+    got = ops.prefill_attention(q, k, v, None, True)
+    if not BF16_BUILT:
+        assert torch.equal(got, ops.prefill_attention(q, k, v, None))
+        return
+    scale = head_dim**-0.5
+    queries = (q.float() * scale).bfloat16().double() / scale
+    expected = sdpa(queries, k.bfloat16(), v.bfloat16(), chunk_mask(length, keys))
+    assert (got.double() - expected).abs().max() <= 2**-8 * expected.abs().max()
+
+
+def test_bf16_products_take_a_mask_with_rows_that_see_nothing(ops):
+    q, k, v = qkv(2, 6, 2, 9, 37, 64)
+    mask = torch.rand(2, 9, 37, generator=torch.Generator().manual_seed(1)) > 0.4
+    mask[:, 3] = False
+    got = ops.prefill_attention(q, k, v, mask, True)
+    assert not got[:, :, 3].any()
+    expected = sdpa(q.mul(0.125).bfloat16().double() * 8, k.bfloat16(), v.bfloat16(), mask[:, None])
+    assert (got.double() - expected).abs().max() <= 2**-8 * expected.abs().max()
 
 
 def test_a_prefill_after_cached_tokens_gives_the_models_logits(ops):
     """sampling's prefill, through the kernel, in two chunks: the logits of the model's plain
     forward over every token."""
-    torch.manual_seed(0)
-    args = ModelArgs(dim=128, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=97, max_seq_len=64)
-    net = Transformer(args).eval()
+    net = small_model()
     tokens = torch.randint(0, 97, (1, 40))
     with torch.inference_mode():
         expected = net(tokens)[:, -1]
@@ -120,3 +174,16 @@ def test_a_prefill_after_cached_tokens_gives_the_models_logits(ops):
         prefill(net, tokens, 25)
         got = prefill(net, tokens, 40, 25)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not SMOLLM2, reason="set PICOLLAMA_SMOLLM2_GGUF to SmolLM2-135M's GGUF file")
+def test_the_products_measure_reads_a_block_format_file_each_way(tmp_path, llama_cpp):
+    """lab/measure/prefill_products.py: each way's perplexity near fp32 products', and its
+    logits' argmax mostly llama.cpp's."""
+    out = tmp_path / "products.json"
+    assert run_command(products.main, ["--smoke", "--run", SMOLLM2, "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == [*products.WAYS, products.DEQUANTIZED]
+    assert results["fp32 products"]["perplexity_over_fp32"] == 1.0
+    for way in results.values():
+        assert 0.95 < way["perplexity_over_fp32"] < 1.05 and way["top1_agree"] > 0.8

@@ -98,7 +98,7 @@ def _attention_shape(q, k, v, length, k_scale=None, v_scale=None, lengths=None):
     return q.new_empty(q.shape, dtype=torch.float32)
 
 
-def _prefill_shape(q, k, v, mask=None):
+def _prefill_shape(q, k, v, mask=None, bf16=False):
     return q.new_empty(q.shape, dtype=torch.float32)
 
 

@@ -1,15 +1,17 @@
 // A prompt's chunk of queries attending over the KV cache, for sampling's prefill on a CPU.
 // decode_ops.py builds it with decode_ops.cpp. prefill.py puts it in SDPA's place.
 //
-// prefill_attention(q, k, v, mask) -> (B, H, T, D) float32, as F.scaled_dot_product_attention
-// with its default scale 1/sqrt(D):
+// prefill_attention(q, k, v, mask, bf16) -> (B, H, T, D) float32, as
+// F.scaled_dot_product_attention with its default scale 1/sqrt(D):
 //   q (B, H, T, D); k, v (B, KV, S, D), H a multiple of KV; float32 or bfloat16.
 //   mask: bool (B or 1, T, S), true where a query sees a key. None: causal from the end, so
 //   query t sees keys 0 .. S - T + t (a chunk after S - T cached positions; S = T is SDPA's
 //   is_causal). A query that sees no key gives zeros, as SDPA does.
+//   bf16: products take bf16 inputs, where the build has AVX512-BF16 (else fp32's, as without).
 // Why not SDPA: its CPU flash kernel multiplies through MKL, which on AMD CPUs runs at less than
 // half the speed of these tiles. A chunk of 156 queries after 1,409 kept positions (SmolLM2-135M)
-// took 3.7 ms a layer through it on two Zen 5 cores, and 1.5 ms here (docs/serving.md).
+// took 3.7 ms a layer through it on two Zen 5 cores, 1.5 ms here and 1.0 with bf16 products
+// (docs/serving.md).
 // How: each KV head's keys are transposed once, so a score tile holds ROWS queries by 2 vectors
 // of keys, added up in fp32 registers over the head dimension. A tile of rows keeps its scores
 // (ROWS x S floats) for an exact two-pass softmax. Values are then read row by row, for several
@@ -37,26 +39,59 @@ using namespace picollama_vectors;
 constexpr int ROWS = W == 16 ? 12 : 4;  // query rows of a score tile: 24 accumulators
 constexpr int KEYS = 2 * W;            // keys of a score tile
 
+template <typename Q>
 struct Tile {  // up to ROWS query rows of one KV head
-  const float* q[ROWS];      // pre-scaled; rows past n repeat the last
+  const Q* q[ROWS];          // pre-scaled; rows past n repeat the last
   float* out[ROWS];          // null past n
   const bool* mask[ROWS];    // the row's mask over keys, or null
   int64_t limit[ROWS];       // the row sees no key from here on
   int n;
 };
 
-// Scores of the tile's rows against keys [j, j + KEYS): kt holds them transposed, (D, KEYS).
+// Products as the kernel takes them. Q is float, or with bf16 products a pair: two bf16 in 32
+// bits, the even element low, so that vdpbf16ps adds both products at once (twice fp32's rate).
+// Each bf16 product is exact in fp32, and every sum is fp32's.
+template <typename Q>
+constexpr int PER = std::is_same_v<Q, float> ? 1 : 2;  // elements in a Q
+
+using picollama_vectors::load;
+
+inline vf load(const uint32_t* p) {  // a vector of pairs, as the bits of a vf
+  vf r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
+inline vf madd(vf acc, float x, vf y) { return acc + x * y; }
+
+#ifdef __AVX512BF16__
+inline vf madd(vf acc, uint32_t x, vf y) {
+  const __m512bh xs = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x)));
+  return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), xs,
+                                               reinterpret_cast<__m512bh>(y)));
+}
+#endif
+
+inline uint32_t pair_of(float even, float odd) {  // each rounded to nearest even
+  return c10::BFloat16(even).x | static_cast<uint32_t>(c10::BFloat16(odd).x) << 16;
+}
+
+// Scores of the tile's rows against keys [j, j + KEYS): kt holds them transposed, (D / PER, KEYS).
 // Sums run over 32 dimensions at a time in registers, then add up in s: shorter chains round
 // less (one 64-long chain erred 1.9x as much at head_dim 64).
-inline void score(const Tile& tile, const float* kt, int64_t j, int D, float* s, int64_t ls) {
-  for (int d0 = 0; d0 < D; d0 += 32) {
+// Not inlined: GCC 12 then keeps the sums in registers. Inlined, it stored them every step.
+template <typename Q>
+__attribute__((noinline)) void score(const Tile<Q>& tile, const Q* kt, int64_t j, int D, float* s,
+                                     int64_t ls) {
+  constexpr int CHAIN = 32 / PER<Q>;
+  for (int d0 = 0; d0 < D / PER<Q>; d0 += CHAIN) {
     vf acc[ROWS][2] = {};
-    for (int d = d0; d < d0 + 32; d++) {
+    for (int d = d0; d < d0 + CHAIN; d++) {
       const vf k0 = load(kt + d * KEYS), k1 = load(kt + d * KEYS + W);
       for (int r = 0; r < ROWS; r++) {
-        const float x = tile.q[r][d];
-        acc[r][0] += x * k0;
-        acc[r][1] += x * k1;
+        const Q x = tile.q[r][d];
+        acc[r][0] = madd(acc[r][0], x, k0);
+        acc[r][1] = madd(acc[r][1], x, k1);
       }
     }
     for (int r = 0; r < tile.n; r++) {
@@ -114,17 +149,32 @@ inline float softmax(float* s, int64_t limit, int64_t end, const bool* mask) {
   return 1.0f / sum;
 }
 
-// Outputs of P rows: probabilities p (P rows of ls) times values v (end rows of C·W), scaled.
-template <int C, int P>
-inline void weigh(const float* p, int64_t ls, const float* v, int64_t end, float* const* out,
-                  const float* inverse, int n) {
+// Row p[0, end) of probabilities as bf16 pairs in out, a zero after an odd end.
+inline void pair_up(const float* p, int64_t end, uint32_t* out) {
+  int64_t j = 0;
+#ifdef __AVX512BF16__
+  for (; j + 2 * W <= end; j += 2 * W) {
+    const __m512bh h = _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(load(p + j + W)),
+                                           reinterpret_cast<__m512>(load(p + j)));
+    std::memcpy(out + j / 2, &h, sizeof h);
+  }
+#endif
+  for (; j < end; j += 2) out[j / 2] = pair_of(p[j], j + 1 < end ? p[j + 1] : 0.0f);
+}
+
+// Outputs of P rows: probabilities p (P rows of lp) times values v (steps rows of C·W), scaled.
+// A step is a key, or with bf16 products a pair of keys.
+// Not inlined, as score().
+template <int C, int P, typename Q>
+__attribute__((noinline)) void weigh(const Q* p, int64_t lp, const Q* v, int64_t steps,
+                                     float* const* out, const float* inverse, int n) {
   vf o[P][C] = {};
-  for (int64_t j = 0; j < end; j++) {
+  for (int64_t j = 0; j < steps; j++) {
     vf row[C];
     for (int c = 0; c < C; c++) row[c] = load(v + j * C * W + c * W);
     for (int r = 0; r < P; r++) {
-      const float w = p[r * ls + j];
-      for (int c = 0; c < C; c++) o[r][c] += w * row[c];
+      const Q w = p[r * lp + j];
+      for (int c = 0; c < C; c++) o[r][c] = madd(o[r][c], w, row[c]);
     }
   }
   for (int r = 0; r < n; r++) {
@@ -133,41 +183,67 @@ inline void weigh(const float* p, int64_t ls, const float* v, int64_t end, float
   }
 }
 
-template <int C>
-void attend_tile(const Tile& tile, const float* kt, const float* v, float* s, int64_t ls) {
+// p: the tile's probabilities as bf16 pairs (ROWS x ls / 2), with bf16 products.
+template <int C, typename Q>
+void attend_tile(const Tile<Q>& tile, const Q* kt, const Q* v, float* s, uint32_t* p,
+                 int64_t ls) {
   constexpr int P = std::max(1, (W == 16 ? 24 : 8) / C);  // rows a pass over the values
   static_assert(ROWS % P == 0, "passes over the values cover the tile's rows");
   const int64_t end = *std::max_element(tile.limit, tile.limit + tile.n);
-  for (int64_t j = 0; j < end; j += KEYS) score(tile, kt + j * C * W, j, C * W, s, ls);
+  for (int64_t j = 0; j < end; j += KEYS) score(tile, kt + j * C * W / PER<Q>, j, C * W, s, ls);
   float inverse[ROWS];
   for (int r = 0; r < tile.n; r++) {
     inverse[r] = softmax(s + r * ls, tile.limit[r], end, tile.mask[r]);
+    if constexpr (PER<Q> == 2) pair_up(s + r * ls, end, p + r * ls / 2);
   }
   for (int r = 0; r < tile.n; r += P) {
-    weigh<C, P>(s + r * ls, ls, v, end, tile.out + r, inverse + r, std::min(P, tile.n - r));
+    const int n = std::min(P, tile.n - r);
+    if constexpr (PER<Q> == 2) {
+      weigh<C, P>(p + r * ls / 2, ls / 2, v, (end + 1) / 2, tile.out + r, inverse + r, n);
+    } else {
+      weigh<C, P>(s + r * ls, ls, v, end, tile.out + r, inverse + r, n);
+    }
   }
 }
 
-// One (batch row, KV head)'s keys as float32, each score tile's transposed: (ld / KEYS, D, KEYS),
-// ld being S rounded up to whole tiles, the padding zeros. Its values as float32 (S, D), in vf32
-// where they are bfloat16. Returns the values.
-template <typename T>
-const float* widen(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, int64_t ld,
-                   float* kt, float* vf32) {
-  const int64_t S = k.size(2), D = k.size(3);
+// Element d of a key or query, as Q: a float, or elements 2d and 2d + 1 as a bf16 pair.
+template <typename Q, typename T>
+inline Q element(const T* x, int64_t d) {
+  if constexpr (PER<Q> == 1) {
+    return static_cast<float>(x[d]);
+  } else {
+    return pair_of(static_cast<float>(x[2 * d]), static_cast<float>(x[2 * d + 1]));
+  }
+}
+
+// One (batch row, KV head)'s keys, each score tile's transposed: (ld / KEYS, D / PER, KEYS) of
+// Q, ld being S rounded up to whole tiles, the padding zeros. Its values in vq: (S, D) floats,
+// or (S / 2 rounded up, D) pairs of keys, the last one's second zero for an odd S. Values that
+// are float32 already are read in place. Returns the values.
+template <typename Q, typename T>
+const Q* widen(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, int64_t ld, Q* kt,
+               Q* vq) {
+  const int64_t S = k.size(2), D = k.size(3), E = D / PER<Q>;
   const T* kp = k.const_data_ptr<T>() + b * k.stride(0) + h * k.stride(1);
   const T* vp = v.const_data_ptr<T>() + b * v.stride(0) + h * v.stride(1);
-  std::fill(kt + S / KEYS * KEYS * D, kt + ld * D, 0.0f);
+  std::fill(kt + S / KEYS * KEYS * E, kt + ld * E, Q{});
   for (int64_t j = 0; j < S; j++) {
-    float* column = kt + j / KEYS * KEYS * D + j % KEYS;
-    for (int64_t d = 0; d < D; d++) column[d * KEYS] = static_cast<float>(kp[j * D + d]);
+    Q* column = kt + j / KEYS * KEYS * E + j % KEYS;
+    for (int64_t d = 0; d < E; d++) column[d * KEYS] = element<Q>(kp + j * D, d);
   }
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, Q>) {
     return vp;
+  } else if constexpr (PER<Q> == 1) {
+    for (int64_t j = 0; j < S * D; j++) vq[j] = static_cast<float>(vp[j]);
   } else {
-    for (int64_t j = 0; j < S * D; j++) vf32[j] = static_cast<float>(vp[j]);
-    return vf32;
+    for (int64_t j = 0; j < S; j += 2) {
+      for (int64_t d = 0; d < D; d++) {
+        const float next = j + 1 < S ? static_cast<float>(vp[(j + 1) * D + d]) : 0.0f;
+        vq[j / 2 * D + d] = pair_of(static_cast<float>(vp[j * D + d]), next);
+      }
+    }
   }
+  return vq;
 }
 
 struct Limit {
@@ -193,22 +269,23 @@ std::vector<Limit> row_limits(const bool* mask, int64_t rows, int64_t T, int64_t
   return limits;
 }
 
-template <int C>
+template <int C, typename Q>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const bool* mask, int64_t mask_batch) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), KV = k.size(1), S = k.size(2);
-  constexpr int D = C * W;
-  const int64_t G = H / KV, ld = (S + KEYS - 1) / KEYS * KEYS;
-  const at::Tensor qs = q.to(at::kFloat).mul(1.0 / std::sqrt(double(D))).contiguous();
+  constexpr int D = C * W, E = D / PER<Q>;  // E: a key's elements of Q
+  const int64_t G = H / KV, ld = (S + KEYS - 1) / KEYS * KEYS, SV = (S + PER<Q> - 1) / PER<Q>;
+  const auto dtype = PER<Q> == 1 ? at::kFloat : at::kBFloat16;
+  const at::Tensor qs = q.to(at::kFloat).mul(1.0 / std::sqrt(double(D))).to(dtype).contiguous();
   at::Tensor out = at::empty({B, H, T, D}, q.options().dtype(at::kFloat));
   const bool wide = k.scalar_type() == at::kFloat;
-  std::vector<float> kt(B * KV * D * ld), vals(wide ? 0 : B * KV * S * D);
-  std::vector<const float*> values(B * KV);
+  std::vector<Q> kt(B * KV * E * ld), vals(wide && PER<Q> == 1 ? 0 : B * KV * SV * D);
+  std::vector<const Q*> values(B * KV);
   at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; i++) {
-      float *kti = &kt[i * D * ld], *vi = wide ? nullptr : &vals[i * S * D];
-      values[i] = wide ? widen<float>(k, v, i / KV, i % KV, ld, kti, vi)
-                       : widen<c10::BFloat16>(k, v, i / KV, i % KV, ld, kti, vi);
+      Q *kti = &kt[i * E * ld], *vi = vals.empty() ? nullptr : &vals[i * SV * D];
+      values[i] = wide ? widen<Q, float>(k, v, i / KV, i % KV, ld, kti, vi)
+                       : widen<Q, c10::BFloat16>(k, v, i / KV, i % KV, ld, kti, vi);
     }
   });
   const std::vector<Limit> limits = row_limits(mask, std::max<int64_t>(mask_batch, 1), T, S);
@@ -216,33 +293,47 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   // side by side. Tasks alternate from both ends, so each thread's range mixes short causal
   // rows with long ones.
   const int64_t rows = T * G, tiles = (rows + ROWS - 1) / ROWS;
-  const float* qp = qs.const_data_ptr<float>();
+  const Q* qp = reinterpret_cast<const Q*>(qs.const_data_ptr());
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * KV * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(ROWS * ld);
+    std::vector<uint32_t> p(PER<Q> == 2 ? ROWS * ld / 2 : 0);
     for (int64_t task = begin; task < end; task++) {
       const int64_t head = task / tiles, i = task % tiles;
       const int64_t b = head / KV, h = head % KV;
       const int64_t first = (i % 2 ? tiles - 1 - i / 2 : i / 2) * ROWS;
-      Tile tile;
+      Tile<Q> tile;
       tile.n = int(std::min<int64_t>(ROWS, rows - first));
       for (int r = 0; r < ROWS; r++) {
         const int64_t row = first + std::min(r, tile.n - 1), t = row / G;
         const int64_t offset = ((b * H + h * G + row % G) * T + t) * D;
-        tile.q[r] = qp + offset;
+        tile.q[r] = qp + offset / PER<Q>;
         tile.out[r] = r < tile.n ? op + offset : nullptr;
         const Limit& seen = limits[(mask_batch > 1 ? b : 0) * T + t];
         tile.mask[r] = seen.masked ? mask + ((mask_batch > 1 ? b : 0) * T + t) * S : nullptr;
         tile.limit[r] = seen.limit;
       }
-      attend_tile<C>(tile, &kt[head * D * ld], values[head], s.data(), ld);
+      attend_tile<C>(tile, &kt[head * E * ld], values[head], s.data(), p.data(), ld);
     }
   });
   return out;
 }
 
+template <typename Q>
+at::Tensor by_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const bool* mask, int64_t mask_batch) {
+  constexpr int U = 16 / W;  // Vectors per 16 floats.
+  switch (q.size(3) / 16 * (q.size(3) % 16 == 0)) {
+    case 2: return attend<2 * U, Q>(q, k, v, mask, mask_batch);
+    case 4: return attend<4 * U, Q>(q, k, v, mask, mask_batch);
+    case 6: return attend<6 * U, Q>(q, k, v, mask, mask_batch);
+    case 8: return attend<8 * U, Q>(q, k, v, mask, mask_batch);
+    default: TORCH_CHECK(false, "prefill_attention: head_dim must be 32, 64, 96 or 128");
+  }
+}
+
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const std::optional<at::Tensor>& mask) {
+                             const std::optional<at::Tensor>& mask, bool bf16) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes(), "prefill_attention: shapes");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
                   (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
@@ -264,20 +355,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
     m = own.const_data_ptr<bool>();
     mask_batch = own.size(0);
   }
-  constexpr int U = 16 / W;  // Vectors per 16 floats.
-  switch (q.size(3) / 16 * (q.size(3) % 16 == 0)) {
-    case 2: return attend<2 * U>(q, k, v, m, mask_batch);
-    case 4: return attend<4 * U>(q, k, v, m, mask_batch);
-    case 6: return attend<6 * U>(q, k, v, m, mask_batch);
-    case 8: return attend<8 * U>(q, k, v, m, mask_batch);
-    default: TORCH_CHECK(false, "prefill_attention: head_dim must be 32, 64, 96 or 128");
-  }
+#ifdef __AVX512BF16__
+  if (bf16) return by_head_dim<uint32_t>(q, k, v, m, mask_batch);
+#endif
+  return by_head_dim<float>(q, k, v, m, mask_batch);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(picollama, m) {
-  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None) -> Tensor");
+  m.def(
+      "prefill_attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None, bool bf16=False) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(picollama, CPU, m) { m.impl("prefill_attention", prefill_attention); }

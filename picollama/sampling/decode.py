@@ -57,7 +57,7 @@ def prefill(model: Transformer, tokens: torch.Tensor, pos: int, start: int = 0) 
     The head runs on the last position alone. On every position it was a fifth of SmolLM2's
     prefill. On a CPU, attention runs through prefill_attention.cpp (kernels/prefill.py).
     """
-    with cpu_prefill_attention(tokens.device):
+    with cpu_prefill_attention(model):
         return model.head(model.features(tokens[:, start:pos], start_pos=start)[:, -1])
 
 

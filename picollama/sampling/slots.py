@@ -15,7 +15,7 @@ import torch
 from picollama.kernels.caches import setup_cache
 from picollama.kernels.fused_step import CACHE_NAMES, DecodeStep, cache_tensors
 from picollama.sampling.decode import prefill
-from picollama.sampling.prefixes import PrefixStore, load, model_caches, row_of
+from picollama.sampling.prefixes import PrefixStore, common_length, load, model_caches, row_of
 from picollama.sampling.rows import Row, RowState, hand_over
 from picollama.sampling.sampler import Sampler
 
@@ -67,6 +67,7 @@ class Slots:
         self.prefixes: PrefixStore | None = prefixes
         self.slots: list[Slot] = []
         self.caches: list[tuple] = []  # each layer's cache_tensors
+        self.held: dict[int, torch.Tensor] = {}  # a free cache row -> the ids its positions hold
 
     @property
     def rows(self) -> list[Row]:
@@ -104,16 +105,23 @@ class Slots:
 
     def reuse(self, prompt: list[int]) -> int:
         """Copy into the model's cache the longest start of the prompt, but its last token, that
-        the store keeps or a row decoding now holds. How many positions that is."""
+        the store keeps or a row decoding now holds. How many positions that is.
+
+        Nothing is copied where the cache row the prompt joins holds that start already: the row
+        that left it, as a conversation's last turn leaves its next."""
         if self.prefixes is None:
             return 0
+        ids = torch.tensor(prompt[:-1])
         decoding = [
             (slot.ids, row_of(self.caches, index, slot.position))
             for index, slot in enumerate(self.slots)
         ]
-        length, layers = self.prefixes.longest(torch.tensor(prompt[:-1]), decoding)
-        if length:
+        length, layers = self.prefixes.longest(ids, decoding)
+        held = self.held.pop(len(self.slots), None)
+        here = 0 if held is None else common_length(held, ids)
+        if here < length:
             load(layers, length, model_caches(self.model))
+        length = max(length, here)
         self.prefixes.counted(length)
         return length
 
@@ -122,6 +130,7 @@ class Slots:
         """One token for every row, each fed at its own position."""
         count = len(self.slots)
         self.fit(count, 1)
+        self.held.clear()  # The step writes position 0 of the rows with no slot.
         padding = len(self.caches[0][0]) - count  # rows of the cache's batch with no slot
         fed = [slot.last for slot in self.slots] + [0] * padding
         fed += [slot.position for slot in self.slots] + [0] * padding
@@ -157,10 +166,12 @@ class Slots:
         Each moves into a slot below its own, so none is overwritten before it is read. The rows
         ended are kept in the store first.
         """
+        kept = [slot for slot in self.slots if id(slot) not in ended]
         for index, slot in enumerate(self.slots):
             if self.prefixes is not None and id(slot) in ended:
                 self.prefixes.keep(slot.ids, row_of(self.caches, index, slot.position))
-        kept = [slot for slot in self.slots if id(slot) not in ended]
+                if index >= len(kept):  # No row moves there: it holds the slot's keys still.
+                    self.held[index] = slot.ids
         for new, slot in enumerate(kept):
             old = self.slots.index(slot)
             if old != new:
@@ -177,14 +188,16 @@ class Slots:
 
         Its batch is padded_batch(count). The cache there is kept if it is that batch and long
         enough. Else a new one takes over, the rows copied into it. Its length is a power of two,
-        but no longer than the longest row can grow (`end`, or a row's there). That is what the
-        memory check counted.
+        but no longer than the longest row can grow (`end`, or a row's there), as the memory
+        check counted, or than twice the cache it replaces. So a conversation whose turns each
+        outgrow the last row's end is copied anew at a few turns only, not at each.
         """
         batch = padded_batch(count)
         length = max([length] + [slot.position + 1 for slot in self.slots])
         if self.caches and len(self.caches[0][0]) == batch and self.caches[0][0].shape[2] >= length:
             return
-        end = max([end] + [slot.end for slot in self.slots])
+        grown = 2 * self.caches[0][0].shape[2] if self.caches else 0
+        end = max([end, grown] + [slot.end for slot in self.slots])
         capacity = min(1 << (max(SHORTEST_CACHE, length) - 1).bit_length(), end)
         setup_cache(self.model, batch, capacity, self.step.kv_dtype)
         caches = [cache_tensors(attention.cache) for attention in self.step.attentions]
@@ -193,7 +206,7 @@ class Slots:
             for old, new in zip(self.caches, caches):
                 for source, target in zip(old, new):
                     target[slot_index, :, : slot.position] = source[slot_index, :, : slot.position]
-        self.caches = caches
+        self.caches, self.held = caches, {}
 
 
 def padded_batch(rows: int) -> int:

@@ -32,11 +32,12 @@ from picollama.lab.bench.llamacpp import (
 from picollama.lab.bench.serve_load import (
     ServerProcess,
     TokenCounter,
+    TurnText,
     conversation,
     free_port,
+    message_tokens,
     python_module,
     run_clients,
-    turn_messages,
 )
 
 SERVERS = ("ours", "llama_server", "llama_cpp")
@@ -55,7 +56,6 @@ PROMPTS = [
 ]
 WARM_UP = "Say hello."
 TTFT_KEYS = ("ttft_p50_seconds", "ttft_p95_seconds")
-TURN_OVERHEAD = 10  # the tokens a chat template adds around a message and its answer, about
 
 
 def parse_args(argv: list[str]):
@@ -332,9 +332,9 @@ def markdown(cli, results: dict, compared: dict, load: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def measure_turns(cli, name: str, folder: Path, messages: list[str]) -> dict:
+def measure_turns(cli, name: str, folder: Path, texts: TurnText) -> dict:
     """cli.repeats starts of the server, each warmed up with one request and then holding one
-    conversation of `messages`: each turn's median time to first token, the last over the first."""
+    conversation from `texts`: each turn's median time to first token, the last over the first."""
     runs = []
     for _ in range(cli.repeats):
         port = free_port()
@@ -342,7 +342,8 @@ def measure_turns(cli, name: str, folder: Path, messages: list[str]) -> dict:
         print(f"starting {NAMES[name]}: {shlex.join(map(str, argv[1:]))}", file=sys.stderr)
         with ServerProcess(NAMES[name], argv, port, folder / f"{name}.log") as server:
             run_clients(server, [[body(name, WARM_UP, cli.max_tokens)]])
-            runs.append(conversation(server, messages, body(name, "", cli.max_tokens)))
+            asked = body(name, "", cli.max_tokens)
+            runs.append(conversation(server, texts.restart(), cli.turns, asked))
     each = [[sample.ttft for sample in run] for run in runs]
     ttfts = np.median(each, axis=0).tolist()
     return {
@@ -369,8 +370,9 @@ def turns_markdown(cli, results: dict, load: float) -> str:
     lines = [
         f"# Serving: a conversation of {plural(cli.turns, 'turn')}",
         "",
-        f"`{cli.gguf.name}`; one client, each turn a new message of equal tokens after the turns "
-        f"before and their answers (about {cli.conversation_tokens:,} tokens at the last), "
+        f"`{cli.gguf.name}`; one client, each turn a new message of {message_tokens(cli)} tokens "
+        "(and as many more as the answer before fell short of max_tokens) after the turns before "
+        f"and their answers (about {cli.conversation_tokens:,} tokens at the last), "
         f"max_tokens {cli.max_tokens}, temperature 0; the median of "
         f"{plural(cli.repeats, 'start')} of each server; {machine['cpu']}, "
         f"{machine['cpu_cores']} cores, load average {load:.2f} before and "
@@ -409,13 +411,12 @@ def main(argv: list[str]) -> int:
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="picollama-bench-serve-") as folder:
         if cli.turns:
-            each = max(1, cli.conversation_tokens // cli.turns - cli.max_tokens - TURN_OVERHEAD)
-            messages = turn_messages(cli.gguf, " ".join(PROMPTS), cli.turns, each)
-            results = {n: measure_turns(cli, n, Path(folder), messages) for n in cli.servers}
+            texts = TurnText(cli.gguf, " ".join(PROMPTS), message_tokens(cli))
+            results = {n: measure_turns(cli, n, Path(folder), texts) for n in cli.servers}
         else:
             results = {name: measure(cli, name, Path(folder)) for name in cli.servers}
     if cli.turns:
-        turns = {"turns": cli.turns, "max_tokens": cli.max_tokens, "messages": messages}
+        turns = dict(turns=cli.turns, max_tokens=cli.max_tokens, message_tokens=message_tokens(cli))
         write(cli, turns_markdown(cli, results, load), {**turns, "results": results})
         return 0
     compared = ratios(results)

@@ -159,12 +159,17 @@ def run_clients(server: ServerProcess, bodies: list[list[dict]], progress=None):
     return asyncio.run(all_clients())
 
 
-def conversation(server: ServerProcess, messages: list[str], body: dict) -> list[Sample]:
-    """One client's conversation: each user message sent once the last answer has ended, after
-    every turn before it and its answer as it came. A Sample a turn."""
-    history, samples = [], []
-    for text in messages:
-        history.append({"role": "user", "content": text})
+def conversation(server: ServerProcess, texts: "TurnText", turns: int, body: dict) -> list[Sample]:
+    """One client's conversation of `turns` turns: each user message sent once the last answer
+    has ended, after every turn before it and its answer as it came. A Sample a turn.
+
+    Each message is texts.each tokens, and as many more as the answer before it fell short of
+    max_tokens. So the conversation grows by the same tokens every turn, however its answers end.
+    """
+    history, samples, count = [], [], TokenCounter(texts.gguf, body["max_tokens"])
+    for _ in range(turns):
+        short = body["max_tokens"] - count(samples[-1]) if samples else 0
+        history.append({"role": "user", "content": texts.next(texts.each + max(short, 0))})
         sample = run_clients(server, [[{**body, "messages": list(history)}]])[0][0]
         history.append({"role": "assistant", "content": sample.text})
         samples.append(sample)
@@ -198,14 +203,40 @@ def gguf_tokenizer(gguf: Path):
     return read_tokenizer(tokenizer_file(imported_run(gguf)))
 
 
-def turn_messages(gguf: Path, text: str, turns: int, each: int) -> list[str]:
-    """`turns` user messages of `each` tokens of the GGUF file's tokenizer: `text` cut into
-    pieces, repeated as often as it takes."""
-    tokenizer = gguf_tokenizer(gguf)
-    ids = []
-    while len(ids) < each * turns:
-        ids += tokenizer.encode(text + " ")
-    return [tokenizer.decode(ids[t * each : (t + 1) * each]).strip() for t in range(turns)]
+TURN_OVERHEAD = 10  # the tokens a chat template adds around a message and its answer, about
+
+
+def message_tokens(cli) -> int:
+    """Each --turns message's tokens: with its answer and template, a turn's share of the whole."""
+    return max(1, cli.conversation_tokens // cli.turns - cli.max_tokens - TURN_OVERHEAD)
+
+
+class TurnText:
+    """User messages cut from `text` in the GGUF file's tokenizer, `each` tokens long unless
+    asked otherwise, each ending with ASK_LONG. The text repeats as often as it takes, and every
+    conversation starts it again (restart)."""
+
+    ASK_LONG = "Answer at length."  # Without it, SmolLM2 answered a cut message in 5 tokens.
+
+    def __init__(self, gguf: Path, text: str, each: int):
+        self.gguf, self.each = gguf, each
+        self.tokenizer = gguf_tokenizer(gguf)
+        self.ids = self.tokenizer.encode(text + " ")
+        self.asking = len(self.tokenizer.encode(" " + self.ASK_LONG))
+        self.at = 0
+
+    def restart(self) -> "TurnText":
+        self.at = 0
+        return self
+
+    def next(self, tokens: int) -> str:
+        """A message of about `tokens` tokens: the text's next ones, then ASK_LONG."""
+        ids = []
+        while len(ids) < tokens - self.asking:
+            taken = self.ids[self.at : self.at + tokens - self.asking - len(ids)]
+            ids += taken
+            self.at = (self.at + len(taken)) % len(self.ids)
+        return f"{self.tokenizer.decode(ids).strip()} {self.ASK_LONG}"
 
 
 def python_module(module: str, *args) -> list[str]:
