@@ -40,6 +40,7 @@ from picollama.lab.text_track import forward_key
 from picollama.run_files import load_run
 
 METHODS = ("none", "yarn", "rerope", "self_extend")
+LOGN = "+logn"  # after a method's name: with log-n attention too (method_args)
 MULTIPLES = (1, 2, 4, 8)
 SCORED = 1024
 CHUNK = 4096  # Tokens a prefill forward takes at once.
@@ -167,9 +168,17 @@ def reading(cell: Cell, plan: Plan, run: str, dtype) -> dict:
     }
 
 
+def method_args(base, method: str, length: int):
+    """base stretched by `method` to `length`. A name ending in LOGN ("rerope+logn") adds log-n
+    attention (variants.logn_attention): past the context, queries grow by log n / log context,
+    as Qwen adds to dynamic NTK and a window."""
+    logn = method.endswith(LOGN) or base.logn_attention
+    return replace(stretched(base, method.removesuffix(LOGN), length), logn_attention=logn)
+
+
 def read_cell(model, base, cell: Cell, tokens: np.ndarray, plan: Plan) -> dict:
     """Score one cell: the window's last plan.scored tokens with cell.length tokens in all."""
-    model.args = stretched(base, cell.method, cell.length)
+    model.args = method_args(base, cell.method, cell.length)
     chunk = cell.length if length_dependent(model.args) else plan.chunk  # Dynamic: one forward.
     end = cell.window.end
     ids = torch.from_numpy(tokens[end - cell.length : end].astype(np.int64))
@@ -210,7 +219,7 @@ def saved_forwards(cells: Cells, wanted: dict[str, dict], windows: dict[int, dic
 def cell_result(model, base, cell: Cell, books: dict, plan: Plan, cells: Cells, forwards: dict):
     """(the cell's result, whether it ran a forward). A forward that another method's saved cell
     already computed is copied from it, not run again."""
-    args = stretched(base, cell.method, cell.length)
+    args = method_args(base, cell.method, cell.length)
     identity = forward_identity(args, cell.length)
     same = forwards.get((cell.length, cell.window.index, identity))
     if same:
@@ -278,7 +287,7 @@ def fit_seconds(model, base, method: str, plan: Plan) -> tuple[float, float]:
     times = []
     for n in (CALIBRATION[0], *CALIBRATION):
         short = replace(base, max_seq_len=n // 4, rope_original_max_seq_len=None)
-        args = stretched(short, method, n)
+        args = method_args(short, method, n)
         chunk = n if length_dependent(args) else n // 2
         times.append(timed_read(model, args, n, min(plan.scored, n // 4), chunk))
     (n1, n2), (t1, t2) = CALIBRATION, times[1:]
@@ -314,7 +323,7 @@ def print_plan(model, plan: Plan, windows: list[Window], out: Path) -> float:
         print(f"calibrated {kind}: {a * 1e3:.3f} ms a token + {b * 1e9:.3f} ms a million n²")
     total, count, forwards = 0.0, 0, {}
     for cell in plan_cells(plan, windows):
-        identity = forward_identity(stretched(base, cell.method, cell.length), cell.length)
+        identity = forward_identity(method_args(base, cell.method, cell.length), cell.length)
         first = forwards.setdefault((cell.length, cell.window.index, identity), cell.key)
         if cells.done(cell.key) is not None:
             status = "saved"
@@ -341,9 +350,10 @@ def parse_args(argv: list[str]):
     cli.add_device(parser)
     parser.add_argument(
         "--methods",
-        type=comma_list(choices=ROPE_SCALINGS),
+        type=comma_list(choices=[*ROPE_SCALINGS, *(name + LOGN for name in ROPE_SCALINGS)]),
         default=list(METHODS),
-        help=f"length methods, comma-separated (default {','.join(METHODS)})",
+        help=f"length methods, comma-separated, each with {LOGN} after it for log-n attention "
+        f"too (default {','.join(METHODS)})",
     )
     parser.add_argument(
         "--multiples",
