@@ -164,7 +164,8 @@ class Slots:
         """The rows ended (id(slot) -> why) leave, and the others move down into slots 0..n-1.
 
         Each moves into a slot below its own, so none is overwritten before it is read. The rows
-        ended are kept in the store first.
+        ended are kept in the store first. One that no row moves into is held where it is, for
+        reuse to find until a step writes there.
         """
         kept = [slot for slot in self.slots if id(slot) not in ended]
         for index, slot in enumerate(self.slots):
