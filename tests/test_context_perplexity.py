@@ -100,18 +100,18 @@ def test_a_chunked_read_scores_as_one_forward_does(model, method):
 
 
 def test_a_method_with_logn_attention_scales_its_queries_past_the_context(model):
-    """ "rerope+logn": ReRoPE's attention on queries scaled by max(1, log n / log context)
+    """ "rerope-logn": ReRoPE's attention on queries scaled by max(1, log n / log context)
     (variants.logn_scale), read in chunks as one forward. Within the context it is ReRoPE."""
     tokens, base, got = books()["a"][:128], model.args, {}
     for length in (CONTEXT, 128):
         window = text.Window(0, "a", 128, length)
-        for method in ("rerope", "rerope+logn"):
+        for method in ("rerope", "rerope-logn"):
             cell = perplexity.Cell(method, length, window)
             with torch.inference_mode():
                 got[method, length] = perplexity.read_cell(
                     model, base, cell, tokens, small_plan(40)
                 )
-    model.args = perplexity.method_args(base, "rerope+logn", 128)
+    model.args = perplexity.method_args(base, "rerope-logn", 128)
     try:
         assert model.args.logn_attention and model.args.rope_scaling == "rerope"
         with torch.inference_mode():
@@ -119,9 +119,16 @@ def test_a_method_with_logn_attention_scales_its_queries_past_the_context(model)
             expected = token_losses(model, ids)[0, -40:].sum().item()
     finally:
         model.args = base
-    assert got["rerope+logn", 128]["nll_sum"] == pytest.approx(expected, rel=1e-6)
+    assert got["rerope-logn", 128]["nll_sum"] == pytest.approx(expected, rel=1e-6)
     assert abs(expected - got["rerope", 128]["nll_sum"]) > 1e-4 * expected
-    assert got["rerope+logn", CONTEXT]["nll_sum"] == got["rerope", CONTEXT]["nll_sum"]
+    assert got["rerope-logn", CONTEXT]["nll_sum"] == got["rerope", CONTEXT]["nll_sum"]
+
+
+def test_a_study_of_a_method_with_logn_saves_its_own_cells(model, tmp_path):
+    computed, _ = run_study(model, tmp_path, small_plan(methods=["rerope-logn"]), books())
+    saved = Cells(tmp_path / "cells").results("ppl.rerope-logn.")
+    assert computed == len(saved) == 4 + 4 + 2
+    assert all(cell["method"] == "rerope-logn" for cell in saved.values())
 
 
 def test_cells_are_saved_once_and_skipped_on_a_rerun(model, tmp_path):

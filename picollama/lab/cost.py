@@ -148,8 +148,8 @@ def method_kind(method: str) -> str:
     """Methods whose forwards cost alike share a kind.
 
     Each WINDOWED method is its own kind. It runs two branches in chunks, 7-18x slower a FLOP.
-    The rest are "plain". Log-n attention after a name ("rerope+logn") costs as the name does."""
-    method = method.split("+")[0]
+    The rest are "plain". Log-n attention after a name ("rerope-logn") costs as the name does."""
+    method = method.split("-")[0]
     return method if method in WINDOWED else "plain"
 
 

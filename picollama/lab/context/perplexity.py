@@ -40,7 +40,7 @@ from picollama.lab.text_track import forward_key
 from picollama.run_files import load_run
 
 METHODS = ("none", "yarn", "rerope", "self_extend")
-LOGN = "+logn"  # after a method's name: with log-n attention too (method_args)
+LOGN = "-logn"  # after a method's name: with log-n attention too (method_args)
 MULTIPLES = (1, 2, 4, 8)
 SCORED = 1024
 CHUNK = 4096  # Tokens a prefill forward takes at once.
@@ -169,7 +169,7 @@ def reading(cell: Cell, plan: Plan, run: str, dtype) -> dict:
 
 
 def method_args(base, method: str, length: int):
-    """base stretched by `method` to `length`. A name ending in LOGN ("rerope+logn") adds log-n
+    """base stretched by `method` to `length`. A name ending in LOGN ("rerope-logn") adds log-n
     attention (variants.logn_attention): past the context, queries grow by log n / log context,
     as Qwen adds to dynamic NTK and a window."""
     logn = method.endswith(LOGN) or base.logn_attention
