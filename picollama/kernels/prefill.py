@@ -10,8 +10,8 @@ bf16 products (bf16_products) round the queries, keys, values and probabilities 
 in fp32, at twice fp32's rate on a CPU with AVX512-BF16 (elsewhere the kernel keeps fp32).
 A model in bf16 loses nothing there: PyTorch's SDPA also rounds its probabilities to bf16. A
 block-format model (block_linear.py) rounds every product's inputs to int8, so its logits move
-as much when its attention merely changes kernel (fp32 through SDPA against this one) as with
-bf16 products: docs/serving.md#prefix-reuse has the figures.
+about as much when its attention merely changes kernel (fp32 through SDPA against this one) as
+with bf16 products: docs/serving.md#prefix-reuse has the figures.
 """
 
 from functools import partial

@@ -54,14 +54,6 @@ struct Tile {  // up to ROWS query rows of one KV head
 template <typename Q>
 constexpr int PER = std::is_same_v<Q, float> ? 1 : 2;  // elements in a Q
 
-using picollama_vectors::load;
-
-inline vf load(const uint32_t* p) {  // a vector of pairs, as the bits of a vf
-  vf r;
-  std::memcpy(&r, p, sizeof r);
-  return r;
-}
-
 inline vf madd(vf acc, float x, vf y) { return acc + x * y; }
 
 #ifdef __AVX512BF16__

@@ -44,6 +44,12 @@ inline vf load(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift.
 #endif
 }
 
+inline vf load(const uint32_t* p) {  // bf16 pairs (prefill_attention.cpp), as a vf's bits
+  vf r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
 inline vf load(const int8_t* p) {
 #ifdef __AVX512F__
   __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

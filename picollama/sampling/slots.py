@@ -170,9 +170,10 @@ class Slots:
         kept = [slot for slot in self.slots if id(slot) not in ended]
         for index, slot in enumerate(self.slots):
             if self.prefixes is not None and id(slot) in ended:
-                self.prefixes.keep(slot.ids, row_of(self.caches, index, slot.position))
+                ids = slot.ids
+                self.prefixes.keep(ids, row_of(self.caches, index, slot.position))
                 if index >= len(kept):  # No row moves there: it holds the slot's keys still.
-                    self.held[index] = slot.ids
+                    self.held[index] = ids
         for new, slot in enumerate(kept):
             old = self.slots.index(slot)
             if old != new:

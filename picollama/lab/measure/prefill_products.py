@@ -8,6 +8,7 @@ about as much. Each window of the context study's books (lab/context/text.py) is
 each way. The table gives each way's perplexity, and its logits against llama.cpp's."""
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -26,7 +27,7 @@ from picollama.device import cpu_sdpa
 from picollama.kernels.load import load_to_sample
 from picollama.kernels.prefill import bf16_products, prefill_sdpa
 from picollama.lab.bench import common
-from picollama.lab.context.text import BOOKS, book_tokens
+from picollama.lab.context.text import BOOKS, book_tokens, layout
 from picollama.run_files import load_run, tokenizer_file
 
 WAYS = {  # the block-format model's attention
@@ -52,15 +53,11 @@ def parse_args(argv: list[str]):
 
 
 def windows(run: Path, tokenizer, count: int, tokens: int) -> list[torch.Tensor]:
-    """`count` windows of `tokens` tokens, alternating between the books, spread evenly in each."""
-    books = [book_tokens(book, tokenizer, tokenizer_file(run)) for book in BOOKS]
-    per_book = math.ceil(count / len(books))
-    out = []
-    for w in range(count):
-        ids = books[w % len(books)]
-        start = (len(ids) - tokens) * (w // len(books) + 1) // (per_book + 1)
-        out.append(torch.from_numpy(ids[start : start + tokens].astype(np.int64))[None])
-    return out
+    """`count` windows of `tokens` tokens, laid out in the books as the context study lays its."""
+    books = {book.name: book_tokens(book, tokenizer, tokenizer_file(run)) for book in BOOKS}
+    sizes = {name: len(ids) for name, ids in books.items()}
+    spans = [books[w.book][w.end - tokens : w.end] for w in layout(sizes, [tokens] * count, tokens)]
+    return [torch.from_numpy(span.astype(np.int64))[None] for span in spans]
 
 
 @torch.inference_mode()
@@ -69,21 +66,34 @@ def logits_of(model, x: torch.Tensor, kernel) -> torch.Tensor:
         return model(x)[0].float()
 
 
-def llama_cpp_logits(gguf: Path, x: torch.Tensor) -> torch.Tensor | None:
-    """llama.cpp's logits for x, from the GGUF file itself: None without llama-cpp-python."""
+@contextlib.contextmanager
+def llama_cpp(gguf: Path | None, tokens: int):
+    """llama.cpp's model of the GGUF file, for windows of `tokens`: None without one or without
+    llama-cpp-python."""
     try:
         import llama_cpp
     except ImportError:
-        return None
+        llama_cpp = None
+    if gguf is None or llama_cpp is None:
+        yield None
+        return
     threads = torch.get_num_threads()
     llm = llama_cpp.Llama(
-        str(gguf), n_ctx=x.shape[1], logits_all=True, n_threads=threads, verbose=False
+        str(gguf), n_ctx=tokens, logits_all=True, n_threads=threads, verbose=False
     )
     try:
-        llm.eval(x[0].tolist())
-        return torch.tensor(np.array(llm.scores[: x.shape[1]]), dtype=torch.float32)
+        yield llm
     finally:
         llm.close()
+
+
+def llama_cpp_logits(llm, x: torch.Tensor) -> torch.Tensor | None:
+    """llama.cpp's logits for x (None without its model)."""
+    if llm is None:
+        return None
+    llm.reset()
+    llm.eval(x[0].tolist())
+    return torch.tensor(np.array(llm.scores[: x.shape[1]]), dtype=torch.float32)
 
 
 def compare(logits: torch.Tensor, x: torch.Tensor, theirs: torch.Tensor | None) -> dict:
@@ -106,12 +116,13 @@ def measure(cli) -> dict:
     dequantized = load_run(run, "cpu", torch.float32)[0].eval()
     gguf = Path(cli.run) if str(cli.run).endswith(".gguf") else None
     said = {way: [] for way in [*WAYS, DEQUANTIZED]}
-    for x in tqdm(windows(run, tokenizer, cli.windows, cli.tokens), desc="windows"):
-        theirs = llama_cpp_logits(gguf, x) if gguf else None
-        for way, kernel in WAYS.items():
-            said[way].append(compare(logits_of(model, x, kernel), x, theirs))
-        plain = logits_of(dequantized, x, F.scaled_dot_product_attention)
-        said[DEQUANTIZED].append(compare(plain, x, theirs))
+    with llama_cpp(gguf, cli.tokens) as llm:
+        for x in tqdm(windows(run, tokenizer, cli.windows, cli.tokens), desc="windows"):
+            theirs = llama_cpp_logits(llm, x)
+            for way, kernel in WAYS.items():
+                said[way].append(compare(logits_of(model, x, kernel), x, theirs))
+            plain = logits_of(dequantized, x, F.scaled_dot_product_attention)
+            said[DEQUANTIZED].append(compare(plain, x, theirs))
     means = {
         way: {k: float(np.mean([w[k] for w in each])) for k in each[0]}
         for way, each in said.items()
