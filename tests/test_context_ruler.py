@@ -1,6 +1,6 @@
-"""The RULER track (picollama/lab/context/ruler.py, ruler_tasks.py): its haystacks hold what they
-ask, one prefill answers as fresh forwards do, scoring is RULER's string_match_all, cells are
-kept, and the effective lengths follow from saved cells."""
+"""The RULER track (picollama/lab/context/ruler.py, ruler_tasks.py, ruler_report.py): its haystacks
+hold what they ask, one prefill answers as fresh forwards do, scoring is RULER's string_match_all,
+cells are kept, and the effective lengths follow from saved cells."""
 
 import copy
 import json
@@ -17,7 +17,7 @@ from picollama.cli import UserError
 from picollama.cli.command import run_command
 from picollama.components.length import stretched
 from picollama.components.registry import ROPE_SCALINGS
-from picollama.lab.context import ruler
+from picollama.lab.context import ruler, ruler_report
 from picollama.lab.context.cells import Cells
 from picollama.lab.context.ruler_tasks import NOISE, TASKS, haystack, match_all
 from picollama.run_files import save_model
@@ -230,7 +230,7 @@ def test_effective_lengths_from_cells_by_hand():
             for length, score in zip((4096, 8192, 16384, 32768), row):
                 if score is not None:
                     results[f"ruler.{method}.{length}.{task}"] = cell(method, length, task, score)
-    found = ruler.effective_lengths(results)
+    found = ruler_report.effective_lengths(results)
     # Above 85.6 up to it; within 5 points of the 4k mean (92.5 - 5 = 87.5, reached by yarn).
     assert found["none"] == {"effective": 8192, "holds": 4096, "shortest": 92.5}
     assert found["yarn"] == {"effective": 16384, "holds": 8192, "shortest": 92.5}
@@ -238,7 +238,7 @@ def test_effective_lengths_from_cells_by_hand():
     assert found["ntk"]["effective"] == 8192 and found["ntk"]["holds"] == 8192  # stops at a gap
     for key in results:
         results[key] |= {"correct": 1, "questions": 2}
-    text = ruler.markdown(results)
+    text = ruler_report.markdown(results)
     assert "| none | 92.5 | 87.0 | 65.0 | 5.0 | 8192 | 4096 |" in text
     assert "| linear | 80.0 | 80.0 | 80.0 | 80.0 | - | 32768 |" in text
     assert "| ntk | 99.0 | 99.0 | - | 99.0 | 8192 | 8192 |" in text
@@ -260,6 +260,14 @@ def test_the_command_writes_cells_and_a_table(model, tokenizer, tmp_path, capsys
     assert run_command(ruler.main, argv + ["--methods", "bogus"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "bogus" in err
+    # the report alone, from the cells: the same table, and the figure
+    (out / "ruler.md").unlink()
+    (out / "ruler.png").unlink()
+    assert run_command(ruler_report.main, ["--out", str(out)]) == 0
+    assert "| none | " in (out / "ruler.md").read_text() and (out / "ruler.png").stat().st_size
+    assert run_command(ruler_report.main, ["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "no RULER cells" in err
 
 
 def test_shared_cells_copy_only_equal_forwards(model):

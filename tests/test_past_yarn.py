@@ -122,7 +122,7 @@ def test_blocks_of_queries_equal_one_block_in_bounded_memory(name, monkeypatch):
         # the scores' two makers, where the windowed methods and FoX call them
         for module, name in [
             (windowed_rope, "grouped_scores"),
-            (windowed_rope, "flash_attention_cpu"),
+            (windowed_rope, "flash_branch"),
             (length_encodings, "grouped_scores"),
         ]:
             monkeypatch.setattr(module, name, spying(getattr(module, name), blocks))

@@ -9,7 +9,7 @@ import math
 import torch
 
 from model import ModelArgs, rope_frequencies
-from picollama.components.windowed_rope import flash_attention_cpu, grouped_scores
+from picollama.components.windowed_rope import flash_branch, grouped_scores
 
 
 def inverse_frequencies(args: ModelArgs, device) -> torch.Tensor:
@@ -43,13 +43,10 @@ def pairs(query_positions, key_positions) -> torch.Tensor:
 def branch(q, k, v, allowed) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries (B, heads, rows, head_dim) over the keys and values (B, kv heads, span, head_dim)
     that `allowed` lets each see: the output (float32, like q) and log-sum-exp (B, heads, rows),
-    -inf where a query sees none. By the CPU flash kernel for one mask (rows, span) over keys
-    repeated per head, else by the score matrix."""
-    if q.device.type == "cpu" and allowed.dim() == 2 and k.shape[1] == q.shape[1]:
-        bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, -math.inf)
-        out, lse = flash_attention_cpu(q, k, v, attn_mask=bias)
-        seen = allowed.any(-1)
-        return out.float().masked_fill(~seen[:, None], 0), lse.masked_fill(~seen, -math.inf)
+    -inf where a query sees none. By the CPU flash kernel for one mask (rows, span), else by the
+    score matrix."""
+    if q.device.type == "cpu" and allowed.dim() == 2:
+        return flash_branch(q, k, v, allowed)
     scores = grouped_scores(q, k).masked_fill(~allowed, -math.inf)
     lse = scores.logsumexp(-1)
     weights = (scores - lse.nan_to_num(neginf=0)[..., None]).exp()
@@ -69,9 +66,3 @@ def merged(parts: list) -> torch.Tensor:
     outs, lses = zip(*parts)
     lse = torch.stack(lses).logsumexp(0)
     return sum(out * (part - lse).exp()[..., None] for out, part in zip(outs, lses))
-
-
-def per_head(q, *tensors) -> list[torch.Tensor]:
-    """Keys or values (B, kv heads, S, head_dim) repeated to q's heads (None stays None): the
-    flash kernel takes no GQA."""
-    return [x if x is None else x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in tensors]

@@ -27,7 +27,6 @@ from picollama.components.attention_branches import (
     key_span,
     merged,
     pairs,
-    per_head,
     turns,
 )
 from picollama.components.windowed_rope import blockwise, turn
@@ -65,8 +64,6 @@ class DualChunk:
         """Attention of queries (B, heads, T, head_dim) over keys and values (B, kv heads, S,
         head_dim), all turned as usual. A layer that does not rotate attends plain causal."""
         far_k = turn(k, self.key_turn) if attention.rotary else None
-        if q.device.type == "cpu" and self.positions.dim() == 1:
-            k, far_k, v = per_head(q, k, far_k, v)
         return blockwise(partial(self.block, k=k, far_k=far_k, v=v), q, k.shape[2])
 
     def block(self, q, first: int, k, far_k, v):

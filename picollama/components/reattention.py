@@ -38,7 +38,6 @@ from picollama.components.attention_branches import (
     key_span,
     merged,
     pairs,
-    per_head,
     turns,
 )
 from picollama.components.windowed_rope import blockwise, turn
@@ -87,8 +86,6 @@ class ReAttention:
         """Attention of queries (B, heads, T, head_dim) over keys and values (B, kv heads, S,
         head_dim), all turned as usual. A layer that does not rotate attends plain causal."""
         raw_k = turn(k.float(), self.k_back) if attention.rotary else None
-        if q.device.type == "cpu" and self.positions.dim() == 1:
-            k, raw_k, v = per_head(q, k, raw_k, v)
         return blockwise(partial(self.block, k=k, raw_k=raw_k, v=v), q, k.shape[2])
 
     def block(self, q, first: int, k, raw_k, v):

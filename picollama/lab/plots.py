@@ -33,8 +33,8 @@ def pyplot():
 def method_style(method: str) -> dict:
     """The same marker, line and colour for a RoPE scaling method in every panel."""
     index = ROPE_SCALINGS.index(method)
-    colors = pyplot().rcParams["axes.prop_cycle"].by_key()["color"]
-    return dict(marker="os^Dvx<>ph"[index % 10], color=colors[index % len(colors)], label=method)
+    colors = pyplot().rcParams["axes.prop_cycle"].by_key()["color"] + ["black"]  # 11 methods
+    return dict(marker="os^Dvx<>ph*"[index % 11], color=colors[index % len(colors)], label=method)
 
 
 def plain_tick(value: float, _) -> str:

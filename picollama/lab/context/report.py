@@ -179,29 +179,63 @@ def markdown(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path):
-    """Ratio to 1× by length, a line per method, interval bars where there are enough windows
-    and each window's ratio as a small mark where there are not."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method in dict.fromkeys(row["method"] for row in rows):
+TARGETS = {2: 0.98, 4: 1.00, 8: 1.05}  # issue 71's ratios to reach, by multiple of the context
+NEAR = (0.9, 1.25)  # the right panel's ratios: the methods that stay near 1
+
+
+def style_of(method: str) -> dict:
+    """method_style's for a method, its -logn form dashed with open marks in the same colour."""
+    base = method.removesuffix("-logn")
+    if base not in ROPE_SCALINGS:
+        return {"label": method, "marker": "o"}
+    style = method_style(base) | {"label": method}
+    return style | ({"linestyle": "--", "markerfacecolor": "none"} if base != method else {})
+
+
+def draw_ratios(ax, rows: list[dict], methods: list[str]):
+    """Each method's ratio by length, interval bars where there are enough windows and each
+    window's ratio as a small mark where there are not, nudged apart so bars do not hide."""
+    for shift, method in enumerate(methods):
         points = [r for r in rows if r["method"] == method and r["ratio"] is not None]
-        style = method_style(method) if method in ROPE_SCALINGS else {"label": method}
-        xs, ys = [r["multiple"] for r in points], [r["ratio"] for r in points]
+        style = style_of(method)
+        nudge = 2 ** (0.025 * (shift - (len(methods) - 1) / 2))
+        xs, ys = [r["multiple"] * nudge for r in points], [r["ratio"] for r in points]
         low = [y - (r["interval"] or (y, y))[0] for y, r in zip(ys, points)]
         high = [(r["interval"] or (y, y))[1] - y for y, r in zip(ys, points)]
         ax.errorbar(xs, ys, yerr=[low, high], capsize=3, **style)
-        few = [(r["multiple"], y) for r in points if not r["interval"] for y in r["per_window"]]
+        few = [
+            (r["multiple"] * nudge, y) for r in points if not r["interval"] for y in r["per_window"]
+        ]
         if few:
             ax.scatter(*zip(*few), s=12, alpha=0.5, color=style.get("color"))
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    plain_log_ticks(ax.yaxis)
-    ax.xaxis.set_major_formatter(plt.FuncFormatter(times_tick))
-    ax.set_xlabel("length, × the context")
-    ax.set_ylabel("perplexity ÷ its own at 1×")
-    ax.legend(fontsize="small")
+
+
+def plot(rows: list[dict], path: Path):
+    """Two panels of ratio to 1× by length: every method on a log scale, then the methods that
+    stay within NEAR on a plain one, with the issue's TARGETS marked."""
+    plt = pyplot()
+    fig, (every, near) = plt.subplots(1, 2, figsize=(12, 4.5))
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    draw_ratios(every, rows, methods)
+    every.set_yscale("log")
+    plain_log_ticks(every.yaxis)
+    every.set_title("every method")
+    close = [
+        m
+        for m in methods
+        if all(NEAR[0] <= r["ratio"] <= NEAR[1] for r in rows if r["method"] == m and r["ratio"])
+    ]
+    draw_ratios(near, rows, close)
+    near.scatter(list(TARGETS), list(TARGETS.values()), marker="_", s=400, color="black")
+    near.scatter([], [], marker="_", s=100, color="black", label="target (issue 71)")
+    near.set_title("the methods that stay near 1×: 95% intervals, or each window")
+    for ax in (every, near):
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(times_tick))
+        ax.set_xlabel("length, × the context")
+        ax.legend(fontsize="small")
+    every.set_ylabel("perplexity ÷ its own at 1×")
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=80)
     plt.close(fig)

@@ -35,21 +35,20 @@ from picollama.cli.flags import (
     comma_list,
     positive,
 )
-from picollama.cli.outputs import atomic_output, check_writable
+from picollama.cli.outputs import check_writable
 from picollama.components.length import length_dependent, stretched
 from picollama.components.registry import ROPE_SCALINGS
 from picollama.convert.main import imported_run
 from picollama.device import pick_device, pick_dtype
 from picollama.lab.bench.common import cpu_model
 from picollama.lab.context.cells import Cells
+from picollama.lab.context.ruler_report import write_report
 from picollama.lab.context.ruler_tasks import TASKS, Haystack, haystack, match_all
 from picollama.lab.interruptible import interruptible
 from picollama.lab.runs import scalings
 from picollama.lab.text_track import forward_key
 from picollama.run_files import load_run
 
-THRESHOLD = 85.6  # RULER's: Llama-2-7B's mean score at 4k
-DROP = 5.0  # points below the shortest length's score that the second effective length allows
 SAMPLE = 5  # answers a cell keeps in full, beside every question's score
 CHUNK = 2048  # tokens a prefill forward takes at once
 FROZEN = {"dynamic": "ntk"}  # a length-dependent scaling -> the static one of equal frequencies
@@ -210,97 +209,6 @@ def run_study(model, tokenizer, template: str | None, cli, cells: Cells) -> dict
     return setup
 
 
-def mean_scores(results: dict) -> dict[str, dict[int, float | None]]:
-    """{method: {length: the mean score over the tasks}} from saved cells. A length where a
-    method lacks one of the tasks any cell has is None: not measured yet."""
-    tasks = {cell["task"] for cell in results.values()}
-    lengths = sorted({cell["length"] for cell in results.values()})
-    found = {}
-    for cell in results.values():
-        found.setdefault(cell["method"], {}).setdefault(cell["length"], {})[cell["task"]] = cell
-    means = {}
-    for method in sorted(found, key=method_order):
-        by_task = found[method]
-        means[method] = {
-            n: float(np.mean([c["score"] for c in by_task[n].values()]))
-            if set(by_task.get(n, {})) == tasks
-            else None
-            for n in lengths
-        }
-    return means
-
-
-def method_order(method: str) -> int:
-    return ROPE_SCALINGS.index(method) if method in ROPE_SCALINGS else len(ROPE_SCALINGS)
-
-
-def longest(by_length: dict, floor: float, strictly: bool) -> int | None:
-    """The longest length up to which every length is measured and scores above `floor`
-    (or at it, unless `strictly`). None if the shortest does not."""
-    found = None
-    for length in sorted(by_length):
-        score = by_length[length]
-        if score is None or score < floor or (strictly and score == floor):
-            break
-        found = length
-    return found
-
-
-def effective_lengths(results: dict, threshold: float = THRESHOLD, drop: float = DROP) -> dict:
-    """{method: {"effective": the longest length whose mean stays above `threshold`, "holds":
-    the longest whose mean stays within `drop` points of the shortest length's, "shortest": that
-    score}} from saved cells (Cells.results)."""
-    found = {}
-    for method, by_length in mean_scores(results).items():
-        shortest = by_length[min(by_length)]
-        found[method] = {
-            "effective": longest(by_length, threshold, strictly=True),
-            "holds": None if shortest is None else longest(by_length, shortest - drop, False),
-            "shortest": shortest,
-        }
-    return found
-
-
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
-
-
-def shown(value, unit: str = "") -> str:
-    if value is None:
-        return "-"
-    return f"{value:.1f}" if isinstance(value, float) else f"{value}{unit}"
-
-
-def markdown(results: dict, threshold: float = THRESHOLD, drop: float = DROP) -> str:
-    """The mean score by method (rows) and length (columns) with both effective lengths, then
-    each task's score and questions answered in full."""
-    lengths = sorted({cell["length"] for cell in results.values()})
-    means = mean_scores(results)
-    effective = effective_lengths(results, threshold, drop)
-    header = ["method", *map(str, lengths), f"effective (> {threshold})"]
-    header.append(f"holds (within {drop:g} of {lengths[0]})")
-    rows = [
-        [m, *(shown(means[m][n]) for n in lengths)]
-        + [shown(effective[m]["effective"]), shown(effective[m]["holds"])]
-        for m in means
-    ]
-    lines = ["## RULER, the mean score over the tasks (0-100)", "", *table(header, rows)]
-    for task in sorted({cell["task"] for cell in results.values()}):
-        cells = {(c["method"], c["length"]): c for c in results.values() if c["task"] == task}
-        rows = [
-            [m, *(score_cell(cells.get((m, n))) for n in lengths)]
-            for m in sorted({m for m, _ in cells}, key=method_order)
-        ]
-        lines += ["", f"### {task}: score (questions answered in full)", ""]
-        lines += table(["method", *map(str, lengths)], rows)
-    return "\n".join(lines) + "\n"
-
-
-def score_cell(cell: dict | None) -> str:
-    return "-" if cell is None else f"{cell['score']:.1f} ({cell['correct']}/{cell['questions']})"
-
-
 def parse_args(argv: list[str]):
     p = ArgumentParser(prog="python -m picollama.lab.context.ruler", description=__doc__)
     add_run(p)
@@ -336,11 +244,9 @@ def main(argv: list[str]) -> int:
         run_study(model, tokenizer, template, cli, cells)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted: the cells done are in {cli.out}: rerun to go on") from None
-    text = markdown(cells.results("ruler."))
-    with atomic_output(cli.out / "ruler.md") as tmp:
-        tmp.write_text(text)
-    print(text)
-    print(f"wrote the cells (ruler.METHOD.LENGTH.TASK.json) and ruler.md in {cli.out}")
+    written = write_report(cli.out)
+    print(Path(written[0]).read_text())
+    print(f"wrote the cells (ruler.METHOD.LENGTH.TASK.json), ruler.md and ruler.png in {cli.out}")
     return 0
 
 

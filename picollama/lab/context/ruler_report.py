@@ -1,0 +1,184 @@
+"""RULER's report from saved cells alone: the mean score over the tasks by method and length, each
+method's effective length, each task's scores (ruler.md), and the same as a figure (ruler.png).
+
+This module reads cells and does arithmetic. It loads no model and runs no task (ruler.py does).
+`python -m picollama.lab.context.ruler_report --out FOLDER` rewrites FOLDER's report."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from picollama.cli import UserError
+from picollama.cli import flags as cli
+from picollama.cli.command import run_command
+from picollama.cli.outputs import atomic_output
+from picollama.components.registry import ROPE_SCALINGS
+from picollama.lab.context.cells import Cells
+from picollama.lab.plots import method_style, pyplot
+
+THRESHOLD = 85.6  # RULER's: Llama-2-7B's mean score at 4k
+DROP = 5.0  # points below the shortest length's score that the second effective length allows
+
+
+def mean_scores(results: dict) -> dict[str, dict[int, float | None]]:
+    """{method: {length: the mean score over the tasks}} from saved cells. A length where a
+    method lacks one of the tasks any cell has is None: not measured yet."""
+    tasks = {cell["task"] for cell in results.values()}
+    lengths = sorted({cell["length"] for cell in results.values()})
+    found = {}
+    for cell in results.values():
+        found.setdefault(cell["method"], {}).setdefault(cell["length"], {})[cell["task"]] = cell
+    means = {}
+    for method in sorted(found, key=method_order):
+        by_task = found[method]
+        means[method] = {
+            n: float(np.mean([c["score"] for c in by_task[n].values()]))
+            if set(by_task.get(n, {})) == tasks
+            else None
+            for n in lengths
+        }
+    return means
+
+
+def method_order(method: str) -> int:
+    return ROPE_SCALINGS.index(method) if method in ROPE_SCALINGS else len(ROPE_SCALINGS)
+
+
+def longest(by_length: dict, floor: float, strictly: bool) -> int | None:
+    """The longest length up to which every length is measured and scores above `floor`
+    (or at it, unless `strictly`). None if the shortest does not."""
+    found = None
+    for length in sorted(by_length):
+        score = by_length[length]
+        if score is None or score < floor or (strictly and score == floor):
+            break
+        found = length
+    return found
+
+
+def effective_lengths(results: dict, threshold: float = THRESHOLD, drop: float = DROP) -> dict:
+    """{method: {"effective": the longest length whose mean stays above `threshold`, "holds":
+    the longest whose mean stays within `drop` points of the shortest length's, "shortest": that
+    score}} from saved cells (Cells.results)."""
+    found = {}
+    for method, by_length in mean_scores(results).items():
+        shortest = by_length[min(by_length)]
+        found[method] = {
+            "effective": longest(by_length, threshold, strictly=True),
+            "holds": None if shortest is None else longest(by_length, shortest - drop, False),
+            "shortest": shortest,
+        }
+    return found
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def shown(value, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if isinstance(value, float) else f"{value}{unit}"
+
+
+def markdown(results: dict, threshold: float = THRESHOLD, drop: float = DROP) -> str:
+    """The mean score by method (rows) and length (columns) with both effective lengths, then
+    each task's score and questions answered in full."""
+    lengths = sorted({cell["length"] for cell in results.values()})
+    means = mean_scores(results)
+    effective = effective_lengths(results, threshold, drop)
+    header = ["method", *map(str, lengths), f"effective (> {threshold})"]
+    header.append(f"holds (within {drop:g} of {lengths[0]})")
+    rows = [
+        [m, *(shown(means[m][n]) for n in lengths)]
+        + [shown(effective[m]["effective"]), shown(effective[m]["holds"])]
+        for m in means
+    ]
+    lines = ["## RULER, the mean score over the tasks (0-100)", "", *table(header, rows)]
+    for task in sorted({cell["task"] for cell in results.values()}):
+        cells = {(c["method"], c["length"]): c for c in results.values() if c["task"] == task}
+        rows = [
+            [m, *(score_cell(cells.get((m, n))) for n in lengths)]
+            for m in sorted({m for m, _ in cells}, key=method_order)
+        ]
+        lines += ["", f"### {task}: score (questions answered in full)", ""]
+        lines += table(["method", *map(str, lengths)], rows)
+    return "\n".join(lines) + "\n"
+
+
+def score_cell(cell: dict | None) -> str:
+    return "-" if cell is None else f"{cell['score']:.1f} ({cell['correct']}/{cell['questions']})"
+
+
+def draw_scores(ax, by_method: dict[str, dict[int, float | None]], title: str, notes=None):
+    """A line per method of its scores by length, nudged apart so equal lines show. `notes`:
+    {method: what its label adds}."""
+    notes = notes or {}
+    for shift, (method, by_length) in enumerate(by_method.items()):
+        known = [(n, score) for n, score in sorted(by_length.items()) if score is not None]
+        if not known:
+            continue
+        nudge = 2 ** (0.02 * (shift - (len(by_method) - 1) / 2))
+        style = method_style(method) if method in ROPE_SCALINGS else {"label": method}
+        style["label"] += notes.get(method, "")
+        ax.plot([n * nudge for n, _ in known], [score for _, score in known], **style)
+    lengths = sorted({n for by_length in by_method.values() for n in by_length})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [f"{n / 1024:g}k" for n in lengths])
+    ax.minorticks_off()
+    ax.set_title(title, fontsize="medium")
+    ax.set_xlabel("haystack tokens")
+
+
+def plot(results: dict, path: Path, drop: float = DROP):
+    """The mean over the tasks with the floor of the second effective length (dashed: the
+    shortest length's mean less `drop`), each method's in its label, then a panel per task."""
+    plt = pyplot()
+    tasks = sorted({cell["task"] for cell in results.values()})
+    fig, axes = plt.subplots(1, 1 + len(tasks), figsize=(3.4 * (1 + len(tasks)), 3.8), sharey=True)
+    effective = effective_lengths(results, drop=drop)
+    notes = {method: f" (holds to {shown(found['holds'])})" for method, found in effective.items()}
+    draw_scores(axes[0], mean_scores(results), "mean over the tasks", notes)
+    floors = {found["shortest"] - drop for found in effective.values() if found["shortest"]}
+    for floor in sorted(floors):
+        axes[0].axhline(floor, color="grey", linewidth=0.8, linestyle="--")
+    for ax, task in zip(axes[1:], tasks):
+        by_method = {}
+        for cell in results.values():
+            if cell["task"] == task:
+                by_method.setdefault(cell["method"], {})[cell["length"]] = cell["score"]
+        draw_scores(ax, {m: by_method[m] for m in sorted(by_method, key=method_order)}, task)
+    axes[0].set_ylabel(f"score, 0-100 (RULER's threshold: {THRESHOLD})")
+    axes[0].legend(fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=80)
+    plt.close(fig)
+
+
+def write_report(out: Path) -> list[str]:
+    """Write out/ruler.md and out/ruler.png from the cells in out. Returns their paths."""
+    results = Cells(Path(out)).results("ruler.")
+    if not results:
+        raise UserError(f"{out} holds no RULER cells yet")
+    paths = [Path(out) / "ruler.md", Path(out) / "ruler.png"]
+    with atomic_output(paths[0]) as md, atomic_output(paths[1]) as png:
+        md.write_text(markdown(results))
+        plot(results, png)
+    return [str(path) for path in paths]
+
+
+def main(argv: list[str]) -> int:
+    parser = cli.ArgumentParser(
+        prog="python -m picollama.lab.context.ruler_report", description=__doc__
+    )
+    cli.add_out(parser, "the folder of the RULER cells")
+    parser.needed = [("out", "--out")]
+    args = parser.parse_args(argv)
+    print("wrote " + " and ".join(write_report(args.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_command(main))
