@@ -174,6 +174,7 @@ def test_scores_are_rulers_string_match_all():
 
 def study_options(**changes) -> SimpleNamespace:
     options = dict(run="tiny", seed=0, questions=3, lengths=[200, 400], tasks=["niah_single"])
+    options["command"] = ["python", "-m", "picollama.lab.context.ruler", "--run", "tiny"]
     return SimpleNamespace(**options | {"methods": ["none", "yarn"]} | changes)
 
 
@@ -264,7 +265,10 @@ def test_the_command_writes_cells_and_a_table(model, tokenizer, tmp_path, capsys
     (out / "ruler.md").unlink()
     (out / "ruler.png").unlink()
     assert run_command(ruler_report.main, ["--out", str(out)]) == 0
-    assert "| none | " in (out / "ruler.md").read_text() and (out / "ruler.png").stat().st_size
+    text = (out / "ruler.md").read_text()
+    assert "| none | " in text and (out / "ruler.png").stat().st_size
+    assert f"python -m picollama.lab.context.ruler --run {run} --lengths 1000" in text
+    assert "Setup: run run, seed 0, questions 2, template chat, dtype float32" in text
     assert run_command(ruler_report.main, ["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "no RULER cells" in err

@@ -203,7 +203,7 @@ def run_study(model, tokenizer, template: str | None, cli, cells: Cells) -> dict
             answers, prefilled = answer_all(model, tokenizer, hay, length, stops)
             seconds = (time.perf_counter() - start, prefilled)
             result = cell_result(method, length, hay, answers, seconds)
-            cells.save(key, result | {"forward": mark, "setup": setup})
+            cells.save(key, result | {"forward": mark, "setup": setup, "command": cli.command})
     finally:
         model.args = base
     return setup
@@ -231,6 +231,7 @@ def parse_args(argv: list[str]):
 
 def main(argv: list[str]) -> int:
     cli = parse_args(argv)
+    cli.command = ["python", "-m", "picollama.lab.context.ruler", *argv]
     cli.run = imported_run(Path(cli.run))  # Imports a .gguf file or a Hugging Face folder.
     check_writable(cli.out / "ruler.md")
     device = pick_device(cli.device)

@@ -19,6 +19,7 @@ from picollama.lab.plots import method_style, pyplot
 
 THRESHOLD = 85.6  # RULER's: Llama-2-7B's mean score at 4k
 DROP = 5.0  # points below the shortest length's score that the second effective length allows
+SECONDS = ("seconds", "prefill_seconds")  # a cell's, in all and its prefill's
 
 
 def mean_scores(results: dict) -> dict[str, dict[int, float | None]]:
@@ -105,7 +106,45 @@ def markdown(results: dict, threshold: float = THRESHOLD, drop: float = DROP) ->
         ]
         lines += ["", f"### {task}: score (questions answered in full)", ""]
         lines += table(["method", *map(str, lengths)], rows)
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + provenance(results, lengths)) + "\n"
+
+
+def provenance(results: dict, lengths: list[int]) -> list[str]:
+    """Each method's seconds a cell by length (the median over the tasks it ran, with its
+    prefill's), then the setup, machines and commands behind the cells."""
+    ran = [cell for cell in results.values() if "copied_from" not in cell and "seconds" in cell]
+    rows = []
+    for method in sorted({cell["method"] for cell in ran}, key=method_order):
+        row = [method]
+        for n in lengths:
+            cells = [c for c in ran if (c["method"], c["length"]) == (method, n)]
+            if not cells:
+                row.append("-")
+                continue
+            total, prefill = (np.median([c[key] for c in cells]) for key in SECONDS)
+            row.append(f"{total:,.0f} ({prefill:,.0f})")
+        rows.append(row)
+    lines = ["", "### Seconds a cell (its prefill's): the median over the tasks that ran", ""]
+    lines += table(["method", *map(str, lengths)], rows)
+    lines += ["", "-: none ran. A method that computes another's forward at a length (every method"]
+    lines += ["inside the context) copies its cells."]
+    setups = {setup_text(cell["setup"]) for cell in results.values() if "setup" in cell}
+    machines = sorted({f"{c['machine']['cpu']}, {c['machine']['threads']} threads" for c in ran})
+    commands = sorted({" ".join(cell["command"]) for cell in ran if "command" in cell})
+    unknown = sum("command" not in cell for cell in ran)
+    lines += ["", "Setup: " + "; ".join(sorted(setups)), "", "Machine: " + "; ".join(machines)]
+    if commands:
+        lines += ["", "Commands:", "", "```", *commands, "```"]
+    if unknown:
+        lines += ["", f"{unknown} cells ran before cells kept their command."]
+    return lines
+
+
+def setup_text(setup: dict) -> str:
+    """A cell's setup in words, its run by its folder's name."""
+    return ", ".join(
+        f"{name} {Path(value).name if name == 'run' else value}" for name, value in setup.items()
+    )
 
 
 def score_cell(cell: dict | None) -> str:
