@@ -246,20 +246,31 @@ def write_report(out: Path) -> list[str]:
     results = Cells(Path(out) / "cells").results("ppl.")
     if not results:
         raise UserError(f"{Path(out) / 'cells'} holds no perplexity cells yet")
-    paths = [Path(out) / "perplexity.md", Path(out) / "perplexity.png"]
+    return write_pair(Path(out) / "perplexity", markdown(results), ratio_rows(results), plot)
+
+
+def write_pair(stem: Path, text: str, rows, draw) -> list[str]:
+    """Write stem.md (text) and stem.png (draw(rows, path)), both or neither. Their paths."""
+    paths = [stem.with_suffix(".md"), stem.with_suffix(".png")]
     with atomic_output(paths[0]) as md, atomic_output(paths[1]) as png:
-        md.write_text(markdown(results))
-        plot(ratio_rows(results), png)
+        md.write_text(text)
+        draw(rows, png)
     return [str(path) for path in paths]
 
 
-def main(argv: list[str]) -> int:
-    parser = cli.ArgumentParser(prog="python -m picollama.lab.context.report", description=__doc__)
-    cli.add_out(parser, "the study's folder, with cells/")
+def report_main(argv: list[str], module: str, doc: str, folder: str, write) -> int:
+    """A report command: `python -m MODULE --out FOLDER` runs write(FOLDER) and says where."""
+    parser = cli.ArgumentParser(prog=f"python -m {module}", description=doc)
+    cli.add_out(parser, folder)
     parser.needed = [("out", "--out")]
     args = parser.parse_args(argv)
-    print("wrote " + " and ".join(write_report(args.out)))
+    print("wrote " + " and ".join(write(args.out)))
     return 0
+
+
+def main(argv: list[str]) -> int:
+    module = "picollama.lab.context.report"
+    return report_main(argv, module, __doc__, "the study's folder, with cells/", write_report)
 
 
 if __name__ == "__main__":

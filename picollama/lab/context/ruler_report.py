@@ -10,11 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from picollama.cli import UserError
-from picollama.cli import flags as cli
 from picollama.cli.command import run_command
-from picollama.cli.outputs import atomic_output
 from picollama.components.registry import ROPE_SCALINGS
 from picollama.lab.context.cells import Cells
+from picollama.lab.context.report import report_main, write_pair
 from picollama.lab.plots import method_style, pyplot
 
 THRESHOLD = 85.6  # RULER's: Llama-2-7B's mean score at 4k
@@ -201,22 +200,12 @@ def write_report(out: Path) -> list[str]:
     results = Cells(Path(out)).results("ruler.")
     if not results:
         raise UserError(f"{out} holds no RULER cells yet")
-    paths = [Path(out) / "ruler.md", Path(out) / "ruler.png"]
-    with atomic_output(paths[0]) as md, atomic_output(paths[1]) as png:
-        md.write_text(markdown(results))
-        plot(results, png)
-    return [str(path) for path in paths]
+    return write_pair(Path(out) / "ruler", markdown(results), results, plot)
 
 
 def main(argv: list[str]) -> int:
-    parser = cli.ArgumentParser(
-        prog="python -m picollama.lab.context.ruler_report", description=__doc__
-    )
-    cli.add_out(parser, "the folder of the RULER cells")
-    parser.needed = [("out", "--out")]
-    args = parser.parse_args(argv)
-    print("wrote " + " and ".join(write_report(args.out)))
-    return 0
+    module = "picollama.lab.context.ruler_report"
+    return report_main(argv, module, __doc__, "the folder of the RULER cells", write_report)
 
 
 if __name__ == "__main__":
