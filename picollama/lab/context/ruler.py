@@ -10,7 +10,7 @@ RULER's threshold, 85.6 (Llama-2-7B's mean at 4k). A small model may score below
 shortest length. So the length up to which the mean stays within 5 points of that shortest
 length's is reported too. The prompt is RULER's plain "base" template unless --template chat:
 on SmolLM2-135M-Instruct at 4k the chat template halved niah_single's score (15 against 30).
-This module does not plot or compare runs: one run a folder."""
+ruler_report.py writes the report from the cells. One run a folder."""
 
 import hashlib
 import sys
