@@ -132,15 +132,17 @@ def tail_nll(model, h: torch.Tensor, targets: torch.Tensor) -> float:
     return total
 
 
-def scored_nll(model, tokens: torch.Tensor, scored: int, chunk: int) -> float:
+def scored_nll(model, tokens: torch.Tensor, scored: int, chunk: int, bar: bool = False) -> float:
     """The summed cross-entropy of the last `scored` of tokens (n,), each given every token
     before it: tokens[:-1] run through the KV cache `chunk` at a time, and the head reads only
-    the positions that predict a scored token. Each forward runs interruptible (Ctrl-C)."""
+    the positions that predict a scored token. Each forward runs interruptible (Ctrl-C).
+    `bar` shows the chunks' progress."""
     inputs = tokens[None, :-1]
     first = len(tokens) - 1 - scored  # The position whose output predicts the first scored token.
     model.setup_cache(1, inputs.shape[1])
     total = 0.0
-    for start in range(0, inputs.shape[1], chunk):
+    starts = range(0, inputs.shape[1], chunk)
+    for start in tqdm(starts, desc="window", unit="chunk", leave=False, disable=not bar):
         piece = inputs[:, start : start + chunk]
         h = interruptible(model.features, piece, start)
         keep = max(first - start, 0)
@@ -183,7 +185,7 @@ def read_cell(model, base, cell: Cell, tokens: np.ndarray, plan: Plan) -> dict:
     end = cell.window.end
     ids = torch.from_numpy(tokens[end - cell.length : end].astype(np.int64))
     start = time.perf_counter()
-    nll = scored_nll(model, ids.to(model.output.weight.device), plan.scored, chunk)
+    nll = scored_nll(model, ids.to(model.output.weight.device), plan.scored, chunk, bar=True)
     return {
         "nll_sum": nll,
         "tokens": plan.scored,

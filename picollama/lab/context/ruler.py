@@ -81,7 +81,8 @@ def prefill(model, tokens: list[int], room: int, chunk: int | None = None):
     device = model.tok_embeddings.weight.device
     row = torch.tensor([tokens], device=device)
     model.setup_cache(1, room)
-    for start in range(0, len(tokens), chunk):
+    starts = range(0, len(tokens), chunk)
+    for start in tqdm(starts, desc="haystack", unit="chunk", leave=False):
         interruptible(model.features, row[:, start : start + chunk], start_pos=start)
 
 
@@ -107,7 +108,7 @@ def answer_all(model, tokenizer, hay: Haystack, room: int, stops: set[int]) -> t
     prefill(model, hay.tokens, room)
     seconds, answers = time.perf_counter() - start, []
     try:
-        for question in hay.questions:
+        for question in tqdm(hay.questions, desc="questions", unit="q", leave=False):
             made = greedy(model, question.tokens, len(hay.tokens), TASKS[hay.task].tokens, stops)
             text = tokenizer.decode(made)
             answers.append(
