@@ -210,12 +210,19 @@ def test_cells_are_saved_shared_and_skipped_on_rerun(model, tokenizer, tmp_path,
     assert calls == [400] and cells.results("ruler.") == saved | {
         "ruler.yarn.400.niah_single": cells.done("ruler.yarn.400.niah_single")
     }
+    calls.clear()  # another seed adds its own cells beside seed 0's, and shares its own
+    ruler.run_study(model, tokenizer, CHATML, study_options(seed=1), cells)
+    assert calls == [200, 400, 400]
+    seeded = cells.done("ruler.yarn.200.niah_single.seed=1")
+    assert seeded["copied_from"] == "ruler.none.200.niah_single.seed=1"
+    assert seeded["setup"]["seed"] == 1 and len(cells.results("ruler.")) == 10
     with pytest.raises(UserError, match="another setup"):
-        ruler.run_study(model, tokenizer, CHATML, study_options(seed=1), cells)
+        ruler.run_study(model, tokenizer, CHATML, study_options(questions=4), cells)
 
 
-def cell(method: str, length: int, task: str, score: float) -> dict:
-    return {"method": method, "length": length, "task": task, "score": score}
+def cell(method: str, length: int, task: str, score: float, scores=None) -> dict:
+    scores = [score / 100] if scores is None else scores
+    return {"method": method, "length": length, "task": task, "score": score, "scores": scores}
 
 
 def test_effective_lengths_from_cells_by_hand():
@@ -243,6 +250,40 @@ def test_effective_lengths_from_cells_by_hand():
     assert "| none | 92.5 | 87.0 | 65.0 | 5.0 | 8192 | 4096 |" in text
     assert "| linear | 80.0 | 80.0 | 80.0 | 80.0 | - | 32768 |" in text
     assert "| ntk | 99.0 | 99.0 | - | 99.0 | 8192 | 8192 |" in text
+
+
+def test_changes_pair_each_question_with_its_own():
+    """Two tasks of two questions: changes of +100 and 0 (a), 0 and -50 (b), so a mean of +12.5
+    with the t-interval of four values (t at 97.5% with 3 degrees of freedom: 3.1824, the
+    published table's)."""
+    results = {}
+    rows = {  # (method, length): (task a's scores, task b's)
+        ("none", 4096): ([0, 1], [1, 1]),
+        ("none", 8192): ([1, 1], [1, 0.5]),
+        ("yarn", 4096): ([0, 1], [1, 1]),
+        ("yarn", 8192): ([1, 1], None),  # task b not measured yet
+    }
+    for (method, length), tasks in rows.items():
+        for task, scores in zip("ab", tasks):
+            if scores is not None:
+                score = 100 * float(np.mean(scores))
+                results[f"{method}.{length}.{task}"] = cell(method, length, task, score, scores)
+    found = ruler_report.changes(results)
+    half = 3.1824 * np.std([100, 0, 0, -50], ddof=1) / 2
+    assert found["none"][8192] == pytest.approx((12.5, 12.5 - half, 12.5 + half), abs=1e-2)
+    assert found["yarn"] == {8192: None}
+    # Seed 1's questions at 4096 alone join 4096's mean but pair with none at 8192.
+    for task, score in zip("ab", (0, 50)):
+        seeded = cell("none", 4096, task, score, [score / 100] * 2) | {"setup": {"seed": 1}}
+        results[f"none.4096.{task}.seed=1"] = seeded
+    assert ruler_report.changes(results)["none"] == found["none"]
+    assert ruler_report.mean_scores(results)["none"][4096] == pytest.approx((50 + 100 + 0 + 50) / 4)
+    for key in results:
+        results[key] |= {"correct": 1, "questions": 2}
+    text = ruler_report.markdown(results)
+    assert "| none | 25.0 (2/4) | 100.0 (1/2) |" in text  # task a: seeds 0 and 1, then 0
+    assert f"| none | +12.5 [{12.5 - half:+.1f}, {12.5 + half:+.1f}] |" in text
+    assert "| yarn | - |" in text
 
 
 def test_the_command_writes_cells_and_a_table(model, tokenizer, tmp_path, capsys):

@@ -50,14 +50,20 @@ def t_quantile(p: float, df: int) -> float:
     return (low + high) / 2
 
 
+def mean_interval(values) -> tuple[float, float]:
+    """The LEVEL t-interval of the mean of `values` (two or more)."""
+    mean, sem = np.mean(values), np.std(values, ddof=1) / math.sqrt(len(values))
+    half = t_quantile((1 + LEVEL) / 2, len(values) - 1) * sem
+    return float(mean - half), float(mean + half)
+
+
 def interval(logs: list[float]) -> tuple[float, float] | None:
     """The LEVEL t-interval of the mean of per-window log-ratios, as ratios. None under
     MIN_WINDOWS windows."""
     if len(logs) < MIN_WINDOWS:
         return None
-    mean, sem = np.mean(logs), np.std(logs, ddof=1) / math.sqrt(len(logs))
-    half = t_quantile((1 + LEVEL) / 2, len(logs) - 1) * sem
-    return math.exp(mean - half), math.exp(mean + half)
+    low, high = mean_interval(logs)
+    return math.exp(low), math.exp(high)
 
 
 def mean_loss(cell: dict) -> float:

@@ -10,7 +10,8 @@ RULER's threshold, 85.6 (Llama-2-7B's mean at 4k). A small model may score below
 shortest length. So the length up to which the mean stays within 5 points of that shortest
 length's is reported too. The prompt is RULER's plain "base" template unless --template chat:
 on SmolLM2-135M-Instruct at 4k the chat template halved niah_single's score (15 against 30).
-ruler_report.py writes the report from the cells. One run a folder."""
+ruler_report.py writes the report from the cells. One run a folder. Another --seed adds other
+needles, and so more questions, to the folder's cells, and the report pools the seeds."""
 
 import hashlib
 import sys
@@ -161,14 +162,20 @@ def same_forward(cells: Cells, length: int, task: str, mark: str) -> tuple[str, 
     return None
 
 
+def cell_key(method: str, length: int, task: str, seed: int) -> str:
+    """The name of a cell's file: seed 0's has none, as before seeds were pooled."""
+    return f"ruler.{method}.{length}.{task}" + (f".seed={seed}" if seed else "")
+
+
 def check_setup(cells: Cells, setup: dict):
-    """UserError when the folder holds cells of another run or setup: they would mix."""
+    """UserError when the folder holds cells of another run or setup, bar the seed: they would
+    mix."""
     for key, result in cells.results("ruler.").items():
         saved = result.get("setup") or {}
         differ = [
             f"{name} {saved.get(name)}, not {setup[name]}"
             for name in setup
-            if saved.get(name) != setup[name]
+            if name != "seed" and saved.get(name) != setup[name]
         ]
         if differ:
             raise UserError(
@@ -189,7 +196,7 @@ def run_study(model, tokenizer, template: str | None, cli, cells: Cells) -> dict
     plan = [(n, task, m) for n in cli.lengths for task in cli.tasks for m in cli.methods]
     try:
         for length, task, method in tqdm(plan, desc="ruler cells", unit="cell"):
-            key = f"ruler.{method}.{length}.{task}"
+            key = cell_key(method, length, task, cli.seed)
             if cells.done(key):
                 continue
             model.args = method_args(base, method, length)
@@ -248,7 +255,10 @@ def main(argv: list[str]) -> int:
         raise Interrupted(f"interrupted: the cells done are in {cli.out}: rerun to go on") from None
     written = write_report(cli.out)
     print(Path(written[0]).read_text())
-    print(f"wrote the cells (ruler.METHOD.LENGTH.TASK.json), ruler.md and ruler.png in {cli.out}")
+    print(
+        f"wrote the cells (ruler.METHOD.LENGTH.TASK[.seed=S].json), ruler.md and ruler.png in "
+        f"{cli.out}"
+    )
     return 0
 
 

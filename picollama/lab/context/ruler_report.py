@@ -1,5 +1,6 @@
 """RULER's report from saved cells alone: the mean score over the tasks by method and length, each
-method's effective length, each task's scores (ruler.md), and the same as a figure (ruler.png).
+method's effective length, each task's scores, each length's change from the shortest paired by
+question (ruler.md), and the same as a figure (ruler.png). The seeds in the cells are pooled.
 
 This module reads cells and does arithmetic. It loads no model and runs no task (ruler.py does).
 `python -m picollama.lab.context.ruler_report --out FOLDER` rewrites FOLDER's report."""
@@ -13,7 +14,7 @@ from picollama.cli import UserError
 from picollama.cli.command import run_command
 from picollama.components.registry import ROPE_SCALINGS
 from picollama.lab.context.cells import Cells
-from picollama.lab.context.report import report_main, write_pair
+from picollama.lab.context.report import LEVEL, mean_interval, report_main, write_pair
 from picollama.lab.plots import method_style, pyplot
 
 THRESHOLD = 85.6  # RULER's: Llama-2-7B's mean score at 4k
@@ -21,24 +22,70 @@ DROP = 5.0  # points below the shortest length's score that the second effective
 SECONDS = ("seconds", "prefill_seconds")  # a cell's, in all and its prefill's
 
 
-def mean_scores(results: dict) -> dict[str, dict[int, float | None]]:
-    """{method: {length: the mean score over the tasks}} from saved cells. A length where a
-    method lacks one of the tasks any cell has is None: not measured yet."""
-    tasks = {cell["task"] for cell in results.values()}
+def seed_of(cell: dict) -> int:
+    return (cell.get("setup") or {}).get("seed", 0)
+
+
+def complete_cells(results: dict) -> dict[str, dict[int, dict[int, list[dict]]]]:
+    """{method: {length: {seed: its cells, one a task in task order}}} from saved cells, the
+    seeds under which the method has every task any cell has at the length: empty where none
+    has, not measured yet."""
+    tasks = sorted({cell["task"] for cell in results.values()})
     lengths = sorted({cell["length"] for cell in results.values()})
     found = {}
     for cell in results.values():
-        found.setdefault(cell["method"], {}).setdefault(cell["length"], {})[cell["task"]] = cell
-    means = {}
+        by_seed = found.setdefault(cell["method"], {}).setdefault(cell["length"], {})
+        by_seed.setdefault(seed_of(cell), {})[cell["task"]] = cell
+    complete = {}
     for method in sorted(found, key=method_order):
-        by_task = found[method]
-        means[method] = {
-            n: float(np.mean([c["score"] for c in by_task[n].values()]))
-            if set(by_task.get(n, {})) == tasks
+        complete[method] = {}
+        for n in lengths:
+            by_seed = found[method].get(n, {})
+            complete[method][n] = {
+                seed: [by_task[t] for t in tasks]
+                for seed, by_task in sorted(by_seed.items())
+                if set(by_task) == set(tasks)
+            }
+    return complete
+
+
+def mean_scores(results: dict) -> dict[str, dict[int, float | None]]:
+    """{method: {length: the mean score over the tasks and seeds}} from saved cells, None where
+    no seed has every task yet."""
+    return {
+        method: {
+            n: float(np.mean([c["score"] for cells in by_seed.values() for c in cells]))
+            if by_seed
             else None
-            for n in lengths
+            for n, by_seed in by_length.items()
         }
-    return means
+        for method, by_length in complete_cells(results).items()
+    }
+
+
+def changes(results: dict) -> dict[str, dict[int, tuple[float, float, float] | None]]:
+    """{method: {length: (change, low, high)}} past the shortest length: each question's score
+    (0-100) less its own at the shortest length, the seed's same key and needles, averaged over
+    every task's questions of the seeds both lengths have, with its LEVEL t-interval."""
+    found = {}
+    for method, by_length in complete_cells(results).items():
+        first, *rest = sorted(by_length)
+        found[method] = {n: paired_change(by_length[first], by_length[n]) for n in rest}
+    return found
+
+
+def paired_change(before: dict[int, list[dict]], after: dict[int, list[dict]]):
+    """(change, low, high) of the cells of one method at two lengths by seed, over the seeds both
+    have. None unless every task's questions pair one to one and there are two or more."""
+    pairs = [
+        (a, b) for seed in before.keys() & after.keys() for a, b in zip(before[seed], after[seed])
+    ]
+    if not pairs or any(len(a["scores"]) != len(b["scores"]) for a, b in pairs):
+        return None
+    change = [
+        100 * (late - early) for a, b in pairs for early, late in zip(a["scores"], b["scores"])
+    ]
+    return (float(np.mean(change)), *mean_interval(change)) if len(change) > 1 else None
 
 
 def method_order(method: str) -> int:
@@ -98,14 +145,40 @@ def markdown(results: dict, threshold: float = THRESHOLD, drop: float = DROP) ->
     ]
     lines = ["## RULER, the mean score over the tasks (0-100)", "", *table(header, rows)]
     for task in sorted({cell["task"] for cell in results.values()}):
-        cells = {(c["method"], c["length"]): c for c in results.values() if c["task"] == task}
+        cells = task_cells(results, task)
         rows = [
             [m, *(score_cell(cells.get((m, n))) for n in lengths)]
             for m in sorted({m for m, _ in cells}, key=method_order)
         ]
         lines += ["", f"### {task}: score (questions answered in full)", ""]
         lines += table(["method", *map(str, lengths)], rows)
+    lines += change_table(results, lengths)
     return "\n".join(lines + provenance(results, lengths)) + "\n"
+
+
+def change_table(results: dict, lengths: list[int]) -> list[str]:
+    """The mean change from the shortest length by method and length, with its interval."""
+    if len(lengths) < 2:
+        return []
+    rows = [
+        [method, *(change_text(by_length.get(n)) for n in lengths[1:])]
+        for method, by_length in changes(results).items()
+    ]
+    lines = ["", f"### Change from {lengths[0]}: each question paired with its own", ""]
+    lines += table(["method", *map(str, lengths[1:])], rows)
+    return lines + [
+        "",
+        "The mean over every task's questions of a question's score less its score at",
+        f"{lengths[0]} [{LEVEL:.0%} t-interval]. The questions of one haystack share its prefill,",
+        "so they are not independent draws, and the interval is a guide.",
+    ]
+
+
+def change_text(change) -> str:
+    if change is None:
+        return "-"
+    mean, low, high = change
+    return f"{mean:+.1f} [{low:+.1f}, {high:+.1f}]"
 
 
 def provenance(results: dict, lengths: list[int]) -> list[str]:
@@ -146,8 +219,21 @@ def setup_text(setup: dict) -> str:
     )
 
 
-def score_cell(cell: dict | None) -> str:
-    return "-" if cell is None else f"{cell['score']:.1f} ({cell['correct']}/{cell['questions']})"
+def task_cells(results: dict, task: str) -> dict[tuple[str, int], list[dict]]:
+    """{(method, length): the task's cells there, one a seed}."""
+    cells = {}
+    for cell in results.values():
+        if cell["task"] == task:
+            cells.setdefault((cell["method"], cell["length"]), []).append(cell)
+    return cells
+
+
+def score_cell(cells: list[dict] | None) -> str:
+    """The seeds' mean score and their questions answered in full, of all asked."""
+    if not cells:
+        return "-"
+    score = np.mean([cell["score"] for cell in cells])
+    return f"{score:.1f} ({sum(c['correct'] for c in cells)}/{sum(c['questions'] for c in cells)})"
 
 
 def draw_scores(ax, by_method: dict[str, dict[int, float | None]], title: str, notes=None):
@@ -184,9 +270,8 @@ def plot(results: dict, path: Path, drop: float = DROP):
         axes[0].axhline(floor, color="grey", linewidth=0.8, linestyle="--")
     for ax, task in zip(axes[1:], tasks):
         by_method = {}
-        for cell in results.values():
-            if cell["task"] == task:
-                by_method.setdefault(cell["method"], {})[cell["length"]] = cell["score"]
+        for (method, length), cells in task_cells(results, task).items():
+            by_method.setdefault(method, {})[length] = float(np.mean([c["score"] for c in cells]))
         draw_scores(ax, {m: by_method[m] for m in sorted(by_method, key=method_order)}, task)
     axes[0].set_ylabel(f"score, 0-100 (RULER's threshold: {THRESHOLD})")
     axes[0].legend(fontsize="x-small")
