@@ -262,25 +262,29 @@ def test_changes_pair_each_question_with_its_own():
         ("none", 8192): ([1, 1], [1, 0.5]),
         ("yarn", 4096): ([0, 1], [1, 1]),
         ("yarn", 8192): ([1, 1], None),  # task b not measured yet
+        ("none", 16384): ([1, 0], [1, 1]),  # from 8192: 0, -100, 0, +50
     }
     for (method, length), tasks in rows.items():
         for task, scores in zip("ab", tasks):
             if scores is not None:
                 score = 100 * float(np.mean(scores))
                 results[f"{method}.{length}.{task}"] = cell(method, length, task, score, scores)
-    found = ruler_report.changes(results)
+    found = ruler_report.changes(results, 4096)
     half = 3.1824 * np.std([100, 0, 0, -50], ddof=1) / 2
     assert found["none"][8192] == pytest.approx((12.5, 12.5 - half, 12.5 + half), abs=1e-2)
-    assert found["yarn"] == {8192: None}
+    assert found["yarn"] == {8192: None, 16384: None}
+    assert ruler_report.changes(results, 8192)["none"][16384][0] == -12.5
     # Seed 1's questions at 4096 alone join 4096's mean but pair with none at 8192.
     for task, score in zip("ab", (0, 50)):
         seeded = cell("none", 4096, task, score, [score / 100] * 2) | {"setup": {"seed": 1}}
         results[f"none.4096.{task}.seed=1"] = seeded
-    assert ruler_report.changes(results)["none"] == found["none"]
+    assert ruler_report.changes(results, 4096)["none"] == found["none"]
     assert ruler_report.mean_scores(results)["none"][4096] == pytest.approx((50 + 100 + 0 + 50) / 4)
     for key in results:
         results[key] |= {"correct": 1, "questions": 2}
-    text = ruler_report.markdown(results)
+    assert "Change from 8192" not in ruler_report.markdown(results)
+    text = ruler_report.markdown(results, context=8192)  # from the model's context too
+    assert "### Change from 8192" in text and "| none | -12.5 [" in text
     assert "| none | 25.0 (2/4) | 100.0 (1/2) |" in text  # task a: seeds 0 and 1, then 0
     assert f"| none | +12.5 [{12.5 - half:+.1f}, {12.5 + half:+.1f}] |" in text
     assert "| yarn | - |" in text
@@ -305,7 +309,7 @@ def test_the_command_writes_cells_and_a_table(model, tokenizer, tmp_path, capsys
     # the report alone, from the cells: the same table, and the figure
     (out / "ruler.md").unlink()
     (out / "ruler.png").unlink()
-    assert run_command(ruler_report.main, ["--out", str(out)]) == 0
+    assert run_command(ruler_report.main, ["--out", str(out), "--context", "500"]) == 0
     text = (out / "ruler.md").read_text()
     assert "| none | " in text and (out / "ruler.png").stat().st_size
     assert f"python -m picollama.lab.context.ruler --run {run} --lengths 1000" in text
@@ -313,6 +317,9 @@ def test_the_command_writes_cells_and_a_table(model, tokenizer, tmp_path, capsys
     assert run_command(ruler_report.main, ["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "no RULER cells" in err
+    assert run_command(ruler_report.main, ["--out", str(out), "--context", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "--context" in err
 
 
 def test_shared_cells_copy_only_equal_forwards(model):

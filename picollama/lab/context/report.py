@@ -264,13 +264,16 @@ def write_pair(stem: Path, text: str, rows, draw) -> list[str]:
     return [str(path) for path in paths]
 
 
-def report_main(argv: list[str], module: str, doc: str, folder: str, write) -> int:
-    """A report command: `python -m MODULE --out FOLDER` runs write(FOLDER) and says where."""
+def report_main(argv: list[str], module: str, doc: str, folder: str, write, options=None) -> int:
+    """A report command: `python -m MODULE --out FOLDER` runs write(out=FOLDER) and says where.
+    options(parser) adds the report's own flags, passed to write by name."""
     parser = cli.ArgumentParser(prog=f"python -m {module}", description=doc)
     cli.add_out(parser, folder)
+    if options is not None:
+        options(parser)
     parser.needed = [("out", "--out")]
     args = parser.parse_args(argv)
-    print("wrote " + " and ".join(write(args.out)))
+    print("wrote " + " and ".join(write(**vars(args))))
     return 0
 
 

@@ -253,7 +253,7 @@ def main(argv: list[str]) -> int:
         run_study(model, tokenizer, template, cli, cells)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted: the cells done are in {cli.out}: rerun to go on") from None
-    written = write_report(cli.out)
+    written = write_report(cli.out, model.args.max_seq_len)
     print(Path(written[0]).read_text())
     print(
         f"wrote the cells (ruler.METHOD.LENGTH.TASK[.seed=S].json), ruler.md and ruler.png in "

@@ -1,9 +1,10 @@
 """RULER's report from saved cells alone: the mean score over the tasks by method and length, each
-method's effective length, each task's scores, each length's change from the shortest paired by
-question (ruler.md), and the same as a figure (ruler.png). The seeds in the cells are pooled.
+method's effective length, each task's scores, each length's change paired by question
+(ruler.md), and the same as a figure (ruler.png). The seeds in the cells are pooled.
 
 This module reads cells and does arithmetic. It loads no model and runs no task (ruler.py does).
-`python -m picollama.lab.context.ruler_report --out FOLDER` rewrites FOLDER's report."""
+`python -m picollama.lab.context.ruler_report --out FOLDER [--context N]` rewrites FOLDER's
+report."""
 
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 
 from picollama.cli import UserError
 from picollama.cli.command import run_command
+from picollama.cli.flags import positive
 from picollama.components.registry import ROPE_SCALINGS
 from picollama.lab.context.cells import Cells
 from picollama.lab.context.report import LEVEL, mean_interval, report_main, write_pair
@@ -63,14 +65,14 @@ def mean_scores(results: dict) -> dict[str, dict[int, float | None]]:
     }
 
 
-def changes(results: dict) -> dict[str, dict[int, tuple[float, float, float] | None]]:
-    """{method: {length: (change, low, high)}} past the shortest length: each question's score
-    (0-100) less its own at the shortest length, the seed's same key and needles, averaged over
-    every task's questions of the seeds both lengths have, with its LEVEL t-interval."""
+def changes(results: dict, reference: int) -> dict[str, dict[int, tuple | None]]:
+    """{method: {length: (change, low, high)}} past `reference`, a length: each question's score
+    (0-100) less its own at `reference`, the seed's same key and needles, averaged over every
+    task's questions of the seeds both lengths have, with its LEVEL t-interval."""
     found = {}
     for method, by_length in complete_cells(results).items():
-        first, *rest = sorted(by_length)
-        found[method] = {n: paired_change(by_length[first], by_length[n]) for n in rest}
+        before = by_length.get(reference, {})
+        found[method] = {n: paired_change(before, by_length[n]) for n in by_length if n > reference}
     return found
 
 
@@ -130,7 +132,7 @@ def shown(value, unit: str = "") -> str:
     return f"{value:.1f}" if isinstance(value, float) else f"{value}{unit}"
 
 
-def markdown(results: dict, threshold: float = THRESHOLD, drop: float = DROP) -> str:
+def markdown(results: dict, threshold=THRESHOLD, drop=DROP, context: int | None = None) -> str:
     """The mean score by method (rows) and length (columns) with both effective lengths, then
     each task's score and questions answered in full."""
     lengths = sorted({cell["length"] for cell in results.values()})
@@ -152,26 +154,30 @@ def markdown(results: dict, threshold: float = THRESHOLD, drop: float = DROP) ->
         ]
         lines += ["", f"### {task}: score (questions answered in full)", ""]
         lines += table(["method", *map(str, lengths)], rows)
-    lines += change_table(results, lengths)
+    lines += change_tables(results, lengths, context)
     return "\n".join(lines + provenance(results, lengths)) + "\n"
 
 
-def change_table(results: dict, lengths: list[int]) -> list[str]:
-    """The mean change from the shortest length by method and length, with its interval."""
-    if len(lengths) < 2:
-        return []
-    rows = [
-        [method, *(change_text(by_length.get(n)) for n in lengths[1:])]
-        for method, by_length in changes(results).items()
-    ]
-    lines = ["", f"### Change from {lengths[0]}: each question paired with its own", ""]
-    lines += table(["method", *map(str, lengths[1:])], rows)
+def change_tables(results: dict, lengths: list[int], context: int | None) -> list[str]:
+    """The mean change by method and length, with its interval, from the shortest length and
+    from the model's `context` (None: not known)."""
+    lines = []
+    references = sorted({lengths[0], context or lengths[0]})
+    for reference in [n for n in references if n < lengths[-1]]:
+        later = [n for n in lengths if n > reference]
+        rows = [
+            [method, *(change_text(by_length.get(n)) for n in later)]
+            for method, by_length in changes(results, reference).items()
+        ]
+        lines += ["", f"### Change from {reference}: each question paired with its own", ""]
+        lines += table(["method", *map(str, later)], rows)
     return lines + [
         "",
-        "The mean over every task's questions of a question's score less its score at",
-        f"{lengths[0]} [{LEVEL:.0%} t-interval]. The questions of one haystack share its prefill,",
-        "so they are not independent draws, and the interval is a guide.",
-    ]
+        "The mean over every task's questions of a question's score less its score at the",
+        f"reference length [{LEVEL:.0%} t-interval]. The questions of one haystack share its",
+        "prefill, so they are not independent draws, and the interval is a guide. Up to the",
+        "model's context every method is the model itself: a change past it is the method's.",
+    ] * bool(lines)
 
 
 def change_text(change) -> str:
@@ -280,17 +286,28 @@ def plot(results: dict, path: Path, drop: float = DROP):
     plt.close(fig)
 
 
-def write_report(out: Path) -> list[str]:
-    """Write out/ruler.md and out/ruler.png from the cells in out. Returns their paths."""
+def write_report(out: Path, context: int | None = None) -> list[str]:
+    """Write out/ruler.md and out/ruler.png from the cells in out, the changes also from the
+    model's `context` where it is given. Returns their paths."""
     results = Cells(Path(out)).results("ruler.")
     if not results:
         raise UserError(f"{out} holds no RULER cells yet")
-    return write_pair(Path(out) / "ruler", markdown(results), results, plot)
+    return write_pair(Path(out) / "ruler", markdown(results, context=context), results, plot)
+
+
+def options(parser):
+    parser.add_argument(
+        "--context",
+        type=positive(),
+        metavar="N",
+        help="the model's context: the changes are also shown from it (ruler.py passes it)",
+    )
 
 
 def main(argv: list[str]) -> int:
     module = "picollama.lab.context.ruler_report"
-    return report_main(argv, module, __doc__, "the folder of the RULER cells", write_report)
+    folder = "the folder of the RULER cells"
+    return report_main(argv, module, __doc__, folder, write_report, options)
 
 
 if __name__ == "__main__":
