@@ -171,13 +171,15 @@ def change_tables(results: dict, lengths: list[int], context: int | None) -> lis
         ]
         lines += ["", f"### Change from {reference}: each question paired with its own", ""]
         lines += table(["method", *map(str, later)], rows)
+    if not lines:
+        return []
     return lines + [
         "",
         "The mean over every task's questions of a question's score less its score at the",
         f"reference length [{LEVEL:.0%} t-interval]. The questions of one haystack share its",
         "prefill, so they are not independent draws, and the interval is a guide. Up to the",
         "model's context every method is the model itself: a change past it is the method's.",
-    ] * bool(lines)
+    ]
 
 
 def change_text(change) -> str:
